@@ -1,0 +1,32 @@
+# qkv: the two commands a new machine needs.
+#   make demo   install what is missing, build, run the guided tour (qkv demo)
+#   make test   install what is missing, build twice (optimised; ASan + UBSan), run the suite on both
+BUILD ?= build
+JOBS ?= 2
+
+.PHONY: all deps build demo test test-release test-sanitize clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(BUILD)/release -j$(JOBS)
+
+demo: build
+	$(BUILD)/release/tools/qkv/qkv demo
+
+test: test-release test-sanitize
+
+test-release: build
+	cd $(BUILD)/release && ctest --output-on-failure -j$(JOBS)
+
+test-sanitize: deps
+	cmake -S . -B $(BUILD)/sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKV_SANITIZE=ON
+	cmake --build $(BUILD)/sanitize -j$(JOBS)
+	cd $(BUILD)/sanitize && ctest --output-on-failure -j$(JOBS)
+
+clean:
+	rm -rf $(BUILD)
