@@ -1,0 +1,292 @@
+// qkv::Tensor: a handle on shared, 64-byte aligned float storage plus a view (offset, shape,
+// strides in elements).
+#include "qkv/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <numeric>
+#include <ostream>
+#include <sstream>
+
+#include "random.hpp"
+
+namespace qkv {
+
+// ---------------------------------------------------------------------------------------------
+// Shape
+
+Shape::Shape(std::initializer_list<int64_t> dims) : dims_(dims) {
+  for (int64_t d : dims_)
+    if (d < 0) throw Error("Shape: dimension " + std::to_string(d) + " is negative in " + str());
+}
+
+Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) {
+  for (int64_t d : dims_)
+    if (d < 0) throw Error("Shape: dimension " + std::to_string(d) + " is negative in " + str());
+}
+
+int64_t Shape::numel() const {
+  return std::accumulate(dims_.begin(), dims_.end(), int64_t{1}, std::multiplies<>());
+}
+
+std::string Shape::str() const {
+  std::string s = "(";
+  for (size_t i = 0; i < dims_.size(); ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);
+  return s + ")";
+}
+
+std::ostream& operator<<(std::ostream& os, const Shape& shape) { return os << shape.str(); }
+
+// ---------------------------------------------------------------------------------------------
+// Storage
+
+struct Tensor::Storage {
+  // 64 bytes: one cache line, and one AVX-512 register, so SIMD loads of a row start aligned.
+  static constexpr size_t kAlignment = 64;
+
+  explicit Storage(int64_t count) {
+    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    data = static_cast<float*>(std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded));
+    if (data == nullptr) throw std::bad_alloc();
+  }
+  ~Storage() { std::free(data); }
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  float* data;
+};
+
+namespace {
+std::vector<int64_t> row_major_strides(const Shape& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  return strides;
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Factories
+
+Tensor Tensor::empty(const Shape& shape) {
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(shape.numel());
+  t.shape_ = shape;
+  t.strides_ = row_major_strides(shape);
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape) { return full(shape, 0.0f); }
+
+Tensor Tensor::full(const Shape& shape, float value) {
+  Tensor t = empty(shape);
+  std::fill_n(t.storage_->data, t.numel(), value);
+  return t;
+}
+
+Tensor Tensor::from(std::vector<float> values, const Shape& shape) {
+  if (static_cast<int64_t>(values.size()) != shape.numel())
+    throw Error("Tensor::from: " + std::to_string(values.size()) + " values do not fill shape " +
+                shape.str() + " of " + std::to_string(shape.numel()) + " elements");
+  Tensor t = empty(shape);
+  std::copy(values.begin(), values.end(), t.storage_->data);
+  return t;
+}
+
+Tensor Tensor::randn(const Shape& shape, uint64_t seed) {
+  Tensor t = empty(shape);
+  detail::SplitMix64 rng(seed);
+  for (int64_t i = 0; i < t.numel(); ++i) t.storage_->data[i] = static_cast<float>(rng.normal());
+  return t;
+}
+
+Tensor Tensor::uniform(const Shape& shape, float low, float high, uint64_t seed) {
+  if (!(low <= high)) throw Error("Tensor::uniform: low (" + std::to_string(low) + ") > high (" + std::to_string(high) + ")");
+  Tensor t = empty(shape);
+  detail::SplitMix64 rng(seed);
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.storage_->data[i] = static_cast<float>(low + (double(high) - low) * rng.uniform());
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accessors
+
+namespace {
+int64_t normalise_dim(int64_t d, int64_t rank, const char* who, const Shape& shape) {
+  const int64_t n = d < 0 ? d + rank : d;
+  if (n < 0 || n >= rank)
+    throw Error(std::string(who) + ": dim " + std::to_string(d) + " is out of range for a tensor of shape " + shape.str());
+  return n;
+}
+
+std::string strides_str(const std::vector<int64_t>& strides) {
+  return Shape(std::vector<int64_t>(strides.begin(), strides.end())).str();
+}
+}  // namespace
+
+int64_t Tensor::size(int64_t i) const { return shape_[normalise_dim(i, dim(), "Tensor::size", shape_)]; }
+
+bool Tensor::is_contiguous() const { return strides_ == row_major_strides(shape_); }
+
+float* Tensor::data() const {
+  if (!defined()) throw Error("Tensor::data: the tensor is undefined");
+  if (!is_contiguous())
+    throw Error("Tensor::data: tensor " + shape_.str() + " with strides " + strides_str(strides_) +
+                " is not contiguous; call contiguous()");
+  return storage_->data + offset_;
+}
+
+float& Tensor::at(std::initializer_list<int64_t> index) const {
+  if (!defined()) throw Error("Tensor::at: the tensor is undefined");
+  if (static_cast<int64_t>(index.size()) != dim())
+    throw Error("Tensor::at: " + std::to_string(index.size()) + " indices for a tensor of shape " + shape_.str());
+  int64_t offset = offset_;
+  size_t d = 0;
+  for (int64_t i : index) {
+    if (i < 0 || i >= shape_[d])
+      throw Error("Tensor::at: index " + std::to_string(i) + " is out of range for dim " + std::to_string(d) +
+                  " of shape " + shape_.str());
+    offset += i * strides_[d++];
+  }
+  return storage_->data[offset];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views and copies
+
+Tensor Tensor::transpose(int64_t a, int64_t b) const {
+  const int64_t da = normalise_dim(a, dim(), "Tensor::transpose", shape_);
+  const int64_t db = normalise_dim(b, dim(), "Tensor::transpose", shape_);
+  Tensor t = *this;
+  std::vector<int64_t> dims = shape_.dims();
+  std::swap(dims[da], dims[db]);
+  std::swap(t.strides_[da], t.strides_[db]);
+  t.shape_ = Shape(std::move(dims));
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  if (shape.numel() != numel())
+    throw Error("Tensor::reshape: cannot reshape " + shape_.str() + " (" + std::to_string(numel()) +
+                " elements) to " + shape.str() + " (" + std::to_string(shape.numel()) + " elements)");
+  Tensor t = contiguous();
+  t.shape_ = shape;
+  t.strides_ = row_major_strides(shape);
+  return t;
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  const int64_t at_dim = normalise_dim(d, dim() + 1, "Tensor::unsqueeze", shape_);
+  std::vector<int64_t> dims = shape_.dims();
+  dims.insert(dims.begin() + at_dim, 1);
+  Tensor t = *this;
+  // A dim of size 1 can have any stride; give it the one a packed tensor would have.
+  t.strides_.insert(t.strides_.begin() + at_dim, at_dim < dim() ? strides_[at_dim] * shape_[at_dim] : 1);
+  t.shape_ = Shape(std::move(dims));
+  return t;
+}
+
+Tensor Tensor::squeeze(int64_t d) const {
+  const int64_t at_dim = normalise_dim(d, dim(), "Tensor::squeeze", shape_);
+  if (shape_[at_dim] != 1)
+    throw Error("Tensor::squeeze: dim " + std::to_string(d) + " of " + shape_.str() + " has size " +
+                std::to_string(shape_[at_dim]) + ", not 1");
+  std::vector<int64_t> dims = shape_.dims();
+  dims.erase(dims.begin() + at_dim);
+  Tensor t = *this;
+  t.strides_.erase(t.strides_.begin() + at_dim);
+  t.shape_ = Shape(std::move(dims));
+  return t;
+}
+
+Tensor Tensor::contiguous() const {
+  if (!defined() || is_contiguous()) return *this;
+  return clone();
+}
+
+Tensor Tensor::clone() const {
+  if (!defined()) return *this;
+  Tensor t = empty(shape_);
+  const std::vector<float> values = to_vector();
+  std::copy(values.begin(), values.end(), t.storage_->data);
+  return t;
+}
+
+std::vector<float> Tensor::to_vector() const {
+  std::vector<float> values;
+  if (!defined()) return values;
+  values.reserve(static_cast<size_t>(numel()));
+  if (is_contiguous()) return {storage_->data + offset_, storage_->data + offset_ + numel()};
+  // Walk the elements in row-major order with an odometer over the dims.
+  std::vector<int64_t> index(shape_.size(), 0);
+  for (int64_t n = 0; n < numel(); ++n) {
+    int64_t offset = offset_;
+    for (size_t d = 0; d < index.size(); ++d) offset += index[d] * strides_[d];
+    values.push_back(storage_->data[offset]);
+    for (size_t d = index.size(); d-- > 0;) {
+      if (++index[d] < shape_[d]) break;
+      index[d] = 0;
+    }
+  }
+  return values;
+}
+
+bool Tensor::shares_storage_with(const Tensor& other) const {
+  return defined() && storage_ == other.storage_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Printing, numpy style: nested brackets, one row per line, columns aligned.
+
+std::string Tensor::str(int precision) const {
+  if (!defined()) return "Tensor(undefined)";
+  const std::vector<float> values = to_vector();
+  auto format = [&](float x) {
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(precision) << x;
+    return os.str();
+  };
+  size_t width = 0;
+  for (float x : values) width = std::max(width, format(x).size());
+
+  std::ostringstream os;
+  if (dim() == 0) return format(values.empty() ? 0.0f : values[0]);
+  // Each element opens the brackets of the dims whose index just wrapped to 0 and closes those
+  // about to wrap; as numpy does, k opening brackets follow k newlines (rows on their own line,
+  // a blank line between matrices).
+  std::vector<int64_t> index(shape_.size(), 0);
+  const int64_t rank = dim();
+  if (numel() == 0) return std::string(rank, '[') + std::string(rank, ']');
+  for (int64_t n = 0; n < numel(); ++n) {
+    int64_t opening = 0;
+    for (int64_t d = rank - 1; d >= 0 && index[d] == 0; --d) ++opening;
+    if (n > 0) {
+      if (opening == 0) {
+        os << ' ';
+      } else {
+        os << std::string(static_cast<size_t>(opening), '\n') << std::string(rank - opening, ' ');
+      }
+    }
+    os << std::string(opening, '[');
+    const std::string text = format(values[n]);
+    os << std::string(width - text.size(), ' ') << text;
+    int64_t closing = 0;
+    for (int64_t d = rank - 1; d >= 0; --d) {
+      if (++index[d] < shape_[d]) break;
+      index[d] = 0;
+      ++closing;
+    }
+    os << std::string(closing, ']');
+  }
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& tensor) { return os << tensor.str(); }
+
+}  // namespace qkv
