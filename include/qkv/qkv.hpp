@@ -1,0 +1,12 @@
+// The umbrella header: everything qkv offers. Pulls in no SIMD, threading or BLAS header.
+#pragma once
+
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+#include "qkv/mask.hpp"
+#include "qkv/nn.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+const char* version();  // "0.1.0"
+}  // namespace qkv

@@ -1,0 +1,54 @@
+// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "qkv/nn.hpp"
+
+namespace qkv::nn {
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, uint64_t seed) {
+  if (in_features < 1 || out_features < 1)
+    throw Error("Linear: in_features (" + std::to_string(in_features) + ") and out_features (" +
+                std::to_string(out_features) + ") must be at least 1");
+  // torch.nn.Linear's default: kaiming_uniform(a = sqrt(5)) works out to U(-1/sqrt(in), 1/sqrt(in)),
+  // and the same bound for the bias.
+  const float bound = 1.0f / std::sqrt(static_cast<float>(in_features));
+  weight = Tensor::uniform({out_features, in_features}, -bound, bound, seed);
+  if (bias) this->bias = Tensor::uniform({out_features}, -bound, bound, seed ^ 0xb1a5ULL);
+}
+
+Tensor Linear::forward(const Tensor& x) const {
+  if (!x.defined() || x.dim() < 1 || x.size(-1) != in_features())
+    throw Error("Linear: x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
+                " but in_features is " + std::to_string(in_features()));
+  const Tensor input = x.contiguous();
+  std::vector<int64_t> out_dims(x.shape().begin(), x.shape().end());
+  out_dims.back() = out_features();
+  Tensor y = Tensor::empty(Shape(out_dims));
+  const int64_t rows = x.numel() / in_features();
+  const int64_t n = out_features(), k = in_features();
+  float* out = y.data();
+  // Start from the bias (or zeros) and accumulate x W^T on top: beta = 1.
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bias.defined()) {
+      std::copy_n(bias.data(), n, out + r * n);
+    } else {
+      std::fill_n(out + r * n, n, 0.0f);
+    }
+  }
+  if (rows > 0)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
+                static_cast<int>(k), 1.0f, input.data(), static_cast<int>(k), weight.data(), static_cast<int>(k), 1.0f,
+                out, static_cast<int>(n));
+  return y;
+}
+
+std::vector<NamedTensor> Linear::parameters(const std::string& prefix) const {
+  std::vector<NamedTensor> params{{prefix + "weight", weight}};
+  if (bias.defined()) params.push_back({prefix + "bias", bias});
+  return params;
+}
+
+}  // namespace qkv::nn
