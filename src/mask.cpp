@@ -7,6 +7,13 @@
 namespace qkv {
 
 namespace {
+// "(2, 5)": lengths as the user gave them, negative ones included (the core reports those).
+std::string list_str(const std::vector<int64_t>& values) {
+  std::string s = "(";
+  for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+  return s + ")";
+}
+
 std::string join(const std::vector<std::string>& parts) {
   std::string s;
   for (const auto& p : parts) s += (s.empty() ? "" : " & ") + p;
@@ -37,7 +44,7 @@ Mask Mask::key_lengths(std::vector<int64_t> lengths) {
   Mask m;
   m.has_key_lengths_ = true;
   m.lengths_ = std::move(lengths);
-  m.parts_.push_back("key_lengths" + Shape(m.lengths_).str());
+  m.parts_.push_back("key_lengths" + list_str(m.lengths_));
   return m;
 }
 
@@ -66,8 +73,8 @@ Mask& Mask::operator&=(const Mask& other) {
       lengths_ = other.lengths_;
     } else {
       if (lengths_.size() != other.lengths_.size())
-        throw Error("Mask: cannot combine key_lengths" + Shape(lengths_).str() + " with key_lengths" +
-                    Shape(other.lengths_).str() + ": different batch sizes");
+        throw Error("Mask: cannot combine key_lengths" + list_str(lengths_) + " with key_lengths" +
+                    list_str(other.lengths_) + ": different batch sizes");
       for (size_t b = 0; b < lengths_.size(); ++b) lengths_[b] = std::min(lengths_[b], other.lengths_[b]);
     }
     has_key_lengths_ = true;

@@ -177,10 +177,19 @@ void MultiHeadAttention::load_state_dict(const std::map<std::string, Tensor>& st
   for (const auto& [name, tensor] : state) {
     if (!tensor.defined()) throw Error(who + name + " is undefined");
     if (name == "in_proj_weight" || name == "in_proj_bias") {
-      const int64_t third = tensor.dim() >= 1 ? tensor.size(0) / 3 : 0;
-      if (tensor.dim() < 1 || tensor.size(0) % 3 != 0)
-        throw Error(who + name + " is " + tensor.shape().str() + ": its first dim must hold q, k and v (3 x embed_dim)");
-      const std::string suffix = name == "in_proj_weight" ? ".weight" : ".bias";
+      // PyTorch packs the three biases (3E) always, the three weights (3E, E) only when
+      // kdim = vdim = embed_dim; both need every projection to have E outputs (no GQA).
+      const bool is_weight = name == "in_proj_weight";
+      const int64_t third = embed_dim_;
+      const Shape packed = is_weight ? Shape{3 * third, third} : Shape{3 * third};
+      if (num_kv_heads_ != num_heads_ || (is_weight && (options_.kdim != embed_dim_ || options_.vdim != embed_dim_)))
+        throw Error(who + name + " packs q, k and v, which needs " +
+                    (is_weight ? "kdim = vdim = embed_dim and " : "") +
+                    "num_kv_heads = num_heads; give the q_proj, k_proj and v_proj tensors one by one");
+      if (tensor.shape() != packed)
+        throw Error(who + name + " is " + tensor.shape().str() + " but should be " + packed.str() +
+                    " (q, k and v stacked)");
+      const std::string suffix = is_weight ? ".weight" : ".bias";
       sources["q_proj" + suffix] = rows(tensor, 0, third);
       sources["k_proj" + suffix] = rows(tensor, third, third);
       sources["v_proj" + suffix] = rows(tensor, 2 * third, third);
