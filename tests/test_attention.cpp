@@ -144,6 +144,9 @@ std::string case_name(const Case& c) {
   return name;
 }
 
+// How gtest shows a case (instead of its raw bytes).
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
 // q's, k's or v's shape at the case's rank.
 Shape shape_of(const Case& c, int64_t heads, int64_t len, int64_t dim) {
   switch (c.rank) {

@@ -188,6 +188,9 @@ std::vector<MhaCase> mha_cases() {
   };
 }
 
+// How gtest shows a case (instead of its raw bytes).
+void PrintTo(const MhaCase& c, std::ostream* os) { *os << c.name; }
+
 class MhaVsComposition : public ::testing::TestWithParam<MhaCase> {};
 
 // forward equals q_proj/k_proj/v_proj -> reshape (B, N, H, hd) -> transpose(1, 2) ->

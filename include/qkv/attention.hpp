@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <optional>
 #include <string_view>
 
@@ -19,6 +20,7 @@ enum class Backend {
   Decode,     // few queries against a long KV cache, keys split across threads (not built yet)
 };
 std::string_view to_string(Backend backend);
+std::ostream& operator<<(std::ostream& os, Backend backend);
 
 struct AttentionOptions {
   Mask mask;                        // none by default

@@ -4,6 +4,7 @@
 #include "qkv/attention.hpp"
 
 #include <cmath>
+#include <ostream>
 #include <sstream>
 
 #include "attention/kernels.hpp"
@@ -20,6 +21,8 @@ std::string_view to_string(Backend backend) {
   }
   return "unknown";
 }
+
+std::ostream& operator<<(std::ostream& os, Backend backend) { return os << to_string(backend); }
 
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
   return detail::counter_uniform(seed, static_cast<uint64_t>(batch), static_cast<uint64_t>(head),
