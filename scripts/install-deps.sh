@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   build-essential cmake make pkg-config git
   libopenblas-dev          # GEMMs (reference kernel, Linear)
+  libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
+  libgomp1                 # OpenMP threads (ships with g++)
   libcli11-dev libfmt-dev  # the qkv command line tool
   libgtest-dev libgmock-dev
   libbenchmark-dev

@@ -158,14 +158,17 @@ TEST(Errors, DropoutProbability) {
               HasSubstr(kCore + "dropout_p must be in [0, 1), got "));
 }
 
-// The kernels that do not exist yet say so instead of silently running another one.
-TEST(Errors, UnbuiltBackends) {
-  for (Backend backend : {Backend::Flash, Backend::Decode}) {
-    AttentionOptions options;
-    options.backend = backend;
-    const Shape s{1, 2, 4, 8};
-    EXPECT_THAT(sdpa_error(s, s, s, options), HasSubstr("not built yet")) << qkv::to_string(backend);
-  }
+// A kernel that does not exist yet says so instead of silently running another one, and the
+// fused kernel refuses to pretend it has weights to return.
+TEST(Errors, BackendsThatCannotServe) {
+  const Shape s{1, 2, 4, 8};
+  AttentionOptions decode;
+  decode.backend = Backend::Decode;
+  EXPECT_THAT(sdpa_error(s, s, s, decode), HasSubstr("backend Decode is not built yet"));
+  AttentionOptions flash_with_weights;
+  flash_with_weights.backend = Backend::Flash;
+  flash_with_weights.need_weights = true;
+  EXPECT_THAT(sdpa_error(s, s, s, flash_with_weights), HasSubstr("backend Flash never materialises the weights"));
 }
 
 // nn module construction: heads must divide the embedding, kv heads must divide the heads.

@@ -14,9 +14,9 @@
 namespace qkv {
 
 enum class Backend {
-  Auto,       // the fastest kernel that can give what was asked for
+  Auto,       // Flash, or Reference when the weights are wanted
   Reference,  // the textbook algorithm, scores materialised: the oracle of every test
-  Flash,      // tiled, online softmax, never an n x n matrix (not built yet)
+  Flash,      // tiled, online softmax, SIMD + threads, never an n x n matrix; no weights
   Decode,     // few queries against a long KV cache, keys split across threads (not built yet)
 };
 std::string_view to_string(Backend backend);

@@ -153,15 +153,14 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
     terms.push_back(term_view(term, packed_terms.back(), qd, kd.len, scores_shape));
   }
 
-  // ---- backend
-  switch (options.backend) {
-    case Backend::Auto:
-    case Backend::Reference: break;
-    case Backend::Flash:
-    case Backend::Decode:
-      fail("backend " + std::string(to_string(options.backend)) +
-           " is not built yet; use Backend::Auto or Backend::Reference");
-  }
+  // ---- backend: Auto takes the fused kernel unless the weights are wanted, which only the
+  // reference materialises.
+  Backend backend = options.backend;
+  if (backend == Backend::Auto) backend = options.need_weights ? Backend::Reference : Backend::Flash;
+  if (backend == Backend::Flash && options.need_weights)
+    fail("backend Flash never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
+  if (backend == Backend::Decode)
+    fail("backend Decode is not built yet; use Backend::Auto, Backend::Flash or Backend::Reference");
 
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   AttentionResult result;
@@ -180,7 +179,11 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
       .weights = options.need_weights ? result.weights.data() : nullptr,
       .lse = result.lse.data(),
   };
-  detail::reference_attention(problem);
+  if (backend == Backend::Flash) {
+    detail::flash_attention(problem);
+  } else {
+    detail::reference_attention(problem);
+  }
   return result;
 }
 
