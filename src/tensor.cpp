@@ -9,6 +9,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "memory.hpp"
 #include "random.hpp"
 
 namespace qkv {
@@ -42,20 +43,13 @@ std::ostream& operator<<(std::ostream& os, const Shape& shape) { return os << sh
 // Storage
 
 struct Tensor::Storage {
-  // 64 bytes: one cache line, and one AVX-512 register, so SIMD loads of a row start aligned.
-  static constexpr size_t kAlignment = 64;
-
-  explicit Storage(int64_t count) {
-    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-    data = static_cast<float*>(std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded));
-    if (data == nullptr) throw std::bad_alloc();
-  }
-  ~Storage() { std::free(data); }
+  explicit Storage(int64_t count) : data(detail::allocate_floats(static_cast<size_t>(count))), count(count) {}
+  ~Storage() { detail::free_floats(data, static_cast<size_t>(count)); }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  float* data;
+  float* data;  // 64-byte aligned, counted in qkv::memory_stats()
+  int64_t count;
 };
 
 namespace {

@@ -48,6 +48,13 @@ struct AttentionResult {
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
 
+// The same, writing into `result`: each of its tensors that is defined must already have the
+// shape above and be contiguous, and is overwritten in place; undefined ones are allocated (and
+// weights is reset when not asked for). Calling it again with the same `result` allocates
+// nothing, so a loop pays for fresh pages once. The outputs must not share storage with q, k, v.
+void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                                       const AttentionOptions& options = {});
+
 // The dropout decision for one weight: a counter-based hash of (seed, batch, head, query, key),
 // so every kernel drops exactly the same elements. True = kept (and scaled by 1 / (1 - p)).
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key,

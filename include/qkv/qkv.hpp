@@ -4,6 +4,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/mask.hpp"
+#include "qkv/memory.hpp"
 #include "qkv/nn.hpp"
 #include "qkv/tensor.hpp"
 

@@ -96,10 +96,30 @@ detail::MaskTermView term_view(const Mask::Term& term, const Tensor& packed, con
   return {packed.data(), strides[0], strides[1], strides[2], strides[3], term.additive};
 }
 
+// A caller-provided output: used as it is when it fits, allocated when undefined.
+void prepare_output(Tensor& t, const char* name, const Shape& shape, const Tensor& q, const Tensor& k,
+                    const Tensor& v) {
+  if (!t.defined()) {
+    t = Tensor::empty(shape);
+    return;
+  }
+  if (t.shape() != shape) fail(std::string("result.") + name + " is " + t.shape().str() + " but should be " + shape.str());
+  if (!t.is_contiguous()) fail(std::string("result.") + name + " " + t.shape().str() + " is not contiguous");
+  for (auto [input_name, input] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
+    if (t.shares_storage_with(*input)) fail(std::string("result.") + name + " shares storage with " + input_name);
+}
+
 }  // namespace
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options) {
+  AttentionResult result;
+  scaled_dot_product_attention_into(q, k, v, result, options);
+  return result;
+}
+
+void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                                       const AttentionOptions& options) {
   // ---- shapes
   const Dims qd = read_dims(q, "q");
   const Dims kd = read_dims(k, "k");
@@ -163,10 +183,13 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
     fail("backend Decode is not built yet; use Backend::Auto, Backend::Flash or Backend::Reference");
 
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  AttentionResult result;
-  result.output = Tensor::empty(with({qd.len, vd.dim}));
-  result.lse = Tensor::empty(with({qd.len}));
-  if (options.need_weights) result.weights = Tensor::empty(scores_shape);
+  prepare_output(result.output, "output", with({qd.len, vd.dim}), q, k, v);
+  prepare_output(result.lse, "lse", with({qd.len}), q, k, v);
+  if (options.need_weights) {
+    prepare_output(result.weights, "weights", scores_shape, q, k, v);
+  } else {
+    result.weights = Tensor();
+  }
 
   detail::AttentionProblem problem{
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
@@ -184,7 +207,6 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
   } else {
     detail::reference_attention(problem);
   }
-  return result;
 }
 
 }  // namespace qkv

@@ -362,17 +362,13 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 #include <omp.h>
 
+#include "memory.hpp"
+
 namespace qkv::detail {
 
 HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(CompiledTarget);
-
-namespace {
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-}  // namespace
 
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
@@ -387,9 +383,8 @@ void flash_attention(const AttentionProblem& problem) {
   const int workers = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), items));
   const size_t block =
       flash::ScratchLayout(br, static_cast<size_t>(problem.head_dim), static_cast<size_t>(problem.value_dim)).total;
-  std::unique_ptr<float, FreeDeleter> scratch(
-      static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(workers) * block * sizeof(float))));
-  if (!scratch) throw std::bad_alloc();
+  // The calling thread's workspace holds every worker's block and is kept for the next call.
+  float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache;
   // within a head the last query tiles come first: under a causal mask they see the most keys,
@@ -398,7 +393,7 @@ void flash_attention(const AttentionProblem& problem) {
   for (int64_t item = 0; item < items; ++item) {
     const int64_t bh = item / query_tiles;
     const int64_t tile = query_tiles - 1 - item % query_tiles;
-    float* block_start = scratch.get() + static_cast<size_t>(omp_get_thread_num()) * block;
+    float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(problem, bh / problem.q_heads, bh % problem.q_heads,
                                          tile * static_cast<int64_t>(br), block_start);
   }

@@ -14,9 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "attention/kernels.hpp"
+#include "memory.hpp"
 
 namespace qkv::detail {
 
@@ -63,8 +63,9 @@ float softmax_row(float* row, int64_t n) {
 
 void reference_attention(const AttentionProblem& p) {
   const int64_t nq = p.q_len, nk = p.kv_len, dk = p.head_dim, dv = p.value_dim;
-  // Scores go straight into the caller's weights when asked for, else into one reused buffer.
-  std::vector<float> scratch(p.weights ? 0 : static_cast<size_t>(nq * nk));
+  // Scores go straight into the caller's weights when asked for, else into this thread's
+  // workspace, reused from call to call.
+  float* scratch = p.weights ? nullptr : thread_workspace(WorkspaceSlot::ReferenceScores).floats(static_cast<size_t>(nq * nk));
 
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.q_heads; ++h) {
@@ -73,7 +74,7 @@ void reference_attention(const AttentionProblem& p) {
       const float* q = p.q + bh * nq * dk;
       const float* k = p.k + bg * nk * dk;
       const float* v = p.v + bg * nk * dv;
-      float* scores = p.weights ? p.weights + bh * nq * nk : scratch.data();
+      float* scores = p.weights ? p.weights + bh * nq * nk : scratch;
       float* out = p.output + bh * nq * dv;
       float* lse = p.lse + bh * nq;
 

@@ -1,0 +1,135 @@
+// Memory: what the library allocates, counted by qkv::memory_stats(). The flash path's working
+// memory stays O(N d) where the reference's grows as N^2; results written into caller-provided
+// tensors (scaled_dot_product_attention_into) reuse them, and repeated calls allocate nothing.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "oracle.hpp"
+
+namespace {
+
+using qkv::AttentionOptions;
+using qkv::AttentionResult;
+using qkv::Backend;
+using qkv::Mask;
+using qkv::Tensor;
+using ::testing::HasSubstr;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// The bytes a call allocates beyond what was held before it, at its peak.
+template <typename Call>
+int64_t extra_bytes(Call&& call) {
+  const int64_t before = qkv::memory_stats().current_bytes;
+  qkv::reset_peak_memory();
+  call();
+  return qkv::memory_stats().peak_bytes - before;
+}
+
+// The fused kernel never holds the N x N scores: at N = 32768, one head, d = 64 the reference
+// would need 4 GiB for them, flash's whole extra memory (output and lse included) stays under
+// 16 MiB. A sliding window keeps the test fast; flash's scratch does not depend on the mask.
+TEST(Memory, FlashExtraMemoryStaysSmallAtLongSequences) {
+  const int64_t n = 32768, d = 64;
+  qkv_test::Random random;
+  SCOPED_TRACE(random.note());
+  const Tensor q = random.randn({1, 1, n, d}), k = random.randn({1, 1, n, d}), v = random.randn({1, 1, n, d});
+  AttentionOptions options;
+  options.backend = Backend::Flash;
+  options.mask = Mask::causal() & Mask::window(63);
+  qkv::release_workspaces();
+  AttentionResult result;
+  const int64_t extra = extra_bytes([&] { result = qkv::scaled_dot_product_attention(q, k, v, options); });
+  EXPECT_LT(extra, 16 * kMiB) << "flash allocated " << extra << " bytes";
+  EXPECT_GE(extra, n * d * int64_t{sizeof(float)}) << "the output alone is N x d floats: the counter missed it";
+  // Spot-check a row against the oracle so the call did real work.
+  const int64_t row = n - 1;
+  double row_max = -qkv_test::kInf;
+  std::vector<double> scores;
+  for (int64_t j = row - 63; j <= row; ++j) {
+    double dot = 0;
+    for (int64_t c = 0; c < d; ++c) dot += double(q.at({0, 0, row, c})) * k.at({0, 0, j, c});
+    scores.push_back(dot / 8.0);
+    row_max = std::max(row_max, scores.back());
+  }
+  double sum = 0;
+  for (double& s : scores) sum += (s = std::exp(s - row_max));
+  for (int64_t c = 0; c < d; c += 9) {
+    double want = 0;
+    for (int64_t j = 0; j < 64; ++j) want += scores[j] / sum * v.at({0, 0, row - 63 + j, c});
+    EXPECT_NEAR(result.output.at({0, 0, row, c}), want, 1e-4 * std::max(1.0, std::abs(want)));
+  }
+}
+
+// The reference materialises the scores: its extra memory is at least Nq x Nk floats, which is
+// what the flash test above is measured against.
+TEST(Memory, ReferenceHoldsTheScoreMatrix) {
+  const int64_t n = 1024, d = 16;
+  const Tensor q = Tensor::randn({1, 1, n, d}, 1), k = Tensor::randn({1, 1, n, d}, 2), v = Tensor::randn({1, 1, n, d}, 3);
+  AttentionOptions options;
+  options.backend = Backend::Reference;
+  qkv::release_workspaces();
+  const int64_t extra = extra_bytes([&] { qkv::scaled_dot_product_attention(q, k, v, options); });
+  EXPECT_GE(extra, n * n * int64_t{sizeof(float)});
+}
+
+// Writing into the same result again reuses its tensors and, once the workspaces are warm,
+// allocates nothing; the values equal a fresh call's.
+TEST(Memory, IntoReusesResultAndWorkspaces) {
+  qkv_test::Random random;
+  SCOPED_TRACE(random.note());
+  const Tensor q = random.randn({2, 4, 37, 24}), k = random.randn({2, 2, 53, 24}), v = random.randn({2, 2, 53, 20});
+  for (Backend backend : {Backend::Flash, Backend::Reference}) {
+    for (bool need_weights : {false, true}) {
+      if (backend == Backend::Flash && need_weights) continue;
+      AttentionOptions options;
+      options.backend = backend;
+      options.need_weights = need_weights;
+      options.mask = Mask::causal(16);
+      AttentionResult result;
+      qkv::scaled_dot_product_attention_into(q, k, v, result, options);  // allocates, warms up
+      const float* output_data = result.output.data();
+      const int64_t extra = extra_bytes([&] { qkv::scaled_dot_product_attention_into(q, k, v, result, options); });
+      EXPECT_EQ(extra, 0) << qkv::to_string(backend) << " allocated on a warm call";
+      EXPECT_EQ(result.output.data(), output_data) << "the output tensor was replaced, not reused";
+      const AttentionResult fresh = qkv::scaled_dot_product_attention(q, k, v, options);
+      EXPECT_EQ(result.output.to_vector(), fresh.output.to_vector());
+      EXPECT_EQ(result.lse.to_vector(), fresh.lse.to_vector());
+      if (need_weights) EXPECT_EQ(result.weights.to_vector(), fresh.weights.to_vector());
+    }
+  }
+}
+
+// A caller-provided output of the wrong shape, a view, or one that aliases an input is refused.
+TEST(Memory, IntoRejectsUnfitOutputs) {
+  const Tensor q = Tensor::randn({2, 5, 8}, 1), k = Tensor::randn({2, 6, 8}, 2), v = Tensor::randn({2, 6, 3}, 3);
+  auto message = [&](AttentionResult result) {
+    try {
+      qkv::scaled_dot_product_attention_into(q, k, v, result);
+    } catch (const qkv::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(message({Tensor::empty({2, 5, 4}), {}, {}}),
+              HasSubstr("result.output is (2, 5, 4) but should be (2, 5, 3)"));
+  EXPECT_THAT(message({Tensor::empty({2, 3, 5}).transpose(1, 2), {}, {}}),
+              HasSubstr("result.output (2, 5, 3) is not contiguous"));
+  EXPECT_THAT(message({{}, {}, Tensor::empty({2, 6})}), HasSubstr("result.lse is (2, 6) but should be (2, 5)"));
+  const Tensor v_same = Tensor::randn({2, 5, 3}, 4);  // q-length values, so output could alias v
+  AttentionResult aliased{v_same, {}, {}};
+  EXPECT_THROW(qkv::scaled_dot_product_attention_into(q, Tensor::randn({2, 5, 8}, 5), v_same, aliased), qkv::Error);
+}
+
+// Tensors count their storage while alive and give it back when the last handle goes.
+TEST(Memory, TensorStorageIsCounted) {
+  const int64_t before = qkv::memory_stats().current_bytes;
+  {
+    const Tensor t = Tensor::zeros({256, 256});
+    const Tensor view = t.transpose(0, 1);  // shares storage: counted once
+    EXPECT_EQ(qkv::memory_stats().current_bytes - before, 256 * 256 * int64_t{sizeof(float)});
+  }
+  EXPECT_EQ(qkv::memory_stats().current_bytes, before);
+}
+
+}  // namespace
