@@ -42,6 +42,7 @@
 #ifndef QKV_ATTENTION_FLASH_ONCE
 #define QKV_ATTENTION_FLASH_ONCE
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -68,7 +69,7 @@ constexpr size_t round_to_cache_line(size_t floats) {
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, first_key, last_key, total;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, first_key, last_key, total;
 
   ScratchLayout(size_t br, size_t dk, size_t dv) {
     size_t at = 0;
@@ -83,6 +84,7 @@ struct ScratchLayout {
     running_max = take(br);            // per query
     row_sum = take(br);                // per query
     correction = take(br);             // per query: exp(old max - new max), then 1 / l
+    nan_seen = take(br);               // per query: 1 once a visible score was NaN
     first_key = take(br);              // per query, int32: first visible key
     last_key = take(br);               // per query, int32: one past the last visible key
     total = at;
@@ -177,6 +179,19 @@ HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, 
   if (r < m) MicroTileTail(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
 }
 
+// True when none of the `count` values is NaN or +-Inf.
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF inf = hn::Set(df, std::numeric_limits<float>::infinity());
+  size_t n = 0;
+  for (; n + lanes <= count; n += lanes)  // |x| < inf is false for NaN and +-Inf
+    if (!hn::AllTrue(df, hn::Lt(hn::Abs(hn::LoadU(df, values + n)), inf))) return false;
+  for (; n < count; ++n)
+    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
+  return true;
+}
+
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
 // `scratch` is this worker's block, laid out by flash::ScratchLayout.
 void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, float* HWY_RESTRICT scratch) {
@@ -196,6 +211,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   float* HWY_RESTRICT running_max = scratch + layout.running_max;
   float* HWY_RESTRICT row_sum = scratch + layout.row_sum;
   float* HWY_RESTRICT correction = scratch + layout.correction;
+  float* HWY_RESTRICT nan_seen = scratch + layout.nan_seen;
   int32_t* HWY_RESTRICT first_key = reinterpret_cast<int32_t*>(scratch + layout.first_key);
   int32_t* HWY_RESTRICT last_key = reinterpret_cast<int32_t*>(scratch + layout.last_key);
 
@@ -214,6 +230,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   std::fill_n(out_t, dv * br, 0.0f);
   std::fill_n(running_max, br, kMinusInf);
   std::fill_n(row_sum, br, 0.0f);
+  std::fill_n(nan_seen, br, 0.0f);
   for (size_t i = 0; i < br; ++i) {
     if (i < rows) {  // clamped into [0, Nk]: int32 holds it (Nk < 2^31)
       first_key[i] = static_cast<int32_t>(std::min(p.first_visible_key(i0 + static_cast<int64_t>(i)), nk));
@@ -269,7 +286,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
           const float value = values[static_cast<int64_t>(j) * term.stride_k];
           float& s = scores[j * br + i];
           if (term.additive) {
-            s += value;
+            s = value == kMinusInf ? kMinusInf : s + value;  // -inf hides even a NaN score
           } else if (value == 0.0f) {
             s = kMinusInf;
           }
@@ -280,9 +297,17 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
     // 3. Online softmax, one lane per query (ggml's flash_attn_ext, vectorised over queries).
     bool max_grew = false;
     for (size_t n = 0; n < kTileVectors; ++n) {
-      // 3a. The tile's max per query: a vertical Max over the tile's key rows.
+      // 3a. The tile's max per query: a vertical Max over the tile's key rows. Max and Exp
+      // drop NaN, so a NaN score (a NaN in q or k) is noted here and poisons its row at the end,
+      // as the reference's softmax does.
       VF tile_max = minus_inf;
-      for (size_t j = 0; j < cols; ++j) tile_max = hn::Max(tile_max, hn::Load(df, scores + j * br + n * lanes));
+      VF tile_nan = hn::Zero(df);
+      for (size_t j = 0; j < cols; ++j) {
+        const VF score = hn::Load(df, scores + j * br + n * lanes);
+        tile_max = hn::Max(tile_max, score);
+        tile_nan = hn::IfThenElse(hn::IsNaN(score), hn::Set(df, 1.0f), tile_nan);
+      }
+      hn::Store(hn::Max(hn::Load(df, nan_seen + n * lanes), tile_nan), df, nan_seen + n * lanes);
       // 3b. The new running max. A query that has seen no visible key yet keeps -inf; it is
       // exponentiated against 0 instead, so its scores (all -inf) give exp = 0, never the NaN of
       // exp(-inf - -inf).
@@ -331,11 +356,25 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
     }
 
     // 5. Ot += V_tile^T P^T: A(c, j) = V[j0 + j, c], i.e. row stride 1 and depth stride Dv.
-    PanelGemm(dv, cols, v_head + j0 * static_cast<int64_t>(dv), 1, dv, scores, br, out_t, br, true);
+    // A key some query of the tile cannot see has weight 0 there, and 0 * NaN is NaN: if such a
+    // tile's values hold NaN or Inf (a KV cache's unwritten slots), skip the zero weights so
+    // they reach only the queries that see them. Fully visible, finite tiles take the GEMM.
+    const float* v_tile = v_head + j0 * static_cast<int64_t>(dv);
+    const bool some_hidden = !fully_visible || !p.terms.empty() || p.dropout_p > 0;
+    if (some_hidden && !AllFinite(v_tile, cols * dv)) {
+      for (size_t j = 0; j < cols; ++j)
+        for (size_t i = 0; i < rows; ++i) {
+          const float weight = scores[j * br + i];
+          if (weight == 0.0f) continue;
+          for (size_t c = 0; c < dv; ++c) out_t[c * br + i] += weight * v_tile[j * dv + c];
+        }
+    } else {
+      PanelGemm(dv, cols, v_tile, 1, dv, scores, br, out_t, br, true);
+    }
   }
 
   // ---- Finish: O = Ot^T / l and lse = max + log(l); a query that saw no key has l = 0 and gets
-  // zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard).
+  // zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard); one that saw a NaN score gets NaN.
   float* HWY_RESTRICT out = p.output + (bh * p.q_len + i0) * static_cast<int64_t>(dv);
   float* HWY_RESTRICT lse = p.lse + bh * p.q_len + i0;
   const VF zero = hn::Zero(df);
@@ -346,6 +385,10 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
     hn::Store(hn::IfThenZeroElse(empty, hn::Div(hn::Set(df, 1.0f), safe_sum)), df, correction + n * lanes);
     const VF log_sum_exp = hn::Add(hn::Load(df, running_max + n * lanes), hn::Log(df, safe_sum));
     hn::Store(hn::IfThenElse(empty, minus_inf, log_sum_exp), df, row_sum + n * lanes);
+    const auto poisoned = hn::Gt(hn::Load(df, nan_seen + n * lanes), hn::Zero(df));
+    const VF nan = hn::Set(df, std::numeric_limits<float>::quiet_NaN());
+    hn::Store(hn::IfThenElse(poisoned, nan, hn::Load(df, correction + n * lanes)), df, correction + n * lanes);
+    hn::Store(hn::IfThenElse(poisoned, nan, hn::Load(df, row_sum + n * lanes)), df, row_sum + n * lanes);
   }
   for (size_t i = 0; i < rows; ++i) {
     const float inverse_sum = correction[i];
