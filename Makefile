@@ -4,18 +4,21 @@
 BUILD ?= build
 JOBS ?= 2
 
-.PHONY: all deps build demo test test-release test-sanitize clean
+.PHONY: all deps configure build demo test test-release test-sanitize clean
 
 all: build
 
 deps:
 	@bash scripts/install-deps.sh
 
-build: deps
+configure: deps
 	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release
+
+build: configure
 	cmake --build $(BUILD)/release -j$(JOBS)
 
-demo: build
+demo: configure
+	cmake --build $(BUILD)/release -j$(JOBS) --target qkv_cli
 	$(BUILD)/release/tools/qkv/qkv demo
 
 test: test-release test-sanitize

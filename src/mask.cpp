@@ -21,7 +21,17 @@ std::string join(const std::vector<std::string>& parts) {
 }
 }  // namespace
 
+namespace {
+// Offsets beyond +-kUnbounded would overflow query + edge; no sequence is that long anyway.
+int64_t checked_offset(int64_t offset, const char* who) {
+  if (offset <= -Mask::kUnbounded || offset >= Mask::kUnbounded)
+    throw Error(std::string(who) + ": offset " + std::to_string(offset) + " is outside (-2^60, 2^60)");
+  return offset;
+}
+}  // namespace
+
 Mask Mask::causal(int64_t offset) {
+  checked_offset(offset, "Mask::causal");
   Mask m;
   m.band_hi_ = offset;
   m.parts_.push_back("causal(offset=" + std::to_string(offset) + ")");
@@ -32,6 +42,7 @@ Mask Mask::window(int64_t left, int64_t right, int64_t offset) {
   if (left < 0 || right < 0)
     throw Error("Mask::window: left (" + std::to_string(left) + ") and right (" + std::to_string(right) +
                 ") must be >= 0");
+  checked_offset(offset, "Mask::window");
   Mask m;
   m.band_lo_ = offset - std::min(left, kUnbounded);
   m.band_hi_ = offset + std::min(right, kUnbounded);

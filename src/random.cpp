@@ -1,5 +1,6 @@
 #include "random.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <numbers>
@@ -13,6 +14,12 @@ double SplitMix64::normal() {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
+namespace {
+std::atomic<uint64_t> seed_counter{0};
+}  // namespace
+
+uint64_t next_seed() { return mix64(seed_counter.fetch_add(1) + 0x5eed); }
+
 double counter_uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   // Each coordinate is folded in after a full mix, so neighbouring coordinates give
   // unrelated numbers (no (a, b) + (b, a) collisions).
@@ -23,3 +30,7 @@ double counter_uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c, uint64
 }
 
 }  // namespace qkv::detail
+
+namespace qkv::nn {
+void manual_seed(uint64_t seed) { detail::seed_counter.store(seed); }
+}  // namespace qkv::nn

@@ -30,6 +30,9 @@ class SplitMix64 {
   uint64_t state_;
 };
 
+// The next seed of the global sequence that qkv::nn::manual_seed restarts.
+uint64_t next_seed();
+
 // Uniform in [0, 1) from a hash of (seed, a, b, c, d): random access, no state, so every
 // kernel and every thread finds the same number for the same coordinates.
 double counter_uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c, uint64_t d);

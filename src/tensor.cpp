@@ -17,14 +17,27 @@ namespace qkv {
 // ---------------------------------------------------------------------------------------------
 // Shape
 
-Shape::Shape(std::initializer_list<int64_t> dims) : dims_(dims) {
-  for (int64_t d : dims_)
-    if (d < 0) throw Error("Shape: dimension " + std::to_string(d) + " is negative in " + str());
+namespace {
+// Every dim >= 0, and the bytes of a float tensor of that shape countable in an int64.
+void check_dims(const Shape& shape) {
+  int64_t bytes = sizeof(float);
+  for (int64_t d : shape.dims()) {
+    if (d < 0) throw Error("Shape: dimension " + std::to_string(d) + " is negative in " + shape.str());
+    if (__builtin_mul_overflow(bytes, d, &bytes))
+      throw Error("Shape " + shape.str() + " has too many elements to store");
+  }
 }
+}  // namespace
 
-Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) {
-  for (int64_t d : dims_)
-    if (d < 0) throw Error("Shape: dimension " + std::to_string(d) + " is negative in " + str());
+Shape::Shape(std::initializer_list<int64_t> dims) : dims_(dims) { check_dims(*this); }
+
+Shape::Shape(std::vector<int64_t> dims) : dims_(std::move(dims)) { check_dims(*this); }
+
+int64_t Shape::operator[](int64_t i) const {
+  const auto rank = static_cast<int64_t>(dims_.size());
+  if (i < -rank || i >= rank)
+    throw Error("Shape: index " + std::to_string(i) + " is out of range for " + str());
+  return dims_[static_cast<size_t>(i < 0 ? i + rank : i)];
 }
 
 int64_t Shape::numel() const {

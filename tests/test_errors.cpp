@@ -223,4 +223,32 @@ TEST(Errors, TensorMessages) {
   EXPECT_THAT(error_of([&] { t.transpose(0, 1).data(); }), HasSubstr("not contiguous"));
 }
 
+// Sizes and offsets that would overflow are refused up front, not turned into a short
+// allocation or signed overflow later.
+TEST(Errors, OverflowingSizesAndOffsets) {
+  const int64_t huge = int64_t{1} << 31;
+  EXPECT_THAT(error_of([&] { Tensor::zeros({huge, huge}); }), HasSubstr("has too many elements"));
+  EXPECT_THAT(error_of([&] { qkv::create_causal_mask(int64_t{1} << 32); }), HasSubstr("has too many elements"));
+  EXPECT_THAT(error_of([] { Mask::causal(INT64_MAX); }), HasSubstr("Mask::causal: offset"));
+  EXPECT_THAT(error_of([] { Mask::window(5, 0, INT64_MIN); }), HasSubstr("Mask::window: offset"));
+}
+
+// shape()[i] is checked and counts negative i from the end, as torch's x.shape[-1] does.
+TEST(Errors, ShapeIndexing) {
+  const Shape s{2, 3, 4};
+  EXPECT_EQ(s[-1], 4);
+  EXPECT_EQ(s[0], 2);
+  EXPECT_THAT(error_of([&] { (void)s[3]; }), HasSubstr("index 3 is out of range for (2, 3, 4)"));
+  EXPECT_THAT(error_of([&] { (void)s[-4]; }), HasSubstr("index -4 is out of range"));
+}
+
+// A Linear whose public weight or bias was replaced by a misfit says so instead of reading
+// past the end.
+TEST(Errors, LinearWithMisfitParameters) {
+  qkv::nn::Linear linear(4, 40);
+  linear.bias = Tensor::zeros({1});
+  EXPECT_THAT(error_of([&] { linear.forward(Tensor::zeros({2, 4})); }),
+              HasSubstr("Linear: weight is (40, 4) and bias (1): expected (out, in) and (out)"));
+}
+
 }  // namespace

@@ -371,7 +371,7 @@ TEST(MultiHeadAttention, TorchInitialisation) {
   const MultiHeadAttention again(E, 8, options);
   EXPECT_EQ(again.q_proj.weight.to_vector(), mha.q_proj.weight.to_vector());
   EXPECT_EQ(again.out_proj.weight.to_vector(), mha.out_proj.weight.to_vector());
-  options.seed += 1;
+  options.seed = *options.seed + 1;
   EXPECT_NE(MultiHeadAttention(E, 8, options).q_proj.weight.to_vector(), mha.q_proj.weight.to_vector());
 }
 
@@ -443,7 +443,7 @@ TEST(MultiHeadAttention, LoadOwnNames) {
   SCOPED_TRACE(rng.note());
   MultiHeadAttentionOptions a_options, b_options;
   a_options.seed = rng.next_u64();
-  b_options.seed = a_options.seed + 1;
+  b_options.seed = *a_options.seed + 1;
   a_options.num_kv_heads = b_options.num_kv_heads = 2;
   const MultiHeadAttention a(16, 4, a_options);
   MultiHeadAttention b(16, 4, b_options);
@@ -580,6 +580,26 @@ TEST(Embedding, LookupShapesAndInit) {
   ASSERT_EQ(params.size(), 1u);
   EXPECT_EQ(params[0].name, "tok.weight");
   EXPECT_TRUE(params[0].tensor.shares_storage_with(embedding.weight));
+}
+
+// Modules built without a seed differ from each other (stacked layers must not start
+// identical), and manual_seed makes the sequence repeat.
+TEST(Seeds, UnseededModulesDifferAndManualSeedRepeats) {
+  qkv::nn::manual_seed(123);
+  const MultiHeadAttention first(16, 4), second(16, 4);
+  const Linear linear_a(8, 8), linear_b(8, 8);
+  EXPECT_NE(first.q_proj.weight.to_vector(), second.q_proj.weight.to_vector());
+  EXPECT_NE(linear_a.weight.to_vector(), linear_b.weight.to_vector());
+  qkv::nn::manual_seed(123);
+  const MultiHeadAttention again(16, 4);
+  EXPECT_EQ(again.q_proj.weight.to_vector(), first.q_proj.weight.to_vector());
+}
+
+// A zero-length sequence passes through the positional encoding unchanged.
+TEST(SinusoidalPositionalEncoding, EmptySequence) {
+  const qkv::nn::SinusoidalPositionalEncoding pe(16, 8);
+  EXPECT_EQ(pe.forward(Tensor::zeros({0, 8})).shape(), (qkv::Shape{0, 8}));
+  EXPECT_EQ(pe.forward(Tensor::zeros({3, 0, 8})).shape(), (qkv::Shape{3, 0, 8}));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,10 @@
 #include "qkv/tensor.hpp"
 
 namespace qkv::nn {
+
+// Modules built without a seed draw one from a global sequence, so two layers made alike get
+// different weights (as torch does); manual_seed restarts that sequence, like torch.manual_seed.
+void manual_seed(uint64_t seed);
 
 struct NamedTensor {
   std::string name;  // "q_proj.weight"
@@ -23,7 +28,7 @@ struct NamedTensor {
 // Initialised as torch.nn.Linear: W, b ~ U(-1/sqrt(in), 1/sqrt(in)).
 class Linear {
  public:
-  Linear(int64_t in_features, int64_t out_features, bool bias = true, uint64_t seed = 0);
+  Linear(int64_t in_features, int64_t out_features, bool bias = true, std::optional<uint64_t> seed = std::nullopt);
 
   Tensor forward(const Tensor& x) const;
 
@@ -48,7 +53,7 @@ struct MultiHeadAttentionOptions {
   bool bias = true;          // biases on the four projections
   float dropout = 0;         // dropout on the attention weights while training
   bool causal = false;       // every forward also applies Mask::causal()
-  uint64_t seed = 0;         // initial weights and dropout decisions
+  std::optional<uint64_t> seed;  // initial weights and dropout decisions; none: see manual_seed
 };
 
 struct MultiHeadAttentionOutput {
@@ -57,8 +62,11 @@ struct MultiHeadAttentionOutput {
 };
 
 // Multi-head attention: project, split into heads, attend, concatenate, project.
-//   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); batch first, or
-//   unbatched (N, features). The mask is over the scores (B, num_heads, Nq, Nk).
+//   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); always batch first
+//   (torch's batch_first=True; its default (N, B, E) layout is not accepted), or unbatched
+//   (N, features). The mask is over the scores (B, num_heads, Nq, Nk).
+// forward() is const but, while training with dropout, advances a counter for the dropout
+// seed: do not call it on one module from several threads at once in that mode.
 // Initialised as torch.nn.MultiheadAttention: xavier-uniform q/k/v projections, zero biases.
 class MultiHeadAttention {
  public:
@@ -119,7 +127,7 @@ class SinusoidalPositionalEncoding {
 // A table of learned vectors, one per token id; initialised N(0, 1) as torch.nn.Embedding.
 class Embedding {
  public:
-  Embedding(int64_t num_embeddings, int64_t embedding_dim, uint64_t seed = 0);
+  Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<uint64_t> seed = std::nullopt);
   // ids -> (ids.size(), dim); with leading shape, e.g. {B, N}: (B, N, dim).
   Tensor forward(const std::vector<int64_t>& ids) const;
   Tensor forward(const std::vector<int64_t>& ids, const Shape& leading) const;

@@ -23,7 +23,7 @@ class Shape {
   explicit Shape(std::vector<int64_t> dims);
 
   size_t size() const { return dims_.size(); }  // the rank
-  int64_t operator[](size_t i) const { return dims_[i]; }
+  int64_t operator[](int64_t i) const;          // dim i; negative i counts from the end (checked)
   int64_t numel() const;                        // product of the dims (1 for rank 0)
   const std::vector<int64_t>& dims() const { return dims_; }
   auto begin() const { return dims_.begin(); }

@@ -2,14 +2,15 @@
 #include <algorithm>
 
 #include "qkv/nn.hpp"
+#include "random.hpp"
 
 namespace qkv::nn {
 
-Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, uint64_t seed) {
+Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<uint64_t> seed) {
   if (num_embeddings < 1 || embedding_dim < 1)
     throw Error("Embedding: num_embeddings (" + std::to_string(num_embeddings) + ") and embedding_dim (" +
                 std::to_string(embedding_dim) + ") must be at least 1");
-  weight = Tensor::randn({num_embeddings, embedding_dim}, seed);  // N(0, 1), as torch.nn.Embedding
+  weight = Tensor::randn({num_embeddings, embedding_dim}, seed ? *seed : detail::next_seed());  // N(0, 1), as torch
 }
 
 Tensor Embedding::forward(const std::vector<int64_t>& ids) const {

@@ -5,10 +5,12 @@
 #include <cmath>
 
 #include "qkv/nn.hpp"
+#include "random.hpp"
 
 namespace qkv::nn {
 
-Linear::Linear(int64_t in_features, int64_t out_features, bool bias, uint64_t seed) {
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, std::optional<uint64_t> seed_or_none) {
+  const uint64_t seed = seed_or_none ? *seed_or_none : detail::next_seed();
   if (in_features < 1 || out_features < 1)
     throw Error("Linear: in_features (" + std::to_string(in_features) + ") and out_features (" +
                 std::to_string(out_features) + ") must be at least 1");
@@ -16,10 +18,16 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, uint64_t se
   // and the same bound for the bias.
   const float bound = 1.0f / std::sqrt(static_cast<float>(in_features));
   weight = Tensor::uniform({out_features, in_features}, -bound, bound, seed);
-  if (bias) this->bias = Tensor::uniform({out_features}, -bound, bound, seed ^ 0xb1a5ULL);
+  // The bias gets a stream of its own: a different seed derived from the weight's.
+  if (bias) this->bias = Tensor::uniform({out_features}, -bound, bound, detail::mix64(seed + 1));
 }
 
 Tensor Linear::forward(const Tensor& x) const {
+  // weight and bias are public (to load or inspect them): check they still fit each other.
+  if (!weight.defined() || weight.dim() != 2 || (bias.defined() && bias.shape() != Shape{weight.size(0)}))
+    throw Error("Linear: weight is " + (weight.defined() ? weight.shape().str() : std::string("undefined")) +
+                " and bias " + (bias.defined() ? bias.shape().str() : std::string("none")) +
+                ": expected (out, in) and (out)");
   if (!x.defined() || x.dim() < 1 || x.size(-1) != in_features())
     throw Error("Linear: x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but in_features is " + std::to_string(in_features()));

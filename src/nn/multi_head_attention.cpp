@@ -32,11 +32,13 @@ MultiHeadAttentionOptions resolved(int64_t embed_dim, int64_t num_heads, MultiHe
   if (o.vdim == 0) o.vdim = embed_dim;
   if (!(o.dropout >= 0 && o.dropout < 1))
     throw Error(std::string(kWho) + "dropout must be in [0, 1), got " + std::to_string(o.dropout));
+  if (!o.seed) o.seed = detail::next_seed();
   return o;
 }
 
-// A distinct, reproducible seed for each of the module's random streams.
-uint64_t stream_seed(uint64_t seed, uint64_t stream) { return detail::mix64(seed * 8 + stream); }
+// A distinct, reproducible seed for each of the module's random streams (weights of the four
+// projections, their biases, dropout): the module's seed mixed with the stream's number.
+uint64_t stream_seed(std::optional<uint64_t> seed, uint64_t stream) { return detail::mix64(*seed * 8 + stream); }
 
 // torch.nn.MultiheadAttention's start: xavier-uniform q/k/v weights (over the fused (3E, E)
 // in_proj_weight when the three are the same shape, else each on its own), zero biases; the

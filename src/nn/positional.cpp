@@ -29,6 +29,7 @@ Tensor SinusoidalPositionalEncoding::forward(const Tensor& x) const {
                 " but expected (B, N, " + std::to_string(d_model) + ") or (N, " + std::to_string(d_model) +
                 ") with N <= max_len (" + std::to_string(max_len) + ")");
   Tensor y = x.clone();
+  if (y.numel() == 0) return y;
   const int64_t rows = x.size(-2), sequences = x.numel() / (rows * d_model);
   float* out = y.data();
   const float* pe = encoding_.data();

@@ -269,7 +269,7 @@ void part_multi_head(const Sentence& sentence, const nn::MultiHeadAttention& lay
   }
   fmt::print("    sum  {:.4f}\n", sum_of(cat_row));
   say("The layer is untrained, so this pattern is arbitrary: training is what would");
-  say("teach \"sat\" to look at \"cat\".");
+  say("teach \"cat\" to look at \"sat\", the verb it is the subject of.");
   const int64_t width = layer.embed_dim();
   fmt::print("  parameters: {} = 4 projections x ({} x {} weights + {} biases)\n",
              group_thousands(layer.parameter_count()), width, width, width);
