@@ -11,6 +11,8 @@ packages=(
   libcli11-dev libfmt-dev  # the qkv command line tool
   libgtest-dev libgmock-dev
   libbenchmark-dev
+  pybind11-dev python3-dev python3-numpy   # the Python module (python/)
+  python3-pytest python3-torch             # its tests: parity with PyTorch (tests/python)
 )
 
 missing=()

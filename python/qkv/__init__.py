@@ -1,0 +1,293 @@
+"""qkv: scaled dot-product attention and multi-head attention, from numpy.
+
+The functions here follow PyTorch's conventions so that code moves between the two unchanged:
+
+  scaled_dot_product_attention(q, k, v, ...)   torch.nn.functional.scaled_dot_product_attention
+  MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True)
+  qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
+                                               only when torch is installed)
+
+Inputs are numpy arrays (or anything np.asarray accepts). float32 C-contiguous arrays are read
+in place; others are converted to float32 first. Outputs are float32 arrays. Bad input raises
+qkv.Error, a ValueError, with the library's message naming the shapes involved.
+
+A query that sees no key at all gets an output of zeros and weights of zeros (PyTorch 1.13
+returns NaN there).
+"""
+
+import importlib
+import importlib.util
+import numbers
+
+import numpy as np
+
+from . import _core
+from ._core import Backend, Error, Mask, dropout_keeps, manual_seed
+
+__version__ = _core.__version__
+for _name in ("Backend", "Error", "Mask"):
+    getattr(_core, _name).__module__ = __name__  # shown as qkv.Error, not qkv._core.Error
+
+__all__ = [
+    "Backend", "Error", "Mask", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
+    "dropout_keeps", "manual_seed", "scaled_dot_product_attention",
+]
+
+_BACKENDS = {"auto": Backend.Auto, "reference": Backend.Reference, "flash": Backend.Flash,
+             "decode": Backend.Decode}
+
+
+def _backend(backend):
+    if isinstance(backend, Backend):
+        return backend
+    try:
+        return _BACKENDS[str(backend).lower()]
+    except KeyError:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
+
+
+def _as_array(x, name):
+    """numpy view of x; torch tensors (detached, on the CPU) are accepted too."""
+    if x is None:
+        raise ValueError(f"{name} is None")
+    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor, without importing torch
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _tensor_mask(mask, rank, name, true_means_attend):
+    """A bool or float mask array as a qkv.Mask over scores of `rank` dims.
+
+    bool: True = attend when true_means_attend (SDPA), True = masked otherwise
+    (nn.MultiheadAttention). float: added to the scaled scores (-inf = masked).
+    The array is aligned to the scores numpy-style: missing leading dims become 1.
+    """
+    mask = _as_array(mask, name)
+    if mask.ndim < rank:
+        mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+    if mask.dtype == np.bool_:
+        return Mask.keep(mask if true_means_attend else ~mask)
+    if np.issubdtype(mask.dtype, np.floating):
+        return Mask.additive(mask)
+    raise ValueError(f"{name} must be bool or float, got {mask.dtype}")
+
+
+def _window(window):
+    if isinstance(window, numbers.Integral):
+        return Mask.window(int(window), 0)
+    left, right = window
+    return Mask.window(int(left), int(right))
+
+
+def _mask_from(query, attn_mask=None, is_causal=False, key_lengths=None, window=None):
+    """The qkv.Mask that scaled_dot_product_attention's mask arguments describe."""
+    mask = Mask()
+    if attn_mask is not None:
+        mask = mask & (attn_mask if isinstance(attn_mask, Mask)
+                       else _tensor_mask(attn_mask, query.ndim, "attn_mask", true_means_attend=True))
+    if is_causal:
+        mask = mask & Mask.causal()
+    if window is not None:
+        mask = mask & _window(window)
+    if key_lengths is not None:
+        mask = mask & Mask.key_lengths([int(n) for n in np.asarray(key_lengths).reshape(-1)])
+    return mask
+
+
+def _check_gqa(query, key, enable_gqa):
+    if not enable_gqa and query.ndim == 4 and key.ndim == 4 and query.shape[1] != key.shape[1]:
+        raise Error(f"scaled_dot_product_attention: query has {query.shape[1]} heads but key has "
+                    f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
+                                 window=None, seed=0, backend="auto"):
+    """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
+
+    query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
+    are one head. Hq may be a multiple of Hkv with enable_gqa=True (grouped-query attention:
+    query head h reads key/value head h // (Hq // Hkv), nothing is copied).
+
+    attn_mask: bool, True = attend (PyTorch SDPA's convention); float, added to the scaled
+      scores (0 = attend, -inf = masked); or a qkv.Mask. It broadcasts numpy-style over the
+      scores (B, Hq, Nq, Nk). Unlike PyTorch, it may be combined with is_causal.
+    is_causal: query i sees keys j <= i (top-left aligned, as PyTorch).
+    scale: defaults to 1 / sqrt(Dk).
+    dropout_p, seed: dropout on the weights; the same seed drops the same weights on every
+      kernel (see qkv.dropout_keeps).
+    key_lengths: padding, one length per batch: batch b sees its first key_lengths[b] keys.
+    window: sliding-window attention, left or (left, right): query i sees i-left <= j <= i+right.
+    need_weights: also return the (B, Hq, Nq, Nk) weights (after dropout, as applied to value).
+    backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
+
+    Returns the (B, Hq, Nq, Dv) float32 output, or (output, weights) with need_weights. A query
+    that sees no key gets zeros (PyTorch gives NaN).
+    """
+    query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
+    _check_gqa(query, key, enable_gqa)
+    mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
+    output, weights, _lse = _core.attention(query, key, value, mask, None if scale is None else float(scale),
+                                            float(dropout_p), int(seed), bool(need_weights), _backend(backend))
+    return (output, weights) if need_weights else output
+
+
+def create_causal_mask(n):
+    """The (n, n) bool mask of causal attention, True = attend (on and below the diagonal).
+
+    It can be passed as attn_mask, though is_causal=True is faster (no matrix is read).
+    """
+    return _core.create_causal_mask(int(n)).astype(bool)
+
+
+def create_padding_mask(lengths, max_len):
+    """The (B, 1, 1, max_len) bool padding mask, True = attend (j < lengths[b]).
+
+    It can be passed as attn_mask, though key_lengths=lengths is faster.
+    """
+    return _core.create_padding_mask([int(n) for n in lengths], int(max_len)).astype(bool)
+
+
+class MultiHeadAttention:
+    """Multi-head attention with torch.nn.MultiheadAttention's interface, on numpy arrays.
+
+    project q/k/v, split into heads, attend, concatenate, project. Initialised as PyTorch
+    initialises nn.MultiheadAttention (different random numbers); load_state_dict takes its
+    state_dict() to compute exactly what it computes.
+
+    num_kv_heads < num_heads gives grouped-query attention (no PyTorch counterpart).
+    batch_first defaults to True here (PyTorch's default is False): inputs are (B, N, features),
+    or (N, B, features) with batch_first=False, or unbatched (N, features).
+    dropout applies to the attention weights while training (the default, as in PyTorch); call
+    eval() to turn it off.
+    seed fixes the initial weights and dropout decisions; without one, each module draws the
+    next seed of a global sequence that qkv.manual_seed restarts (as torch.manual_seed).
+    """
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads=None, bias=True, dropout=0.0, kdim=None, vdim=None,
+                 batch_first=True, seed=None):
+        self._core = _core.MultiHeadAttentionCore(
+            int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0), int(vdim or 0), bool(bias),
+            float(dropout), False, None if seed is None else int(seed))
+        self.batch_first = bool(batch_first)
+        self.dropout = float(dropout)
+
+    embed_dim = property(lambda self: self._core.embed_dim)
+    num_heads = property(lambda self: self._core.num_heads)
+    num_kv_heads = property(lambda self: self._core.num_kv_heads)
+    head_dim = property(lambda self: self._core.head_dim)
+    kdim = property(lambda self: self._core.kdim)
+    vdim = property(lambda self: self._core.vdim)
+    training = property(lambda self: self._core.training)
+
+    def train(self, mode=True):
+        self._core.train(bool(mode))
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self):
+        """{name: array}: q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj...
+
+        Each array is a writable view of the module's parameter (weights are (out, in), as
+        PyTorch stores them).
+        """
+        return dict(self._core.parameters())
+
+    def state_dict(self):
+        """Copies of the parameters under torch.nn.MultiheadAttention's names.
+
+        in_proj_weight when q, k and v have the same shape (else q_proj_weight, k_proj_weight,
+        v_proj_weight), in_proj_bias, out_proj.weight, out_proj.bias.
+        """
+        p = self.parameters()
+        qkv_weights = [p[f"{n}_proj.weight"] for n in "qkv"]
+        state = {}
+        if all(w.shape == qkv_weights[0].shape for w in qkv_weights):
+            state["in_proj_weight"] = np.concatenate(qkv_weights)
+        else:
+            state.update({f"{n}_proj_weight": w.copy() for n, w in zip("qkv", qkv_weights)})
+        if "q_proj.bias" in p:
+            state["in_proj_bias"] = np.concatenate([p[f"{n}_proj.bias"] for n in "qkv"])
+        state["out_proj.weight"] = p["out_proj.weight"].copy()
+        if "out_proj.bias" in p:
+            state["out_proj.bias"] = p["out_proj.bias"].copy()
+        return state
+
+    def load_state_dict(self, state):
+        """Loads torch.nn.MultiheadAttention().state_dict() (torch tensors or numpy arrays).
+
+        Names: in_proj_weight (or q_proj_weight, k_proj_weight, v_proj_weight), in_proj_bias,
+        out_proj.weight, out_proj.bias; qkv's own names (q_proj.weight, ...) work too. Every
+        parameter must be given with its exact shape; nothing is written if one is wrong.
+        """
+        self._core.load_state_dict({str(name): _as_array(value, name) for name, value in state.items()})
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
+                average_attn_weights=True, is_causal=False):
+        """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
+
+        query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
+        (else (N, B, features)); or unbatched (N, features). key and value default to query
+        (self-attention).
+
+        BEWARE, nn.MultiheadAttention's bool masks mean True = MASKED (not attended), the
+        opposite of scaled_dot_product_attention's attn_mask:
+          key_padding_mask (B, Nk): True = this key is padding, ignore it. Float: added.
+          attn_mask (Nq, Nk) or (B * num_heads, Nq, Nk): True = query may NOT attend to key.
+            Float: added to the scores (-inf = masked).
+        is_causal: apply a causal mask (query i sees keys j <= i). PyTorch takes it only as a
+          hint that attn_mask is causal; here it is enough on its own.
+        need_weights: also return the weights, averaged over heads (B, Nq, Nk) when
+          average_attn_weights, else per head (B, num_heads, Nq, Nk). False by default here
+          (PyTorch's default is True), because computing them takes the slower reference path.
+
+        Returns (output, weights or None), as PyTorch does; output is (B, Nq, embed_dim)
+        (or (Nq, B, embed_dim) without batch_first).
+        """
+        query = _as_array(query, "query")
+        key = query if key is None else _as_array(key, "key")
+        value = key if value is None else _as_array(value, "value")
+        batched = query.ndim == 3
+        if batched and not self.batch_first:
+            query, key, value = (np.swapaxes(x, 0, 1) for x in (query, key, value))
+        batch = query.shape[0] if batched else 1
+
+        mask = Mask()
+        if key_padding_mask is not None:
+            padding = _as_array(key_padding_mask, "key_padding_mask")
+            mask = mask & _tensor_mask(padding.reshape(batch, 1, 1, padding.shape[-1]), 4, "key_padding_mask",
+                                       true_means_attend=False)
+        if attn_mask is not None:
+            attn = _as_array(attn_mask, "attn_mask")
+            if attn.ndim == 3:  # (B * num_heads, Nq, Nk), batch major, as PyTorch stacks it
+                attn = attn.reshape(-1, self.num_heads, attn.shape[-2], attn.shape[-1])
+            mask = mask & _tensor_mask(attn, 4, "attn_mask", true_means_attend=False)
+        if is_causal:
+            mask = mask & Mask.causal()
+
+        if not need_weights:
+            weights = _core.Weights.None_
+        else:
+            weights = _core.Weights.Averaged if average_attn_weights else _core.Weights.PerHead
+        output, attn_weights = self._core.forward(query, key, value, mask, weights)
+        if batched and not self.batch_first:
+            output = np.swapaxes(output, 0, 1)
+        return output, attn_weights
+
+    def __repr__(self):
+        return (f"qkv.MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first})")
+
+
+def __getattr__(name):
+    # qkv.torch is imported on first use, so `import qkv` neither needs nor loads torch.
+    if name == "torch":
+        if importlib.util.find_spec("torch") is None:
+            raise AttributeError("qkv.torch needs PyTorch, which is not installed")
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")

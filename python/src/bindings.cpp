@@ -1,0 +1,195 @@
+// qkv._core: the pybind11 bindings of qkv's C++ API, numpy in and numpy out. Thin on purpose:
+// the PyTorch-style argument conventions (bool mask True = attend, nn.MultiheadAttention's
+// True = masked, batch_first, ...) live in python/qkv/__init__.py; this file only moves arrays
+// across and calls the one functional core.
+//
+// Arrays in: float32 C-contiguous numpy arrays are read in place (others are converted by
+// numpy first) and copied once into a qkv::Tensor, because a Tensor owns its storage and cannot
+// wrap external memory. Arrays out: zero-copy; the numpy array keeps the Tensor's storage alive.
+// Every computation runs with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <qkv/qkv.hpp>
+
+namespace py = pybind11;
+
+namespace {
+
+// A float32 C-contiguous array: given one, pybind11 passes it through untouched; anything else
+// (float64, bool, strided views) is converted by numpy into a fresh array of this kind.
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// A numpy buffer read without the GIL: the caller's FloatArray keeps it alive for the call.
+struct ArrayView {
+  const float* data;
+  qkv::Shape shape;
+};
+
+ArrayView view_of(const FloatArray& a) {
+  return {a.data(), qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim()))};
+}
+
+// The one copy on the way in (see the file comment). Safe without the GIL.
+qkv::Tensor copy_in(const ArrayView& a) {
+  qkv::Tensor t = qkv::Tensor::empty(a.shape);
+  if (a.shape.numel() > 0) std::memcpy(t.data(), a.data, static_cast<size_t>(a.shape.numel()) * sizeof(float));
+  return t;
+}
+
+qkv::Tensor to_tensor(const FloatArray& a) { return copy_in(view_of(a)); }
+
+// A Tensor as a numpy array over the same storage; the array holds a Tensor handle, so the
+// storage lives as long as the array (and as long as the module, for parameters). None when
+// the tensor is undefined.
+py::object to_numpy(const qkv::Tensor& tensor) {
+  if (!tensor.defined()) return py::none();
+  auto* owner = new qkv::Tensor(tensor.contiguous());
+  py::capsule keep_alive(owner, [](void* p) { delete static_cast<qkv::Tensor*>(p); });
+  std::vector<py::ssize_t> shape(owner->shape().begin(), owner->shape().end());
+  std::vector<py::ssize_t> strides;
+  for (int64_t s : owner->strides()) strides.push_back(static_cast<py::ssize_t>(s * sizeof(float)));
+  return py::array_t<float>(shape, strides, owner->numel() > 0 ? owner->data() : nullptr, keep_alive);
+}
+
+// ---- the functional core
+
+// scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse);
+// weights is None unless need_weights. lse is kept for the backward pass (issue 4).
+py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
+                    std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
+                    qkv::Backend backend) {
+  qkv::AttentionOptions options;
+  options.mask = mask;
+  options.scale = scale;
+  options.dropout_p = dropout_p;
+  options.seed = seed;
+  options.need_weights = need_weights;
+  options.backend = backend;
+  const ArrayView qv = view_of(q), kv = view_of(k), vv = view_of(v);
+  qkv::AttentionResult result;
+  {
+    py::gil_scoped_release release;
+    result = qkv::scaled_dot_product_attention(copy_in(qv), copy_in(kv), copy_in(vv), options);
+  }
+  return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse));
+}
+
+// ---- nn::MultiHeadAttention
+
+qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
+                                     int64_t vdim, bool bias, float dropout, bool causal,
+                                     std::optional<uint64_t> seed) {
+  return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
+                                     {.num_kv_heads = num_kv_heads, .kdim = kdim, .vdim = vdim, .bias = bias,
+                                      .dropout = dropout, .causal = causal, .seed = seed});
+}
+
+// Returns (output, weights or None). The GIL is released, except while training with dropout:
+// forward() then advances the module's dropout counter, which two threads must not do at once.
+py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& query, const FloatArray& key,
+                      const FloatArray& value, const qkv::Mask& mask, qkv::nn::Weights weights) {
+  const ArrayView qv = view_of(query), kv = view_of(key), vv = view_of(value);
+  qkv::nn::MultiHeadAttentionOutput out;
+  {
+    std::optional<py::gil_scoped_release> release;
+    if (!(mha.is_training() && mha.options().dropout > 0)) release.emplace();
+    out = mha.forward(copy_in(qv), copy_in(kv), copy_in(vv), mask, weights);
+  }
+  return py::make_tuple(to_numpy(out.output), to_numpy(out.weights));
+}
+
+// [(name, array)] in the module's order; each array is a writable view of the parameter.
+py::list mha_parameters(const qkv::nn::MultiHeadAttention& mha) {
+  py::list params;
+  for (const auto& p : mha.parameters()) params.append(py::make_tuple(p.name, to_numpy(p.tensor)));
+  return params;
+}
+
+void mha_load_state_dict(qkv::nn::MultiHeadAttention& mha, const std::map<std::string, FloatArray>& state) {
+  std::map<std::string, qkv::Tensor> tensors;
+  for (const auto& [name, array] : state) tensors[name] = to_tensor(array);
+  mha.load_state_dict(tensors);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "qkv's C++ core (numpy in, numpy out). Use the functions of the package qkv.";
+  m.attr("__version__") = qkv::version();
+
+  // qkv::Error is a std::invalid_argument: it arrives as qkv.Error, a ValueError subclass that
+  // carries the library's message unchanged.
+  py::register_exception<qkv::Error>(m, "Error", PyExc_ValueError);
+
+  py::enum_<qkv::Backend>(m, "Backend")
+      .value("Auto", qkv::Backend::Auto)
+      .value("Reference", qkv::Backend::Reference)
+      .value("Flash", qkv::Backend::Flash)
+      .value("Decode", qkv::Backend::Decode);
+
+  py::class_<qkv::Mask>(m, "Mask", R"doc(
+Which keys each query may attend to, kept symbolic (no n x n matrix for structured parts).
+Combine with `&`: a key is visible only where every part allows it.
+
+  Mask.causal(offset=0)           query i sees keys j <= offset + i
+  Mask.window(left, right=0)      query i sees keys i - left <= j <= i + right
+  Mask.key_lengths([5, 3])        batch b sees its first lengths[b] keys (padding)
+  Mask.keep(array)                nonzero / True = attend (PyTorch SDPA's bool convention)
+  Mask.additive(array)            added to the scaled scores; -inf = masked (PyTorch float)
+)doc")
+      .def(py::init<>(), "A mask that hides nothing.")
+      .def_static("causal", &qkv::Mask::causal, py::arg("offset") = 0)
+      .def_static("window", &qkv::Mask::window, py::arg("left"), py::arg("right") = 0, py::arg("offset") = 0)
+      .def_static("key_lengths", &qkv::Mask::key_lengths, py::arg("lengths"))
+      .def_static("keep", [](const FloatArray& keep) { return qkv::Mask::keep(to_tensor(keep)); }, py::arg("keep"))
+      .def_static("additive", [](const FloatArray& scores) { return qkv::Mask::additive(to_tensor(scores)); },
+                  py::arg("scores"))
+      .def("__and__", [](const qkv::Mask& a, const qkv::Mask& b) { return a & b; }, py::is_operator())
+      .def("is_none", &qkv::Mask::is_none)
+      .def("__repr__", [](const qkv::Mask& mask) { return "Mask(" + mask.str() + ")"; });
+
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
+        py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"),
+        "qkv::scaled_dot_product_attention: returns (output, weights or None, lse).");
+  m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
+  m.def("create_padding_mask",
+        [](const std::vector<int64_t>& lengths, int64_t max_len) {
+          return to_numpy(qkv::create_padding_mask(lengths, max_len));
+        },
+        py::arg("lengths"), py::arg("max_len"));
+  m.def("manual_seed", &qkv::nn::manual_seed, py::arg("seed"),
+        "Restarts the sequence that modules built without a seed draw their weights from (torch.manual_seed).");
+  m.def("dropout_keeps", &qkv::dropout_keeps, py::arg("seed"), py::arg("batch"), py::arg("head"), py::arg("query"),
+        py::arg("key"), py::arg("p"),
+        "True when dropout keeps weight (batch, head, query, key) for this seed: the same on every kernel.");
+
+  py::enum_<qkv::nn::Weights>(m, "Weights")
+      .value("None_", qkv::nn::Weights::None)
+      .value("PerHead", qkv::nn::Weights::PerHead)
+      .value("Averaged", qkv::nn::Weights::Averaged);
+
+  py::class_<qkv::nn::MultiHeadAttention>(m, "MultiHeadAttentionCore")
+      .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"))
+      .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
+           py::arg("weights"))
+      .def("parameters", &mha_parameters)
+      .def("load_state_dict", &mha_load_state_dict, py::arg("state"))
+      .def("train", &qkv::nn::MultiHeadAttention::train, py::arg("training") = true)
+      .def_property_readonly("training", &qkv::nn::MultiHeadAttention::is_training)
+      .def_property_readonly("embed_dim", &qkv::nn::MultiHeadAttention::embed_dim)
+      .def_property_readonly("num_heads", &qkv::nn::MultiHeadAttention::num_heads)
+      .def_property_readonly("num_kv_heads", &qkv::nn::MultiHeadAttention::num_kv_heads)
+      .def_property_readonly("head_dim", &qkv::nn::MultiHeadAttention::head_dim)
+      .def_property_readonly("kdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().kdim; })
+      .def_property_readonly("vdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().vdim; })
+      .def_property_readonly("parameter_count", &qkv::nn::MultiHeadAttention::parameter_count);
+}
