@@ -9,6 +9,8 @@ packages=(
   libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
   libgomp1                 # OpenMP threads (ships with g++)
   libcli11-dev libfmt-dev  # the qkv command line tool
+  libcairo2-dev            # qkv viz / scaling: PNG, SVG and PDF figures
+  fonts-dejavu-core        # the figures' text
   libgtest-dev libgmock-dev
   libbenchmark-dev
   pybind11-dev python3-dev python3-numpy   # the Python module (python/)

@@ -12,4 +12,15 @@ namespace qkv::cli {
 // `qkv demo`: a guided tour of attention, printed to stdout (demo.cpp).
 void add_demo_command(CLI::App& app);
 
+// `qkv viz`: attention weights as heatmaps per head, to PNG, SVG or PDF (viz.cpp).
+void add_viz_command(CLI::App& app);
+
+// `qkv memory`: the memory arithmetic of attention for a model, explained (memory.cpp).
+void add_memory_command(CLI::App& app);
+
+// `qkv scaling`: time and memory of the reference and flash kernels as N doubles (scaling.cpp).
+void add_scaling_command(CLI::App& app);
+// `qkv bench`: times the standard workloads W0-W5 against same-run sgemm and memcpy (bench.cpp).
+void add_bench_command(CLI::App& app);
+
 }  // namespace qkv::cli

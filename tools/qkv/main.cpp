@@ -22,6 +22,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   qkv::cli::add_demo_command(app);
+  qkv::cli::add_viz_command(app);
+  qkv::cli::add_memory_command(app);
+  qkv::cli::add_scaling_command(app);
+  qkv::cli::add_bench_command(app);
 
   // After the subcommands: they copy the footer of their parent when they are created.
   app.footer("New to attention? Start with `qkv demo`.");

@@ -1,0 +1,126 @@
+// Google Benchmark over the standard workloads of DESIGN.md (the table in workloads.hpp, shared
+// with `qkv bench`), for Backend::Auto (the fast path) and Backend::Reference, plus the same-run
+// baselines the ratios need: BM_Sgemm (cblas_sgemm 2048^3 through OpenBLAS) and BM_Memcpy.
+//
+//   BM_Attention/W2/Auto       steady state: every iteration writes into the same result (_into)
+//   BM_Attention/W2/Reference
+//   BM_Module/W5               nn::MultiHeadAttention forward
+//   BM_Sgemm/2048, BM_Memcpy/256MiB
+//
+// Counters: GFLOP/s (forward FLOPs = 4 B Hq Nq Nk d, half for causal), and for the decode
+// workload W4 the bytes of K and V read (bytes_per_second). All timings are wall-clock
+// (UseRealTime): the kernels run on OpenMP and OpenBLAS threads, which CPU time of the main thread
+// would miss. Threads: OMP_NUM_THREADS and OPENBLAS_NUM_THREADS.
+#include <cblas.h>
+#include <omp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#include "qkv/qkv.hpp"
+#include "workloads.hpp"
+
+namespace {
+
+using qkv::bench::Workload;
+
+constexpr int kSgemmSize = 2048;
+constexpr size_t kMemcpyBytes = size_t{256} << 20;
+
+// FLOPs per iteration as a rate over the wall-clock time: GFLOP/s as benchmark prints it ("G"
+// is its SI prefix, so the counter holds plain FLOP and is shown as e.g. 123.4G/s).
+benchmark::Counter flops_rate(double flops) {
+  return benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_Attention(benchmark::State& state, const Workload* w, qkv::Backend backend) {
+  const qkv::bench::AttentionInputs in = qkv::bench::make_attention_inputs(*w);
+  const qkv::AttentionOptions options = qkv::bench::make_attention_options(*w, backend);
+  qkv::AttentionResult result;
+  qkv::scaled_dot_product_attention_into(in.q, in.k, in.v, result, options);  // warm-up: allocates result
+  for (auto _ : state) {
+    qkv::scaled_dot_product_attention_into(in.q, in.k, in.v, result, options);
+    benchmark::DoNotOptimize(result.output.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
+  if (w->decode) state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * qkv::bench::kv_bytes(*w)));
+}
+
+void BM_Module(benchmark::State& state, const Workload* w) {
+  const qkv::bench::ModuleInputs in = qkv::bench::make_module_inputs(*w);
+  (void)in.layer.forward(in.x);  // warm-up
+  for (auto _ : state) {
+    qkv::nn::MultiHeadAttentionOutput out = in.layer.forward(in.x);
+    benchmark::DoNotOptimize(out.output.data());
+  }
+  state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
+}
+
+// C = A B, n x n: the machine's matrix-multiply rate through the BLAS qkv links.
+void BM_Sgemm(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  const qkv::Tensor a = qkv::Tensor::randn({n, n}, 11), b = qkv::Tensor::randn({n, n}, 12);
+  const qkv::Tensor c = qkv::Tensor::zeros({n, n});
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(),
+                n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = flops_rate(2.0 * n * static_cast<double>(n) * n);
+}
+
+// memcpy into a pre-touched buffer; bytes_per_second counts bytes read + written, as qkv bench does.
+void BM_Memcpy(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<char> source(bytes, 1), destination(bytes, 0);
+  for (auto _ : state) {
+    std::memcpy(destination.data(), source.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * bytes));
+}
+
+void register_benchmarks() {
+  for (const Workload& w : qkv::bench::kWorkloads) {
+    const std::string id(w.id);
+    if (w.is_module()) {
+      benchmark::RegisterBenchmark(("BM_Module/" + id).c_str(), BM_Module, &w)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      continue;
+    }
+    for (const qkv::Backend backend : {qkv::Backend::Auto, qkv::Backend::Reference}) {
+      const std::string name = "BM_Attention/" + id + "/" + std::string(qkv::to_string(backend));
+      benchmark::RegisterBenchmark(name.c_str(), BM_Attention, &w, backend)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  benchmark::RegisterBenchmark("BM_Sgemm", BM_Sgemm)->Arg(kSgemmSize)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("BM_Memcpy", BM_Memcpy)
+      ->Arg(static_cast<int64_t>(kMemcpyBytes))
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("qkv_version", qkv::version());
+  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  benchmark::AddCustomContext("openblas_threads", std::to_string(openblas_get_num_threads()));
+  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  benchmark::AddCustomContext("OPENBLAS_CORETYPE", coretype ? coretype : "(unset)");
+  register_benchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

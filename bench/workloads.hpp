@@ -1,0 +1,136 @@
+// The standard workloads of DESIGN.md (W0-W5), shared by `qkv bench` (tools/qkv/bench.cpp) and
+// the Google Benchmark target (bench/attention_benchmark.cpp), so both measure the same shapes.
+//
+//   id       shape                                       mask
+//   W0       B=1 H=8 N=256 d=64                          causal (the course's CPU benchmark)
+//   W1       B=4 H=12 N=512 d=64                         none (BERT-base)
+//   W2       B=1 H=12 N=2048 d=64                        causal (GPT-2)
+//   W2-full  W2 without the mask: the target is causal <= 0.6 x the time of full
+//   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
+//   W4       B=1 H=32 d=128, 1 query vs 8192 keys        decode (reported in GB/s of K and V)
+//   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
+//
+// Attention FLOPs = 4 * B * Hq * Nq * Nk * d (Q K^T and P V, a multiply-add each), half of it
+// for causal. Header-only and built on the public API alone.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "qkv/qkv.hpp"
+
+namespace qkv::bench {
+
+enum class WorkloadKind {
+  Attention,  // one scaled_dot_product_attention call
+  Module,     // one nn::MultiHeadAttention forward (projections + attention)
+};
+
+struct Workload {
+  std::string_view id;           // "W2"
+  std::string_view description;  // "GPT-2"
+  WorkloadKind kind;
+  int64_t batch;
+  int64_t q_heads;
+  int64_t kv_heads;  // < q_heads: grouped-query attention
+  int64_t q_len;     // Nq
+  int64_t kv_len;    // Nk
+  int64_t head_dim;  // d, for both keys and values
+  bool causal;
+  bool decode;       // few queries against a long cache: memory-bound, reported in GB/s
+
+  // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
+  int64_t embed_dim() const { return q_heads * head_dim; }
+  bool is_module() const { return kind == WorkloadKind::Module; }
+};
+
+// W2-full follows W2: `--workload W2` runs both, since the causal target compares them.
+inline constexpr std::array<Workload, 7> kWorkloads = {{
+    {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
+    {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false},
+    {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false},
+    {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
+    {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
+    {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
+    {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
+}};
+
+// A workload by id ("W2", case-insensitive), or nullptr.
+inline const Workload* find_workload(std::string_view id) {
+  const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  for (const Workload& workload : kWorkloads) {
+    if (workload.id.size() != id.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < id.size(); ++i) same = same && lower(id[i]) == lower(workload.id[i]);
+    if (same) return &workload;
+  }
+  return nullptr;
+}
+
+// "(1, 32, 4096, 128) x (1, 8, 4096, 128)", or for a module "x (2, 10, 512), 8 heads".
+inline std::string shape_string(const Workload& w) {
+  if (w.is_module()) {
+    return "x (" + std::to_string(w.batch) + ", " + std::to_string(w.q_len) + ", " + std::to_string(w.embed_dim()) +
+           "), " + std::to_string(w.q_heads) + " heads";
+  }
+  const auto dims = [&](int64_t heads, int64_t len) {
+    return "(" + std::to_string(w.batch) + ", " + std::to_string(heads) + ", " + std::to_string(len) + ", " +
+           std::to_string(w.head_dim) + ")";
+  };
+  return dims(w.q_heads, w.q_len) + " x " + dims(w.kv_heads, w.kv_len);
+}
+
+// Forward FLOPs of one call. Attention: 4 B Hq Nq Nk d, halved when causal (DESIGN.md). Module:
+// the four projections (2 B N E^2 each) plus its attention.
+inline double forward_flops(const Workload& w) {
+  const double attention = 4.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_heads) *
+                           static_cast<double>(w.q_len) * static_cast<double>(w.kv_len) *
+                           static_cast<double>(w.head_dim) * (w.causal ? 0.5 : 1.0);
+  if (!w.is_module()) return attention;
+  const double embed = static_cast<double>(w.embed_dim());
+  const double projections = 4.0 * 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_len) * embed * embed;
+  return projections + attention;
+}
+
+// Bytes of K and V one call must read (float32): what bounds a decode step.
+inline double kv_bytes(const Workload& w) {
+  return 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.kv_heads) * static_cast<double>(w.kv_len) *
+         static_cast<double>(w.head_dim) * sizeof(float);
+}
+
+// The inputs of an attention workload, from fixed seeds.
+struct AttentionInputs {
+  Tensor q;  // (B, Hq, Nq, d)
+  Tensor k;  // (B, Hkv, Nk, d)
+  Tensor v;  // (B, Hkv, Nk, d)
+};
+
+inline AttentionInputs make_attention_inputs(const Workload& w) {
+  return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1),
+          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2),
+          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3)};
+}
+
+inline AttentionOptions make_attention_options(const Workload& w, Backend backend) {
+  AttentionOptions options;
+  if (w.causal) options.mask = Mask::causal();
+  options.backend = backend;
+  return options;
+}
+
+// The layer and input of a module workload, in eval mode (no dropout).
+struct ModuleInputs {
+  nn::MultiHeadAttention layer;
+  Tensor x;  // (B, N, embed_dim)
+};
+
+inline ModuleInputs make_module_inputs(const Workload& w) {
+  ModuleInputs inputs{nn::MultiHeadAttention(w.embed_dim(), w.q_heads, {.seed = 42}),
+                      Tensor::randn({w.batch, w.q_len, w.embed_dim()}, /*seed=*/1)};
+  inputs.layer.eval();
+  return inputs;
+}
+
+}  // namespace qkv::bench

@@ -1,0 +1,63 @@
+# Tests of the seeing-attention tools (`qkv viz`, `qkv memory`, `qkv scaling`), included from
+# tests/CMakeLists.txt when the tool is built. Small sizes: the whole set runs in a few seconds.
+#
+#   cli_tools_tests   GoogleTest on the drawing and arithmetic (tests/test_cli_tools.cpp)
+#   cli_*             the command line run for real by cli_tools_check.cmake: output files
+#                     exist and are valid, numbers match hand arithmetic, bad options fail clearly
+
+pkg_check_modules(CAIRO REQUIRED IMPORTED_TARGET cairo)
+find_package(fmt CONFIG REQUIRED)
+add_executable(cli_tools_tests test_cli_tools.cpp
+  ${PROJECT_SOURCE_DIR}/tools/qkv/plot.cpp ${PROJECT_SOURCE_DIR}/tools/qkv/analysis.cpp)
+target_include_directories(cli_tools_tests PRIVATE ${PROJECT_SOURCE_DIR}/tools/qkv)
+target_link_libraries(cli_tools_tests PRIVATE qkv::qkv PkgConfig::CAIRO fmt::fmt GTest::gtest_main)
+gtest_discover_tests(cli_tools_tests DISCOVERY_TIMEOUT 60)
+
+set(cli_out ${CMAKE_CURRENT_BINARY_DIR}/cli_tools)
+find_program(XMLLINT xmllint)
+
+# cli_test(name ARGS a|b|c [FILE path KIND png|svg|pdf] [EXPECT regex] [FAIL])
+# Runs `qkv a b c`; FAIL means a nonzero exit is expected (and EXPECT matches its stderr).
+function(cli_test name)
+  cmake_parse_arguments(arg "FAIL" "ARGS;FILE;KIND;EXPECT" "" ${ARGN})
+  add_test(NAME ${name} COMMAND ${CMAKE_COMMAND}
+    -DQKV=$<TARGET_FILE:qkv_cli> "-DARGS=${arg_ARGS}" -DFILE=${arg_FILE} -DKIND=${arg_KIND}
+    "-DEXPECT=${arg_EXPECT}" -DFAIL=${arg_FAIL} -DXMLLINT=${XMLLINT} -DWORK_DIR=${cli_out}
+    -P ${CMAKE_CURRENT_SOURCE_DIR}/cli_tools_check.cmake)
+  set_tests_properties(${name} PROPERTIES TIMEOUT 60)
+endfunction()
+
+# qkv viz: each format, each figure kind.
+cli_test(cli_viz_png ARGS "viz|--text|The cat sat on the mat|-o|${cli_out}/heads.png"
+  FILE ${cli_out}/heads.png KIND png EXPECT "9 panels, 6 tokens")
+cli_test(cli_viz_causal_svg ARGS "viz|--causal|--heads|2|--embed|16|-o|${cli_out}/causal.svg"
+  FILE ${cli_out}/causal.svg KIND svg EXPECT "3 panels")
+cli_test(cli_viz_pdf ARGS "viz|--heads|1|--embed|8|-o|${cli_out}/one.pdf" FILE ${cli_out}/one.pdf KIND pdf)
+cli_test(cli_viz_temperature ARGS "viz|--temperature|0.5,1,2|-o|${cli_out}/temperature.png"
+  FILE ${cli_out}/temperature.png KIND png EXPECT "3 panels")
+cli_test(cli_viz_compare_heads ARGS "viz|--compare-heads|1,8|--chars|--text|attend|-o|${cli_out}/compare.png"
+  FILE ${cli_out}/compare.png KIND png EXPECT "10 panels, 6 tokens")
+# Bad options: a clear message and a nonzero exit.
+cli_test(cli_viz_empty_text ARGS "viz|--text|   |-o|${cli_out}/x.png" FAIL EXPECT "--text is empty")
+cli_test(cli_viz_negative_heads ARGS "viz|--heads|-2|-o|${cli_out}/x.png" FAIL EXPECT "--heads must be positive, got -2")
+cli_test(cli_viz_bad_extension ARGS "viz|-o|${cli_out}/x.jpg" FAIL EXPECT "unknown extension '.jpg'; use .png, .svg or .pdf")
+cli_test(cli_viz_indivisible ARGS "viz|--heads|7|--embed|64" FAIL EXPECT "embed_dim \\(64\\) must be divisible by num_heads \\(7\\)")
+cli_test(cli_viz_bad_temperature ARGS "viz|--temperature|0,1" FAIL EXPECT "--temperature values must be positive")
+cli_test(cli_viz_model ARGS "viz|--model|m.qkv" FAIL EXPECT "not available until `qkv train` exists")
+
+# qkv memory: the course's GPT-3 case and an odd one, checked against arithmetic done here.
+cli_test(cli_memory_gpt3 ARGS "memory|--seq|2048|--layers|96|--heads|96|--batch|1|--dtype|f32"
+  EXPECT "MEMORY:2048:96:96:1:4")
+cli_test(cli_memory_f16 ARGS "memory|--seq|1000|--layers|3|--heads|5|--batch|2|--dtype|f16|--training"
+  EXPECT "MEMORY:1000:3:5:2:2")
+cli_test(cli_memory_negative ARGS "memory|--seq|-5" FAIL EXPECT "--seq must be positive, got -5")
+cli_test(cli_memory_bad_dtype ARGS "memory|--dtype|f8" FAIL EXPECT "unknown --dtype 'f8'")
+
+# qkv scaling: three tiny sizes, one timed call each.
+cli_test(cli_scaling ARGS "scaling|--min-seq|64|--max-seq|256|--heads|2|--head-dim|16|--repeats|1|-o|${cli_out}/scaling.svg"
+  FILE ${cli_out}/scaling.svg KIND svg EXPECT "log-log slopes.*scratch reference 2.00")
+cli_test(cli_scaling_budget ARGS "scaling|--min-seq|64|--max-seq|256|--max-mem|1K" FAIL
+  EXPECT "stopped before N = 64: it would need about .* over the 1 KiB budget")
+cli_test(cli_scaling_bad_range ARGS "scaling|--min-seq|512|--max-seq|256" FAIL EXPECT "--max-seq \\(256\\) must be at least --min-seq \\(512\\)")
+cli_test(cli_scaling_bad_max_mem ARGS "scaling|--max-mem|lots" FAIL EXPECT "--max-mem 'lots' is not a positive size")
+cli_test(cli_scaling_bad_extension ARGS "scaling|-o|${cli_out}/plot.gif" FAIL EXPECT "unknown extension '.gif'")

@@ -1,0 +1,115 @@
+// The formulas behind `qkv viz`, `qkv memory` and `qkv scaling`; see analysis.hpp.
+#include "analysis.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/core.h>
+
+#include "qkv/error.hpp"
+
+namespace qkv::cli {
+
+double row_entropy(const float* weights, int64_t n) {
+  double entropy = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double w = weights[j];
+    if (w > 0) entropy -= w * std::log(w);
+  }
+  return entropy;
+}
+
+PowerLawFit fit_power_law(const std::vector<double>& x, const std::vector<double>& y) {
+  // Ordinary least squares on (u, v) = (ln x, ln y): slope = cov(u, v) / var(u).
+  double sum_u = 0, sum_v = 0;
+  std::vector<double> us, vs;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+    if (!(x[i] > 0) || !(y[i] > 0)) continue;
+    us.push_back(std::log(x[i]));
+    vs.push_back(std::log(y[i]));
+    sum_u += us.back();
+    sum_v += vs.back();
+  }
+  PowerLawFit fit;
+  fit.points = static_cast<int>(us.size());
+  const double mean_u = sum_u / static_cast<double>(us.size()), mean_v = sum_v / static_cast<double>(vs.size());
+  double covariance = 0, variance = 0;
+  for (size_t i = 0; i < us.size(); ++i) {
+    covariance += (us[i] - mean_u) * (vs[i] - mean_v);
+    variance += (us[i] - mean_u) * (us[i] - mean_u);
+  }
+  if (us.size() < 2 || variance == 0) {
+    fit.slope = fit.intercept = std::numeric_limits<double>::quiet_NaN();
+    return fit;
+  }
+  fit.slope = covariance / variance;
+  fit.intercept = mean_v - fit.slope * mean_u;
+  return fit;
+}
+
+int64_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "f32" || dtype == "float32" || dtype == "fp32") return 4;
+  if (dtype == "f16" || dtype == "float16" || dtype == "fp16" || dtype == "bf16" || dtype == "bfloat16") return 2;
+  if (dtype == "f64" || dtype == "float64" || dtype == "fp64") return 8;
+  throw Error(fmt::format("unknown --dtype '{}': use f32 (4 bytes), f16 or bf16 (2 bytes), or f64 (8 bytes)", dtype));
+}
+
+namespace {
+// a * b, or a qkv::Error when it does not fit in int64.
+int64_t times(int64_t a, int64_t b) {
+  int64_t product = 0;
+  if (__builtin_mul_overflow(a, b, &product)) {
+    throw Error(fmt::format("the sizes are too large: {} x {} overflows a 64-bit count", a, b));
+  }
+  return product;
+}
+}  // namespace
+
+AttentionMemory attention_memory(const AttentionMemoryModel& m) {
+  const std::pair<const char*, int64_t> sizes[] = {{"--seq", m.seq},     {"--layers", m.layers},
+                                                   {"--heads", m.heads}, {"--batch", m.batch},
+                                                   {"--head-dim", m.head_dim}};
+  for (const auto& [name, value] : sizes) {
+    if (value <= 0) throw Error(fmt::format("{} must be positive, got {}", name, value));
+  }
+  AttentionMemory r;
+  r.matrix_elements = times(m.seq, m.seq);
+  r.matrix_bytes = times(r.matrix_elements, m.dtype_bytes);
+  r.layer_elements = times(times(m.batch, m.heads), r.matrix_elements);
+  r.layer_bytes = times(r.layer_elements, m.dtype_bytes);
+  r.model_elements = times(m.layers, r.layer_elements);
+  r.model_bytes = times(r.model_elements, m.dtype_bytes);
+  r.course_model_bytes = times(m.layers, r.matrix_bytes);
+  const int64_t rows = times(times(m.batch, m.heads), m.seq);  // one per (batch, head, query)
+  r.flash_layer_elements = times(rows, m.head_dim) + rows;      // output + log-sum-exp
+  r.flash_layer_bytes = times(r.flash_layer_elements, m.dtype_bytes);
+  r.flash_model_bytes = times(m.layers, r.flash_layer_bytes);
+  return r;
+}
+
+std::string group_thousands(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n);
+  for (int pos = static_cast<int>(digits.size()) - 3; pos > 0; pos -= 3) digits.insert(static_cast<size_t>(pos), 1, ',');
+  if (n < 0) digits.insert(digits.begin(), '-');
+  return digits;
+}
+
+std::string human_bytes(double bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int unit = 0;
+  while (std::abs(bytes) >= 1024 && unit < 6) {
+    bytes /= 1024;
+    ++unit;
+  }
+  if (unit == 0) return fmt::format("{:.0f} B", bytes);
+  // Whole numbers print without decimals (16 MiB), others with up to 3 significant decimals.
+  if (bytes == std::floor(bytes)) return fmt::format("{:.0f} {}", bytes, kUnits[unit]);
+  std::string text = fmt::format("{:.{}f}", bytes, bytes < 10 ? 2 : bytes < 100 ? 1 : 0);
+  if (text.find('.') != std::string::npos) {
+    while (text.back() == '0') text.pop_back();
+    if (text.back() == '.') text.pop_back();
+  }
+  return fmt::format("{} {}", text, kUnits[unit]);
+}
+
+}  // namespace qkv::cli
