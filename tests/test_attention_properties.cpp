@@ -25,7 +25,7 @@ AttentionResult attend(const Tensor& q, const Tensor& k, const Tensor& v, Backen
                        const Mask& mask = {}, bool need_weights = true) {
   AttentionOptions options;
   options.mask = mask;
-  options.need_weights = need_weights && backend != Backend::Flash;  // flash has no weights to give
+  options.need_weights = need_weights && (backend == Backend::Reference || backend == Backend::Auto);  // fused: none
   options.backend = backend;
   return qkv::scaled_dot_product_attention(q, k, v, options);
 }
@@ -68,7 +68,7 @@ TEST_P(AttentionProperties, WeightRowsSumToOne) {
   const Tensor keep = Tensor::from(keep_values, {B, H, Nq, Nk});
   const std::vector<int64_t> lengths{rng.integer(1, Nk), Nk};
   const Mask mask = Mask::keep(keep) & Mask::key_lengths(lengths);
-  if (GetParam() == Backend::Flash) GTEST_SKIP() << "Flash returns no weights";
+  if (GetParam() == Backend::Flash || GetParam() == Backend::Decode) GTEST_SKIP() << "fused kernels return no weights";
   const std::vector<float> weights = attend(q, k, v, GetParam(), mask).weights.to_vector();
   ASSERT_EQ(weights.size(), keep_values.size());
   int64_t empty_rows = 0, full_rows = 0;
@@ -145,7 +145,7 @@ TEST_P(AttentionProperties, PermutationEquivariance) {
   const AttentionResult by_key = attend(q, permute_rows(k, k_order), permute_rows(v, k_order), GetParam());
   EXPECT_LE(qkv_test::max_rel_diff(by_key.output, base.output), 1e-5);
   EXPECT_LE(qkv_test::max_rel_diff(by_key.lse, base.lse), 1e-5);
-  if (GetParam() != Backend::Flash)
+  if (GetParam() == Backend::Reference || GetParam() == Backend::Auto)
     EXPECT_LE(qkv_test::max_rel_diff(by_key.weights, permute_columns(base.weights, k_order)), 1e-5);
 }
 
@@ -268,7 +268,7 @@ TEST_P(AttentionProperties, NaNQueryIsNotAnEmptyRow) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionProperties,
-                         ::testing::Values(Backend::Reference, Backend::Auto, Backend::Flash),
+                         ::testing::Values(Backend::Reference, Backend::Auto, Backend::Flash, Backend::Decode),
                          [](const ::testing::TestParamInfo<Backend>& info) {
                            return std::string(qkv::to_string(info.param));
                          });

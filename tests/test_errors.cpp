@@ -158,17 +158,16 @@ TEST(Errors, DropoutProbability) {
               HasSubstr(kCore + "dropout_p must be in [0, 1), got "));
 }
 
-// A kernel that does not exist yet says so instead of silently running another one, and the
-// fused kernel refuses to pretend it has weights to return.
+// The fused kernels refuse to pretend they have weights to return.
 TEST(Errors, BackendsThatCannotServe) {
   const Shape s{1, 2, 4, 8};
-  AttentionOptions decode;
-  decode.backend = Backend::Decode;
-  EXPECT_THAT(sdpa_error(s, s, s, decode), HasSubstr("backend Decode is not built yet"));
-  AttentionOptions flash_with_weights;
-  flash_with_weights.backend = Backend::Flash;
-  flash_with_weights.need_weights = true;
-  EXPECT_THAT(sdpa_error(s, s, s, flash_with_weights), HasSubstr("backend Flash never materialises the weights"));
+  for (Backend fused : {Backend::Flash, Backend::Decode}) {
+    AttentionOptions with_weights;
+    with_weights.backend = fused;
+    with_weights.need_weights = true;
+    EXPECT_THAT(sdpa_error(s, s, s, with_weights),
+                HasSubstr("backend " + std::string(qkv::to_string(fused)) + " never materialises the weights"));
+  }
 }
 
 // nn module construction: heads must divide the embedding, kv heads must divide the heads.

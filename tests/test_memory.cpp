@@ -79,9 +79,9 @@ TEST(Memory, IntoReusesResultAndWorkspaces) {
   qkv_test::Random random;
   SCOPED_TRACE(random.note());
   const Tensor q = random.randn({2, 4, 37, 24}), k = random.randn({2, 2, 53, 24}), v = random.randn({2, 2, 53, 20});
-  for (Backend backend : {Backend::Flash, Backend::Reference}) {
+  for (Backend backend : {Backend::Flash, Backend::Decode, Backend::Reference}) {
     for (bool need_weights : {false, true}) {
-      if (backend == Backend::Flash && need_weights) continue;
+      if (backend != Backend::Reference && need_weights) continue;
       AttentionOptions options;
       options.backend = backend;
       options.need_weights = need_weights;

@@ -14,10 +14,10 @@
 namespace qkv {
 
 enum class Backend {
-  Auto,       // Flash, or Reference when the weights are wanted
+  Auto,       // Decode for few queries (<= 64) over many keys, else Flash; Reference for weights
   Reference,  // the textbook algorithm, scores materialised: the oracle of every test
   Flash,      // tiled, online softmax, SIMD + threads, never an n x n matrix; no weights
-  Decode,     // few queries against a long KV cache, keys split across threads (not built yet)
+  Decode,     // few queries against a long KV cache, keys split across threads; no weights
 };
 std::string_view to_string(Backend backend);
 std::ostream& operator<<(std::ostream& os, Backend backend);

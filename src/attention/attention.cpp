@@ -173,14 +173,9 @@ void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const T
     terms.push_back(term_view(term, packed_terms.back(), qd, kd.len, scores_shape));
   }
 
-  // ---- backend: Auto takes the fused kernel unless the weights are wanted, which only the
-  // reference materialises.
-  Backend backend = options.backend;
-  if (backend == Backend::Auto) backend = options.need_weights ? Backend::Reference : Backend::Flash;
-  if (backend == Backend::Flash && options.need_weights)
-    fail("backend Flash never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
-  if (backend == Backend::Decode)
-    fail("backend Decode is not built yet; use Backend::Auto, Backend::Flash or Backend::Reference");
+  if ((options.backend == Backend::Flash || options.backend == Backend::Decode) && options.need_weights)
+    fail("backend " + std::string(to_string(options.backend)) +
+         " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
 
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   prepare_output(result.output, "output", with({qd.len, vd.dim}), q, k, v);
@@ -202,10 +197,21 @@ void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const T
       .weights = options.need_weights ? result.weights.data() : nullptr,
       .lse = result.lse.data(),
   };
-  if (backend == Backend::Flash) {
-    detail::flash_attention(problem);
-  } else {
-    detail::reference_attention(problem);
+  // ---- dispatch, in one place: only the reference materialises weights; of the fused kernels,
+  // decode serves few queries against many keys, flash the rest.
+  Backend backend = options.backend;
+  if (backend == Backend::Auto) {
+    if (options.need_weights) {
+      backend = Backend::Reference;
+    } else {
+      backend = detail::decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
+    }
+  }
+  switch (backend) {
+    case Backend::Reference: detail::reference_attention(problem); break;
+    case Backend::Flash: detail::flash_attention(problem); break;
+    case Backend::Decode: detail::decode_attention(problem); break;
+    case Backend::Auto: break;  // resolved above
   }
 }
 

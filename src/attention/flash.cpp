@@ -413,9 +413,6 @@ HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(CompiledTarget);
 
-// About 100 us of one core's arithmetic: below this, one thread beats two.
-constexpr double kMinFlopsToThread = 1 << 23;
-
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
@@ -426,9 +423,7 @@ void flash_attention(const AttentionProblem& problem) {
 
   // Per-worker scratch, sized up front: each block a whole number of cache lines, 64-byte
   // aligned, so workers never share a line and the hot loop never allocates.
-  // A problem too small to pay for waking the other threads (a decode step, a short MHA call)
-  // runs on the calling thread alone: a fork and join costs microseconds on an idle machine
-  // and a scheduler time slice on a busy one, more than such a problem's arithmetic.
+  // A problem too small to pay for waking the other threads runs on the calling thread.
   const double flops = 4.0 * static_cast<double>(items) * static_cast<double>(br) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim) / 2;
   const int threads = flops < kMinFlopsToThread ? 1 : omp_get_max_threads();

@@ -13,4 +13,17 @@ void reference_attention(const AttentionProblem& problem);
 // (src/attention/flash.cpp). Writes output and lse; problem.weights must be nullptr.
 void flash_attention(const AttentionProblem& problem);
 
+// Few queries against a long KV cache: keys split into chunks across threads, partials merged
+// (src/attention/decode.cpp). Writes output and lse; problem.weights must be nullptr.
+void decode_attention(const AttentionProblem& problem);
+// Auto's choice between the two fused kernels: true when decode is expected to beat flash
+// (few queries, and enough key chunks to keep every thread busy).
+bool decode_is_faster(const AttentionProblem& problem);
+
+// Below about 100 us of one core's arithmetic, a kernel runs on the calling thread alone: a
+// parallel region's fork and join costs microseconds on an idle machine and a scheduler time
+// slice on a busy one, more than such a problem's work (a short MHA call, one decode step of a
+// small model).
+constexpr double kMinFlopsToThread = 1 << 23;
+
 }  // namespace qkv::detail

@@ -1,0 +1,636 @@
+// The decode kernel: softmax(Q K^T * scale + mask) V for a few queries against a long KV cache
+// (generation time: Nq = 1 or a few, Nk in the thousands), split over the keys as in
+// FlashDecoding and ggml's split-KV flash_attn_ext. Same semantics as reference.cpp, dropout
+// included; writes output and lse, never weights.
+//
+// Work. One item is (batch b, key/value head g, key chunk c). Its rows are every query of every
+// query head of g's group: R = G x Nq rows with G = Hq / Hkv, row r = (query head g G + r / Nq,
+// query r % Nq), so an item's rows are contiguous in q, output and lse. An item runs an online
+// softmax over the keys of its chunk and leaves, per row, a partial triple: running max m_c,
+// sum l_c and unnormalised output o_c (Dv). A second pass merges the chunks of each row:
+//   m = max_c m_c,   l = sum_c l_c exp(m_c - m),   o = sum_c o_c exp(m_c - m),
+//   output = o / l,  lse = m + log l.
+// A chunk that saw no key leaves m_c = -inf, l_c = 0, o_c = 0 and adds exactly 0; a row that no
+// chunk saw (m = -inf) gets output 0 and lse = -inf, never NaN. When (b, g) has a single chunk
+// its item writes the final output and lse itself and there is nothing to merge.
+//
+// Memory traffic. Decode is memory-bound: each key brings Dk + Dv floats from DRAM for
+// 2 R (Dk + Dv) flops, i.e. R / 2 flops per byte, where a Zen 5 core does ~300 GFLOP/s but
+// streams ~20 GB/s. So everything serves one goal, read K and V from DRAM exactly once:
+//   - all R rows of a group (every query head sharing the K/V head, every query) run against
+//     each K/V tile while it sits in L1, so grouped-query heads do not multiply the traffic;
+//   - K and V are read in place, never packed, and prefetched into L2 kPrefetchKeys ahead so
+//     DRAM misses overlap the arithmetic; keys that the band or the key lengths hide from every
+//     row of an item are never read;
+//   - the rest is small: Q (R x Dk) and the output (R x Dv) once per item, and the partials,
+//     R x (Dv + 2) floats per chunk written once and read once by the merge, which ChunkKeys
+//     keeps below 1 / (2 kMinKeysPerPartialRow) of the chunk's K/V bytes.
+// Total: B Hkv Nk (Dk + Dv) floats of K and V, plus B Hq Nq (Dk + Dv) of Q and output, plus the
+// partials. W4 (B=1 H=32 d=128, Nq=1, Nk=8192): 268 MB of K/V against 0.27 MB of partials.
+//
+// Per item and per tile of Bc keys (rows in blocks of at most kRowBlock):
+//   1. S = Qs K_tile^T (rows x Bc), Qs = scale * Q packed once per item. Vectorised along Dk:
+//      a register tile of kScoreRows rows x kScoreKeys keys, each accumulator a vector of
+//      partial dot products summed across lanes at the end (K rows are contiguous in Dk).
+//   2. Masks: the band and key lengths as a per-row key range (a tile every row fully sees does
+//      no mask work), tensor terms per element.
+//   3. Online softmax per row, vectorised along the keys of the tile.
+//   4. Dropout, as the reference.
+//   5. O += P V_tile (rows x Dv). Vectorised along Dv: a register tile of kValueRows rows x
+//      kValueVectors vectors, "broadcast a weight, load a row of V".
+//
+// Highway's foreach_target re-includes this file once per SIMD target (see flash.cpp); the
+// threading, the merge and the exported entry point live in the HWY_ONCE part below.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "attention/decode.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+#ifndef QKV_ATTENTION_DECODE_ONCE
+#define QKV_ATTENTION_DECODE_ONCE
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "attention/kernels.hpp"
+#include "attention/problem.hpp"
+
+namespace qkv::detail::decode {
+
+// Bc, keys per tile: the score tile S (kRowBlock x Bc) stays in L1 next to the K and V tiles
+// being streamed (Bc x d floats each, 32 KB at d = 128), and the per-tile softmax bookkeeping
+// (a max, a sum and possibly a rescale of O per row) is amortised over Bc keys. A multiple of
+// kScoreKeys and of every target's lane count.
+constexpr size_t kKeyTile = 64;
+
+// How far ahead of the keys being computed K and V are prefetched, in keys. The hardware
+// prefetcher alone leaves a core waiting on DRAM while it computes (W4 on one Zen 5 core: 0.5 x
+// memcpy); a software prefetch into L2 this far ahead keeps misses in flight during the
+// arithmetic (0.77 x memcpy). 32 keys = 32 KB of K and V at d = 128; measured against 64, 128
+// and 256 keys and against prefetching into L1, which all ran slower.
+constexpr int64_t kPrefetchKeys = 32;
+
+// Rows (query heads x queries of one group) run together against a K/V tile. Their Qs and O
+// (kRowBlock x d each) and S stay in L1/L2: 32 x (128 + 64 + 128) floats = 40 KB at d = 128.
+// A group with more rows (large GQA groups times several queries) takes several row blocks per
+// chunk, the later ones reading the chunk again from L2 (see kChunkKeys).
+constexpr size_t kRowBlock = 32;
+
+// Keys per chunk, the unit of parallel work. Small enough that a single head splits over the
+// workers (8192 keys: 16 chunks) and that one chunk's K and V, 512 x (128 + 128) floats = 512 KB
+// at d = 128, stay in Zen 5's 1 MB L2 for the row blocks after the first; large enough that a
+// chunk's partials and per-item setup are noise next to its K/V bytes (measured on Zen 5, W4:
+// 2048 ran ~10% slower than 512).
+constexpr int64_t kChunkKeys = 512;
+
+// A chunk has at least this many keys per row, so its partials (R x (Dv + 2) floats, written
+// and read once more by the merge) stay a small fraction of its K/V traffic
+// (keys x (Dk + Dv) floats) however many rows a group has.
+constexpr int64_t kMinKeysPerPartialRow = 16;
+
+constexpr size_t kCacheLineFloats = 64 / sizeof(float);
+constexpr size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// How a problem is cut into items, shared by the items and the merge.
+struct Plan {
+  int64_t group;       // G = Hq / Hkv, query heads per key/value head
+  int64_t rows;        // R = G x Nq, rows per item
+  int64_t chunk_keys;  // keys per chunk, a multiple of kKeyTile
+  int64_t chunks;      // chunks per (b, g), at least 1
+  size_t q_stride;     // floats between rows of the packed Qs (Dk, cache-line rounded)
+  size_t out_stride;   // floats between rows of O (Dv, cache-line rounded)
+
+  explicit Plan(const AttentionProblem& p)
+      : group(p.q_heads / p.kv_heads),
+        rows(group * p.q_len),
+        chunk_keys(static_cast<int64_t>(
+            round_up(static_cast<size_t>(std::max(kChunkKeys, kMinKeysPerPartialRow * rows)), kKeyTile))),
+        chunks(std::max<int64_t>(1, (p.kv_len + chunk_keys - 1) / chunk_keys)),
+        q_stride(round_up(static_cast<size_t>(p.head_dim), kCacheLineFloats)),
+        out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)) {}
+};
+
+// One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on its
+// own cache line.
+struct ScratchLayout {
+  size_t q, scores, out, running_max, row_sum, total;
+
+  explicit ScratchLayout(const Plan& plan) {
+    size_t at = 0;
+    auto take = [&](size_t floats) {
+      const size_t start = at;
+      at += round_up(floats, kCacheLineFloats);
+      return start;
+    };
+    q = take(kRowBlock * plan.q_stride);    // Qs (rows, Dk), scaled
+    scores = take(kRowBlock * kKeyTile);     // S then P (rows, Bc)
+    out = take(kRowBlock * plan.out_stride);  // O (rows, Dv), unnormalised
+    running_max = take(kRowBlock);           // per row: m
+    row_sum = take(kRowBlock);               // per row: l
+    total = at;
+  }
+};
+
+// Where the items leave their partials when (b, g) has several chunks: row r of chunk c of
+// (b, g) at index ((b Hkv + g) chunks + c) R + r of max and sum, times Dv for out.
+struct Partials {
+  float* max;
+  float* sum;
+  float* out;
+};
+
+}  // namespace qkv::detail::decode
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+using decode::kKeyTile;
+using decode::kRowBlock;
+
+// Register tiles. AVX-512 has 32 vector registers: scores 4 x 4 = 16 accumulators + 4 K + 4 Q
+// loads = 24; values 4 x 4 = 16 accumulators + 4 V loads + 1 broadcast = 21. The 16-register
+// targets halve the rows: 8 + 4 + 2 = 14 and 8 + 4 + 1 = 13.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr size_t kScoreRows = 4;
+constexpr size_t kValueRows = 4;
+#else
+constexpr size_t kScoreRows = 2;
+constexpr size_t kValueRows = 2;
+#endif
+constexpr size_t kScoreKeys = 4;
+constexpr size_t kValueVectors = 4;
+static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
+
+// Calls body(std::integral_constant<size_t, n>()) for a run-time 1 <= n <= Max, so the
+// remainder of a register tile gets its own fully unrolled instance.
+template <size_t Max, class Body>
+HWY_INLINE void WithConstant(size_t n, const Body& body) {
+  if constexpr (Max >= 1) {
+    if (n == Max) return body(std::integral_constant<size_t, Max>());
+    WithConstant<Max - 1>(n, body);
+  }
+}
+
+// Prefetches the cache lines of [begin, end) into L2 (locality hint 2: prefetcht1 on x86).
+HWY_INLINE void PrefetchRange(const float* begin, const float* end) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
+  for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(end); line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+}
+
+// ---- Step 1's register tile: s[r * kKeyTile + x] = sum_d q[r * q_stride + d] keys[x][d] for
+// Rows rows and kScoreKeys keys. Vectors over the first `full` dims (a whole number of vectors),
+// then a scalar tail up to dk: K rows are read in place and must not be read past their end.
+template <size_t Rows>
+HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, size_t q_stride,
+                          const float* const* keys, float* HWY_RESTRICT s) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF acc[Rows][kScoreKeys];
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t x = 0; x < kScoreKeys; ++x) acc[r][x] = hn::Zero(df);
+  }
+  for (size_t d = 0; d < full; d += lanes) {
+    VF key_vec[kScoreKeys];
+    HWY_UNROLL(16)
+    for (size_t x = 0; x < kScoreKeys; ++x) key_vec[x] = hn::LoadU(df, keys[x] + d);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < Rows; ++r) {
+      const VF q_vec = hn::Load(df, q + r * q_stride + d);
+      HWY_UNROLL(16)
+      for (size_t x = 0; x < kScoreKeys; ++x) acc[r][x] = hn::MulAdd(q_vec, key_vec[x], acc[r][x]);
+    }
+  }
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t x = 0; x < kScoreKeys; ++x) {
+      float dot = hn::GetLane(hn::SumOfLanes(df, acc[r][x]));
+      for (size_t d = full; d < dk; ++d) dot += q[r * q_stride + d] * keys[x][d];
+      s[r * kKeyTile + x] = dot;
+    }
+  }
+}
+
+// ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
+// v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns.
+template <size_t Rows, size_t Vectors>
+HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const float* HWY_RESTRICT v, size_t dv,
+                          float* HWY_RESTRICT o, size_t o_stride) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF acc[Rows][Vectors];
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::Load(df, o + r * o_stride + n * lanes);
+  }
+  for (size_t j = 0; j < cols; ++j) {
+    VF v_vec[Vectors];
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = hn::LoadU(df, v + j * dv + n * lanes);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < Rows; ++r) {
+      const VF weight = hn::Set(df, p[r * kKeyTile + j]);  // broadcast, folded into the FMA
+      HWY_UNROLL(16)
+      for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::MulAdd(weight, v_vec[n], acc[r][n]);
+    }
+  }
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) hn::Store(acc[r][n], df, o + r * o_stride + n * lanes);
+  }
+}
+
+// True when none of the `count` values is NaN or +-Inf.
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF inf = hn::Set(df, std::numeric_limits<float>::infinity());
+  size_t n = 0;
+  for (; n + lanes <= count; n += lanes)  // |x| < inf is false for NaN and +-Inf
+    if (!hn::AllTrue(df, hn::Lt(hn::Abs(hn::LoadU(df, values + n)), inf))) return false;
+  for (; n < count; ++n)
+    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
+  return true;
+}
+
+// One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys
+// [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`.
+void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0,
+                       size_t rows, int64_t chunk_begin, int64_t chunk_end, float* HWY_RESTRICT scratch) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const size_t full_dk = dk / lanes * lanes, full_dv = dv / lanes * lanes;
+  const int64_t nq = p.q_len;
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+  const decode::ScratchLayout layout(plan);
+  float* HWY_RESTRICT q_s = scratch + layout.q;
+  float* HWY_RESTRICT scores = scratch + layout.scores;
+  float* HWY_RESTRICT out = scratch + layout.out;
+  float* HWY_RESTRICT running_max = scratch + layout.running_max;
+  float* HWY_RESTRICT row_sum = scratch + layout.row_sum;
+
+  const int64_t bg = b * p.kv_heads + g;
+  const int64_t first_head = g * plan.group;
+  const float* HWY_RESTRICT q_rows = p.q + ((b * p.q_heads + first_head) * nq + r0) * static_cast<int64_t>(dk);
+  const float* HWY_RESTRICT k_head = p.k + bg * p.kv_len * static_cast<int64_t>(dk);
+  const float* HWY_RESTRICT v_head = p.v + bg * p.kv_len * static_cast<int64_t>(dv);
+
+  // ---- Set up: O = 0, running max -inf, sums 0; the key range [begin, end) that some row of the
+  // block sees within the chunk, and the range every row sees (a tile inside it needs no band
+  // work).
+  std::fill_n(out, rows * plan.out_stride, 0.0f);
+  std::fill_n(running_max, rows, kMinusInf);
+  std::fill_n(row_sum, rows, 0.0f);
+  int64_t begin = chunk_end, end = chunk_begin;
+  int64_t all_begin = chunk_begin, all_end = chunk_end;
+  for (size_t r = 0; r < rows; ++r) {
+    const int64_t i = (r0 + static_cast<int64_t>(r)) % nq;
+    const int64_t first = p.first_visible_key(i), last = p.last_visible_key(b, i);
+    begin = std::min(begin, std::max(first, chunk_begin));
+    end = std::max(end, std::min(last, chunk_end));
+    all_begin = std::max(all_begin, first);
+    all_end = std::min(all_end, last);
+  }
+  if (begin >= end) return;  // the chunk is hidden from every row: K and V are never read
+
+  // Qs = scale * Q, packed once per pass (not per tile).
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t d = 0; d < dk; ++d) q_s[r * plan.q_stride + d] = p.scale * q_rows[r * dk + d];
+
+  const VF minus_inf = hn::Set(df, kMinusInf);
+  const float survivor_scale = p.dropout_p > 0 ? 1.0f / (1.0f - p.dropout_p) : 1.0f;
+
+  for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
+    const int64_t j_end = j0 + static_cast<int64_t>(cols);
+    const float* HWY_RESTRICT k_tile = k_head + j0 * static_cast<int64_t>(dk);
+    const float* HWY_RESTRICT v_tile = v_head + j0 * static_cast<int64_t>(dv);
+
+    // 1. S = Qs K_tile^T, keys outer so the kScoreKeys K rows are reused from L1 by every row
+    // block. Past the tile's last key the pointers repeat that key: the tile stays whole and
+    // those columns are overwritten with -inf below.
+    for (size_t j = 0; j < cols; j += kScoreKeys) {
+      // K and V of the keys kPrefetchKeys ahead, within what this pass reads.
+      const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys;
+      if (ahead < end) {
+        const int64_t ahead_end = std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end);
+        PrefetchRange(k_head + ahead * static_cast<int64_t>(dk), k_head + ahead_end * static_cast<int64_t>(dk));
+        PrefetchRange(v_head + ahead * static_cast<int64_t>(dv), v_head + ahead_end * static_cast<int64_t>(dv));
+      }
+      const float* keys[kScoreKeys];
+      for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = k_tile + std::min(j + x, cols - 1) * dk;
+      for (size_t r = 0; r < rows; r += kScoreRows) {
+        WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
+          ScoreTile<decltype(tile_rows)::value>(dk, full_dk, q_s + r * plan.q_stride, plan.q_stride, keys,
+                                                scores + r * kKeyTile + j);
+        });
+      }
+    }
+    for (size_t r = 0; r < rows; ++r) std::fill(scores + r * kKeyTile + cols, scores + (r + 1) * kKeyTile, kMinusInf);
+
+    // 2. Masks. Band and key lengths: each row hides the keys of the tile outside its range,
+    // unless every row sees the whole tile.
+    if (!(all_begin <= j0 && j_end <= all_end)) {
+      for (size_t r = 0; r < rows; ++r) {
+        const int64_t i = (r0 + static_cast<int64_t>(r)) % nq;
+        const int64_t lo = std::clamp<int64_t>(p.first_visible_key(i) - j0, 0, static_cast<int64_t>(cols));
+        const int64_t hi = std::clamp<int64_t>(p.last_visible_key(b, i) - j0, lo, static_cast<int64_t>(cols));
+        float* s = scores + r * kKeyTile;
+        std::fill(s, s + lo, kMinusInf);
+        std::fill(s + hi, s + cols, kMinusInf);
+      }
+    }
+    // Tensor terms, in the reference's order (after the band): keep 0 hides, additive adds.
+    for (const MaskTermView& term : p.terms) {
+      for (size_t r = 0; r < rows; ++r) {
+        const int64_t row = r0 + static_cast<int64_t>(r);
+        const float* values = term.data + b * term.stride_b + (first_head + row / nq) * term.stride_h +
+                              (row % nq) * term.stride_q + j0 * term.stride_k;
+        float* s = scores + r * kKeyTile;
+        for (size_t j = 0; j < cols; ++j) {
+          const float value = values[static_cast<int64_t>(j) * term.stride_k];
+          if (term.additive) {
+            s[j] = value == kMinusInf ? kMinusInf : s[j] + value;  // -inf hides even a NaN score
+          } else if (value == 0.0f) {
+            s[j] = kMinusInf;
+          }
+        }
+      }
+    }
+
+    // 3. Online softmax, one row at a time, vectorised along the tile's keys (ggml's
+    // flash_attn_ext; flash.cpp does the same with queries in the lanes).
+    for (size_t r = 0; r < rows; ++r) {
+      float* HWY_RESTRICT s = scores + r * kKeyTile;
+      // 3a. The tile's max for this row. Max and Exp drop NaN, so a NaN score (a NaN in q or k)
+      // makes the running max NaN instead, which then poisons the row's sum and output, as the
+      // reference's softmax does (std::max keeps its NaN first argument, exp(NaN) is NaN).
+      VF max_vec = minus_inf;
+      auto nan_mask = hn::IsNaN(minus_inf);
+      for (size_t j = 0; j < kKeyTile; j += lanes) {
+        const VF score = hn::Load(df, s + j);
+        max_vec = hn::Max(max_vec, score);
+        nan_mask = hn::Or(nan_mask, hn::IsNaN(score));
+      }
+      const float old_max = running_max[r];
+      const float new_max = hn::AllFalse(df, nan_mask)
+                                ? std::max(old_max, hn::GetLane(hn::MaxOfLanes(df, max_vec)))
+                                : std::numeric_limits<float>::quiet_NaN();
+      // 3b. A row that has seen no visible key yet keeps max -inf and is exponentiated against 0
+      // instead: its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
+      const float safe_max = new_max == kMinusInf ? 0.0f : new_max;
+      // 3c. exp(old - new) <= 1 moves what was accumulated to the new max: exactly 1 when the max
+      // did not grow (O is left alone), 0 when nothing was seen before.
+      const float factor = std::exp(old_max - safe_max);
+      running_max[r] = new_max;
+      if (factor != 1.0f) {
+        const VF factor_vec = hn::Set(df, factor);
+        float* HWY_RESTRICT o = out + r * plan.out_stride;
+        for (size_t c = 0; c < plan.out_stride; c += lanes) hn::Store(hn::Mul(hn::Load(df, o + c), factor_vec), df, o + c);
+      }
+      // 3d. P = exp(S - max) in place (hidden keys, -inf, give exactly 0) and its sum; every
+      // visible key counts, dropped or not (dropout acts on the normalised weights).
+      const VF max_broadcast = hn::Set(df, safe_max);
+      VF sum_vec = hn::Zero(df);
+      for (size_t j = 0; j < kKeyTile; j += lanes) {
+        const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s + j), max_broadcast));
+        hn::Store(weight, df, s + j);
+        sum_vec = hn::Add(sum_vec, weight);
+      }
+      row_sum[r] = row_sum[r] * factor + hn::GetLane(hn::SumOfLanes(df, sum_vec));
+    }
+
+    // 4. Dropout, as the reference: a kept weight is scaled by 1 / (1 - p), a dropped one is 0.
+    // Scaling the unnormalised exp(s - m) is the same as scaling exp(s - m) / l at the end.
+    if (p.dropout_p > 0) {
+      for (size_t r = 0; r < rows; ++r) {
+        const int64_t row = r0 + static_cast<int64_t>(r);
+        float* s = scores + r * kKeyTile;
+        for (size_t j = 0; j < cols; ++j)
+          s[j] = dropout_keeps(p, b, first_head + row / nq, row % nq, j0 + static_cast<int64_t>(j))
+                     ? s[j] * survivor_scale
+                     : 0.0f;
+      }
+    }
+
+    // 5. O += P V_tile: column blocks outer, so a block of V's columns (cols x kValueVectors
+    // vectors) is reused from L1 by every row block; then the columns past the last whole vector.
+    // A key some row cannot see has weight 0 there, and 0 * NaN is NaN: if such a tile's values
+    // hold NaN or Inf (a KV cache's unwritten slots), skip the zero weights instead.
+    const bool some_hidden = !(all_begin <= j0 && j_end <= all_end) || !p.terms.empty() || p.dropout_p > 0;
+    if (some_hidden && !AllFinite(v_tile, cols * dv)) {
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t j = 0; j < cols; ++j) {
+          const float weight = scores[r * kKeyTile + j];
+          if (weight == 0.0f) continue;
+          for (size_t c = 0; c < dv; ++c) out[r * plan.out_stride + c] += weight * v_tile[j * dv + c];
+        }
+      continue;
+    }
+    for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
+      const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
+      for (size_t r = 0; r < rows; r += kValueRows) {
+        WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
+          WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
+            ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
+                cols, scores + r * kKeyTile, v_tile + c, dv, out + r * plan.out_stride + c, plan.out_stride);
+          });
+        });
+      }
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      const float* HWY_RESTRICT weights = scores + r * kKeyTile;
+      float* HWY_RESTRICT o = out + r * plan.out_stride;
+      for (size_t c = full_dv; c < dv; ++c) {
+        float sum = o[c];
+        for (size_t j = 0; j < cols; ++j) sum += weights[j] * v_tile[j * dv + c];
+        o[c] = sum;
+      }
+    }
+  }
+}
+
+// One work item: every row of group g of batch b against chunk `chunk`. With one chunk per
+// (b, g) it writes the final output and lse; with several it leaves its partials for the merge.
+// `scratch` is this worker's block, laid out by decode::ScratchLayout.
+void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t chunk,
+                 const decode::Partials& partials, float* HWY_RESTRICT scratch) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t dv = static_cast<size_t>(p.value_dim);
+  const decode::ScratchLayout layout(plan);
+  const float* HWY_RESTRICT out = scratch + layout.out;
+  const float* HWY_RESTRICT running_max = scratch + layout.running_max;
+  const float* HWY_RESTRICT row_sum = scratch + layout.row_sum;
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+  const int64_t chunk_begin = chunk * plan.chunk_keys;
+  const int64_t chunk_end = std::min(p.kv_len, chunk_begin + plan.chunk_keys);
+  const int64_t bg = b * p.kv_heads + g;
+  const int64_t first_row = (b * p.q_heads + g * plan.group) * p.q_len;  // in (B, Hq, Nq)
+
+  for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
+    const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
+    RowBlockOverChunk(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+
+    if (plan.chunks == 1) {
+      // ---- Finish: output = O / l and lse = max + log(l); a row that saw no key has l = 0 and
+      // gets zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard).
+      for (size_t r = 0; r < rows; ++r) {
+        const int64_t row = first_row + r0 + static_cast<int64_t>(r);
+        const float sum = row_sum[r];
+        const float inverse_sum = sum == 0.0f ? 0.0f : 1.0f / sum;
+        const VF inverse_vec = hn::Set(df, inverse_sum);
+        const float* HWY_RESTRICT o = out + r * plan.out_stride;
+        float* HWY_RESTRICT dst = p.output + row * static_cast<int64_t>(dv);
+        size_t c = 0;
+        for (; c + lanes <= dv; c += lanes) hn::StoreU(hn::Mul(hn::Load(df, o + c), inverse_vec), df, dst + c);
+        for (; c < dv; ++c) dst[c] = o[c] * inverse_sum;
+        p.lse[row] = sum == 0.0f ? kMinusInf : running_max[r] + std::log(sum);
+      }
+    } else {
+      // ---- Leave the partials (m, l, o) of each row for the merge.
+      const int64_t slot = (bg * plan.chunks + chunk) * plan.rows + r0;
+      std::copy_n(running_max, rows, partials.max + slot);
+      std::copy_n(row_sum, rows, partials.sum + slot);
+      for (size_t r = 0; r < rows; ++r)
+        std::copy_n(out + r * plan.out_stride, dv, partials.out + (slot + static_cast<int64_t>(r)) * static_cast<int64_t>(dv));
+    }
+  }
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <omp.h>
+
+#include "memory.hpp"
+
+namespace qkv::detail {
+
+HWY_EXPORT(DecodeChunk);
+
+namespace {
+
+// The merge of one row's chunks (row r of (b, g) = bg): m = max m_c, l = sum l_c exp(m_c - m),
+// o = sum o_c exp(m_c - m); output = o / l, lse = m + log l. A chunk that saw nothing has
+// m_c = -inf, l_c = 0, o_c = 0 and weighs exp(-inf) = 0; a row no chunk saw gets 0 and -inf.
+void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode::Partials& partials, int64_t bg,
+               int64_t r) {
+  const int64_t dv = p.value_dim;
+  const int64_t b = bg / p.kv_heads, g = bg % p.kv_heads;
+  const int64_t row = (b * p.q_heads + g * plan.group) * p.q_len + r;  // in (B, Hq, Nq)
+  float* out = p.output + row * dv;
+  auto slot = [&](int64_t chunk) { return (bg * plan.chunks + chunk) * plan.rows + r; };
+
+  float row_max = -std::numeric_limits<float>::infinity();
+  bool saw_nan = false;  // a chunk saw a NaN score: the row is NaN, as in the reference
+  for (int64_t c = 0; c < plan.chunks; ++c) {
+    row_max = std::max(row_max, partials.max[slot(c)]);
+    saw_nan = saw_nan || std::isnan(partials.max[slot(c)]);
+  }
+  if (saw_nan) {
+    std::fill_n(out, dv, std::numeric_limits<float>::quiet_NaN());
+    p.lse[row] = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  if (row_max == -std::numeric_limits<float>::infinity()) {
+    std::fill_n(out, dv, 0.0f);
+    p.lse[row] = row_max;
+    return;
+  }
+  float row_sum = 0;
+  std::fill_n(out, dv, 0.0f);
+  for (int64_t c = 0; c < plan.chunks; ++c) {
+    const float weight = std::exp(partials.max[slot(c)] - row_max);  // 0 for a chunk that saw nothing
+    if (weight == 0.0f) continue;
+    row_sum += partials.sum[slot(c)] * weight;
+    const float* o = partials.out + slot(c) * dv;
+    for (int64_t x = 0; x < dv; ++x) out[x] += o[x] * weight;
+  }
+  // row_sum >= 1: the chunk holding the row's max contributes exp(0) = 1.
+  const float inverse_sum = 1.0f / row_sum;
+  for (int64_t x = 0; x < dv; ++x) out[x] *= inverse_sum;
+  p.lse[row] = row_max + std::log(row_sum);
+}
+
+}  // namespace
+
+void decode_attention(const AttentionProblem& problem) {
+  if (problem.batch == 0 || problem.q_heads == 0 || problem.q_len == 0) return;
+
+  const decode::Plan plan(problem);
+  const int64_t groups = problem.batch * problem.kv_heads;
+  const int64_t items = groups * plan.chunks;
+
+  // Per-worker scratch, sized up front: each block a whole number of cache lines, 64-byte
+  // aligned, so workers never share a line and the hot loop never allocates. Then the partials,
+  // when there are several chunks. All in the calling thread's workspace, kept for the next call
+  // (a decode loop touches no fresh pages).
+  // A problem too small to pay for waking the other threads runs on the calling thread.
+  const double flops = 2.0 * static_cast<double>(problem.batch * problem.q_heads * problem.q_len) *
+                       static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim);
+  const int threads = flops < kMinFlopsToThread ? 1 : omp_get_max_threads();
+  const int workers = static_cast<int>(std::min<int64_t>(threads, items));
+  const size_t block = decode::ScratchLayout(plan).total;
+  const size_t slots = plan.chunks > 1 ? static_cast<size_t>(items * plan.rows) : 0;
+  float* scratch = thread_workspace(WorkspaceSlot::DecodeScratch)
+                       .floats(static_cast<size_t>(workers) * block + slots * (2 + static_cast<size_t>(problem.value_dim)));
+  float* partial_base = scratch + static_cast<size_t>(workers) * block;
+  const decode::Partials partials{partial_base, partial_base + slots, partial_base + 2 * slots};
+
+#pragma omp parallel num_threads(workers)
+  {
+    float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
+    // Items in (batch, kv head, chunk) order; dynamic, since masks make chunks unequal.
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t bg = item / plan.chunks;
+      HWY_DYNAMIC_DISPATCH(DecodeChunk)(problem, plan, bg / problem.kv_heads, bg % problem.kv_heads,
+                                        item % plan.chunks, partials, block_start);
+    }
+    // (the implicit barrier: every partial is written before any row is merged)
+    if (plan.chunks > 1) {
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < groups * plan.rows; ++row)
+        merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);
+    }
+  }
+}
+
+// Measured on Zen 5 (Hq = 32, d = 128, Nk from 256 to 16384, MHA and GQA): decode beats flash
+// by 4-27x up to 8 queries, ~2x at 16 and ~1.2x at 32-64; from 128 queries flash wins (it
+// pads queries to its tile, decode's work grows with group x queries). Decode parallelises
+// over (batch, kv head, key chunk) items only, so it also needs one item per thread.
+constexpr int64_t kDecodeMaxQueries = 64;
+
+bool decode_is_faster(const AttentionProblem& problem) {
+  if (problem.q_len > kDecodeMaxQueries) return false;
+  const decode::Plan plan(problem);
+  return problem.batch * problem.kv_heads * plan.chunks >= omp_get_max_threads();
+}
+
+}  // namespace qkv::detail
+#endif  // HWY_ONCE
