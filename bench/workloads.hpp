@@ -85,9 +85,8 @@ inline std::string shape_string(const Workload& w) {
 // Forward FLOPs of one call. Attention: 4 B Hq Nq Nk d, halved when causal (DESIGN.md). Module:
 // the four projections (2 B N E^2 each) plus its attention.
 inline double forward_flops(const Workload& w) {
-  const double attention = 4.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_heads) *
-                           static_cast<double>(w.q_len) * static_cast<double>(w.kv_len) *
-                           static_cast<double>(w.head_dim) * (w.causal ? 0.5 : 1.0);
+  const double attention = analysis::forward_flops(
+      {w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim, w.head_dim, w.causal});
   if (!w.is_module()) return attention;
   const double embed = static_cast<double>(w.embed_dim());
   const double projections = 4.0 * 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_len) * embed * embed;

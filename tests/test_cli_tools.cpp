@@ -161,16 +161,9 @@ TEST(Analysis, PowerLawFitRecoversAKnownExponent) {
   EXPECT_TRUE(std::isnan(qkv::cli::fit_power_law({256}, {1}).slope));
 }
 
-TEST(Analysis, RowEntropyOfOneHotAndUniformRows) {
-  const float one_hot[] = {0, 1, 0, 0};
-  const float uniform[] = {0.25f, 0.25f, 0.25f, 0.25f};
-  EXPECT_DOUBLE_EQ(qkv::cli::row_entropy(one_hot, 4), 0.0);
-  EXPECT_NEAR(qkv::cli::row_entropy(uniform, 4), std::log(4.0), 1e-6);
-}
-
 TEST(Analysis, AttentionMemoryMatchesHandComputedFigures) {
   // GPT-3: 2048 x 2048 x 4 bytes = 16 MiB per matrix; x 96 heads; x 96 layers.
-  const auto m = qkv::cli::attention_memory({.seq = 2048, .layers = 96, .heads = 96, .batch = 1, .head_dim = 128,
+  const auto m = qkv::analysis::attention_memory({.seq = 2048, .layers = 96, .heads = 96, .batch = 1, .head_dim = 128,
                                              .dtype_bytes = 4});
   EXPECT_EQ(m.matrix_elements, 4194304);
   EXPECT_EQ(m.matrix_bytes, 16 * 1024 * 1024);
@@ -181,8 +174,8 @@ TEST(Analysis, AttentionMemoryMatchesHandComputedFigures) {
   EXPECT_EQ(qkv::cli::human_bytes(static_cast<double>(m.matrix_bytes)), "16 MiB");
   EXPECT_EQ(qkv::cli::human_bytes(static_cast<double>(m.layer_bytes)), "1.5 GiB");
   EXPECT_EQ(qkv::cli::group_thousands(m.layer_bytes), "1,610,612,736");
-  EXPECT_THROW(qkv::cli::attention_memory({.seq = -1, .layers = 1, .heads = 1, .batch = 1, .head_dim = 1}), qkv::Error);
-  EXPECT_THROW(qkv::cli::attention_memory({.seq = int64_t{1} << 40, .layers = 1, .heads = 1, .batch = 1, .head_dim = 1}),
+  EXPECT_THROW(qkv::analysis::attention_memory({.seq = -1, .layers = 1, .heads = 1, .batch = 1, .head_dim = 1}), qkv::Error);
+  EXPECT_THROW(qkv::analysis::attention_memory({.seq = int64_t{1} << 40, .layers = 1, .heads = 1, .batch = 1, .head_dim = 1}),
                qkv::Error);
   EXPECT_THROW(qkv::cli::dtype_bytes("f8"), qkv::Error);
 }

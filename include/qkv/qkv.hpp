@@ -1,6 +1,7 @@
 // The umbrella header: everything qkv offers. Pulls in no SIMD, threading or BLAS header.
 #pragma once
 
+#include "qkv/analysis.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/mask.hpp"

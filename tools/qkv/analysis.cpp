@@ -10,15 +10,6 @@
 
 namespace qkv::cli {
 
-double row_entropy(const float* weights, int64_t n) {
-  double entropy = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const double w = weights[j];
-    if (w > 0) entropy -= w * std::log(w);
-  }
-  return entropy;
-}
-
 PowerLawFit fit_power_law(const std::vector<double>& x, const std::vector<double>& y) {
   // Ordinary least squares on (u, v) = (ln x, ln y): slope = cov(u, v) / var(u).
   double sum_u = 0, sum_v = 0;
@@ -52,39 +43,6 @@ int64_t dtype_bytes(const std::string& dtype) {
   if (dtype == "f16" || dtype == "float16" || dtype == "fp16" || dtype == "bf16" || dtype == "bfloat16") return 2;
   if (dtype == "f64" || dtype == "float64" || dtype == "fp64") return 8;
   throw Error(fmt::format("unknown --dtype '{}': use f32 (4 bytes), f16 or bf16 (2 bytes), or f64 (8 bytes)", dtype));
-}
-
-namespace {
-// a * b, or a qkv::Error when it does not fit in int64.
-int64_t times(int64_t a, int64_t b) {
-  int64_t product = 0;
-  if (__builtin_mul_overflow(a, b, &product)) {
-    throw Error(fmt::format("the sizes are too large: {} x {} overflows a 64-bit count", a, b));
-  }
-  return product;
-}
-}  // namespace
-
-AttentionMemory attention_memory(const AttentionMemoryModel& m) {
-  const std::pair<const char*, int64_t> sizes[] = {{"--seq", m.seq},     {"--layers", m.layers},
-                                                   {"--heads", m.heads}, {"--batch", m.batch},
-                                                   {"--head-dim", m.head_dim}};
-  for (const auto& [name, value] : sizes) {
-    if (value <= 0) throw Error(fmt::format("{} must be positive, got {}", name, value));
-  }
-  AttentionMemory r;
-  r.matrix_elements = times(m.seq, m.seq);
-  r.matrix_bytes = times(r.matrix_elements, m.dtype_bytes);
-  r.layer_elements = times(times(m.batch, m.heads), r.matrix_elements);
-  r.layer_bytes = times(r.layer_elements, m.dtype_bytes);
-  r.model_elements = times(m.layers, r.layer_elements);
-  r.model_bytes = times(r.model_elements, m.dtype_bytes);
-  r.course_model_bytes = times(m.layers, r.matrix_bytes);
-  const int64_t rows = times(times(m.batch, m.heads), m.seq);  // one per (batch, head, query)
-  r.flash_layer_elements = times(rows, m.head_dim) + rows;      // output + log-sum-exp
-  r.flash_layer_bytes = times(r.flash_layer_elements, m.dtype_bytes);
-  r.flash_model_bytes = times(m.layers, r.flash_layer_bytes);
-  return r;
 }
 
 std::string group_thousands(int64_t n) {

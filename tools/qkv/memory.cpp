@@ -42,8 +42,14 @@ void row(const std::string& what, const std::string& elements, const std::string
 }
 
 void run_memory(const MemoryOptions& o) {
+  // The options by the names the user typed (the library would name its own fields).
+  const std::pair<const char*, int64_t> sizes[] = {{"--seq", o.seq},     {"--layers", o.layers},
+                                                   {"--heads", o.heads}, {"--batch", o.batch},
+                                                   {"--head-dim", o.head_dim}};
+  for (const auto& [name, value] : sizes)
+    if (value <= 0) throw Error(fmt::format("{} must be positive, got {}", name, value));
   const int64_t element_bytes = dtype_bytes(o.dtype);
-  const AttentionMemory m = attention_memory({o.seq, o.layers, o.heads, o.batch, o.head_dim, element_bytes});
+  const analysis::AttentionMemory m = analysis::attention_memory({o.seq, o.layers, o.heads, o.batch, o.head_dim, element_bytes});
   const std::string n = group_thousands(o.seq);
 
   fmt::print("qkv memory: seq {}, {} layers x {} heads, batch {}, {} ({} bytes per element), head dim {} (d_model {})\n",

@@ -137,10 +137,9 @@ nn::MultiHeadAttention make_layer(int64_t embed, int64_t heads, uint64_t seed) {
   return layer;
 }
 
+// The panel's mean row entropy: one head's (n, n) weights seen as a single head.
 double mean_entropy(const std::vector<float>& weights, int64_t n) {
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += row_entropy(weights.data() + i * n, n);
-  return total / static_cast<double>(n);
+  return analysis::head_entropy(Tensor::from(weights, {1, n, n})).at({0});
 }
 
 plot::HeatmapPanel make_panel(std::string title, std::vector<float> weights, int64_t n) {
