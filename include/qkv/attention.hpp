@@ -55,6 +55,15 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options = {});
 
+// Gradients of scaled_dot_product_attention with respect to q, k and v, shaped as q, k and v.
+struct AttentionGrads { Tensor dq, dk, dv; };
+// grad_output: shaped as forward.output. `forward` is the result of the forward call on the same
+// q, k, v and options (its output and lse are used; the weights are recomputed from lse).
+// options.backend: Reference, Flash, or Auto (Flash). Decode has no backward: Auto/Flash serve it.
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,
+                                                     const Tensor& v, const AttentionResult& forward,
+                                                     const AttentionOptions& options = {});
+
 // The dropout decision for one weight: a counter-based hash of (seed, batch, head, query, key),
 // so every kernel drops exactly the same elements. True = kept (and scaled by 1 / (1 - p)).
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key,

@@ -20,6 +20,17 @@ void decode_attention(const AttentionProblem& problem);
 // (few queries, and enough key chunks to keep every thread busy).
 bool decode_is_faster(const AttentionProblem& problem);
 
+// The gradients of the forward with respect to q, k and v: P recomputed from the forward's lse,
+// D = rowsum(dO * O), dS = P * (dP - D) (see each file's header). Every gradient is overwritten.
+// The textbook backward, scores materialised (src/attention/reference_backward.cpp).
+void reference_attention_backward(const AttentionBackwardProblem& problem);
+// By tiles, never an Nq x Nk matrix, SIMD and threads (src/attention/flash_backward.cpp).
+void flash_attention_backward(const AttentionBackwardProblem& problem);
+
+// The reference's masking step for one row of scaled scores (B, Hq, Nq, Nk)[b, h, i, :]: -inf
+// where the band, the key lengths or a keep term hides the key; additive terms added.
+void reference_mask_row(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, float* scores);
+
 // Below about 100 us of one core's arithmetic, a kernel runs on the calling thread alone: a
 // parallel region's fork and join costs microseconds on an idle machine and a scheduler time
 // slice on a busy one, more than such a problem's work (a short MHA call, one decode step of a

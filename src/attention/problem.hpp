@@ -53,6 +53,18 @@ struct AttentionProblem {
   }
 };
 
+// The backward problem: the forward's problem (q, k, v, scale, masks, dropout; its output,
+// weights and lse pointers are null) plus what the forward returned and the gradients to write.
+struct AttentionBackwardProblem {
+  AttentionProblem forward;
+  const float* output;       // (B, Hq, Nq, Dv), the forward's O
+  const float* lse;          // (B, Hq, Nq), the forward's log-sum-exp (-inf: the row saw no key)
+  const float* grad_output;  // (B, Hq, Nq, Dv), dLoss/dO
+  float* grad_q;             // (B, Hq, Nq, Dk), overwritten
+  float* grad_k;             // (B, Hkv, Nk, Dk), overwritten
+  float* grad_v;             // (B, Hkv, Nk, Dv), overwritten
+};
+
 // The dropout rule every kernel shares: weight (b, h, i, j) is kept when the counter-based
 // uniform for those coordinates is >= p.
 bool dropout_keeps(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, int64_t j);

@@ -26,9 +26,10 @@ namespace qkv::detail {
 
 namespace {
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+}  // namespace
 
-// Step 2 for one row of scores.
-void mask_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float* scores) {
+// Step 2 for one row of scores (also the reference backward's, declared in kernels.hpp).
+void reference_mask_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float* scores) {
   const int64_t first = p.first_visible_key(i);
   const int64_t last = p.last_visible_key(b, i);
   for (int64_t j = 0; j < p.kv_len; ++j)
@@ -46,6 +47,7 @@ void mask_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float*
   }
 }
 
+namespace {
 // Step 3 for one row: scores become weights in place; returns the row's log-sum-exp.
 float softmax_row(float* row, int64_t n) {
   float row_max = kMinusInf;
@@ -119,7 +121,7 @@ void reference_attention(const AttentionProblem& p) {
       for (int64_t i = 0; i < nq; ++i) {
         float* row = scores + i * nk;
         // 2. mask
-        mask_row(p, b, h, i, row);
+        reference_mask_row(p, b, h, i, row);
         // 3. softmax and log-sum-exp
         lse[i] = softmax_row(row, nk);
         // 4. dropout on the weights

@@ -1,0 +1,539 @@
+// The backward of the functional core, scaled_dot_product_attention_backward:
+//   - both backends against central finite differences in float64 of the loss sum(G * output),
+//     the forward being the float64 oracle (oracle.hpp), on small shapes: every mask kind, GQA,
+//     Nq != Nk, Dk != Dv, dropout with a fixed seed, ranks 2 and 3;
+//   - the flash kernel against the reference kernel on random larger shapes, both measured
+//     against an analytic float64 backward (itself checked against the finite differences):
+//     flash may be off by at most max(floor, 4 x the reference's own error), outputs poisoned
+//     with NaN first, on 1 and 2 threads and on every SIMD target;
+//   - the same bits on a repeat; zero gradients for rows that see no key and for keys no query
+//     sees; non-finite values at hidden keys; errors that name the shapes.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention/kernels.hpp"
+#include "kernel_cases.hpp"
+#include "oracle.hpp"
+
+namespace {
+
+using qkv::AttentionGrads;
+using qkv::AttentionOptions;
+using qkv::AttentionResult;
+using qkv::Backend;
+using qkv::Mask;
+using qkv::Shape;
+using qkv::Tensor;
+using qkv_test::Case;
+using qkv_test::MaskKind;
+using qkv_test::Random;
+using qkv_test::Sizes;
+using qkv_test::kAllMasks;
+using qkv_test::make_case;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+AttentionOptions options_of(const Case& c, Backend backend) {
+  AttentionOptions options;
+  options.mask = c.mask;
+  options.scale = c.scale;
+  options.dropout_p = c.dropout_p;
+  options.seed = c.seed;
+  options.backend = backend;
+  return options;
+}
+
+qkv_test::OracleDropout dropout_of(const Case& c) {
+  qkv_test::OracleDropout dropout;
+  if (c.dropout_p > 0) {
+    dropout.p = c.dropout_p;
+    dropout.keeps = [seed = c.seed, p = c.dropout_p](int64_t b, int64_t h, int64_t i, int64_t j) {
+      return qkv::dropout_keeps(seed, b, h, i, j, p);
+    };
+  }
+  return dropout;
+}
+
+// Float64 gradients of sum(G * attention(q, k, v)) in the layout of q, k and v.
+struct Grads64 {
+  std::vector<double> dq, dk, dv;
+};
+
+// Central finite differences of the float64 oracle, step h on every element of q, k and v.
+Grads64 finite_differences(const Case& c, const std::vector<double>& g) {
+  const qkv_test::AttentionDims d = qkv_test::dims_of(c.q, c.k, c.v);
+  std::vector<double> q = qkv_test::to_doubles(c.q), k = qkv_test::to_doubles(c.k), v = qkv_test::to_doubles(c.v);
+  const qkv_test::OracleDropout dropout = dropout_of(c);
+  auto loss = [&] {
+    const qkv_test::OracleResult r = qkv_test::attention_oracle(d, q, k, v, c.scale, c.bias, dropout);
+    double total = 0;
+    for (size_t n = 0; n < g.size(); ++n) total += g[n] * r.output[n];
+    return total;
+  };
+  constexpr double h = 1e-5;
+  auto differentiate = [&](std::vector<double>& x) {
+    std::vector<double> grad(x.size());
+    for (size_t n = 0; n < x.size(); ++n) {
+      const double saved = x[n];
+      x[n] = saved + h;
+      const double up = loss();
+      x[n] = saved - h;
+      const double down = loss();
+      x[n] = saved;
+      grad[n] = (up - down) / (2 * h);
+    }
+    return grad;
+  };
+  Grads64 grads;
+  grads.dq = differentiate(q);
+  grads.dk = differentiate(k);
+  grads.dv = differentiate(v);
+  return grads;
+}
+
+// The analytic backward in float64, written from the textbook formulas independently of the
+// kernels: P = softmax(S), P' = dropout(P), dV = P'^T G, dP = dropout'(G V^T),
+// dS = P (dP - sum_j P dP), dQ = scale dS K, dK = scale dS^T Q (summed over a group's heads).
+Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
+  const qkv_test::AttentionDims d = qkv_test::dims_of(c.q, c.k, c.v);
+  const std::vector<double> q = qkv_test::to_doubles(c.q), k = qkv_test::to_doubles(c.k),
+                            v = qkv_test::to_doubles(c.v);
+  const qkv_test::OracleDropout dropout = dropout_of(c);
+  Grads64 grads{std::vector<double>(q.size()), std::vector<double>(k.size()), std::vector<double>(v.size())};
+  const int64_t group = d.q_heads / d.kv_heads;
+  std::vector<double> weights(static_cast<size_t>(d.kv_len)), grad_weights(static_cast<size_t>(d.kv_len));
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t h = 0; h < d.q_heads; ++h) {
+      const int64_t kv_base = (b * d.kv_heads + h / group) * d.kv_len;
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        const int64_t row = (b * d.q_heads + h) * d.q_len + i;
+        const double* q_row = &q[static_cast<size_t>(row * d.qk_dim)];
+        const double* g_row = &g[static_cast<size_t>(row * d.v_dim)];
+        double row_max = -kInf;
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          double dot = 0;
+          for (int64_t x = 0; x < d.qk_dim; ++x) dot += q_row[x] * k[static_cast<size_t>((kv_base + j) * d.qk_dim + x)];
+          double score = dot * c.scale;
+          if (c.bias) {
+            const double extra = c.bias(b, h, i, j);
+            score = extra == -kInf ? -kInf : score + extra;
+          }
+          weights[static_cast<size_t>(j)] = score;
+          row_max = std::max(row_max, score);
+        }
+        if (row_max == -kInf) continue;  // sees no key: zero gradients
+        double row_sum = 0;
+        for (double& w : weights) row_sum += (w = std::exp(w - row_max));
+        double row_dot = 0;
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          double& w = weights[static_cast<size_t>(j)];
+          w /= row_sum;
+          const double survivor = !dropout.keeps ? 1.0 : dropout.keeps(b, h, i, j) ? 1.0 / (1.0 - dropout.p) : 0.0;
+          double dp = 0;
+          for (int64_t x = 0; x < d.v_dim; ++x) {
+            const size_t vx = static_cast<size_t>((kv_base + j) * d.v_dim + x);
+            dp += g_row[x] * v[vx];
+            grads.dv[vx] += survivor * w * g_row[x];
+          }
+          grad_weights[static_cast<size_t>(j)] = survivor * dp;
+          row_dot += w * grad_weights[static_cast<size_t>(j)];
+        }
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          const double ds = weights[static_cast<size_t>(j)] * (grad_weights[static_cast<size_t>(j)] - row_dot);
+          for (int64_t x = 0; x < d.qk_dim; ++x) {
+            const size_t kx = static_cast<size_t>((kv_base + j) * d.qk_dim + x);
+            grads.dq[static_cast<size_t>(row * d.qk_dim + x)] += c.scale * ds * k[kx];
+            grads.dk[kx] += c.scale * ds * q_row[x];
+          }
+        }
+      }
+    }
+  return grads;
+}
+
+// Compares library gradients with float64 ones at `tolerance` (relative, absolute below 1).
+void expect_close(const AttentionGrads& got, const Grads64& want, double tolerance, const std::string& what) {
+  for (auto [name, tensor, values] : {std::tuple{"dq", &got.dq, &want.dq}, {"dk", &got.dk, &want.dk},
+                                      {"dv", &got.dv, &want.dv}}) {
+    const qkv_test::Comparison c = qkv_test::compare(*tensor, *values, tolerance);
+    EXPECT_TRUE(c.ok) << what << " " << name << ":\n" << c.detail;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finite differences
+
+// Small sizes: GQA (Hq = 2 Hkv), Nq != Nk, Dk != Dv.
+constexpr Sizes kSmall{2, 4, 2, 5, 7, 4, 3};
+// Gradients of O(1) values in float32 against float64 differences with h = 1e-5 (error ~1e-10).
+constexpr double kFiniteDifferenceTolerance = 2e-4;
+
+void check_against_finite_differences(const Case& c) {
+  Random rng(c.seed);
+  const Shape output_shape{c.q.size(0), c.q.size(1), c.q.size(2), c.v.size(3)};
+  const Tensor grad_output = rng.randn(output_shape);
+  const Grads64 want = finite_differences(c, qkv_test::to_doubles(grad_output));
+  const Grads64 analytic = analytic_backward(c, qkv_test::to_doubles(grad_output));
+  // The test's own analytic backward, used on larger shapes below, agrees with the differences.
+  for (auto [name, mine, theirs] : {std::tuple{"dq", &analytic.dq, &want.dq}, {"dk", &analytic.dk, &want.dk},
+                                    {"dv", &analytic.dv, &want.dv}})
+    for (size_t n = 0; n < mine->size(); ++n)
+      ASSERT_NEAR((*mine)[n], (*theirs)[n], 1e-6 * std::max(1.0, std::abs((*theirs)[n])))
+          << c.name << ": the test's analytic backward disagrees with finite differences at " << name << "[" << n << "]";
+  for (Backend backend : {Backend::Reference, Backend::Flash, Backend::Auto}) {
+    const AttentionOptions options = options_of(c, backend);
+    const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+    const AttentionGrads grads = qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
+    ASSERT_EQ(grads.dq.shape(), c.q.shape());
+    ASSERT_EQ(grads.dk.shape(), c.k.shape());
+    ASSERT_EQ(grads.dv.shape(), c.v.shape());
+    expect_close(grads, want, kFiniteDifferenceTolerance, c.name + " backend " + std::string(qkv::to_string(backend)));
+  }
+}
+
+TEST(Backward, FiniteDifferencesEveryMaskKind) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (MaskKind kind : kAllMasks)
+    for (int repeat = 0; repeat < 2; ++repeat) check_against_finite_differences(make_case(rng, kSmall, kind, 1.0, 0.0f));
+}
+
+TEST(Backward, FiniteDifferencesShapes) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (const Sizes& s : {Sizes{1, 1, 1, 1, 1, 1, 1}, Sizes{1, 3, 1, 9, 4, 5, 2}, Sizes{2, 2, 2, 3, 11, 2, 6},
+                         Sizes{1, 6, 2, 4, 4, 3, 3}, Sizes{1, 1, 1, 6, 6, 8, 1}})
+    for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::Combined})
+      check_against_finite_differences(make_case(rng, s, kind, 1.0, 0.0f));
+}
+
+TEST(Backward, FiniteDifferencesDropout) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::KeyLengths, MaskKind::EmptyRows, MaskKind::Combined})
+    for (float p : {0.2f, 0.6f}) {
+      Case c = make_case(rng, kSmall, kind, 1.0, p);
+      c.seed = 1234;  // a fixed dropout pattern
+      check_against_finite_differences(c);
+    }
+}
+
+TEST(Backward, FiniteDifferencesRanks2And3) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  // (N, D) and (B, N, D): one head; the gradients come back in the inputs' shapes.
+  for (int rank : {2, 3}) {
+    const int64_t batch = rank == 2 ? 1 : 2;
+    Case c = make_case(rng, {batch, 1, 1, 4, 6, 3, 2}, MaskKind::Causal, 1.0, 0.0f);
+    const Tensor grad_output = rng.randn(Shape{batch, 1, 4, 2});
+    const Grads64 want = finite_differences(c, qkv_test::to_doubles(grad_output));
+    auto drop_heads = [&](const Tensor& t) {
+      return rank == 2 ? t.reshape(Shape{t.size(2), t.size(3)}) : t.reshape(Shape{t.size(0), t.size(2), t.size(3)});
+    };
+    const Tensor q = drop_heads(c.q), k = drop_heads(c.k), v = drop_heads(c.v), g = drop_heads(grad_output);
+    for (Backend backend : {Backend::Reference, Backend::Flash}) {
+      const AttentionOptions options = options_of(c, backend);
+      const AttentionResult forward = qkv::scaled_dot_product_attention(q, k, v, options);
+      const AttentionGrads grads = qkv::scaled_dot_product_attention_backward(g, q, k, v, forward, options);
+      EXPECT_EQ(grads.dq.shape(), q.shape());
+      EXPECT_EQ(grads.dk.shape(), k.shape());
+      EXPECT_EQ(grads.dv.shape(), v.shape());
+      expect_close(grads, want, kFiniteDifferenceTolerance, "rank " + std::to_string(rank));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash against reference, kernels called directly
+
+// A case with its forward (reference kernel), a random dO and the float64 gradients.
+struct BackwardCase {
+  Case c;
+  std::vector<float> output, lse, grad_output;
+  Grads64 want;
+  double reference_error[3] = {0, 0, 0};  // dq, dk, dv against `want`
+};
+
+qkv::detail::AttentionBackwardProblem backward_problem_of(const BackwardCase& bc, std::vector<float>& dq,
+                                                          std::vector<float>& dk, std::vector<float>& dv) {
+  std::vector<float> unused_output, unused_lse;
+  qkv::detail::AttentionProblem forward = qkv_test::problem_of(bc.c, unused_output, unused_lse);
+  forward.output = nullptr;
+  forward.lse = nullptr;
+  return {std::move(forward), bc.output.data(), bc.lse.data(), bc.grad_output.data(), dq.data(), dk.data(), dv.data()};
+}
+
+struct GradVectors {
+  std::vector<float> dq, dk, dv;
+};
+
+// Runs a backward kernel into NaN-poisoned gradients.
+GradVectors run_backward(void (*kernel)(const qkv::detail::AttentionBackwardProblem&), const BackwardCase& bc) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  GradVectors g{std::vector<float>(bc.want.dq.size(), nan), std::vector<float>(bc.want.dk.size(), nan),
+                std::vector<float>(bc.want.dv.size(), nan)};
+  kernel(backward_problem_of(bc, g.dq, g.dk, g.dv));
+  return g;
+}
+
+BackwardCase prepare(Case c, Random& rng) {
+  BackwardCase bc;
+  bc.c = std::move(c);
+  const int64_t rows = bc.c.q.size(0) * bc.c.q.size(1) * bc.c.q.size(2);
+  bc.output.resize(static_cast<size_t>(rows * bc.c.v.size(3)));
+  bc.lse.resize(static_cast<size_t>(rows));
+  qkv::detail::reference_attention(qkv_test::problem_of(bc.c, bc.output, bc.lse));
+  bc.grad_output = rng.normals(rows * bc.c.v.size(3));
+  bc.want = analytic_backward(bc.c, std::vector<double>(bc.grad_output.begin(), bc.grad_output.end()));
+  const GradVectors reference = run_backward(qkv::detail::reference_attention_backward, bc);
+  const std::vector<float>* got[3] = {&reference.dq, &reference.dk, &reference.dv};
+  const std::vector<double>* want[3] = {&bc.want.dq, &bc.want.dk, &bc.want.dv};
+  for (int n = 0; n < 3; ++n) {
+    bc.reference_error[n] = qkv_test::compare(*got[n], *want[n], kInf).max_rel_diff;
+    EXPECT_TRUE(std::isfinite(bc.reference_error[n])) << "the reference backward itself is off: " << bc.c.name;
+  }
+  return bc;
+}
+
+// Flash's tolerance: the forward tests' (kernel_cases.hpp), per gradient.
+constexpr double kFlashFloor = 2e-4;
+
+void check_flash(const BackwardCase& bc) {
+  const GradVectors flash = run_backward(qkv::detail::flash_attention_backward, bc);
+  const char* names[3] = {"dq", "dk", "dv"};
+  const std::vector<float>* got[3] = {&flash.dq, &flash.dk, &flash.dv};
+  const std::vector<double>* want[3] = {&bc.want.dq, &bc.want.dk, &bc.want.dv};
+  for (int n = 0; n < 3; ++n) {
+    const double tolerance = std::max(kFlashFloor, qkv_test::kToleranceFactor * bc.reference_error[n]);
+    const qkv_test::Comparison c = qkv_test::compare(*got[n], *want[n], tolerance);
+    EXPECT_TRUE(c.ok) << bc.c.name << " " << names[n] << " (reference error " << bc.reference_error[n] << "):\n"
+                      << c.detail;
+  }
+}
+
+void check_flash_everywhere(const std::vector<BackwardCase>& cases) {
+  const std::vector<int64_t> targets = qkv_test::runnable_targets();
+  ASSERT_FALSE(targets.empty());
+  const int threads_before = omp_get_max_threads();
+  for (int64_t target : targets) {
+    qkv_test::ForcedTarget forced(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      for (const BackwardCase& bc : cases) check_flash(bc);
+    }
+  }
+  omp_set_num_threads(threads_before);
+}
+
+Sizes random_sizes(Random& rng) {
+  const int64_t lengths[] = {1, 3, 17, 65, 113};
+  auto length = [&] { return rng.chance(0.5) ? lengths[rng.integer(0, 4)] : rng.integer(1, 150); };
+  const int64_t dims[] = {1, 7, 16, 33, 64};
+  auto dim = [&] { return rng.chance(0.6) ? dims[rng.integer(0, 4)] : rng.integer(1, 80); };
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, length(), length(), dim(), dim()};
+}
+
+TEST(Backward, FlashMatchesReferenceEveryMaskKind) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<BackwardCase> cases;
+  for (MaskKind kind : kAllMasks) cases.push_back(prepare(make_case(rng, random_sizes(rng), kind, 1.0, 0.0f), rng));
+  check_flash_everywhere(cases);
+}
+
+TEST(Backward, FlashMatchesReferenceLargerShapesAndDropout) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<BackwardCase> cases;
+  // Big enough to run threaded, with one (b, g) pair (so the keys split into chunks and dQ
+  // partials) and with several.
+  cases.push_back(prepare(make_case(rng, {1, 2, 1, 300, 333, 64, 48}, MaskKind::Causal, 1.0, 0.0f), rng));
+  cases.push_back(prepare(make_case(rng, {2, 4, 2, 150, 130, 32, 32}, MaskKind::Combined, 1.0, 0.0f), rng));
+  cases.push_back(prepare(make_case(rng, {1, 1, 1, 129, 400, 40, 24}, MaskKind::WindowRight, 1.0, 0.0f), rng));
+  for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::EmptyRows})
+    for (float p : {0.1f, 0.5f}) cases.push_back(prepare(make_case(rng, random_sizes(rng), kind, 1.0, p), rng));
+  cases.push_back(prepare(make_case(rng, {1, 2, 1, 200, 260, 64, 64}, MaskKind::Causal, 1.0, 0.3f), rng));
+  check_flash_everywhere(cases);
+}
+
+TEST(Backward, FlashIsBitIdenticalOnRepeat) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int threads_before = omp_get_max_threads();
+  for (const Sizes& s : {Sizes{1, 2, 1, 300, 300, 64, 64}, Sizes{2, 4, 2, 200, 180, 32, 40}}) {
+    const BackwardCase bc = prepare(make_case(rng, s, MaskKind::Causal, 1.0, 0.1f), rng);
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      const GradVectors first = run_backward(qkv::detail::flash_attention_backward, bc);
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        const GradVectors again = run_backward(qkv::detail::flash_attention_backward, bc);
+        EXPECT_EQ(std::memcmp(first.dq.data(), again.dq.data(), first.dq.size() * sizeof(float)), 0) << "dq, threads " << threads;
+        EXPECT_EQ(std::memcmp(first.dk.data(), again.dk.data(), first.dk.size() * sizeof(float)), 0) << "dk, threads " << threads;
+        EXPECT_EQ(std::memcmp(first.dv.data(), again.dv.data(), first.dv.size() * sizeof(float)), 0) << "dv, threads " << threads;
+      }
+    }
+  }
+  omp_set_num_threads(threads_before);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows that see no key, keys that no query sees
+
+TEST(Backward, RowsThatSeeNoKeyGetZeroGradients) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Sizes s{2, 2, 1, 70, 90, 16, 24};
+  // Batch 0 sees no key (length 0); in batch 1 the keys past 40 are hidden and a causal offset
+  // hides every key from the first 10 queries.
+  Case c = make_case(rng, s, MaskKind::None, 1.0, 0.0f);
+  c.mask = Mask::key_lengths({0, 40}) & Mask::causal(-10);
+  c.bias = qkv_test::all_of({qkv_test::key_lengths_bias({0, 40}), qkv_test::causal_bias(-10)});
+  const Tensor grad_output = rng.randn(Shape{s.batch, s.q_heads, s.nq, s.dv});
+  for (Backend backend : {Backend::Reference, Backend::Flash}) {
+    SCOPED_TRACE(std::string(qkv::to_string(backend)));
+    const AttentionOptions options = options_of(c, backend);
+    const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+    const AttentionGrads grads = qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t h = 0; h < s.q_heads; ++h)
+        for (int64_t i = 0; i < s.nq; ++i) {
+          const bool sees_nothing = b == 0 || i < 10;
+          for (int64_t x = 0; x < s.dk; ++x) {
+            const float value = grads.dq.at({b, h, i, x});
+            ASSERT_TRUE(std::isfinite(value));
+            if (sees_nothing) ASSERT_EQ(value, 0.0f) << "dq at b=" << b << " h=" << h << " i=" << i;
+          }
+        }
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t j = 0; j < s.nk; ++j) {
+        const bool seen = b == 1 && j < 40;
+        for (int64_t x = 0; x < s.dk; ++x) {
+          ASSERT_TRUE(std::isfinite(grads.dk.at({b, 0, j, x})));
+          if (!seen) ASSERT_EQ(grads.dk.at({b, 0, j, x}), 0.0f) << "dk at b=" << b << " j=" << j;
+        }
+        for (int64_t x = 0; x < s.dv; ++x) {
+          ASSERT_TRUE(std::isfinite(grads.dv.at({b, 0, j, x})));
+          if (!seen) ASSERT_EQ(grads.dv.at({b, 0, j, x}), 0.0f) << "dv at b=" << b << " j=" << j;
+        }
+      }
+  }
+}
+
+TEST(Backward, NonFiniteValuesAtHiddenKeysStayHidden) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  // A keep mask hides keys 3 and 70 from every query; their K and V hold NaN and Inf (as a KV
+  // cache's unwritten slots may). Every gradient stays finite and equals the clean case's.
+  const Sizes s{1, 2, 1, 50, 80, 16, 8};
+  Case clean = make_case(rng, s, MaskKind::None, 1.0, 0.0f);
+  std::vector<float> keep_values(static_cast<size_t>(s.nq * s.nk), 1.0f);
+  for (int64_t i = 0; i < s.nq; ++i) keep_values[static_cast<size_t>(i * s.nk + 3)] = keep_values[static_cast<size_t>(i * s.nk + 70)] = 0.0f;
+  clean.mask = Mask::keep(Tensor::from(keep_values, Shape{s.nq, s.nk}));
+  Case dirty = clean;
+  dirty.k = clean.k.clone();
+  dirty.v = clean.v.clone();
+  for (int64_t x = 0; x < s.dk; ++x) {
+    dirty.k.at({0, 0, 3, x}) = std::numeric_limits<float>::quiet_NaN();
+    dirty.k.at({0, 0, 70, x}) = std::numeric_limits<float>::infinity();
+  }
+  for (int64_t x = 0; x < s.dv; ++x) {
+    dirty.v.at({0, 0, 3, x}) = std::numeric_limits<float>::infinity();
+    dirty.v.at({0, 0, 70, x}) = std::numeric_limits<float>::quiet_NaN();
+  }
+  const Tensor grad_output = rng.randn(Shape{s.batch, s.q_heads, s.nq, s.dv});
+  for (Backend backend : {Backend::Reference, Backend::Flash}) {
+    SCOPED_TRACE(std::string(qkv::to_string(backend)));
+    auto gradients = [&](const Case& c) {
+      const AttentionOptions options = options_of(c, backend);
+      const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+      return qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
+    };
+    const AttentionGrads want = gradients(clean), got = gradients(dirty);
+    EXPECT_LT(qkv_test::max_rel_diff(got.dq, want.dq), 1e-5);
+    EXPECT_LT(qkv_test::max_rel_diff(got.dv, want.dv), 1e-5);
+    // dK of the hidden keys is 0; of the others, as in the clean case.
+    EXPECT_LT(qkv_test::max_rel_diff(got.dk, want.dk), 1e-5);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch and errors
+
+TEST(Backward, AutoAndDecodeServeWithFlash) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Case c = make_case(rng, {1, 4, 2, 2, 500, 32, 32}, MaskKind::KeyLengths, 1.0, 0.0f);
+  const Tensor grad_output = rng.randn(Shape{1, 4, 2, 32});
+  const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options_of(c, Backend::Decode));
+  const AttentionGrads flash =
+      qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options_of(c, Backend::Flash));
+  for (Backend backend : {Backend::Auto, Backend::Decode}) {
+    const AttentionGrads grads =
+        qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options_of(c, backend));
+    EXPECT_EQ(qkv_test::max_rel_diff(grads.dq, flash.dq), 0.0);
+    EXPECT_EQ(qkv_test::max_rel_diff(grads.dk, flash.dk), 0.0);
+    EXPECT_EQ(qkv_test::max_rel_diff(grads.dv, flash.dv), 0.0);
+  }
+}
+
+std::string backward_error(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const qkv::Error& e) {
+    return e.what();
+  }
+  return "no qkv::Error thrown";
+}
+
+TEST(Backward, ErrorsNameTheShapes) {
+  using ::testing::HasSubstr;
+  const std::string who = "scaled_dot_product_attention_backward: ";
+  const Tensor q = Tensor::zeros({2, 4, 5, 8}), k = Tensor::zeros({2, 2, 6, 8}), v = Tensor::zeros({2, 2, 6, 3});
+  const AttentionResult forward = qkv::scaled_dot_product_attention(q, k, v);
+  const Tensor grad_output = Tensor::zeros({2, 4, 5, 3});
+  auto backward = [&](const Tensor& g, const Tensor& q_, const Tensor& k_, const Tensor& v_, const AttentionResult& f,
+                      const AttentionOptions& options = {}) {
+    return backward_error([&] { qkv::scaled_dot_product_attention_backward(g, q_, k_, v_, f, options); });
+  };
+  EXPECT_EQ(backward(grad_output, q, k, v, forward), "no qkv::Error thrown");
+  EXPECT_THAT(backward(Tensor::zeros({2, 4, 5, 8}), q, k, v, forward),
+              HasSubstr(who + "grad_output is (2, 4, 5, 8) but should be (2, 4, 5, 3)"));
+  EXPECT_THAT(backward(Tensor(), q, k, v, forward), HasSubstr(who + "grad_output is undefined"));
+  AttentionResult bad_lse = forward;
+  bad_lse.lse = Tensor::zeros({2, 4, 6});
+  EXPECT_THAT(backward(grad_output, q, k, v, bad_lse), HasSubstr(who + "forward.lse is (2, 4, 6) but should be (2, 4, 5)"));
+  AttentionResult no_lse = forward;
+  no_lse.lse = Tensor();
+  EXPECT_THAT(backward(grad_output, q, k, v, no_lse), HasSubstr(who + "forward.lse is undefined"));
+  AttentionResult bad_output = forward;
+  bad_output.output = Tensor::zeros({2, 4, 3});
+  EXPECT_THAT(backward(grad_output, q, k, v, bad_output),
+              HasSubstr(who + "forward.output is (2, 4, 3) but should be (2, 4, 5, 3)"));
+  // The forward's checks, shared, under the backward's name.
+  EXPECT_THAT(backward(grad_output, q, Tensor::zeros({2, 2, 6, 7}), v, forward),
+              HasSubstr(who + "q is (2, 4, 5, 8) but k is (2, 2, 6, 7): head dims differ"));
+  EXPECT_THAT(backward(grad_output, q, k, Tensor::zeros({2, 2, 5, 3}), forward),
+              HasSubstr(who + "k is (2, 2, 6, 8) but v is (2, 2, 5, 3): key and value lengths differ"));
+  AttentionOptions dropout;
+  dropout.dropout_p = 1.0f;
+  EXPECT_THAT(backward(grad_output, q, k, v, forward, dropout), HasSubstr(who + "dropout_p must be in [0, 1), got 1"));
+  AttentionOptions mask;
+  mask.mask = Mask::keep(Tensor::full(Shape{3, 5}, 1.0f));
+  EXPECT_THAT(backward(grad_output, q, k, v, forward, mask),
+              HasSubstr(who + "mask keep (3, 5) does not broadcast to the scores (2, 4, 5, 6)"));
+}
+
+}  // namespace
