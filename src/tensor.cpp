@@ -228,16 +228,25 @@ Tensor Tensor::clone() const {
 std::vector<float> Tensor::to_vector() const {
   std::vector<float> values;
   if (!defined()) return values;
-  values.reserve(static_cast<size_t>(numel()));
-  if (is_contiguous()) return {storage_->data + offset_, storage_->data + offset_ + numel()};
-  // Walk the elements in row-major order with an odometer over the dims.
-  std::vector<int64_t> index(shape_.size(), 0);
-  for (int64_t n = 0; n < numel(); ++n) {
-    int64_t offset = offset_;
-    for (size_t d = 0; d < index.size(); ++d) offset += index[d] * strides_[d];
-    values.push_back(storage_->data[offset]);
-    for (size_t d = index.size(); d-- > 0;) {
-      if (++index[d] < shape_[d]) break;
+  const int64_t count = numel();
+  if (is_contiguous()) return {storage_->data + offset_, storage_->data + offset_ + count};
+  values.resize(static_cast<size_t>(count));
+  if (count == 0) return values;
+  // Walk the elements in row-major order: the last dim in an inner loop, an odometer over the
+  // others that keeps the running offset (clone() of a transposed view runs through here, in
+  // every multi-head split and merge, so it must not recompute the offset per element).
+  const std::vector<int64_t>& dims = shape_.dims();
+  const size_t rank = dims.size();
+  const int64_t inner = dims[rank - 1], inner_stride = strides_[rank - 1];
+  const float* data = storage_->data;
+  std::vector<int64_t> index(rank, 0);
+  int64_t offset = offset_;  // of element index[0 .. rank - 2], 0
+  for (int64_t n = 0; n < count; n += inner) {
+    for (int64_t e = 0; e < inner; ++e) values[static_cast<size_t>(n + e)] = data[offset + e * inner_stride];
+    for (size_t d = rank - 1; d-- > 0;) {
+      offset += strides_[d];
+      if (++index[d] < dims[d]) break;
+      offset -= index[d] * strides_[d];
       index[d] = 0;
     }
   }

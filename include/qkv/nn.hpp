@@ -1,6 +1,13 @@
 // qkv::nn: the modules an attention model is built from. Parameters are stored as PyTorch
 // stores them (Linear weight (out, in)), so weights move between the two unchanged.
 // Modules are thin: every attention goes through qkv::scaled_dot_product_attention.
+//
+// Training, llm.c style (no autograd engine): forward() remembers what backward needs (handles to
+// its inputs and intermediates, no copies); backward(grad_output) walks the forward in reverse,
+// returns the gradient of the input(s) and ADDS the parameter gradients into each parameter's
+// grad tensor (zero_grad() clears them). backward uses the most recent forward of the module, so
+// call them in pairs, and do not share one module between threads while training. forward()
+// stays const, so inference callers are unchanged: the saved state is a cache, not a result.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +29,7 @@ void manual_seed(uint64_t seed);
 struct NamedTensor {
   std::string name;  // "q_proj.weight"
   Tensor tensor;     // shares storage with the module: writing to it changes the module
+  Tensor grad;       // the parameter's gradient, same shape, shared with the module; backward adds to it
 };
 
 // y = x W^T + b.  x: (..., in_features) -> y: (..., out_features).
@@ -30,7 +38,11 @@ class Linear {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true, std::optional<uint64_t> seed = std::nullopt);
 
-  Tensor forward(const Tensor& x) const;
+  Tensor forward(const Tensor& x) const;  // remembers x for backward
+  // grad_output: (..., out_features), shaped as the last forward's y. Returns dL/dx (..., in);
+  // adds dL/dW = g^T x to weight_grad and dL/db = sum of g over rows to bias_grad.
+  Tensor backward(const Tensor& grad_output);
+  void zero_grad();  // grads to zeros (reallocated if the parameters were replaced by other shapes)
 
   int64_t in_features() const { return weight.size(1); }
   int64_t out_features() const { return weight.size(0); }
@@ -38,6 +50,10 @@ class Linear {
 
   Tensor weight;  // (out_features, in_features)
   Tensor bias;    // (out_features), undefined when built without bias
+  Tensor weight_grad, bias_grad;  // shaped as weight and bias, zeros until a backward
+
+ private:
+  mutable Tensor saved_input_;  // x of the last forward
 };
 
 enum class Weights {
@@ -61,6 +77,11 @@ struct MultiHeadAttentionOutput {
   Tensor weights;  // see Weights; undefined for Weights::None
 };
 
+// The input gradients of a cross-attention forward, shaped as query, key and value.
+struct MultiHeadAttentionGrads {
+  Tensor query, key, value;
+};
+
 // Multi-head attention: project, split into heads, attend, concatenate, project.
 //   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); always batch first
 //   (torch's batch_first=True; its default (N, B, E) layout is not accepted), or unbatched
@@ -79,6 +100,15 @@ class MultiHeadAttention {
   // Cross-attention: queries from one sequence, keys and values from another.
   MultiHeadAttentionOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                    const Mask& mask = {}, Weights weights = Weights::None) const;
+
+  // Backward of the last forward; grad_output is shaped as its output. Adds every projection's
+  // parameter gradients. backward() follows forward(x) and returns dL/dx (the query, key and
+  // value paths summed); backward_cross() follows either form and returns the three apart.
+  // Attention itself goes through scaled_dot_product_attention_backward with the forward's
+  // mask, scale and dropout seed, so dropout drops the same weights in both directions.
+  Tensor backward(const Tensor& grad_output);
+  MultiHeadAttentionGrads backward_cross(const Tensor& grad_output);
+  void zero_grad();
 
   int64_t embed_dim() const { return embed_dim_; }
   int64_t num_heads() const { return num_heads_; }
@@ -109,6 +139,17 @@ class MultiHeadAttention {
   MultiHeadAttentionOptions options_;
   bool training_ = true;
   mutable uint64_t dropout_calls_ = 0;  // advances the dropout seed on each training forward
+
+  // What backward needs from the last forward (handles to its tensors, no copies).
+  struct Saved {
+    bool valid = false;
+    bool self_attention = false;  // forward(x): the three input gradients are summed
+    bool unbatched = false;
+    Tensor q, k, v;               // (B, H, Nq, hd), (B, Hkv, Nk, hd) x2: the split projections
+    AttentionResult attended;     // output (B, H, Nq, hd) and lse, as the core returned them
+    AttentionOptions attention;   // mask (with causal), scale, dropout seed of that call
+  };
+  mutable Saved saved_;
 };
 
 // The fixed sin/cos positional encoding of "Attention Is All You Need":
@@ -130,10 +171,96 @@ class Embedding {
   Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<uint64_t> seed = std::nullopt);
   // ids -> (ids.size(), dim); with leading shape, e.g. {B, N}: (B, N, dim).
   Tensor forward(const std::vector<int64_t>& ids) const;
-  Tensor forward(const std::vector<int64_t>& ids, const Shape& leading) const;
+  Tensor forward(const std::vector<int64_t>& ids, const Shape& leading) const;  // remembers ids
+  // grad_output: shaped as the last forward's output. Adds each row of it to weight_grad's row
+  // of its id (a repeated id collects every row). Ids have no gradient: returns nothing.
+  void backward(const Tensor& grad_output);
+  void zero_grad();
   std::vector<NamedTensor> parameters(const std::string& prefix = "") const;
 
-  Tensor weight;  // (num_embeddings, embedding_dim)
+  Tensor weight;       // (num_embeddings, embedding_dim)
+  Tensor weight_grad;  // shaped as weight
+
+ private:
+  mutable std::vector<int64_t> saved_ids_;
+};
+
+// Layer normalisation over the last dim, as torch.nn.LayerNorm(normalized_shape = dim):
+//   y = (x - mean) / sqrt(var + eps) * weight + bias, var the biased variance of the row.
+// x: (..., dim) -> y: same shape. weight starts at ones, bias at zeros.
+class LayerNorm {
+ public:
+  explicit LayerNorm(int64_t dim, float eps = 1e-5f, bool elementwise_affine = true);
+
+  Tensor forward(const Tensor& x) const;  // remembers x, each row's mean and 1/std
+  Tensor backward(const Tensor& grad_output);  // returns dL/dx; adds dL/dweight, dL/dbias
+  void zero_grad();
+  std::vector<NamedTensor> parameters(const std::string& prefix = "") const;
+
+  int64_t dim() const { return dim_; }
+  float eps() const { return eps_; }
+
+  Tensor weight, bias;            // (dim) each; undefined without elementwise_affine
+  Tensor weight_grad, bias_grad;
+
+ private:
+  int64_t dim_;
+  float eps_;
+  mutable Tensor saved_input_;    // (..., dim)
+  mutable std::vector<float> saved_mean_, saved_rstd_;  // one per row
+};
+
+// Cross-entropy of logits against class ids, averaged over the targets that are not
+// ignore_index (torch.nn.CrossEntropyLoss with reduction='mean'):
+//   loss = mean over rows r with targets[r] != ignore_index of  logsumexp(logits[r]) - logits[r, targets[r]]
+// logits: (..., C), one row per target. With no counted target the loss is 0 (torch gives NaN).
+class CrossEntropyLoss {
+ public:
+  explicit CrossEntropyLoss(int64_t ignore_index = -100) : ignore_index_(ignore_index) {}
+
+  float forward(const Tensor& logits, const std::vector<int64_t>& targets);  // remembers softmax
+  // dL/dlogits, shaped as the logits: (softmax - onehot(target)) / count on counted rows, 0 elsewhere.
+  // Scaled by grad_loss (dL_total/dloss), 1 for this loss alone.
+  Tensor backward(float grad_loss = 1.0f) const;
+
+  int64_t ignore_index() const { return ignore_index_; }
+  int64_t count() const { return count_; }  // targets counted by the last forward
+
+ private:
+  int64_t ignore_index_;
+  Tensor probabilities_;  // softmax of the last logits
+  std::vector<int64_t> targets_;
+  int64_t count_ = 0;
+};
+
+// AdamW, as torch.optim.AdamW with its defaults (decoupled weight decay, bias-corrected moments):
+//   p <- p * (1 - lr * weight_decay)
+//   m <- beta1 m + (1 - beta1) g,   v <- beta2 v + (1 - beta2) g^2      (t counts steps from 1)
+//   p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+struct AdamWOptions {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+};
+
+class AdamW {
+ public:
+  // Every parameter must have a grad tensor of its shape (the modules' parameters() do).
+  explicit AdamW(std::vector<NamedTensor> parameters, const AdamWOptions& options = {});
+
+  void step();       // one update of every parameter from its grad
+  void zero_grad();  // every grad to zeros
+  int64_t steps() const { return steps_; }
+  AdamWOptions& options() { return options_; }  // e.g. to change lr on a schedule
+  const std::vector<NamedTensor>& parameters() const { return parameters_; }
+
+ private:
+  std::vector<NamedTensor> parameters_;
+  std::vector<std::vector<float>> first_moment_, second_moment_;
+  AdamWOptions options_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace qkv::nn

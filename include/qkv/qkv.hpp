@@ -8,6 +8,7 @@
 #include "qkv/memory.hpp"
 #include "qkv/nn.hpp"
 #include "qkv/tensor.hpp"
+#include "qkv/train.hpp"
 
 namespace qkv {
 const char* version();  // "0.1.0"

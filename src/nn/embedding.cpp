@@ -1,6 +1,7 @@
-// qkv::nn::Embedding: row lookup in a (vocab, dim) table.
+// qkv::nn::Embedding: row lookup in a (vocab, dim) table; backward scatters rows back into it.
 #include <algorithm>
 
+#include "grad.hpp"
 #include "qkv/nn.hpp"
 #include "random.hpp"
 
@@ -11,6 +12,7 @@ Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optiona
     throw Error("Embedding: num_embeddings (" + std::to_string(num_embeddings) + ") and embedding_dim (" +
                 std::to_string(embedding_dim) + ") must be at least 1");
   weight = Tensor::randn({num_embeddings, embedding_dim}, seed ? *seed : detail::next_seed());  // N(0, 1), as torch
+  zero_grad();
 }
 
 Tensor Embedding::forward(const std::vector<int64_t>& ids) const {
@@ -32,11 +34,30 @@ Tensor Embedding::forward(const std::vector<int64_t>& ids, const Shape& leading)
                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     std::copy_n(table + ids[n] * dim, dim, out + static_cast<int64_t>(n) * dim);
   }
+  saved_ids_ = ids;
   return y;
 }
 
+void Embedding::backward(const Tensor& grad_output) {
+  const int64_t dim = weight.size(1), count = static_cast<int64_t>(saved_ids_.size());
+  if (!grad_output.defined() || grad_output.dim() < 1 || grad_output.size(-1) != dim || grad_output.numel() != count * dim)
+    throw Error("Embedding::backward: grad_output is " + grad::shape_str(grad_output) + " but the forward looked up " +
+                std::to_string(count) + " ids of dim " + std::to_string(dim));
+  if (weight_grad.shape() != weight.shape())
+    throw Error("Embedding::backward: weight_grad is " + grad::shape_str(weight_grad) + " but weight is " +
+                weight.shape().str() + ": call zero_grad() after replacing weight");
+  const Tensor g = grad_output.contiguous();
+  // y[n] = table[ids[n]]  ->  dtable[ids[n]] += g[n]
+  float* dtable = weight_grad.data();
+  const float* gd = g.data();
+  for (int64_t n = 0; n < count; ++n)
+    for (int64_t e = 0; e < dim; ++e) dtable[saved_ids_[n] * dim + e] += gd[n * dim + e];
+}
+
+void Embedding::zero_grad() { grad::reset_grad(weight_grad, weight); }
+
 std::vector<NamedTensor> Embedding::parameters(const std::string& prefix) const {
-  return {{prefix + "weight", weight}};
+  return {{prefix + "weight", weight, weight_grad}};
 }
 
 }  // namespace qkv::nn

@@ -1,9 +1,11 @@
-// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims.
+// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims; backward is two more
+// sgemms (dx = g W, dW += g^T x) and a column sum (db += sum of g's rows).
 #include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "grad.hpp"
 #include "qkv/nn.hpp"
 #include "random.hpp"
 
@@ -20,6 +22,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, std::option
   weight = Tensor::uniform({out_features, in_features}, -bound, bound, seed);
   // The bias gets a stream of its own: a different seed derived from the weight's.
   if (bias) this->bias = Tensor::uniform({out_features}, -bound, bound, detail::mix64(seed + 1));
+  zero_grad();
 }
 
 Tensor Linear::forward(const Tensor& x) const {
@@ -32,6 +35,7 @@ Tensor Linear::forward(const Tensor& x) const {
     throw Error("Linear: x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but in_features is " + std::to_string(in_features()));
   const Tensor input = x.contiguous();
+  saved_input_ = input;
   std::vector<int64_t> out_dims(x.shape().begin(), x.shape().end());
   out_dims.back() = out_features();
   Tensor y = Tensor::empty(Shape(out_dims));
@@ -53,9 +57,49 @@ Tensor Linear::forward(const Tensor& x) const {
   return y;
 }
 
+Tensor Linear::backward(const Tensor& grad_output) {
+  if (!saved_input_.defined()) throw Error("Linear::backward: no forward to differentiate (call forward first)");
+  const Tensor& x = saved_input_;
+  std::vector<int64_t> y_dims(x.shape().begin(), x.shape().end());
+  y_dims.back() = out_features();
+  if (!grad_output.defined() || grad_output.shape() != Shape(y_dims))
+    throw Error("Linear::backward: grad_output is " +
+                (grad_output.defined() ? grad_output.shape().str() : std::string("undefined")) +
+                " but the forward's output was " + Shape(y_dims).str());
+  if (weight_grad.shape() != weight.shape() || bias.defined() != bias_grad.defined() ||
+      (bias.defined() && bias_grad.shape() != bias.shape()))
+    throw Error("Linear::backward: the grads do not match weight " + weight.shape().str() +
+                " any more (parameters replaced?): call zero_grad() first");
+  const Tensor g = grad_output.contiguous();
+  const int64_t rows = x.numel() / in_features(), n = out_features(), k = in_features();
+  Tensor dx = Tensor::zeros(x.shape());
+  if (rows == 0) return dx;
+  // y = x W^T + b  ->  dx = g W : (rows, n) x (n, k)
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(k),
+              static_cast<int>(n), 1.0f, g.data(), static_cast<int>(n), weight.data(), static_cast<int>(k), 0.0f,
+              dx.data(), static_cast<int>(k));
+  //                  ->  dW += g^T x : (n, rows) x (rows, k), beta = 1 accumulates
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(k),
+              static_cast<int>(rows), 1.0f, g.data(), static_cast<int>(n), x.data(), static_cast<int>(k), 1.0f,
+              weight_grad.data(), static_cast<int>(k));
+  //                  ->  db += sum over rows of g
+  if (bias.defined()) {
+    float* db = bias_grad.data();
+    const float* gd = g.data();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < n; ++o) db[o] += gd[r * n + o];
+  }
+  return dx;
+}
+
+void Linear::zero_grad() {
+  grad::reset_grad(weight_grad, weight);
+  grad::reset_grad(bias_grad, bias);
+}
+
 std::vector<NamedTensor> Linear::parameters(const std::string& prefix) const {
-  std::vector<NamedTensor> params{{prefix + "weight", weight}};
-  if (bias.defined()) params.push_back({prefix + "bias", bias});
+  std::vector<NamedTensor> params{{prefix + "weight", weight, weight_grad}};
+  if (bias.defined()) params.push_back({prefix + "bias", bias, bias_grad});
   return params;
 }
 

@@ -1,9 +1,11 @@
 // qkv::nn::MultiHeadAttention: project, split into heads, attend (through the functional core),
-// concatenate, project. Laid out and initialised as torch.nn.MultiheadAttention.
+// concatenate, project. Laid out and initialised as torch.nn.MultiheadAttention. Forward keeps the
+// split projections and the core's result (output, lse); backward walks the five steps in reverse.
 #include <algorithm>
 #include <cmath>
 #include <set>
 
+#include "grad.hpp"
 #include "qkv/nn.hpp"
 #include "random.hpp"
 
@@ -78,7 +80,9 @@ MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, con
 }
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask& mask, Weights weights) const {
-  return forward(x, x, x, mask, weights);
+  MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
+  saved_.self_attention = true;
+  return out;
 }
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
@@ -120,6 +124,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
     attention.seed = stream_seed(options_.seed, 7) + dropout_calls_++;
   }
   AttentionResult attended = scaled_dot_product_attention(q, k, v, attention);
+  saved_ = {.valid = true, .self_attention = false, .unbatched = unbatched, .q = q, .k = k, .v = v,
+            .attended = attended, .attention = attention};
 
   // ---- 4. concatenate heads: (B, H, Nq, hd) -> (B, Nq, E), 5. output projection
   Tensor concatenated = attended.output.transpose(1, 2).reshape({batch, q_len, embed_dim_});
@@ -144,6 +150,54 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
     if (result.weights.defined()) result.weights = result.weights.squeeze(0);
   }
   return result;
+}
+
+MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_output) {
+  if (!saved_.valid) throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first)");
+  const Saved& s = saved_;
+  const int64_t batch = s.q.size(0), q_len = s.q.size(2), kv_len = s.k.size(2), hd = head_dim();
+  const Shape expected = s.unbatched ? Shape{q_len, embed_dim_} : Shape{batch, q_len, embed_dim_};
+  if (!grad_output.defined() || grad_output.shape() != expected)
+    throw Error(std::string(kWho) + "backward: grad_output is " + shape_of(grad_output) +
+                " but the forward's output was " + expected.str());
+  const Tensor g = s.unbatched ? grad_output.unsqueeze(0) : grad_output;
+
+  // ---- 5. output = out_proj(concatenated)
+  const Tensor d_concatenated = out_proj.backward(g);
+  // ---- 4. concatenated = attended.output.transpose(1, 2).reshape({B, Nq, E})
+  const Tensor d_attended = d_concatenated.reshape({batch, q_len, num_heads_, hd}).transpose(1, 2).contiguous();
+  // ---- 3. attended = scaled_dot_product_attention(q, k, v, attention)
+  const AttentionGrads d = scaled_dot_product_attention_backward(d_attended, s.q, s.k, s.v, s.attended, s.attention);
+  // ---- 2. q = q_proj(q_in).reshape({B, N, H, hd}).transpose(1, 2), and k, v alike
+  // ---- 1. the projections
+  MultiHeadAttentionGrads grads;
+  grads.query = q_proj.backward(d.dq.transpose(1, 2).reshape({batch, q_len, embed_dim_}));
+  grads.key = k_proj.backward(d.dk.transpose(1, 2).reshape({batch, kv_len, num_kv_heads_ * hd}));
+  grads.value = v_proj.backward(d.dv.transpose(1, 2).reshape({batch, kv_len, num_kv_heads_ * hd}));
+  if (s.unbatched) {
+    grads.query = grads.query.squeeze(0);
+    grads.key = grads.key.squeeze(0);
+    grads.value = grads.value.squeeze(0);
+  }
+  return grads;
+}
+
+Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
+  if (saved_.valid && !saved_.self_attention)
+    throw Error(std::string(kWho) + "backward() follows forward(x) (self-attention); the last forward was "
+                "forward(query, key, value): use backward_cross()");
+  MultiHeadAttentionGrads grads = backward_cross(grad_output);
+  // x fed all three projections: its gradient is the sum of the three paths.
+  float* dx = grads.query.data();
+  const float* dk = grads.key.data();
+  const float* dv = grads.value.data();
+  const int64_t count = grads.query.numel();
+  for (int64_t e = 0; e < count; ++e) dx[e] += dk[e] + dv[e];
+  return grads.query;
+}
+
+void MultiHeadAttention::zero_grad() {
+  for (Linear* proj : {&q_proj, &k_proj, &v_proj, &out_proj}) proj->zero_grad();
 }
 
 std::vector<NamedTensor> MultiHeadAttention::parameters() const {

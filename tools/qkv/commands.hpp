@@ -23,4 +23,7 @@ void add_scaling_command(CLI::App& app);
 // `qkv bench`: times the standard workloads W0-W5 against same-run sgemm and memcpy (bench.cpp).
 void add_bench_command(CLI::App& app);
 
+// `qkv train`: trains a small attention model on copy, recall or reverse (train.cpp).
+void add_train_command(CLI::App& app);
+
 }  // namespace qkv::cli

@@ -1,0 +1,144 @@
+// qkv::train: a small causal attention model, its file format, synthetic tasks that only
+// attention can solve, and the loop that trains one on them (what `qkv train` runs).
+//
+// The model: token embedding + sinusoidal positions, num_layers x [LayerNorm, causal
+// MultiHeadAttention, residual], LayerNorm, linear head to the vocabulary. No MLP: every bit of
+// mixing between positions is attention, so what it learns is what attention learns.
+//
+// The .qkv file (all integers and floats little-endian):
+//   offset 0   8 bytes   magic "QKVMODEL"
+//          8   u32       format version (kModelFormatVersion)
+//         12   5 x i64   config: vocab_size, max_len, d_model, num_heads, num_layers
+//         52   u32       tensor count, then per tensor, in parameters() order:
+//                          u32 name length, name (UTF-8, no terminator),
+//                          u32 rank, rank x i64 dims, numel x f32 values (row-major)
+//   nothing after the last tensor.
+// load() checks the magic, the version, the config, every name and shape against the model the
+// config describes, and that the file ends where it should; anything else is a qkv::Error that
+// names the file and what was wrong (not a qkv model, truncated at byte n, shape differs, ...).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "qkv/mask.hpp"
+#include "qkv/nn.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::train {
+
+inline constexpr uint32_t kModelFormatVersion = 1;
+
+struct ModelConfig {
+  int64_t vocab_size = 17;  // token ids 0 .. vocab_size - 1
+  int64_t max_len = 64;     // longest sequence the positional table covers
+  int64_t d_model = 64;
+  int64_t num_heads = 4;
+  int64_t num_layers = 2;
+};
+
+class AttentionModel {
+ public:
+  // Weights drawn from `seed` alone: the same config and seed give the same model.
+  AttentionModel(const ModelConfig& config, uint64_t seed);
+
+  // ids: batch x length token ids, row-major. Returns logits (batch, length, vocab_size).
+  // Every attention layer is causal; `mask` is and-ed into each (e.g. a diagonal keep mask).
+  // head_weights: when given, receives each layer's per-head weights (batch, heads, length, length).
+  Tensor forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, const Mask& mask = {},
+                 std::vector<Tensor>* head_weights = nullptr) const;
+  // grad_logits shaped as the last forward's logits; adds every parameter's gradient.
+  void backward(const Tensor& grad_logits);
+  void zero_grad();
+
+  // "embedding.weight", "layers.0.norm.weight", "layers.0.attention.q_proj.weight", ...,
+  // "final_norm.weight", "final_norm.bias", "head.weight", "head.bias".
+  std::vector<nn::NamedTensor> parameters() const;
+  int64_t parameter_count() const;
+  const ModelConfig& config() const { return config_; }
+
+  void save(const std::string& path) const;              // the .qkv format above
+  static AttentionModel load(const std::string& path);  // throws qkv::Error on a bad file
+
+  struct Block {
+    nn::LayerNorm norm;
+    nn::MultiHeadAttention attention;
+  };
+
+  nn::Embedding embedding;
+  nn::SinusoidalPositionalEncoding positions;
+  std::vector<Block> layers;
+  nn::LayerNorm final_norm;
+  nn::Linear head;
+
+ private:
+  ModelConfig config_;
+};
+
+// ---- synthetic tasks. Symbols are ids 0 .. symbols - 1; id `symbols` is the separator '|'.
+//   copy:    a b c d | a b c d      (predict the part after '|')
+//   reverse: a b c d | d c b a
+//   recall:  k1 v1 k2 v2 ... kP vP  q -> the value paired with key q (keys distinct, values free)
+enum class Task { Copy, Recall, Reverse };
+Task parse_task(const std::string& name);  // "copy", "recall", "reverse"; else qkv::Error
+std::string to_string(Task task);
+
+struct TaskOptions {
+  Task task = Task::Recall;
+  int64_t symbols = 16;  // vocabulary of the task, separator not counted
+  int64_t pairs = 8;     // recall: key-value pairs per sequence (<= symbols)
+  int64_t length = 8;    // copy, reverse: symbols per sequence
+};
+int64_t vocab_size(const TaskOptions& task);       // symbols + 1
+int64_t sequence_length(const TaskOptions& task);  // what the model reads: recall 2P + 1, copy/reverse 2L
+
+// One batch, row-major (batch, length): the model reads ids and at each position predicts
+// targets (the next token), or nothing where targets is -100 (nn::CrossEntropyLoss's ignore_index).
+struct Batch {
+  int64_t batch = 0, length = 0;
+  std::vector<int64_t> ids;
+  std::vector<int64_t> targets;
+};
+// Deterministic in (options, batch, seed).
+Batch make_batch(const TaskOptions& task, int64_t batch, uint64_t seed);
+// A sequence as text, the separator as '|', symbols as letters: "a f c h | a f c h".
+std::string token_text(const TaskOptions& task, int64_t id);
+
+struct TrainOptions {
+  TaskOptions task;
+  int64_t steps = 2000;
+  int64_t batch = 64;
+  uint64_t seed = 0;          // model weights and every batch
+  nn::AdamWOptions adamw{.lr = 3e-3f};
+  int64_t warmup_steps = 100;  // linear warm-up of the learning rate, then cosine decay to lr / 10
+  Mask mask;                   // and-ed into every attention (the learning test's diagonal control)
+};
+
+struct TrainStep {
+  int64_t step = 0;      // 1-based
+  float loss = 0;        // this step's batch loss
+  float lr = 0;
+  double seconds = 0;    // since training started
+  int64_t tokens = 0;    // tokens read so far
+};
+
+// Trains `model` in place; calls `progress` after every step (may be empty).
+void train(AttentionModel& model, const TrainOptions& options,
+           const std::function<void(const TrainStep&)>& progress = {});
+
+// Held-out accuracy: the fraction of predicted positions (argmax == target) over `sequences`
+// fresh sequences drawn from a seed stream that training never uses.
+struct Evaluation {
+  double accuracy = 0;           // per predicted token
+  double sequence_accuracy = 0;  // every predicted token of the sequence right
+  float loss = 0;
+};
+Evaluation evaluate(const AttentionModel& model, const TaskOptions& task, int64_t sequences, uint64_t seed,
+                    const Mask& mask = {});
+
+// The seed of the held-out stream for a training seed (disjoint from the training batches').
+uint64_t held_out_seed(uint64_t seed);
+
+}  // namespace qkv::train
