@@ -3,6 +3,8 @@
 The functions here follow PyTorch's conventions so that code moves between the two unchanged:
 
   scaled_dot_product_attention(q, k, v, ...)   torch.nn.functional.scaled_dot_product_attention
+  scaled_dot_product_attention_backward(...)   its gradients (dq, dk, dv), from the forward's
+                                               output and lse (return_lse=True)
   MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True)
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
                                                only when torch is installed)
@@ -30,7 +32,7 @@ for _name in ("Backend", "Error", "Mask"):
 
 __all__ = [
     "Backend", "Error", "Mask", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
-    "dropout_keeps", "manual_seed", "scaled_dot_product_attention",
+    "dropout_keeps", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
 _BACKENDS = {"auto": Backend.Auto, "reference": Backend.Reference, "flash": Backend.Flash,
@@ -102,7 +104,7 @@ def _check_gqa(query, key, enable_gqa):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
-                                 window=None, seed=0, backend="auto"):
+                                 window=None, seed=0, backend="auto", return_lse=False):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
@@ -121,15 +123,48 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     need_weights: also return the (B, Hq, Nq, Nk) weights (after dropout, as applied to value).
     backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
 
-    Returns the (B, Hq, Nq, Dv) float32 output, or (output, weights) with need_weights. A query
-    that sees no key gets zeros (PyTorch gives NaN).
+    return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
+      (-inf where a query sees no key): with the output, it is what
+      scaled_dot_product_attention_backward needs (the weights are recomputed from it).
+
+    Returns the (B, Hq, Nq, Dv) float32 output; with need_weights and/or return_lse, a tuple
+    (output, weights, lse) holding those asked for, in that order. A query that sees no key
+    gets zeros (PyTorch gives NaN).
     """
     query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    output, weights, _lse = _core.attention(query, key, value, mask, None if scale is None else float(scale),
-                                            float(dropout_p), int(seed), bool(need_weights), _backend(backend))
-    return (output, weights) if need_weights else output
+    output, weights, lse = _core.attention(query, key, value, mask, None if scale is None else float(scale),
+                                           float(dropout_p), int(seed), bool(need_weights), _backend(backend))
+    if not (need_weights or return_lse):
+        return output
+    return (output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+
+
+def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                                          key_lengths=None, window=None, seed=0, backend="auto"):
+    """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value.
+
+    grad_output: dL/doutput, shaped as the output. output, lse: what the forward returned with
+    return_lse=True, on the same query, key and value. Every other argument must be the one
+    the forward was given (the mask arguments, scale, dropout_p and seed: dropout then drops
+    the same weights in both directions). The weights are recomputed from lse, never stored.
+    With grouped-query attention, dk and dv sum over the query heads that share a key/value
+    head. A query that sees no key contributes nothing (zeros, never NaN).
+    backend: "auto" (flash), "reference" or "flash".
+
+        out, lse = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+        dq, dk, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, is_causal=True)
+    """
+    query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
+    grad_output, output, lse = (_as_array(grad_output, "grad_output"), _as_array(output, "output"),
+                                _as_array(lse, "lse"))
+    _check_gqa(query, key, enable_gqa)
+    mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
+    return _core.attention_backward(grad_output, query, key, value, output, lse, mask,
+                                    None if scale is None else float(scale), float(dropout_p), int(seed),
+                                    _backend(backend))
 
 
 def create_causal_mask(n):
@@ -195,13 +230,33 @@ class MultiHeadAttention:
         """
         return dict(self._core.parameters())
 
+    def grads(self):
+        """{name: array}: the parameters' gradients under parameters()' names, zeros until a
+        backward. Each array is a view of the module's gradient: backward() adds to it and
+        zero_grad() clears it in place.
+        """
+        return dict(self._core.gradients())
+
+    def torch_grads(self):
+        """Copies of the gradients under torch.nn.MultiheadAttention's names (as state_dict()),
+        so they compare directly with {name: p.grad for name, p in module.named_parameters()}.
+        """
+        return self._torch_names(self.grads())
+
+    def zero_grad(self):
+        """Sets every parameter gradient to zero (backward accumulates, as in PyTorch)."""
+        self._core.zero_grad()
+
     def state_dict(self):
         """Copies of the parameters under torch.nn.MultiheadAttention's names.
 
         in_proj_weight when q, k and v have the same shape (else q_proj_weight, k_proj_weight,
         v_proj_weight), in_proj_bias, out_proj.weight, out_proj.bias.
         """
-        p = self.parameters()
+        return self._torch_names(self.parameters())
+
+    @staticmethod
+    def _torch_names(p):
         qkv_weights = [p[f"{n}_proj.weight"] for n in "qkv"]
         state = {}
         if all(w.shape == qkv_weights[0].shape for w in qkv_weights):
@@ -250,6 +305,7 @@ class MultiHeadAttention:
         (or (Nq, B, embed_dim) without batch_first).
         """
         query = _as_array(query, "query")
+        key_given, value_given = key is not None, value is not None
         key = query if key is None else _as_array(key, "key")
         value = key if value is None else _as_array(value, "value")
         batched = query.ndim == 3
@@ -275,9 +331,36 @@ class MultiHeadAttention:
         else:
             weights = _core.Weights.Averaged if average_attn_weights else _core.Weights.PerHead
         output, attn_weights = self._core.forward(query, key, value, mask, weights)
+        self._last = (key_given, value_given, batched)
         if batched and not self.batch_first:
             output = np.swapaxes(output, 0, 1)
         return output, attn_weights
+
+    def backward(self, grad_output):
+        """Backward of the last forward: returns the input gradient(s), adds the parameters'.
+
+        grad_output: dL/doutput, shaped as that forward's output. Returns dL/dquery when the
+        forward was self-attention (key and value not given: the three paths are summed);
+        otherwise (dquery, dkey, dvalue), where dvalue is None and dkey includes the value path
+        when value was not given (it defaulted to key). The parameter gradients are ADDED to
+        grads() (torch_grads() under PyTorch's names), as PyTorch accumulates .grad: call
+        zero_grad() between steps. Dropout drops the same weights as in that forward.
+        Call backward once per forward, on the same module (it keeps what the forward saved).
+        """
+        if getattr(self, "_last", None) is None:
+            raise Error("MultiHeadAttention.backward: no forward to differentiate (call forward first)")
+        key_given, value_given, batched = self._last
+        grad_output = _as_array(grad_output, "grad_output")
+        if batched and not self.batch_first:
+            grad_output = np.swapaxes(grad_output, 0, 1)
+        dq, dk, dv = self._core.backward(grad_output)
+        if batched and not self.batch_first:
+            dq, dk, dv = (np.swapaxes(g, 0, 1) for g in (dq, dk, dv))
+        if not key_given and not value_given:
+            return dq + dk + dv
+        if not value_given:
+            return dq, dk + dv, None
+        return dq, dk, dv
 
     def __repr__(self):
         return (f"qkv.MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

@@ -7,9 +7,11 @@ takes the arguments of torch.nn.functional.scaled_dot_product_attention (plus qk
 window and seed) on CPU float32 tensors. Tensors cross to qkv through numpy views and the
 output comes back as a tensor over qkv's own buffer.
 
-The backward pass is not available yet: it needs qkv::scaled_dot_product_attention_backward,
-which arrives with the training issue (issue 4). Until then, backward() raises
-NotImplementedError; forward works with and without autograd recording.
+Gradients flow: forward keeps the inputs, the output and the log-sum-exp of each row, and
+backward calls qkv::scaled_dot_product_attention_backward with the same mask, scale and dropout
+seed (so dropout drops the same weights both ways). Gradients reach query, key and value; the
+mask is not differentiated (a float attn_mask gets no gradient). With grouped-query attention
+the key/value gradients sum over the query heads sharing each key/value head.
 """
 
 import torch
@@ -17,11 +19,6 @@ import torch
 from . import Backend, Error, _check_gqa, _core, _mask_from
 
 __all__ = ["scaled_dot_product_attention"]
-
-_BACKWARD_MISSING = (
-    "qkv.torch.scaled_dot_product_attention: backward is not implemented yet; it needs "
-    "qkv::scaled_dot_product_attention_backward, which arrives with the training issue (issue 4). "
-    "Use torch's own attention where gradients are needed, or run this under torch.no_grad().")
 
 
 def _check_tensor(t, name):
@@ -49,12 +46,15 @@ class ScaledDotProductAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        # When issue 4 lands this becomes, with a binding _core.attention_backward:
-        #   query, key, value, output, lse = ctx.saved_tensors
-        #   dq, dk, dv = _core.attention_backward(grad_output.contiguous().numpy(), query.numpy(), ...,
-        #                                         output.numpy(), lse.numpy(), *ctx.options)
-        #   return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None
-        raise NotImplementedError(_BACKWARD_MISSING)
+        query, key, value, output, lse = ctx.saved_tensors
+        mask, scale, dropout_p, seed = ctx.options
+        grad_output = grad_output.detach().to(torch.float32).contiguous()
+        dq, dk, dv = _core.attention_backward(grad_output.numpy(), query.detach().numpy(), key.detach().numpy(),
+                                              value.detach().numpy(), output.numpy(), lse.numpy(), mask, scale,
+                                              dropout_p, seed, Backend.Auto)
+        grads = [torch.from_numpy(g) if needed else None
+                 for g, needed in zip((dq, dk, dv), ctx.needs_input_grad[:3])]
+        return (*grads, None, None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -64,7 +64,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv), or rank 3 / 2 as one
     head. attn_mask: bool (True = attend) or float (added), broadcast numpy-style; is_causal,
     scale, enable_gqa as in PyTorch; key_lengths, window, seed as qkv.scaled_dot_product_attention.
-    Returns the (B, Hq, Nq, Dv) output. Gradients: not yet (see the module docstring).
+    Returns the (B, Hq, Nq, Dv) output; backward gives query, key and value their gradients.
     """
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)

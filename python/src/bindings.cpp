@@ -62,7 +62,7 @@ py::object to_numpy(const qkv::Tensor& tensor) {
 // ---- the functional core
 
 // scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse);
-// weights is None unless need_weights. lse is kept for the backward pass (issue 4).
+// weights is None unless need_weights. lse is what the backward pass needs (with output).
 py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
                     std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
                     qkv::Backend backend) {
@@ -80,6 +80,32 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
     result = qkv::scaled_dot_product_attention(copy_in(qv), copy_in(kv), copy_in(vv), options);
   }
   return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse));
+}
+
+// qkv::scaled_dot_product_attention_backward: (dq, dk, dv) from the forward's output and lse, with
+// the same mask and options as that forward (the dropout seed included).
+py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q, const FloatArray& k,
+                             const FloatArray& v, const FloatArray& output, const FloatArray& lse,
+                             const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
+                             qkv::Backend backend) {
+  qkv::AttentionOptions options;
+  options.mask = mask;
+  options.scale = scale;
+  options.dropout_p = dropout_p;
+  options.seed = seed;
+  options.backend = backend;
+  const ArrayView gv = view_of(grad_output), qv = view_of(q), kv = view_of(k), vv = view_of(v),
+                  ov = view_of(output), lv = view_of(lse);
+  qkv::AttentionGrads grads;
+  {
+    py::gil_scoped_release release;
+    qkv::AttentionResult forward;
+    forward.output = copy_in(ov);
+    forward.lse = copy_in(lv);
+    grads = qkv::scaled_dot_product_attention_backward(copy_in(gv), copy_in(qv), copy_in(kv), copy_in(vv),
+                                                       forward, options);
+  }
+  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv));
 }
 
 // ---- nn::MultiHeadAttention
@@ -111,6 +137,25 @@ py::list mha_parameters(const qkv::nn::MultiHeadAttention& mha) {
   py::list params;
   for (const auto& p : mha.parameters()) params.append(py::make_tuple(p.name, to_numpy(p.tensor)));
   return params;
+}
+
+// (d query, d key, d value) of the last forward; adds the parameter gradients to the module's.
+py::tuple mha_backward(qkv::nn::MultiHeadAttention& mha, const FloatArray& grad_output) {
+  const ArrayView gv = view_of(grad_output);
+  qkv::nn::MultiHeadAttentionGrads grads;
+  {
+    py::gil_scoped_release release;
+    grads = mha.backward_cross(copy_in(gv));
+  }
+  return py::make_tuple(to_numpy(grads.query), to_numpy(grads.key), to_numpy(grads.value));
+}
+
+// [(name, grad)] in the module's order; each array is a view of the parameter's gradient, which
+// backward adds to and zero_grad clears in place.
+py::list mha_gradients(const qkv::nn::MultiHeadAttention& mha) {
+  py::list grads;
+  for (const auto& p : mha.parameters()) grads.append(py::make_tuple(p.name, to_numpy(p.grad)));
+  return grads;
 }
 
 void mha_load_state_dict(qkv::nn::MultiHeadAttention& mha, const std::map<std::string, FloatArray>& state) {
@@ -159,6 +204,10 @@ Combine with `&`: a key is visible only where every part allows it.
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
         py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"),
         "qkv::scaled_dot_product_attention: returns (output, weights or None, lse).");
+  m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("mask"), py::arg("scale"), py::arg("dropout_p"),
+        py::arg("seed"), py::arg("backend"),
+        "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
         [](const std::vector<int64_t>& lengths, int64_t max_len) {
@@ -182,6 +231,9 @@ Combine with `&`: a key is visible only where every part allows it.
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
+      .def("backward", &mha_backward, py::arg("grad_output"))
+      .def("gradients", &mha_gradients)
+      .def("zero_grad", &qkv::nn::MultiHeadAttention::zero_grad)
       .def("load_state_dict", &mha_load_state_dict, py::arg("state"))
       .def("train", &qkv::nn::MultiHeadAttention::train, py::arg("training") = true)
       .def_property_readonly("training", &qkv::nn::MultiHeadAttention::is_training)
