@@ -4,10 +4,12 @@
 //
 //   BM_Attention/W2/Auto       steady state: every iteration writes into the same result (_into)
 //   BM_Attention/W2/Reference
+//   BM_AttentionBackward/W2/Auto       scaled_dot_product_attention_backward (W1, W2; Auto = Flash)
+//   BM_AttentionBackward/W2/Reference
 //   BM_Module/W5               nn::MultiHeadAttention forward
 //   BM_Sgemm/2048, BM_Memcpy/256MiB
 //
-// Counters: GFLOP/s (forward FLOPs = 4 B Hq Nq Nk d, half for causal), and for the decode
+// Counters: GFLOP/s (forward FLOPs = 4 B Hq Nq Nk d, half for causal; backward 2.5 x that), and for the decode
 // workload W4 the bytes of K and V read (bytes_per_second). All timings are wall-clock
 // (UseRealTime): the kernels run on OpenMP and OpenBLAS threads, which CPU time of the main thread
 // would miss. Threads: OMP_NUM_THREADS and OPENBLAS_NUM_THREADS.
@@ -49,6 +51,21 @@ void BM_Attention(benchmark::State& state, const Workload* w, qkv::Backend backe
   }
   state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
   if (w->decode) state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * qkv::bench::kv_bytes(*w)));
+}
+
+// The backward allocates its gradients on every call (there is no _into form).
+void BM_AttentionBackward(benchmark::State& state, const Workload* w, qkv::Backend backend) {
+  const qkv::bench::AttentionInputs in = qkv::bench::make_attention_inputs(*w);
+  const qkv::AttentionOptions options = qkv::bench::make_attention_options(*w, backend);
+  const qkv::bench::BackwardInputs bwd = qkv::bench::make_backward_inputs(*w, in, options);
+  (void)qkv::scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);  // warm-up
+  for (auto _ : state) {
+    qkv::AttentionGrads grads =
+        qkv::scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);
+    benchmark::DoNotOptimize(grads.dq.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = flops_rate(qkv::bench::backward_flops(*w));
 }
 
 void BM_Module(benchmark::State& state, const Workload* w) {
@@ -97,6 +114,13 @@ void register_benchmarks() {
     for (const qkv::Backend backend : {qkv::Backend::Auto, qkv::Backend::Reference}) {
       const std::string name = "BM_Attention/" + id + "/" + std::string(qkv::to_string(backend));
       benchmark::RegisterBenchmark(name.c_str(), BM_Attention, &w, backend)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+    if (!w.backward) continue;
+    for (const qkv::Backend backend : {qkv::Backend::Auto, qkv::Backend::Reference}) {
+      const std::string name = "BM_AttentionBackward/" + id + "/" + std::string(qkv::to_string(backend));
+      benchmark::RegisterBenchmark(name.c_str(), BM_AttentionBackward, &w, backend)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }

@@ -11,7 +11,9 @@
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
 //
 // Attention FLOPs = 4 * B * Hq * Nq * Nk * d (Q K^T and P V, a multiply-add each), half of it
-// for causal. Header-only and built on the public API alone.
+// for causal. W1 and W2 are also timed backward (scaled_dot_product_attention_backward, rows
+// "W1-bwd", "W2-bwd"), counted as 2.5 x the forward FLOPs (the FlashAttention-2 convention: five
+// matrix products instead of two, the recomputed Q K^T included). Header-only, public API alone.
 #pragma once
 
 #include <array>
@@ -40,6 +42,7 @@ struct Workload {
   int64_t head_dim;  // d, for both keys and values
   bool causal;
   bool decode;       // few queries against a long cache: memory-bound, reported in GB/s
+  bool backward = false;  // also timed backward (scaled_dot_product_attention_backward)
 
   // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
   int64_t embed_dim() const { return q_heads * head_dim; }
@@ -49,8 +52,8 @@ struct Workload {
 // W2-full follows W2: `--workload W2` runs both, since the causal target compares them.
 inline constexpr std::array<Workload, 7> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
-    {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false},
-    {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false},
+    {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
+    {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
     {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
@@ -93,6 +96,10 @@ inline double forward_flops(const Workload& w) {
   return projections + attention;
 }
 
+// Backward FLOPs of one call: 2.5 x the forward (attention workloads only).
+inline constexpr double kBackwardFlopsFactor = 2.5;
+inline double backward_flops(const Workload& w) { return kBackwardFlopsFactor * forward_flops(w); }
+
 // Bytes of K and V one call must read (float32): what bounds a decode step.
 inline double kv_bytes(const Workload& w) {
   return 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.kv_heads) * static_cast<double>(w.kv_len) *
@@ -117,6 +124,21 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
   if (w.causal) options.mask = Mask::causal();
   options.backend = backend;
   return options;
+}
+
+// What a backward call needs besides q, k, v: an upstream gradient (fixed seed) and the forward
+// result on the same inputs and options (its output and lse).
+struct BackwardInputs {
+  Tensor grad_output;      // shaped as the forward output
+  AttentionResult forward;
+};
+
+inline BackwardInputs make_backward_inputs(const Workload& w, const AttentionInputs& in,
+                                           const AttentionOptions& options) {
+  BackwardInputs out;
+  out.forward = scaled_dot_product_attention(in.q, in.k, in.v, options);
+  out.grad_output = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/4);
+  return out;
 }
 
 // The layer and input of a module workload, in eval mode (no dropout).

@@ -5,7 +5,10 @@
 //                 pays once (page faults on fresh workspaces and outputs included)
 //   steady state  one warm-up, then the median of --runs calls, each writing into the same result
 //                 through scaled_dot_product_attention_into (nothing allocated, no fresh pages)
-// and the rates: GFLOP/s from the forward FLOPs formula, GB/s of K and V read for the decode
+// W1 and W2 are also timed backward (rows "W1-bwd", "W2-bwd": scaled_dot_product_attention_backward,
+// Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
+// time the same call; FLOPs = 2.5 x forward).
+// and the rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
 // workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to rates
 // measured in the same run, so a loaded or slower machine shifts both sides alike:
 //   sgemm   cblas_sgemm 2048^3 through OpenBLAS (the library qkv links), median of 5
@@ -212,6 +215,7 @@ std::string auto_kernel(const Workload& w, const bench::AttentionInputs& in, con
 
 struct Row {
   const Workload* workload;
+  bool backward = false;  // a scaled_dot_product_attention_backward row ("W1-bwd")
   std::string backend;  // "Auto" or "Reference"
   std::string kernel;   // what Auto ran ("Flash", "Decode", "module"), or "Reference"
   int runs = 0;
@@ -222,7 +226,12 @@ struct Row {
   std::optional<double> vs_reference;  // reference median / this median (the speed-up)
 };
 
-double gflops(const Row& row) { return bench::forward_flops(*row.workload) / (row.median_ms * 1e-3) * 1e-9; }
+double row_flops(const Row& row) {
+  return row.backward ? bench::backward_flops(*row.workload) : bench::forward_flops(*row.workload);
+}
+double gflops(const Row& row) { return row_flops(row) / (row.median_ms * 1e-3) * 1e-9; }
+// "W1", or "W1-bwd" for a backward row.
+std::string row_id(const Row& row) { return std::string(row.workload->id) + (row.backward ? "-bwd" : ""); }
 double kv_gbs(const Row& row) { return bench::kv_bytes(*row.workload) / (row.median_ms * 1e-3) * 1e-9; }
 
 // The first call and the steady state of `call_fresh` / `call_into`.
@@ -261,7 +270,26 @@ Row measure_attention(const Workload& w, const bench::AttentionInputs& in, Backe
       [&] { (void)scaled_dot_product_attention(in.q, in.k, in.v, options); },
       [&] { scaled_dot_product_attention_into(in.q, in.k, in.v, reused, options); }, runs, runs_after_first, w.id,
       name, progress);
-  return {&w, name, std::move(kernel), t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
+  return {&w, false, name, std::move(kernel), t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib,
+          std::nullopt};
+}
+
+// The backward allocates its gradients on every call (no _into form): both phases make the same
+// call. The forward result it needs is computed once, outside the timing, with the same options.
+Row measure_backward(const Workload& w, const bench::AttentionInputs& in, Backend backend, int runs,
+                     const std::function<int(double)>& runs_after_first, Progress& progress) {
+  const AttentionOptions options = bench::make_attention_options(w, backend);
+  const std::string name(to_string(backend));
+  const std::string id = std::string(w.id) + "-bwd";
+  progress.show(id, name, "forward");
+  const bench::BackwardInputs bwd = bench::make_backward_inputs(w, in, options);
+  const auto call = [&] {
+    (void)scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);
+  };
+  const Timings t = measure(call, call, runs, runs_after_first, id, name, progress);
+  // Backward has no Decode: Auto runs Flash (attention.hpp).
+  return {&w, true, name, backend == Backend::Reference ? "Reference" : "Flash", t.runs, t.first_ms, t.median_ms,
+          t.min_ms, t.peak_extra_mib, std::nullopt};
 }
 
 // The module allocates its outputs on every forward: both phases call the same forward.
@@ -269,7 +297,7 @@ Row measure_module(const Workload& w, int runs, Progress& progress) {
   const bench::ModuleInputs in = bench::make_module_inputs(w);
   const auto forward = [&] { (void)in.layer.forward(in.x); };
   const Timings t = measure(forward, forward, runs, nullptr, w.id, "Auto", progress);
-  return {&w, "Auto", "module", t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
+  return {&w, false, "Auto", "module", t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -300,9 +328,10 @@ struct Target {
   bool met() const { return at_least ? value >= limit : value <= limit; }
 };
 
-const Row* find_row(const std::vector<Row>& rows, std::string_view id, std::string_view backend) {
+const Row* find_row(const std::vector<Row>& rows, std::string_view id, std::string_view backend,
+                    bool backward = false) {
   for (const Row& row : rows)
-    if (row.workload->id == id && row.backend == backend) return &row;
+    if (row.workload->id == id && row.backend == backend && row.backward == backward) return &row;
   return nullptr;
 }
 
@@ -312,6 +341,11 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
     if (const Row* row = find_row(rows, id, "Auto"))
       out.push_back({fmt::format("{} fast path vs sgemm", id), "GFLOP/s / sgemm GFLOP/s",
                      gflops(*row) / env.best().sgemm_gflops, 0.55, true});
+  }
+  for (std::string_view id : {"W1", "W2"}) {
+    if (const Row* row = find_row(rows, id, "Auto", /*backward=*/true))
+      out.push_back({fmt::format("{} flash backward vs sgemm", id), "GFLOP/s / sgemm GFLOP/s",
+                     gflops(*row) / env.best().sgemm_gflops, 0.35, true});
   }
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
@@ -359,14 +393,15 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
     const Workload& w = *row.workload;
     const bool decode = w.decode;
     fmt::print(
-        "{{\"kind\": \"workload\", \"workload\": {}, \"description\": {}, \"backend\": {}, \"kernel\": {}, "
+        "{{\"kind\": \"workload\", \"workload\": {}, \"pass\": {}, \"description\": {}, \"backend\": {}, "
+        "\"kernel\": {}, "
         "\"shape\": {}, \"mask\": {}, \"batch\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"q_len\": {}, "
         "\"kv_len\": {}, \"head_dim\": {}, \"flops\": {}, \"kv_bytes\": {}, \"runs\": {}, \"first_ms\": {}, "
         "\"median_ms\": {}, \"min_ms\": {}, \"calls_per_s\": {}, \"gflops\": {}, \"gbs\": {}, "
         "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
-        json_string(w.id), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
+        json_string(row_id(row)), json_string(row.backward ? "backward" : "forward"), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
         json_string(w.causal ? "causal" : "none"), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
-        number(bench::forward_flops(w)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
+        number(row_flops(row)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
         number(row.median_ms), number(row.min_ms), number(1e3 / row.median_ms), number(gflops(row)),
         decode ? number(kv_gbs(row)) : "null", number(row.vs_reference),
         number(gflops(row) / env.best().sgemm_gflops),
@@ -402,7 +437,7 @@ void print_table(const std::vector<Row>& rows, const Environment& env) {
     const std::string vs_memcpy = w.decode ? fixed(kv_gbs(row) / env.best().memcpy_gbs, 2) : "";
     const std::string vs_reference = row.vs_reference ? fixed(*row.vs_reference, 1) : "";
     fmt::print("{:<8}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
-               w.id, row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
+               row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
                fixed(gflops(row) / env.best().sgemm_gflops, 2), gbs, vs_memcpy, vs_reference,
                fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.causal ? " causal" : "");
@@ -424,14 +459,15 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
     fmt::print("Auto's kernel: Flash everywhere (Backend::Decode not built yet: \"{}\")\n", env.decode.message);
   }
   fmt::print("first = release_workspaces() + a fresh result; median = steady state, same result reused (_into)\n");
-  fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / sgemm; GB/s and x memcpy: K and V bytes read\n\n");
+  fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / sgemm; GB/s and x memcpy: K and V bytes read\n");
+  fmt::print("-bwd = scaled_dot_product_attention_backward (gradients allocated each call), FLOPs = 2.5 x forward\n\n");
   print_table(rows, env);
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issue 3), from this run:\n");
+    fmt::print("\nTargets (issues 3 and 4), from this run:\n");
     for (const Target& target : measured) {
-      fmt::print("  {:<24} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
+      fmt::print("  {:<30} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
                  target.met() ? "met" : "NOT met");
     }
@@ -470,6 +506,22 @@ void run_bench(const BenchOptions& options) {
   env.start = {measure_sgemm(kSgemmSize, progress), measure_memcpy(kMemcpyBytes, progress)};
 
   std::vector<Row> rows;
+  const auto reference_runs = [&](double first_ms) {
+    if (options.reference_runs > 0) return options.reference_runs;
+    return first_ms > kSlowCallMs ? kSlowReferenceRuns : kReferenceRuns;
+  };
+  // The fast row with its speed-up over Reference, then the Reference row (unless --no-reference).
+  const auto add_pair = [&](Row fast, const std::function<Row()>& measure_reference) {
+    if (options.no_reference) {
+      rows.push_back(std::move(fast));
+      return;
+    }
+    Row reference = measure_reference();
+    reference.vs_reference = 1.0;
+    fast.vs_reference = reference.median_ms / fast.median_ms;
+    rows.push_back(std::move(fast));
+    rows.push_back(std::move(reference));
+  };
   for (const Workload* w : selected_workloads(options.workloads)) {
     if (w->is_module()) {
       rows.push_back(measure_module(*w, options.runs, progress));
@@ -478,20 +530,12 @@ void run_bench(const BenchOptions& options) {
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
     progress.show(w->id, "Auto", "which kernel");
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
-    Row fast = measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress);
-    if (!options.no_reference) {
-      const auto reference_runs = [&](double first_ms) {
-        if (options.reference_runs > 0) return options.reference_runs;
-        return first_ms > kSlowCallMs ? kSlowReferenceRuns : kReferenceRuns;
-      };
-      Row reference = measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
-      reference.vs_reference = 1.0;
-      fast.vs_reference = reference.median_ms / fast.median_ms;
-      rows.push_back(fast);
-      rows.push_back(reference);
-    } else {
-      rows.push_back(fast);
-    }
+    add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
+      return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
+    });
+    if (!w->backward) continue;
+    add_pair(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress),
+             [&] { return measure_backward(*w, inputs, Backend::Reference, 0, reference_runs, progress); });
   }
   env.end = {measure_sgemm(kSgemmSize, progress), measure_memcpy(kMemcpyBytes, progress)};
   progress.clear();
@@ -508,7 +552,8 @@ void run_bench(const BenchOptions& options) {
 void add_bench_command(CLI::App& app) {
   auto options = std::make_shared<BenchOptions>();
   CLI::App* bench = app.add_subcommand(
-      "bench", "Time the standard workloads W0-W5: ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
+      "bench",
+      "Time the standard workloads W0-W5 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
   bench->add_flag("--json", options->json, "Print JSON Lines (one object per row) instead of the table");
   bench->add_option("--threads", options->threads, "Threads for OpenMP and OpenBLAS (default: as set up)")
       ->check(CLI::PositiveNumber);

@@ -1,11 +1,13 @@
 // `qkv train`: trains the small causal attention model of qkv/train.hpp on a synthetic task that
 // only attention can solve, with a progress bar (loss, tokens/s) on stderr, the held-out accuracy
-// at the end and each trained head's weights on one example drawn as text.
+// at the end and each trained head's weights on one example drawn as text, and with --plot as
+// heatmaps (plot.hpp: PNG, SVG or PDF by the file's extension).
 #include <cblas.h>
 #include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -15,6 +17,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "plot.hpp"
 #include "qkv/train.hpp"
 
 namespace qkv::cli {
@@ -26,6 +29,7 @@ struct TrainCommandOptions {
   int64_t steps = 3000;
   uint64_t seed = 0;
   std::string save;
+  std::string plot;  // heatmaps of the trained heads: .png, .svg or .pdf
   int64_t batch = 64;
   float lr = 3e-3f;
   int64_t warmup = 100;
@@ -76,8 +80,59 @@ std::string shade(float w) {
   return kRamp[level];
 }
 
+// Mean over the rows of one (n x n) weight matrix of each row's entropy, in nats.
+double mean_entropy(const std::vector<float>& w, int64_t n) {
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double p = w[static_cast<size_t>(i * n + j)];
+      if (p > 0) total -= p * std::log(p);
+    }
+  }
+  return n > 0 ? total / static_cast<double>(n) : 0;
+}
+
+// The heads of every layer as heatmap panels (one section per layer, one panel per head), token
+// labels on both axes, one colour scale for all.
+void plot_heads(const std::vector<Tensor>& weights, const train::Batch& example, const train::TaskOptions& task,
+                const std::string& task_name, const std::string& path) {
+  const int64_t n = example.length;
+  plot::HeatmapFigure figure;
+  for (int64_t i = 0; i < n; ++i)
+    figure.row_labels.push_back(train::token_text(task, example.ids[static_cast<size_t>(i)]));
+  figure.col_labels = figure.row_labels;
+  figure.title = fmt::format("Trained attention heads, task {}, on one held-out example", task_name);
+  figure.notes.push_back("rows: queries (each row sums to 1), columns: keys; causal, so above the diagonal is empty");
+  figure.notes.push_back(fmt::format("entropy: mean over rows (uniform over all {} keys = {:.2f} nats)", n,
+                                     std::log(static_cast<double>(n))));
+  int64_t heads = 1;
+  for (size_t layer = 0; layer < weights.size(); ++layer) {
+    const Tensor& w = weights[layer];  // (1, H, n, n)
+    heads = std::max(heads, w.size(1));
+    plot::HeatmapSection section;
+    section.heading = fmt::format("layer {}", layer);
+    for (int64_t h = 0; h < w.size(1); ++h) {
+      plot::HeatmapPanel panel;
+      panel.title = fmt::format("head {}", h);
+      panel.rows = panel.cols = n;
+      panel.values.resize(static_cast<size_t>(n * n));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) panel.values[static_cast<size_t>(i * n + j)] = w.at({0, h, i, j});
+      panel.subtitle = fmt::format("entropy {:.2f} nats", mean_entropy(panel.values, n));
+      section.panels.push_back(std::move(panel));
+    }
+    figure.sections.push_back(std::move(section));
+  }
+  figure.columns = static_cast<int>(std::min<int64_t>(heads, 4));
+  figure.value_max = 1;  // weights are probabilities: a fixed scale makes figures comparable
+  const plot::HeatmapLayout layout = plot::draw_heatmaps(figure, path);
+  fmt::print("\nWrote the heads' weights to {} ({} x {}): {} layer{} of {} head{}, {} tokens\n", path, layout.width,
+             layout.height, weights.size(), weights.size() == 1 ? "" : "s", heads, heads == 1 ? "" : "s", n);
+}
+
 // Each layer's heads side by side: rows are queries (the token read), columns keys.
-void draw_heads(const train::AttentionModel& model, const train::TaskOptions& task, uint64_t seed) {
+void draw_heads(const train::AttentionModel& model, const train::TaskOptions& task, uint64_t seed,
+                const std::string& task_name, const std::string& plot_path) {
   const train::Batch example = train::make_batch(task, 1, seed);
   std::vector<Tensor> weights;
   const Tensor logits = model.forward(example.ids, 1, example.length, {}, &weights);
@@ -114,9 +169,11 @@ void draw_heads(const train::AttentionModel& model, const train::TaskOptions& ta
       fmt::print("{}\n", line);
     }
   }
+  if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path);
 }
 
 void run_train(const TrainCommandOptions& o) {
+  if (!o.plot.empty()) plot::format_from_path(o.plot);  // a bad extension fails before training, not after
   omp_set_num_threads(o.threads);
   openblas_set_num_threads(o.threads);
   train::TrainOptions options;
@@ -164,7 +221,7 @@ void run_train(const TrainCommandOptions& o) {
              "(loss {:.4f}; chance {:.2f}%). Trained in {:.1f} s.\n",
              o.eval_sequences, 100 * final_eval.accuracy, 100 * final_eval.sequence_accuracy, final_eval.loss,
              100.0 / static_cast<double>(o.symbols), last_seconds);
-  draw_heads(model, options.task, held_out + 2);
+  draw_heads(model, options.task, held_out + 2, o.task, o.plot);
   if (!o.save.empty()) {
     model.save(o.save);
     fmt::print("\nSaved the model to {}\n", o.save);
@@ -183,6 +240,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--seed", options->seed, "Seed of the weights and of every batch")->capture_default_str();
   cmd->add_option("--save", options->save, "Write the trained model to this .qkv file");
+  cmd->add_option("--plot", options->plot,
+                  "Also draw the trained heads' weights on the example as heatmaps (.png, .svg or .pdf)");
   cmd->add_option("--batch", options->batch, "Sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--lr", options->lr, "Peak learning rate of AdamW (warm-up, then cosine to a tenth)")
       ->check(CLI::PositiveNumber)
