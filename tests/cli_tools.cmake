@@ -43,7 +43,23 @@ cli_test(cli_viz_negative_heads ARGS "viz|--heads|-2|-o|${cli_out}/x.png" FAIL E
 cli_test(cli_viz_bad_extension ARGS "viz|-o|${cli_out}/x.jpg" FAIL EXPECT "unknown extension '.jpg'; use .png, .svg or .pdf")
 cli_test(cli_viz_indivisible ARGS "viz|--heads|7|--embed|64" FAIL EXPECT "embed_dim \\(64\\) must be divisible by num_heads \\(7\\)")
 cli_test(cli_viz_bad_temperature ARGS "viz|--temperature|0,1" FAIL EXPECT "--temperature values must be positive")
-cli_test(cli_viz_model ARGS "viz|--model|m.qkv" FAIL EXPECT "not available until `qkv train` exists")
+# qkv viz --model: a tiny model trained first (fixture viz_model), then its heads drawn.
+file(MAKE_DIRECTORY ${cli_out})
+add_test(NAME cli_viz_model_train COMMAND qkv_cli train --task copy --length 3 --symbols 4 --steps 20 --eval 16
+  --save ${cli_out}/tiny.qkv)
+set_tests_properties(cli_viz_model_train PROPERTIES FIXTURES_SETUP viz_model TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "Saved the model to")
+cli_test(cli_viz_model ARGS "viz|--model|${cli_out}/tiny.qkv|-o|${cli_out}/trained.png"
+  FILE ${cli_out}/trained.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 6 tokens, task copy")
+cli_test(cli_viz_model_text ARGS "viz|--model|${cli_out}/tiny.qkv|--text|b a d c|-o|${cli_out}/trained.svg"
+  FILE ${cli_out}/trained.svg KIND svg EXPECT "10 panels, 2 layers of 4 heads, 4 tokens")
+cli_test(cli_viz_model_heads ARGS "viz|--model|${cli_out}/tiny.qkv|--heads|2" FAIL
+  EXPECT "--heads describes the untrained layer; with --model the layers come from the file")
+set_tests_properties(cli_viz_model cli_viz_model_text cli_viz_model_heads PROPERTIES FIXTURES_REQUIRED viz_model)
+cli_test(cli_viz_model_missing ARGS "viz|--model|${cli_out}/no-such-model.qkv|-o|${cli_out}/x.png" FAIL
+  EXPECT "qkv: error: AttentionModel::load: cannot open '.*no-such-model.qkv'")
+cli_test(cli_viz_model_corrupt ARGS "viz|--model|${CMAKE_CURRENT_SOURCE_DIR}/cli_tools.cmake|-o|${cli_out}/x.png" FAIL
+  EXPECT "qkv: error: AttentionModel::load: .*cli_tools.cmake.*not a qkv model file")
 
 # qkv memory: the course's GPT-3 case and an odd one, checked against arithmetic done here.
 cli_test(cli_memory_gpt3 ARGS "memory|--seq|2048|--layers|96|--heads|96|--batch|1|--dtype|f32"

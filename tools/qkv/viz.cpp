@@ -5,11 +5,16 @@
 //   qkv viz --causal -o causal.png                      # no peeking: the upper triangle is 0
 //   qkv viz --temperature 0.5,1,2 -o temperature.png    # sharper and softer softmax, side by side
 //   qkv viz --compare-heads 1,8 -o compare.png          # one head of 64 dims beside eight of 8
+//   qkv viz --model model.qkv -o trained.png            # a trained model's heads, every layer
 //
 // The text becomes vectors as in `qkv demo`: a word (or character) embedding plus the
 // sinusoidal position code, fed to one untrained nn::MultiHeadAttention layer. Its weights
 // come from qkv::scaled_dot_product_attention on the layer's own Q, K and V projections, so a
 // temperature can scale the scores: weights = softmax(Q K^T / (sqrt(d_head) * T)).
+//
+// With --model, the layers are a trained train::AttentionModel's (the .qkv file `qkv train
+// --save` writes), run on a sequence of its own task: the --text tokens when every one is in the
+// model's vocabulary (letters and '|'), else one example sequence of the task.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -26,6 +31,7 @@
 #include "commands.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
+#include "qkv/train.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -43,7 +49,11 @@ struct VizOptions {
   int64_t head = 0;                  // the head the temperature panels show
   std::vector<int64_t> compare_heads;
   std::string model;
+  std::string task;  // --model: the model's task; empty: inferred from the file
   uint64_t seed = 42;
+  // Which options the command line gave (--model takes its layers from the file, not from these).
+  bool text_given = false;
+  std::vector<std::string> layer_options_given;
   std::string output = "attention.png";
 };
 
@@ -171,11 +181,7 @@ int grid_columns(size_t panels) {
 // ---------------------------------------------------------------------------------------------
 
 void check_options(const VizOptions& o, const std::vector<std::string>& tokens) {
-  if (!o.model.empty()) {
-    throw Error(fmt::format("--model {}: trained models are not available until `qkv train` exists (issue 4 adds "
-                            "the model file format); leave out --model to see an untrained layer",
-                            o.model));
-  }
+  if (!o.task.empty()) throw Error("--task goes with --model: it names the trained model's task");
   if (tokens.empty()) throw Error("--text is empty: give at least one word, e.g. --text \"The cat sat on the mat\"");
   if (tokens.size() > kMaxTokens) {
     throw Error(fmt::format("--text has {} tokens; a heatmap stays readable up to {}", tokens.size(), kMaxTokens));
@@ -200,7 +206,178 @@ void check_options(const VizOptions& o, const std::vector<std::string>& tokens) 
   plot::format_from_path(o.output);
 }
 
+// ---------------------------------------------------------------------------------------------
+// A trained model (--model)
+
+// The task a model file was trained on. The file holds the vocabulary (symbols + 1) and the
+// sequence length (recall 2P + 1: odd; copy and reverse 2L: even), not the task's name: an odd
+// length is recall; an even one is copy or reverse, whichever the model gets more right.
+struct ModelTask {
+  train::TaskOptions options;
+  std::string name;
+  std::string how;  // how the task was chosen, for the figure
+};
+
+ModelTask model_task(const train::AttentionModel& model, const std::string& requested, uint64_t seed) {
+  const train::ModelConfig& c = model.config();
+  const int64_t symbols = c.vocab_size - 1, n = c.max_len;
+  if (symbols < 2 || symbols > 26) {
+    throw Error(fmt::format("--model: a vocabulary of {} tokens is not a `qkv train` task's (3 to 27: the letters and "
+                            "'|'), so there is no example to run it on",
+                            c.vocab_size));
+  }
+  auto task_for = [&](train::Task task) {
+    train::TaskOptions t{.task = task, .symbols = symbols, .pairs = (n - 1) / 2, .length = n / 2};
+    const bool fits = task == train::Task::Recall ? n % 2 == 1 : n % 2 == 0;
+    if (!fits || train::sequence_length(t) != n) {
+      throw Error(fmt::format("--task {}: the model reads sequences of {} tokens, which a {} sequence ({}) never has",
+                              train::to_string(task), n, train::to_string(task),
+                              task == train::Task::Recall ? "2 x pairs + 1, odd" : "2 x length, even"));
+    }
+    (void)train::make_batch(t, 1, seed);  // checks the options (pairs <= symbols, ...)
+    return t;
+  };
+  if (!requested.empty()) {
+    const train::Task task = train::parse_task(requested);
+    return {task_for(task), train::to_string(task), "given by --task"};
+  }
+  if (n % 2 == 1) {
+    return {task_for(train::Task::Recall), "recall",
+            fmt::format("recall by the file's odd sequence length {} = 2 x {} pairs + 1", n, (n - 1) / 2)};
+  }
+  const train::TaskOptions copy = task_for(train::Task::Copy), reverse = task_for(train::Task::Reverse);
+  constexpr int64_t kSequences = 200;
+  const double copy_accuracy = train::evaluate(model, copy, kSequences, seed).accuracy;
+  const double reverse_accuracy = train::evaluate(model, reverse, kSequences, seed).accuracy;
+  const bool is_copy = copy_accuracy >= reverse_accuracy;
+  return {is_copy ? copy : reverse, is_copy ? "copy" : "reverse",
+          fmt::format("{} (even length {}: copy or reverse; the model gets {:.0f}% of copy and {:.0f}% of reverse "
+                      "right; --task sets it)",
+                      is_copy ? "copy" : "reverse", n, 100 * copy_accuracy, 100 * reverse_accuracy)};
+}
+
+// The --text tokens as the model's ids, or why they cannot be (empty ids).
+std::vector<int64_t> text_ids(const std::vector<std::string>& tokens, const ModelTask& task, int64_t max_len,
+                              std::string& why_not) {
+  std::map<std::string, int64_t> vocabulary;
+  for (int64_t id = 0; id <= task.options.symbols; ++id) vocabulary[train::token_text(task.options, id)] = id;
+  const std::string letters = fmt::format("a-{} and |", train::token_text(task.options, task.options.symbols - 1));
+  std::vector<int64_t> ids;
+  for (const std::string& token : tokens) {
+    if (token == "\u2423" || token == "\u21b5") continue;  // --chars: spaces only separate
+    std::string key = token;
+    for (char& c : key) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const auto it = vocabulary.find(key);
+    if (it == vocabulary.end()) {
+      why_not = fmt::format("--text token '{}' is not in the model's vocabulary ({})", token, letters);
+      return {};
+    }
+    ids.push_back(it->second);
+  }
+  if (ids.empty()) why_not = "--text has no tokens";
+  else if (static_cast<int64_t>(ids.size()) > max_len) {
+    why_not = fmt::format("--text has {} tokens; the model reads at most {}", ids.size(), max_len);
+    ids.clear();
+  }
+  return ids;
+}
+
+void run_model_viz(const VizOptions& o) {
+  if (!o.layer_options_given.empty()) {
+    throw Error(fmt::format("{} describes the untrained layer; with --model the layers come from the file",
+                            o.layer_options_given.front()));
+  }
+  plot::format_from_path(o.output);  // a bad extension fails before the work
+  const train::AttentionModel model = train::AttentionModel::load(o.model);
+  const train::ModelConfig& c = model.config();
+  const ModelTask task = model_task(model, o.task, o.seed);
+
+  // The sequence: the --text tokens if they are the model's, else one example of its task.
+  std::vector<int64_t> ids, targets;
+  std::string source;
+  if (o.text_given) {
+    std::string why_not;
+    ids = text_ids(tokenize(o.text, o.chars), task, c.max_len, why_not);
+    if (ids.empty()) {
+      fmt::print(stderr, "qkv viz: {}: drawing one {} example instead\n", why_not, task.name);
+      source = fmt::format("on one {} example, not --text: {}", task.name, why_not);
+    } else {
+      source = "on the --text tokens (every one is in the model's vocabulary)";
+    }
+  } else {
+    source = fmt::format("on one {} example (give --text \"a b c ...\" in the model's letters for your own)", task.name);
+  }
+  if (ids.empty()) {
+    const train::Batch example = train::make_batch(task.options, 1, train::held_out_seed(o.seed));
+    ids = example.ids;
+    targets = example.targets;
+  }
+  const auto n = static_cast<int64_t>(ids.size());
+
+  std::vector<Tensor> weights;  // per layer (1, H, n, n)
+  const Tensor logits = model.forward(ids, 1, n, {}, &weights);
+  std::vector<std::string> labels;
+  std::string predicted, expected;
+  for (int64_t i = 0; i < n; ++i) {
+    labels.push_back(train::token_text(task.options, ids[static_cast<size_t>(i)]));
+    const bool answer = targets.empty() ? true : targets[static_cast<size_t>(i)] >= 0;
+    if (!answer) continue;
+    const float* row = logits.data() + i * c.vocab_size;
+    predicted += train::token_text(task.options, std::max_element(row, row + c.vocab_size) - row) + " ";
+    if (!targets.empty()) expected += train::token_text(task.options, targets[static_cast<size_t>(i)]) + " ";
+  }
+
+  plot::HeatmapFigure figure;
+  figure.row_labels = figure.col_labels = labels;
+  figure.title = fmt::format("Trained heads of {}: task {}, {} layer{} x {} head{}", o.model, task.name, c.num_layers,
+                             c.num_layers == 1 ? "" : "s", c.num_heads, c.num_heads == 1 ? "" : "s");
+  figure.notes.push_back(source);
+  figure.notes.push_back(fmt::format("task {}", task.how));
+  if (targets.empty()) {
+    figure.notes.push_back(fmt::format("the model's next-token prediction at each position: {}", predicted));
+  } else {
+    figure.notes.push_back(fmt::format("{}: {}  the model predicts: {}",
+                                       task.name == "recall" ? "the answer (the value of the last key)"
+                                                             : "the answer (the tokens after '|')",
+                                       expected, predicted));
+  }
+  figure.notes.push_back(fmt::format("d_model {}, {} dims per head; causal (token i sees tokens 0..i), so above the "
+                                     "diagonal is 0",
+                                     c.d_model, c.d_model / c.num_heads));
+  figure.notes.push_back(fmt::format("rows: queries (each row sums to 1), columns: keys; entropy: mean over rows, "
+                                     "uniform over all {} keys = {:.2f} nats",
+                                     n, std::log(static_cast<double>(n))));
+  size_t widest = 1, panels = 0;
+  for (size_t layer = 0; layer < weights.size(); ++layer) {
+    const std::vector<float> all = weights[layer].to_vector();
+    const size_t per_head = all.size() / static_cast<size_t>(c.num_heads);
+    std::vector<std::vector<float>> heads;
+    for (int64_t h = 0; h < c.num_heads; ++h) {
+      heads.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(h * per_head),
+                         all.begin() + static_cast<std::ptrdiff_t>((h + 1) * per_head));
+    }
+    plot::HeatmapSection section;
+    section.heading = fmt::format("layer {}", layer);
+    section.panels = head_panels(heads, n, "");
+    widest = std::max(widest, section.panels.size());
+    panels += section.panels.size();
+    figure.sections.push_back(std::move(section));
+  }
+  figure.columns = static_cast<int>(std::min<size_t>(widest, 5));
+  figure.value_max = 1;  // probabilities: the same scale in every figure of a trained model
+  const plot::HeatmapLayout layout = plot::draw_heatmaps(figure, o.output);
+  fmt::print("wrote {} ({} x {}): {} panels, {} layer{} of {} head{}, {} tokens, task {}\n", o.output, layout.width,
+             layout.height, panels, c.num_layers, c.num_layers == 1 ? "" : "s", c.num_heads,
+             c.num_heads == 1 ? "" : "s", n, task.name);
+}
+
+// ---------------------------------------------------------------------------------------------
+
 void run_viz(const VizOptions& o) {
+  if (!o.model.empty()) {
+    run_model_viz(o);
+    return;
+  }
   const std::vector<std::string> tokens = tokenize(o.text, o.chars);
   check_options(o, tokens);
   const auto n = static_cast<int64_t>(tokens.size());
@@ -279,10 +456,23 @@ void add_viz_command(CLI::App& app) {
   viz->add_option("--compare-heads", options->compare_heads,
                   "Head counts drawn one above the other with the same projections, e.g. 1,8")
       ->delimiter(',');
-  viz->add_option("--model", options->model, "A trained model's file (not available until `qkv train` exists)");
-  viz->add_option("--seed", options->seed, "Seed of the embedding and the layer's weights")->capture_default_str();
+  viz->add_option("--model", options->model,
+                  "A trained model's file (`qkv train --save`): its heads, every layer, on --text or an example");
+  viz->add_option("--task", options->task,
+                  "With --model: the model's task (copy, recall, reverse); default: inferred from the file")
+      ->check(CLI::IsMember({"copy", "recall", "reverse"}));
+  viz->add_option("--seed", options->seed,
+                  "Seed of the embedding and the layer's weights (with --model: of the example)")
+      ->capture_default_str();
   viz->add_option("-o,--output", options->output, "The image to write: .png, .svg or .pdf")->capture_default_str();
-  viz->callback([options] { run_viz(*options); });
+  viz->callback([options, viz] {
+    options->text_given = viz->count("--text") > 0;
+    options->layer_options_given.clear();
+    for (const char* name : {"--heads", "--embed", "--temperature", "--head", "--compare-heads"}) {
+      if (viz->count(name) > 0) options->layer_options_given.emplace_back(name);
+    }
+    run_viz(*options);
+  });
 }
 
 }  // namespace qkv::cli
