@@ -57,12 +57,17 @@ std::ostream& operator<<(std::ostream& os, const Shape& shape) { return os << sh
 
 struct Tensor::Storage {
   explicit Storage(int64_t count) : data(detail::allocate_floats(static_cast<size_t>(count))), count(count) {}
-  ~Storage() { detail::free_floats(data, static_cast<size_t>(count)); }
+  Storage(float* borrowed, int64_t count, std::shared_ptr<void> owner)
+      : data(borrowed), count(count), owner(std::move(owner)) {}
+  ~Storage() {
+    if (!owner) detail::free_floats(data, static_cast<size_t>(count));
+  }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  float* data;  // 64-byte aligned, counted in qkv::memory_stats()
+  float* data;  // ours: 64-byte aligned, counted in qkv::memory_stats(); borrowed: as given
   int64_t count;
+  std::shared_ptr<void> owner;  // set for borrowed memory (from_blob): keeps it alive
 };
 
 namespace {
@@ -102,6 +107,16 @@ Tensor Tensor::from(std::vector<float> values, const Shape& shape) {
                 shape.str() + " of " + std::to_string(shape.numel()) + " elements");
   Tensor t = empty(shape);
   std::copy(values.begin(), values.end(), t.storage_->data);
+  return t;
+}
+
+Tensor Tensor::from_blob(float* data, const Shape& shape, std::shared_ptr<void> owner) {
+  if (data == nullptr && shape.numel() > 0) throw Error("Tensor::from_blob: null data for shape " + shape.str());
+  if (!owner) throw Error("Tensor::from_blob: an owner must keep the memory of " + shape.str() + " alive");
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(data, shape.numel(), std::move(owner));
+  t.shape_ = shape;
+  t.strides_ = row_major_strides(shape);
   return t;
 }
 

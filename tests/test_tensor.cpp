@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -291,6 +292,29 @@ TEST(Tensor, PrintingContainsTheNumbers) {
   std::snprintf(second, sizeof second, "%.4f", double{values[3]});
   EXPECT_LT(transposed.find(first), transposed.find(second));
   EXPECT_LT(transposed.find(second), transposed.find("]"));
+}
+
+// from_blob reads the caller's memory in place (no copy, any alignment), keeps its owner alive
+// as long as any tensor or view uses it, and is not counted as the library's memory.
+TEST(Tensor, FromBlobBorrowsMemoryAndKeepsItsOwnerAlive) {
+  auto buffer = std::make_shared<std::vector<float>>(1 + 2 * 3);
+  float* data = buffer->data() + 1;  // deliberately not 64-byte aligned
+  for (int i = 0; i < 6; ++i) data[i] = static_cast<float>(i);
+  std::weak_ptr<std::vector<float>> watch = buffer;
+  const int64_t counted_before = qkv::memory_stats().current_bytes;
+  qkv::Tensor view;
+  {
+    const qkv::Tensor t = qkv::Tensor::from_blob(data, {2, 3}, buffer);
+    EXPECT_EQ(t.data(), data);
+    EXPECT_EQ(qkv::memory_stats().current_bytes, counted_before);
+    view = t.transpose(0, 1);
+  }
+  buffer.reset();
+  EXPECT_FALSE(watch.expired()) << "a view still uses the memory";
+  EXPECT_EQ(view.at({2, 1}), 5.0f);
+  view = qkv::Tensor();
+  EXPECT_TRUE(watch.expired()) << "the owner outlived the last tensor";
+  EXPECT_THROW(qkv::Tensor::from_blob(data, {2, 3}, nullptr), qkv::Error);
 }
 
 }  // namespace

@@ -49,6 +49,10 @@ class Tensor {
   static Tensor from(std::vector<float> values, const Shape& shape);  // row-major values
   static Tensor randn(const Shape& shape, uint64_t seed);  // standard normal, same seed same numbers
   static Tensor uniform(const Shape& shape, float low, float high, uint64_t seed);  // U[low, high)
+  // A tensor over memory qkv does not own (a numpy array, a memory-mapped file): `data` holds
+  // shape.numel() floats, row-major, any alignment, and stays valid while `owner` lives; the
+  // tensor and every copy or view of it keep `owner` alive. Not counted in memory_stats().
+  static Tensor from_blob(float* data, const Shape& shape, std::shared_ptr<void> owner);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

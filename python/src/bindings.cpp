@@ -3,10 +3,10 @@
 // True = masked, batch_first, ...) live in python/qkv/__init__.py; this file only moves arrays
 // across and calls the one functional core.
 //
-// Arrays in: float32 C-contiguous numpy arrays are read in place (others are converted by
-// numpy first) and copied once into a qkv::Tensor, because a Tensor owns its storage and cannot
-// wrap external memory. Arrays out: zero-copy; the numpy array keeps the Tensor's storage alive.
-// Every computation runs with the GIL released.
+// Arrays in: float32 C-contiguous numpy arrays are wrapped without copying (Tensor::from_blob,
+// the Tensor holding a reference to the array); others are converted by numpy first. Arrays out:
+// zero-copy too; the numpy array keeps the Tensor's storage alive. Every computation runs with
+// the GIL released; inputs are wrapped before it is released.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -27,24 +27,19 @@ namespace {
 // (float64, bool, strided views) is converted by numpy into a fresh array of this kind.
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
-// A numpy buffer read without the GIL: the caller's FloatArray keeps it alive for the call.
-struct ArrayView {
-  const float* data;
-  qkv::Shape shape;
-};
-
-ArrayView view_of(const FloatArray& a) {
-  return {a.data(), qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim()))};
+// A float32 C-contiguous array as a Tensor over the same memory, with the GIL held. The Tensor
+// (and whatever keeps it: a Mask, a module's backward cache) holds a reference to the array, so
+// the memory outlives the Python name; dropping that reference takes the GIL, since the last
+// Tensor may die in a section that released it. qkv only reads its inputs: the const_cast
+// never leads to a write.
+qkv::Tensor to_tensor(const FloatArray& a) {
+  std::shared_ptr<void> owner(new py::object(a), [](void* p) {
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+  return qkv::Tensor::from_blob(const_cast<float*>(a.data()),
+                                qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), std::move(owner));
 }
-
-// The one copy on the way in (see the file comment). Safe without the GIL.
-qkv::Tensor copy_in(const ArrayView& a) {
-  qkv::Tensor t = qkv::Tensor::empty(a.shape);
-  if (a.shape.numel() > 0) std::memcpy(t.data(), a.data, static_cast<size_t>(a.shape.numel()) * sizeof(float));
-  return t;
-}
-
-qkv::Tensor to_tensor(const FloatArray& a) { return copy_in(view_of(a)); }
 
 // A Tensor as a numpy array over the same storage; the array holds a Tensor handle, so the
 // storage lives as long as the array (and as long as the module, for parameters). None when
@@ -73,11 +68,11 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
   options.seed = seed;
   options.need_weights = need_weights;
   options.backend = backend;
-  const ArrayView qv = view_of(q), kv = view_of(k), vv = view_of(v);
+  const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult result;
   {
     py::gil_scoped_release release;
-    result = qkv::scaled_dot_product_attention(copy_in(qv), copy_in(kv), copy_in(vv), options);
+    result = qkv::scaled_dot_product_attention(qt, kt, vt, options);
   }
   return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse));
 }
@@ -94,16 +89,14 @@ py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q,
   options.dropout_p = dropout_p;
   options.seed = seed;
   options.backend = backend;
-  const ArrayView gv = view_of(grad_output), qv = view_of(q), kv = view_of(k), vv = view_of(v),
-                  ov = view_of(output), lv = view_of(lse);
+  const qkv::Tensor gt = to_tensor(grad_output), qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
+  qkv::AttentionResult forward;
+  forward.output = to_tensor(output);
+  forward.lse = to_tensor(lse);
   qkv::AttentionGrads grads;
   {
     py::gil_scoped_release release;
-    qkv::AttentionResult forward;
-    forward.output = copy_in(ov);
-    forward.lse = copy_in(lv);
-    grads = qkv::scaled_dot_product_attention_backward(copy_in(gv), copy_in(qv), copy_in(kv), copy_in(vv),
-                                                       forward, options);
+    grads = qkv::scaled_dot_product_attention_backward(gt, qt, kt, vt, forward, options);
   }
   return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv));
 }
@@ -122,12 +115,12 @@ qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64
 // forward() then advances the module's dropout counter, which two threads must not do at once.
 py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& query, const FloatArray& key,
                       const FloatArray& value, const qkv::Mask& mask, qkv::nn::Weights weights) {
-  const ArrayView qv = view_of(query), kv = view_of(key), vv = view_of(value);
+  const qkv::Tensor qt = to_tensor(query), kt = to_tensor(key), vt = to_tensor(value);
   qkv::nn::MultiHeadAttentionOutput out;
   {
     std::optional<py::gil_scoped_release> release;
     if (!(mha.is_training() && mha.options().dropout > 0)) release.emplace();
-    out = mha.forward(copy_in(qv), copy_in(kv), copy_in(vv), mask, weights);
+    out = mha.forward(qt, kt, vt, mask, weights);
   }
   return py::make_tuple(to_numpy(out.output), to_numpy(out.weights));
 }
@@ -141,11 +134,11 @@ py::list mha_parameters(const qkv::nn::MultiHeadAttention& mha) {
 
 // (d query, d key, d value) of the last forward; adds the parameter gradients to the module's.
 py::tuple mha_backward(qkv::nn::MultiHeadAttention& mha, const FloatArray& grad_output) {
-  const ArrayView gv = view_of(grad_output);
+  const qkv::Tensor gt = to_tensor(grad_output);
   qkv::nn::MultiHeadAttentionGrads grads;
   {
     py::gil_scoped_release release;
-    grads = mha.backward_cross(copy_in(gv));
+    grads = mha.backward_cross(gt);
   }
   return py::make_tuple(to_numpy(grads.query), to_numpy(grads.key), to_numpy(grads.value));
 }

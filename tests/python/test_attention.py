@@ -250,3 +250,18 @@ def test_releases_the_gil_while_computing(rng):
         stop.set()
         counter.join()
     assert inside > 100
+
+
+
+def test_float32_inputs_are_read_in_place(rng):
+    # A float32 C-contiguous array is wrapped, not copied: a mask built from one sees later
+    # writes to it (as a tensor from torch.from_numpy would), and the array lives on in the mask
+    # after its name is gone.
+    q = randn(rng, 1, 1, 3, 4)
+    scores = np.zeros((3, 3), dtype=np.float32)
+    mask = qkv.Mask.additive(scores)
+    scores[:, 1:] = -np.inf
+    del scores
+    out, weights = qkv.scaled_dot_product_attention(q, q, q, attn_mask=mask, need_weights=True)
+    np.testing.assert_array_equal(weights[..., 1:], 0)
+    np.testing.assert_allclose(out, np.broadcast_to(q[:, :, :1], out.shape), rtol=1e-6)
