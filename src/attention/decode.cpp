@@ -46,6 +46,7 @@
 #define HWY_TARGET_INCLUDE "attention/decode.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/tile_gemm-inl.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -94,7 +95,6 @@ constexpr int64_t kChunkKeys = 512;
 // (keys x (Dk + Dv) floats) however many rows a group has.
 constexpr int64_t kMinKeysPerPartialRow = 16;
 
-constexpr size_t kCacheLineFloats = 64 / sizeof(float);
 constexpr size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 // How a problem is cut into items, shared by the items and the merge.
@@ -158,6 +158,7 @@ using VF = hn::Vec<DF>;
 
 using decode::kKeyTile;
 using decode::kRowBlock;
+using tile_gemm::AllFinite;
 
 // Register tiles. AVX-512 has 32 vector registers: scores 4 x 4 = 16 accumulators + 4 K + 4 Q
 // loads = 24; values 4 x 4 = 16 accumulators + 4 V loads + 1 broadcast = 21. The 16-register
@@ -255,19 +256,6 @@ HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const float*
     HWY_UNROLL(16)
     for (size_t n = 0; n < Vectors; ++n) hn::Store(acc[r][n], df, o + r * o_stride + n * lanes);
   }
-}
-
-// True when none of the `count` values is NaN or +-Inf.
-HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  const VF inf = hn::Set(df, std::numeric_limits<float>::infinity());
-  size_t n = 0;
-  for (; n + lanes <= count; n += lanes)  // |x| < inf is false for NaN and +-Inf
-    if (!hn::AllTrue(df, hn::Lt(hn::Abs(hn::LoadU(df, values + n)), inf))) return false;
-  for (; n < count; ++n)
-    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
-  return true;
 }
 
 // One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys

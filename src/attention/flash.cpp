@@ -36,6 +36,7 @@
 #define HWY_TARGET_INCLUDE "attention/flash.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/tile_gemm-inl.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -60,11 +61,6 @@ namespace qkv::detail::flash {
 // and its load/store in the second product over Bc FMAs each; small enough that St (Bc x Br)
 // stays in L1 beside Qt and Ot. The same for every target.
 constexpr size_t kKeyTile = 64;
-
-constexpr size_t kCacheLineFloats = 64 / sizeof(float);
-constexpr size_t round_to_cache_line(size_t floats) {
-  return (floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
-}
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
@@ -102,18 +98,10 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using DI = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
-
-// Register tile of the micro-GEMM: kTileRows x kTileVectors accumulators plus kTileVectors
-// loaded B vectors must fit the register file without spilling, and the FMA:load ratio must
-// keep both FMA pipes busy. AVX-512 has 32 vector registers: 8 x 3 = 24 accumulators + 3 B
-// loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1. (Measured on Zen 5,
-// 6 x 4 and 12 x 2 ran within noise of 8 x 3; Bc = 32 or 128 within noise of 64.)
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr size_t kTileRows = 8;
-#else
-constexpr size_t kTileRows = 4;
-#endif
-constexpr size_t kTileVectors = 3;
+using tile_gemm::AllFinite;
+using tile_gemm::kTileRows;
+using tile_gemm::kTileVectors;
+using tile_gemm::PanelGemm;
 
 // Br, queries per work item: exactly the micro-tile width, so one micro-GEMM call spans the
 // whole query tile and its running max / sum are kTileVectors vectors (48 queries on AVX-512).
@@ -123,74 +111,6 @@ size_t QueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
 int64_t CompiledTarget() { return HWY_TARGET; }
 
 using flash::kKeyTile;
-
-// ---- The micro-GEMM: C[R x kTileVectors*L] (+)= A[R x depth] B[depth x kTileVectors*L].
-// A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
-// C is overwritten when !accumulate.
-template <size_t R>
-HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
-                          const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
-                          bool accumulate) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  VF acc[R][kTileVectors];
-  HWY_UNROLL(16)  // fully: the accumulators must live in registers
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < kTileVectors; ++n)
-      acc[r][n] = accumulate ? hn::Load(df, c + r * ldc + n * lanes) : hn::Zero(df);
-  }
-  for (size_t k = 0; k < depth; ++k) {
-    const float* HWY_RESTRICT b_row = b + k * ldb;
-    const float* HWY_RESTRICT a_col = a + k * a_depth;
-    VF b_vec[kTileVectors];
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < kTileVectors; ++n) b_vec[n] = hn::Load(df, b_row + n * lanes);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF a_elem = hn::Set(df, a_col[r * a_row]);  // broadcast, folded into the FMA
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < kTileVectors; ++n) acc[r][n] = hn::MulAdd(a_elem, b_vec[n], acc[r][n]);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < kTileVectors; ++n) hn::Store(acc[r][n], df, c + r * ldc + n * lanes);
-  }
-}
-
-// The remainder of an A panel: `rows` < kTileRows, each row count its own fully unrolled tile.
-template <size_t R = 1>
-HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
-                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate) {
-  if constexpr (R < kTileRows) {
-    if (rows == R) return MicroTile<R>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
-    MicroTileTail<R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
-  }
-}
-
-// C[m x Br] (+)= A[m x depth] B[depth x Br]: panels of kTileRows rows, then the tail.
-HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
-                          size_t ldb, float* c, size_t ldc, bool accumulate) {
-  size_t r = 0;
-  for (; r + kTileRows <= m; r += kTileRows)
-    MicroTile<kTileRows>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
-  if (r < m) MicroTileTail(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
-}
-
-// True when none of the `count` values is NaN or +-Inf.
-HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  const VF inf = hn::Set(df, std::numeric_limits<float>::infinity());
-  size_t n = 0;
-  for (; n + lanes <= count; n += lanes)  // |x| < inf is false for NaN and +-Inf
-    if (!hn::AllTrue(df, hn::Lt(hn::Abs(hn::LoadU(df, values + n)), inf))) return false;
-  for (; n < count; ++n)
-    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
-  return true;
-}
 
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
 // `scratch` is this worker's block, laid out by flash::ScratchLayout.
@@ -259,7 +179,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
     const bool fully_visible = p.first_visible_key(i_last) <= j0 && p.last_visible_key(b, i0) >= j_end;
 
     // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale).
-    PanelGemm(cols, dk, k_head + j0 * static_cast<int64_t>(dk), dk, 1, q_t, br, scores, br, false);
+    PanelGemm<kTileVectors>(cols, dk, k_head + j0 * static_cast<int64_t>(dk), dk, 1, q_t, br, scores, br, false);
 
     // 2. Masks. Band and key lengths: a partial tile hides, per lane, the keys outside
     // [first_key, last_key); a fully visible tile does nothing here.
@@ -369,7 +289,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
           for (size_t c = 0; c < dv; ++c) out_t[c * br + i] += weight * v_tile[j * dv + c];
         }
     } else {
-      PanelGemm(dv, cols, v_tile, 1, dv, scores, br, out_t, br, true);
+      PanelGemm<kTileVectors>(dv, cols, v_tile, 1, dv, scores, br, out_t, br, true);
     }
   }
 

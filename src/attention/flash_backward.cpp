@@ -47,6 +47,7 @@
 #define HWY_TARGET_INCLUDE "attention/flash_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/tile_gemm-inl.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -66,12 +67,6 @@ namespace qkv::detail::flash_backward {
 // Bc, keys per tile: the same as the forward's (flash.cpp), for the same reasons; the dK and dV
 // accumulators (Bc x d each) stay in L1/L2 across the query tiles of the group.
 constexpr size_t kKeyTile = 64;
-
-// Padded rows are whole cache lines, which is also a whole number of vectors on every target.
-constexpr size_t kCacheLineFloats = 64 / sizeof(float);
-constexpr size_t round_to_cache_line(size_t floats) {
-  return (floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
-}
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base, every part on its own
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
@@ -118,94 +113,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using DI = hn::RebindToSigned<DF>;
 using VF = hn::Vec<DF>;
-
-// The register tile, as flash.cpp's and for the same reasons: kTileRows x kTileVectors
-// accumulators (8 x 3 on the 32-register AVX-512 targets, 4 x 3 elsewhere).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr size_t kTileRows = 8;
-#else
-constexpr size_t kTileRows = 4;
-#endif
-constexpr size_t kTileVectors = 3;
+using tile_gemm::AllFinite;
+using tile_gemm::Gemm;
+using tile_gemm::kTileRows;
+using tile_gemm::kTileVectors;
+using tile_gemm::PanelGemm;
 
 // Br, queries per tile: one micro-tile wide, as the forward.
 size_t BackwardQueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
 
 using flash_backward::kKeyTile;
-
-// ---- The micro-GEMM: C[R x V*L] (+)= A[R x depth] B[depth x V*L].
-// A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
-template <size_t R, size_t V>
-HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
-                          const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
-                          bool accumulate) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  VF acc[R][V];
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) acc[r][n] = accumulate ? hn::LoadU(df, c + r * ldc + n * lanes) : hn::Zero(df);
-  }
-  for (size_t k = 0; k < depth; ++k) {
-    const float* HWY_RESTRICT b_row = b + k * ldb;
-    const float* HWY_RESTRICT a_col = a + k * a_depth;
-    VF b_vec[V];
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) b_vec[n] = hn::LoadU(df, b_row + n * lanes);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF a_elem = hn::Set(df, a_col[r * a_row]);
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < V; ++n) acc[r][n] = hn::MulAdd(a_elem, b_vec[n], acc[r][n]);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) hn::StoreU(acc[r][n], df, c + r * ldc + n * lanes);
-  }
-}
-
-// The remainder of an A panel: `rows` < kTileRows, each row count its own unrolled tile.
-template <size_t V, size_t R = 1>
-HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
-                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate) {
-  if constexpr (R < kTileRows) {
-    if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
-    MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
-  }
-}
-
-// C[m x V*L] (+)= A[m x depth] B: panels of kTileRows rows, then the tail.
-template <size_t V>
-HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
-                          size_t ldb, float* c, size_t ldc, bool accumulate) {
-  size_t r = 0;
-  for (; r + kTileRows <= m; r += kTileRows)
-    MicroTile<kTileRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
-  if (r < m) MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
-}
-
-// C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
-// vectors, then a block of the 1 or 2 left.
-HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
-                     size_t ldb, float* c, size_t ldc, bool accumulate) {
-  const size_t lanes = hn::Lanes(DF());
-  const size_t block = kTileVectors * lanes;
-  size_t col = 0;
-  for (; col + block <= n; col += block)
-    PanelGemm<kTileVectors>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  const size_t vectors_left = (n - col) / lanes;
-  if (vectors_left == 2) PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  if (vectors_left == 1) PanelGemm<1>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-}
-
-HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
-  for (size_t n = 0; n < count; ++n)
-    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
-  return true;
-}
 
 // One work item: key/value head g of batch b, key tiles starting at keys [key_begin, key_end)
 // (key_begin a multiple of Bc). Adds its part of dQ into grad_q_out (B, Hq, Nq, Dk) and stores
@@ -459,8 +376,8 @@ void flash_attention_backward(const AttentionBackwardProblem& bp) {
   // one block per worker, each starting on its own cache line.
   const size_t br = HWY_DYNAMIC_DISPATCH(BackwardQueryTileRows)();
   const size_t block = flash_backward::ScratchLayout(br, static_cast<size_t>(dk), static_cast<size_t>(dv)).total;
-  const size_t row_dot_floats = flash_backward::round_to_cache_line(static_cast<size_t>(rows_total));
-  const size_t partial_floats = flash_backward::round_to_cache_line(static_cast<size_t>(rows_total * dk));
+  const size_t row_dot_floats = round_to_cache_line(static_cast<size_t>(rows_total));
+  const size_t partial_floats = round_to_cache_line(static_cast<size_t>(rows_total * dk));
   const int workers = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(threads, items), 1, threads));
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch)
                        .floats(row_dot_floats + (splits > 1 ? static_cast<size_t>(splits) * partial_floats : 0) +

@@ -2,6 +2,8 @@
 // normalised AttentionProblem (problem.hpp) and writes output, lse and (if asked) weights.
 #pragma once
 
+#include <cstddef>
+
 #include "attention/problem.hpp"
 
 namespace qkv::detail {
@@ -30,6 +32,13 @@ void flash_attention_backward(const AttentionBackwardProblem& problem);
 // The reference's masking step for one row of scaled scores (B, Hq, Nq, Nk)[b, h, i, :]: -inf
 // where the band, the key lengths or a keep term hides the key; additive terms added.
 void reference_mask_row(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, float* scores);
+
+// Scratch is laid out in whole cache lines (64 bytes), so workers never share one and every
+// part starts aligned for SIMD loads on every target.
+constexpr size_t kCacheLineFloats = 64 / sizeof(float);
+constexpr size_t round_to_cache_line(size_t floats) {
+  return (floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
+}
 
 // Below about 100 us of one core's arithmetic, a kernel runs on the calling thread alone: a
 // parallel region's fork and join costs microseconds on an idle machine and a scheduler time

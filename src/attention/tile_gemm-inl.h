@@ -1,0 +1,131 @@
+// The SIMD building blocks the fused kernels share (flash.cpp, flash_backward.cpp, decode.cpp),
+// compiled once per Highway target: each kernel's foreach_target pass includes this header
+// inside its own per-target code, as Highway's -inl.h convention asks.
+//
+//   MicroTile / PanelGemm / Gemm   C (+)= A B, "broadcast an element of A, load a row of B", in a
+//                                  register tile of kTileRows x V vectors
+//   AllFinite                      no NaN and no +-Inf among some floats
+
+// Per-target include guard (Highway's pattern: toggles once per target).
+#if defined(QKV_ATTENTION_TILE_GEMM_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_ATTENTION_TILE_GEMM_INL_H_
+#undef QKV_ATTENTION_TILE_GEMM_INL_H_
+#else
+#define QKV_ATTENTION_TILE_GEMM_INL_H_
+#endif
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::detail {
+namespace HWY_NAMESPACE {
+namespace tile_gemm {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Register tile of the micro-GEMM: kTileRows x kTileVectors accumulators plus kTileVectors
+// loaded B vectors must fit the register file without spilling, and the FMA:load ratio must
+// keep both FMA pipes busy. AVX-512 has 32 vector registers: 8 x 3 = 24 accumulators + 3 B
+// loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1. (Measured on Zen 5,
+// 6 x 4 and 12 x 2 ran within noise of 8 x 3.)
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr size_t kTileRows = 8;
+#else
+constexpr size_t kTileRows = 4;
+#endif
+constexpr size_t kTileVectors = 3;
+
+// C[R x V*L] (+)= A[R x depth] B[depth x V*L], L = lanes; C is overwritten when !accumulate.
+// A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
+// Unaligned loads: on aligned data they cost the same, and callers need not align.
+template <size_t R, size_t V>
+HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
+                          const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
+                          bool accumulate) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF acc[R][V];
+  HWY_UNROLL(16)  // fully: the accumulators must live in registers
+  for (size_t r = 0; r < R; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < V; ++n) acc[r][n] = accumulate ? hn::LoadU(df, c + r * ldc + n * lanes) : hn::Zero(df);
+  }
+  for (size_t k = 0; k < depth; ++k) {
+    const float* HWY_RESTRICT b_row = b + k * ldb;
+    const float* HWY_RESTRICT a_col = a + k * a_depth;
+    VF b_vec[V];
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < V; ++n) b_vec[n] = hn::LoadU(df, b_row + n * lanes);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < R; ++r) {
+      const VF a_elem = hn::Set(df, a_col[r * a_row]);  // broadcast, folded into the FMA
+      HWY_UNROLL(16)
+      for (size_t n = 0; n < V; ++n) acc[r][n] = hn::MulAdd(a_elem, b_vec[n], acc[r][n]);
+    }
+  }
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < R; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < V; ++n) hn::StoreU(acc[r][n], df, c + r * ldc + n * lanes);
+  }
+}
+
+// The remainder of an A panel: `rows` < kTileRows, each row count its own unrolled tile.
+template <size_t V, size_t R = 1>
+HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
+                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate) {
+  if constexpr (R < kTileRows) {
+    if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+    MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+  }
+}
+
+// C[m x V*L] (+)= A[m x depth] B: panels of kTileRows rows, then the tail.
+template <size_t V>
+HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
+                          size_t ldb, float* c, size_t ldc, bool accumulate) {
+  size_t r = 0;
+  for (; r + kTileRows <= m; r += kTileRows)
+    MicroTile<kTileRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
+  if (r < m) MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
+}
+
+// C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
+// vectors, then a block of the 1 or 2 left.
+HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
+                     size_t ldb, float* c, size_t ldc, bool accumulate) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t block = kTileVectors * lanes;
+  size_t col = 0;
+  for (; col + block <= n; col += block)
+    PanelGemm<kTileVectors>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  const size_t vectors_left = (n - col) / lanes;
+  if (vectors_left == 2) PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  if (vectors_left == 1) PanelGemm<1>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+}
+
+// True when none of the `count` values is NaN or +-Inf (|x| < inf is false for exactly those).
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT values, size_t count) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF inf = hn::Set(df, std::numeric_limits<float>::infinity());
+  size_t n = 0;
+  for (; n + lanes <= count; n += lanes)
+    if (!hn::AllTrue(df, hn::Lt(hn::Abs(hn::LoadU(df, values + n)), inf))) return false;
+  for (; n < count; ++n)
+    if (!(std::abs(values[n]) < std::numeric_limits<float>::infinity())) return false;
+  return true;
+}
+
+}  // namespace tile_gemm
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard
