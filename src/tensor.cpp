@@ -164,6 +164,11 @@ float* Tensor::data() const {
   return storage_->data + offset_;
 }
 
+float* Tensor::view_data() const {
+  if (!defined()) throw Error("Tensor::view_data: the tensor is undefined");
+  return storage_->data + offset_;
+}
+
 float& Tensor::at(std::initializer_list<int64_t> index) const {
   if (!defined()) throw Error("Tensor::at: the tensor is undefined");
   if (static_cast<int64_t>(index.size()) != dim())
@@ -227,6 +232,19 @@ Tensor Tensor::squeeze(int64_t d) const {
   return t;
 }
 
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  const int64_t at_dim = normalise_dim(d, dim(), "Tensor::narrow", shape_);
+  if (start < 0 || length < 0 || start > shape_[at_dim] - length)
+    throw Error("Tensor::narrow: [" + std::to_string(start) + ", " + std::to_string(start) + " + " +
+                std::to_string(length) + ") is outside dim " + std::to_string(d) + " of " + shape_.str());
+  std::vector<int64_t> dims = shape_.dims();
+  dims[at_dim] = length;
+  Tensor t = *this;
+  t.offset_ += start * strides_[at_dim];
+  t.shape_ = Shape(std::move(dims));
+  return t;
+}
+
 Tensor Tensor::contiguous() const {
   if (!defined() || is_contiguous()) return *this;
   return clone();
@@ -235,21 +253,27 @@ Tensor Tensor::contiguous() const {
 Tensor Tensor::clone() const {
   if (!defined()) return *this;
   Tensor t = empty(shape_);
-  const std::vector<float> values = to_vector();
-  std::copy(values.begin(), values.end(), t.storage_->data);
+  copy_to(t.storage_->data);
   return t;
 }
 
 std::vector<float> Tensor::to_vector() const {
   std::vector<float> values;
   if (!defined()) return values;
+  values.resize(static_cast<size_t>(numel()));
+  copy_to(values.data());
+  return values;
+}
+
+void Tensor::copy_to(float* destination) const {
   const int64_t count = numel();
-  if (is_contiguous()) return {storage_->data + offset_, storage_->data + offset_ + count};
-  values.resize(static_cast<size_t>(count));
-  if (count == 0) return values;
+  if (count == 0) return;
+  if (is_contiguous()) {
+    std::copy_n(storage_->data + offset_, count, destination);
+    return;
+  }
   // Walk the elements in row-major order: the last dim in an inner loop, an odometer over the
-  // others that keeps the running offset (clone() of a transposed view runs through here, in
-  // every multi-head split and merge, so it must not recompute the offset per element).
+  // others that keeps the running offset (so the offset is never recomputed per element).
   const std::vector<int64_t>& dims = shape_.dims();
   const size_t rank = dims.size();
   const int64_t inner = dims[rank - 1], inner_stride = strides_[rank - 1];
@@ -257,7 +281,7 @@ std::vector<float> Tensor::to_vector() const {
   std::vector<int64_t> index(rank, 0);
   int64_t offset = offset_;  // of element index[0 .. rank - 2], 0
   for (int64_t n = 0; n < count; n += inner) {
-    for (int64_t e = 0; e < inner; ++e) values[static_cast<size_t>(n + e)] = data[offset + e * inner_stride];
+    for (int64_t e = 0; e < inner; ++e) destination[n + e] = data[offset + e * inner_stride];
     for (size_t d = rank - 1; d-- > 0;) {
       offset += strides_[d];
       if (++index[d] < dims[d]) break;
@@ -265,7 +289,6 @@ std::vector<float> Tensor::to_vector() const {
       index[d] = 0;
     }
   }
-  return values;
 }
 
 bool Tensor::shares_storage_with(const Tensor& other) const {

@@ -29,21 +29,39 @@ struct AttentionOptions {
   uint64_t seed = 0;                // picks the dropped elements, see dropout_keeps()
   bool need_weights = false;        // also return the attention weights
   Backend backend = Backend::Auto;
+
+  // Score modifiers, applied to each scaled score s = scale * q.k in this order, then the mask:
+  float softcap = 0;    // > 0: s <- softcap * tanh(s / softcap) (Gemma 2, Grok); 0: off
+  Tensor alibi_slopes;  // (Hq): s <- s - slopes[h] * |i + Nk - Nq - j| (ALiBi; queries aligned to
+                        // the end of the keys, as FlashAttention does); undefined: off
+  Tensor sinks;         // (Hq), finite: a logit per head that joins every row's softmax denominator
+                        // but carries no value (gpt-oss, StreamingLLM):
+                        //   w_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij));
+                        // lse includes it, and a row that sees no key gets lse = sinks[h]
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):
 //   output  L + (Nq, Dv)
 //   weights L + (Nq, Nk), only when need_weights; after dropout, as applied to V
 //   lse     L + (Nq), the log-sum-exp of each row's scaled, masked scores (-inf: no key visible)
+//   row_max L + (Nq), each row's largest scaled, masked score (the sink included)
+//   row_sum L + (Nq), sum_j exp(s_ij - row_max), so w_ij = exp(s_ij - row_max) / row_sum
+// row_max and row_sum are what the backward recomputes the weights from: lse = row_max +
+// log(row_sum) alone loses log(row_sum) in float32 when the max is huge (a row whose keys all carry
+// a -1e9 bias), and weights recomputed from it would not sum to 1.
 struct AttentionResult {
   Tensor output;
   Tensor weights;
   Tensor lse;
+  Tensor row_max;
+  Tensor row_sum;
 };
 
 // q: (B, Hq, Nq, Dk)  k: (B, Hkv, Nk, Dk)  v: (B, Hkv, Nk, Dv), Hq a multiple of Hkv
 // (grouped-query: query head h reads key/value head h / (Hq / Hkv), nothing is copied).
-// Rank 3 (B, N, D) and rank 2 (N, D) are one head. A query that sees no key gets an output of
+// Rank 3 (B, N, D) and rank 2 (N, D) are one head. q, k and v may be views with any strides
+// (a transposed (B, N, H, D) head split, a slice of a preallocated cache): when their last dim
+// is contiguous they are read where they are, else packed once. A query that sees no key gets an output of
 // zeros, weights of zeros and lse = -inf, never NaN. Bad arguments throw qkv::Error.
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
@@ -52,17 +70,29 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 // shape above and be contiguous, and is overwritten in place; undefined ones are allocated (and
 // weights is reset when not asked for). Calling it again with the same `result` allocates
 // nothing, so a loop pays for fresh pages once. The outputs must not share storage with q, k, v.
+// result.output may also be a view whose last dim is contiguous (MHA writes its heads straight
+// into the (B, N, H, Dv) layout it concatenates).
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options = {});
 
-// Gradients of scaled_dot_product_attention with respect to q, k and v, shaped as q, k and v.
-struct AttentionGrads { Tensor dq, dk, dv; };
+// Gradients of scaled_dot_product_attention with respect to q, k, v (shaped as q, k and v) and,
+// when options.sinks is given, the sinks (Hq).
+struct AttentionGrads { Tensor dq, dk, dv, dsinks; };
 // grad_output: shaped as forward.output. `forward` is the result of the forward call on the same
-// q, k, v and options (its output and lse are used; the weights are recomputed from lse).
-// options.backend: Reference, Flash, or Auto (Flash). Decode has no backward: Auto/Flash serve it.
+// q, k, v and options: its output is used, and the weights are recomputed from its row_max and
+// row_sum (exact whatever the biases), or from its lse when those are undefined (exact unless a
+// row's scores are all huge, e.g. a -1e9 bias on every key). grad_output and forward's tensors may
+// be views, as q, k and v. options.backend: Reference, Flash, or Auto (Flash). Decode has no
+// backward: Auto/Flash serve it.
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                      const Tensor& v, const AttentionResult& forward,
                                                      const AttentionOptions& options = {});
+// The same, writing into `grads`: each defined tensor must have its shape above and a contiguous
+// last dim (views are written in place: MHA passes its (B, N, H, D) gradient buffers transposed);
+// undefined ones are allocated.
+void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
+                                                const Tensor& v, const AttentionResult& forward,
+                                                AttentionGrads& grads, const AttentionOptions& options = {});
 
 // The dropout decision for one weight: a counter-based hash of (seed, batch, head, query, key),
 // so every kernel drops exactly the same elements. True = kept (and scaled by 1 / (1 - p)).

@@ -65,6 +65,10 @@ class Tensor {
   // The first element. A Tensor is a handle, so a const Tensor still gives a writable pointer,
   // as torch's data_ptr() does. Throws unless the tensor is contiguous (call contiguous()).
   float* data() const;
+  // The first element of this tensor or view, whatever its strides: element (i0, i1, ...) is at
+  // view_data()[i0 * strides()[0] + i1 * strides()[1] + ...]. For code that reads views in place
+  // (the attention kernels); everything else should use data().
+  float* view_data() const;
   // One element, bounds-checked: t.at({b, h, i, j}). For tests, demos and printing, not loops.
   float& at(std::initializer_list<int64_t> index) const;
 
@@ -73,9 +77,10 @@ class Tensor {
   Tensor reshape(const Shape& shape) const;      // a view when contiguous, else a packed copy
   Tensor unsqueeze(int64_t d) const;             // inserts a dim of size 1 before dim d
   Tensor squeeze(int64_t d) const;               // removes dim d, which must have size 1
+  Tensor narrow(int64_t d, int64_t start, int64_t length) const;  // elements [start, start + length) of dim d
   // This tensor when already contiguous, else a packed row-major copy.
   Tensor contiguous() const;
-  Tensor clone() const;  // a packed copy with storage of its own
+  Tensor clone() const;  // a packed copy with storage of its own (one pass over the elements)
   std::vector<float> to_vector() const;  // the elements in row-major order
   bool shares_storage_with(const Tensor& other) const;
 
@@ -88,6 +93,8 @@ class Tensor {
   int64_t offset_ = 0;
   Shape shape_;
   std::vector<int64_t> strides_;
+
+  void copy_to(float* destination) const;  // the elements in row-major order, one pass
 };
 
 std::ostream& operator<<(std::ostream& os, const Tensor& tensor);
