@@ -2,6 +2,7 @@
 // strides in elements).
 #include "qkv/tensor.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
