@@ -121,6 +121,44 @@ TEST(Memory, IntoRejectsUnfitOutputs) {
   EXPECT_THROW(qkv::scaled_dot_product_attention_into(q, Tensor::randn({2, 5, 8}, 5), v_same, aliased), qkv::Error);
 }
 
+// nn::MultiHeadAttention copies none of q, k and v, forward or backward: its heads are views the
+// core reads and writes in place. The peak memory of forward + backward is exactly what the steps
+// must allocate (the projections' outputs and input gradients, the concatenated heads, the row
+// statistics), within less than half of one q-sized copy: any copy of q, k, v (or of their
+// gradients) would cross that line. Self-attention (one fused projection) and cross-attention.
+TEST(Memory, MultiHeadAttentionCopiesNoHeads) {
+  const int64_t batch = 2, len = 64, embed = 256, heads = 4;
+  const int64_t bne = batch * len * embed;       // floats of one (B, N, E) tensor: q, k or v
+  const int64_t stats = 3 * batch * heads * len;  // lse, row_max, row_sum
+  const int64_t copy_bytes = bne * int64_t{sizeof(float)};
+  qkv_test::Random random;
+  SCOPED_TRACE(random.note());
+  const Tensor x = random.randn({batch, len, embed}), memory = random.randn({batch, len, embed});
+  const Tensor grad = random.randn({batch, len, embed});
+  for (const bool self : {true, false}) {
+    SCOPED_TRACE(self ? "self-attention" : "cross-attention");
+    const auto run = [&](qkv::nn::MultiHeadAttention& mha) {
+      Tensor out = self ? mha.forward(x).output : mha.forward(x, memory, memory).output;
+      if (self) return std::vector<Tensor>{out, mha.backward(grad)};
+      const qkv::nn::MultiHeadAttentionGrads g = mha.backward_cross(grad);
+      return std::vector<Tensor>{out, g.query, g.key, g.value};
+    };
+    qkv::nn::MultiHeadAttention warm(embed, heads, {.seed = 1});
+    (void)run(warm);  // the kernels' per-thread workspaces, kept between calls
+    qkv::nn::MultiHeadAttention mha(embed, heads, {.seed = 2});
+    std::vector<Tensor> kept;
+    const int64_t extra = extra_bytes([&] { kept = run(mha); });
+    // forward: projections (3 bne), concatenated heads, row statistics, output; backward: d of
+    // the output projection's input, d of the projections' outputs (3 bne), input gradients.
+    const int64_t needed_floats = 3 * bne + bne + stats + bne + bne + 3 * bne + (self ? 1 : 3) * bne;
+    const int64_t needed = needed_floats * int64_t{sizeof(float)};
+    EXPECT_GE(extra, needed) << "the counter missed an allocation";
+    EXPECT_LT(extra, needed + copy_bytes / 2)
+        << "forward + backward allocated " << extra - needed << " bytes beyond the " << needed
+        << " they need; one copy of q is " << copy_bytes;
+  }
+}
+
 // Tensors count their storage while alive and give it back when the last handle goes.
 TEST(Memory, TensorStorageIsCounted) {
   const int64_t before = qkv::memory_stats().current_bytes;

@@ -259,6 +259,78 @@ TEST(MultiHeadAttentionBackward, GroupedQueryUnbatchedWithKeepMask) {
   expect_parameter_gradients("MHA GQA", mha.parameters(), loss);
 }
 
+// softcap, ALiBi and learned sinks (a parameter: its gradient is checked with the others), through
+// the fused self-attention path and the cross path, with grouped-query heads and a causal mask.
+TEST(MultiHeadAttentionBackward, ScoreModifiersAndSinks) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv::nn::MultiHeadAttention mha(
+      8, 4, {.num_kv_heads = 2, .causal = true, .softcap = 1.5f, .alibi = true, .sinks = true, .seed = rng.next_u64()});
+  ASSERT_EQ(mha.parameters().back().name, "sinks");
+  EXPECT_EQ(mha.sinks.to_vector(), std::vector<float>(4, 0.0f));
+  randomise(mha.parameters(), rng);
+  const Tensor x = rng.randn({2, 5, 8}), memory = rng.randn({2, 6, 8});
+  const Tensor r = rng.randn({2, 5, 8});
+  const auto self_loss = [&] { return dot(mha.forward(x).output, r); };
+  mha.zero_grad();
+  (void)mha.forward(x);
+  const Tensor dx = mha.backward(r);
+  expect_gradient("MHA modifiers self x", x, dx, self_loss);
+  expect_parameter_gradients("MHA modifiers self", mha.parameters(), self_loss);
+
+  const auto cross_loss = [&] { return dot(mha.forward(x, memory, memory).output, r); };
+  mha.zero_grad();
+  (void)mha.forward(x, memory, memory);
+  const qkv::nn::MultiHeadAttentionGrads grads = mha.backward_cross(r);
+  expect_gradient("MHA modifiers cross query", x, grads.query, cross_loss);
+  expect_gradient("MHA modifiers cross key", memory, grads.key, cross_loss);
+  expect_parameter_gradients("MHA modifiers cross", mha.parameters(), cross_loss);
+}
+
+// backward_cross after a fused self-attention forward gives the three paths apart; their sum is
+// backward()'s gradient, and the parameter gradients are the same either way.
+TEST(MultiHeadAttentionBackward, FusedSelfAttentionBackwardCross) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv::nn::MultiHeadAttention mha(8, 2, {.seed = rng.next_u64()});
+  randomise(mha.parameters(), rng);
+  const Tensor x = rng.randn({3, 4, 8}), r = rng.randn({3, 4, 8});
+  mha.zero_grad();
+  (void)mha.forward(x);
+  const Tensor dx = mha.backward(r);
+  std::vector<std::vector<float>> summed_grads;
+  for (const auto& p : mha.parameters()) summed_grads.push_back(p.grad.to_vector());
+  mha.zero_grad();
+  (void)mha.forward(x);
+  const qkv::nn::MultiHeadAttentionGrads parts = mha.backward_cross(r);
+  for (int64_t e = 0; e < dx.numel(); ++e)
+    EXPECT_NEAR(dx.data()[e], parts.query.data()[e] + parts.key.data()[e] + parts.value.data()[e], 1e-5) << e;
+  const auto params = mha.parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_EQ(params[i].grad.to_vector(), summed_grads[i]) << params[i].name;
+}
+
+// The q/k/v projections are row blocks of one fused weight: writing through q_proj.weight (as
+// load_state_dict and optimizers do) changes what forward(x) computes; replacing q_proj.weight
+// by another tensor leaves the fused path for the three separate projections, with the same result.
+TEST(MultiHeadAttentionBackward, ReplacedProjectionLeavesTheFusedPath) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv::nn::MultiHeadAttention mha(8, 2, {.seed = rng.next_u64()});
+  randomise(mha.parameters(), rng);
+  const Tensor x = rng.randn({2, 3, 8});
+  const auto expect_near = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t e = 0; e < want.size(); ++e) EXPECT_NEAR(got[e], want[e], 1e-5) << what << " [" << e << "]";
+  };
+  const std::vector<float> fused = mha.forward(x).output.to_vector();
+  expect_near(mha.forward(x, x, x).output.to_vector(), fused, "cross form");
+  mha.q_proj.weight = mha.q_proj.weight.clone();  // no longer a view of the fused weight
+  const std::vector<float> separate = mha.forward(x).output.to_vector();
+  expect_near(separate, fused, "unfused");
+  mha.q_proj.weight.data()[0] += 1.0f;
+  EXPECT_NE(mha.forward(x).output.to_vector(), separate);
+}
+
 TEST(MultiHeadAttentionBackward, Errors) {
   qkv::nn::MultiHeadAttention mha(4, 2, {.seed = 1});
   EXPECT_THAT([&] { (void)mha.backward(Tensor::zeros({1, 2, 4})); },

@@ -41,7 +41,15 @@ class Linear {
   Tensor forward(const Tensor& x) const;  // remembers x for backward
   // grad_output: (..., out_features), shaped as the last forward's y. Returns dL/dx (..., in);
   // adds dL/dW = g^T x to weight_grad and dL/db = sum of g over rows to bias_grad.
+  // A grad_output view whose rows are evenly spaced with a contiguous last dim (a narrow of a wider
+  // last dim) is read in place; other views are packed first. backward = accumulate_parameter_gradients
+  // + input_gradient.
   Tensor backward(const Tensor& grad_output);
+  // dL/dx = g W alone: g (..., out_features), a view as above -> (..., in_features).
+  // Needs no forward (MultiHeadAttention uses it for the q/k/v row blocks of its fused projection).
+  Tensor input_gradient(const Tensor& grad_output) const;
+  // Adds dL/dW = g^T x and dL/db = sum of g's rows, x being the last forward's input; g as backward's.
+  void accumulate_parameter_gradients(const Tensor& grad_output);
   void zero_grad();  // grads to zeros (reallocated if the parameters were replaced by other shapes)
 
   int64_t in_features() const { return weight.size(1); }
@@ -69,6 +77,9 @@ struct MultiHeadAttentionOptions {
   bool bias = true;          // biases on the four projections
   float dropout = 0;         // dropout on the attention weights while training
   bool causal = false;       // every forward also applies Mask::causal()
+  float softcap = 0;         // > 0: scores soft-capped, s <- softcap * tanh(s / softcap); 0: off
+  bool alibi = false;        // ALiBi: head h's scores get -2^(-8 (h + 1) / num_heads) * distance
+  bool sinks = false;        // a learned attention-sink logit per head (parameter `sinks`, zeros at first)
   std::optional<uint64_t> seed;  // initial weights and dropout decisions; none: see manual_seed
 };
 
@@ -83,6 +94,11 @@ struct MultiHeadAttentionGrads {
 };
 
 // Multi-head attention: project, split into heads, attend, concatenate, project.
+// Nothing is copied between the steps: the heads are transposed views of the projections, the
+// attention writes its heads straight into the (B, Nq, H, hd) input of out_proj, and the backward
+// writes the heads' gradients straight into the projections' (B, N, features) gradients.
+// With kdim = vdim = embed_dim the q, k and v projections are one GEMM: their weights (and biases
+// and grads) are row blocks of one (E + 2 Hkv hd, E) tensor, and forward(x) projects x once.
 //   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); always batch first
 //   (torch's batch_first=True; its default (N, B, E) layout is not accepted), or unbatched
 //   (N, features). The mask is over the scores (B, num_heads, Nq, Nk).
@@ -121,7 +137,8 @@ class MultiHeadAttention {
   void eval() { training_ = false; }
   bool is_training() const { return training_; }
 
-  // q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj.weight, out_proj.bias.
+  // q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj.weight, out_proj.bias, and
+  // sinks with options().sinks.
   std::vector<NamedTensor> parameters() const;
   int64_t parameter_count() const;
   // Loads a torch.nn.MultiheadAttention state dict (in_proj_weight, in_proj_bias, or
@@ -129,7 +146,11 @@ class MultiHeadAttention {
   // names. Every parameter must be given, with its exact shape; unknown names are an error.
   void load_state_dict(const std::map<std::string, Tensor>& state);
 
+  // The ALiBi slopes (num_heads) with options().alibi, else undefined.
+  const Tensor& alibi_slopes() const { return alibi_slopes_; }
+
   Linear q_proj, k_proj, v_proj, out_proj;
+  Tensor sinks, sinks_grad;  // (num_heads) with options().sinks, else undefined
 
  private:
   struct Checked {};  // the options below have been checked and their defaults filled in
@@ -137,6 +158,10 @@ class MultiHeadAttention {
 
   int64_t embed_dim_, num_heads_, num_kv_heads_;
   MultiHeadAttentionOptions options_;
+  // kdim = vdim = embed_dim: the fused q/k/v projection whose row blocks q_proj, k_proj and v_proj
+  // view (weights, biases, grads); used while those views are intact (see fused()).
+  std::optional<Linear> in_proj_;
+  Tensor alibi_slopes_;
   bool training_ = true;
   mutable uint64_t dropout_calls_ = 0;  // advances the dropout seed on each training forward
 
@@ -144,12 +169,21 @@ class MultiHeadAttention {
   struct Saved {
     bool valid = false;
     bool self_attention = false;  // forward(x): the three input gradients are summed
+    bool fused = false;           // forward(x) through in_proj_: one projection to differentiate
     bool unbatched = false;
     Tensor q, k, v;               // (B, H, Nq, hd), (B, Hkv, Nk, hd) x2: the split projections
-    AttentionResult attended;     // output (B, H, Nq, hd) and lse, as the core returned them
+    AttentionResult attended;     // output (B, H, Nq, hd), a view of out_proj's input, lse and row stats
     AttentionOptions attention;   // mask (with causal), scale, dropout seed of that call
   };
   mutable Saved saved_;
+
+  bool fused() const;  // in_proj_ exists and q_proj, k_proj, v_proj still view its row blocks
+  // Steps 3-5 of forward: attend over the (B, H, N, hd) head views, concatenate, project.
+  MultiHeadAttentionOutput attend(const Tensor& q, const Tensor& k, const Tensor& v, const Mask& mask,
+                                  Weights weights, bool unbatched, bool fused) const;
+  // Steps 5-3 of backward: the gradients of the projections' outputs, as the projections wrote
+  // them: {(B, N, E + 2 Hkv hd)} after a fused forward, else {dq (B, Nq, E), dk, dv (B, Nk, Hkv hd)}.
+  std::vector<Tensor> backward_to_projections(const Tensor& grad_output);
 };
 
 // The fixed sin/cos positional encoding of "Attention Is All You Need":

@@ -57,7 +57,54 @@ Tensor Linear::forward(const Tensor& x) const {
   return y;
 }
 
+namespace {
+
+// t read as a (rows, t.size(-1)) row-major matrix: t itself when its last dim is contiguous and
+// its rows are evenly spaced (a contiguous tensor, or a narrow of a wider last dim), else a packed
+// copy. *ld gets the distance between consecutive rows.
+Tensor as_matrix(const Tensor& t, int64_t* ld) {
+  const auto& dims = t.shape().dims();
+  const auto& strides = t.strides();
+  const size_t rank = dims.size();
+  *ld = rank >= 2 ? std::max<int64_t>(strides[rank - 2], dims[rank - 1]) : dims[rank - 1];
+  bool evenly_spaced = strides[rank - 1] == 1 || dims[rank - 1] <= 1;
+  int64_t expected = *ld;  // the stride dim i needs for the rows to stay evenly spaced
+  for (size_t i = rank - 1; evenly_spaced && i-- > 0;) {
+    evenly_spaced = dims[i] <= 1 || strides[i] == expected;
+    expected *= dims[i];
+  }
+  if (evenly_spaced) return t;
+  *ld = dims[rank - 1];
+  return t.contiguous();
+}
+
+}  // namespace
+
 Tensor Linear::backward(const Tensor& grad_output) {
+  accumulate_parameter_gradients(grad_output);
+  return input_gradient(grad_output);
+}
+
+Tensor Linear::input_gradient(const Tensor& grad_output) const {
+  if (!grad_output.defined() || grad_output.dim() < 1 || grad_output.size(-1) != out_features())
+    throw Error("Linear::input_gradient: grad_output is " +
+                (grad_output.defined() ? grad_output.shape().str() : std::string("undefined")) +
+                " but out_features is " + std::to_string(out_features()));
+  std::vector<int64_t> x_dims(grad_output.shape().begin(), grad_output.shape().end());
+  x_dims.back() = in_features();
+  Tensor dx = Tensor::empty(Shape(x_dims));
+  const int64_t rows = dx.numel() / in_features(), n = out_features(), k = in_features();
+  if (rows == 0) return dx;
+  int64_t ld = 0;
+  const Tensor g = as_matrix(grad_output, &ld);
+  // y = x W^T + b  ->  dx = g W : (rows, n) x (n, k)
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(k),
+              static_cast<int>(n), 1.0f, g.view_data(), static_cast<int>(ld), weight.data(),
+              static_cast<int>(k), 0.0f, dx.data(), static_cast<int>(k));
+  return dx;
+}
+
+void Linear::accumulate_parameter_gradients(const Tensor& grad_output) {
   if (!saved_input_.defined()) throw Error("Linear::backward: no forward to differentiate (call forward first)");
   const Tensor& x = saved_input_;
   std::vector<int64_t> y_dims(x.shape().begin(), x.shape().end());
@@ -70,26 +117,21 @@ Tensor Linear::backward(const Tensor& grad_output) {
       (bias.defined() && bias_grad.shape() != bias.shape()))
     throw Error("Linear::backward: the grads do not match weight " + weight.shape().str() +
                 " any more (parameters replaced?): call zero_grad() first");
-  const Tensor g = grad_output.contiguous();
   const int64_t rows = x.numel() / in_features(), n = out_features(), k = in_features();
-  Tensor dx = Tensor::zeros(x.shape());
-  if (rows == 0) return dx;
-  // y = x W^T + b  ->  dx = g W : (rows, n) x (n, k)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(k),
-              static_cast<int>(n), 1.0f, g.data(), static_cast<int>(n), weight.data(), static_cast<int>(k), 0.0f,
-              dx.data(), static_cast<int>(k));
-  //                  ->  dW += g^T x : (n, rows) x (rows, k), beta = 1 accumulates
+  if (rows == 0) return;
+  int64_t ld = 0;
+  const Tensor matrix = as_matrix(grad_output, &ld);
+  const float* g = matrix.view_data();
+  // dW += g^T x : (n, rows) x (rows, k), beta = 1 accumulates
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(k),
-              static_cast<int>(rows), 1.0f, g.data(), static_cast<int>(n), x.data(), static_cast<int>(k), 1.0f,
+              static_cast<int>(rows), 1.0f, g, static_cast<int>(ld), x.data(), static_cast<int>(k), 1.0f,
               weight_grad.data(), static_cast<int>(k));
-  //                  ->  db += sum over rows of g
+  // db += sum over rows of g
   if (bias.defined()) {
     float* db = bias_grad.data();
-    const float* gd = g.data();
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t o = 0; o < n; ++o) db[o] += gd[r * n + o];
+      for (int64_t o = 0; o < n; ++o) db[o] += g[r * ld + o];
   }
-  return dx;
 }
 
 void Linear::zero_grad() {

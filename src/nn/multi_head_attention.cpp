@@ -1,6 +1,7 @@
 // qkv::nn::MultiHeadAttention: project, split into heads, attend (through the functional core),
 // concatenate, project. Laid out and initialised as torch.nn.MultiheadAttention. Forward keeps the
-// split projections and the core's result (output, lse); backward walks the five steps in reverse.
+// split projections (views) and the core's result (output, lse, row stats); backward walks the five
+// steps in reverse. No step copies: heads are strided views, and the core reads and writes them in place.
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -34,6 +35,8 @@ MultiHeadAttentionOptions resolved(int64_t embed_dim, int64_t num_heads, MultiHe
   if (o.vdim == 0) o.vdim = embed_dim;
   if (!(o.dropout >= 0 && o.dropout < 1))
     throw Error(std::string(kWho) + "dropout must be in [0, 1), got " + std::to_string(o.dropout));
+  if (!(o.softcap >= 0 && std::isfinite(o.softcap)))
+    throw Error(std::string(kWho) + "softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
   if (!o.seed) o.seed = detail::next_seed();
   return o;
 }
@@ -62,6 +65,31 @@ void initialise(MultiHeadAttention& m) {
 
 std::string shape_of(const Tensor& t) { return t.defined() ? t.shape().str() : "undefined"; }
 
+// Rows [first, first + count) of a fused (rows, ...) tensor: a view, writable in place. Copies
+// `initial` (the projection's own starting values) into them, then returns the view.
+Tensor fused_rows(const Tensor& fused, int64_t first, const Tensor& initial) {
+  if (!fused.defined()) return Tensor();
+  const Tensor rows = fused.narrow(0, first, initial.size(0));
+  std::copy_n(initial.data(), initial.numel(), rows.data());
+  return rows;
+}
+
+// The standard ALiBi slopes of `heads` heads: 2^(-8 (h + 1) / heads) for head h.
+Tensor alibi_slopes_for(int64_t heads) {
+  Tensor slopes = Tensor::empty({heads});
+  for (int64_t h = 0; h < heads; ++h)
+    slopes.data()[h] = static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(heads)));
+  return slopes;
+}
+
+// The forward's checks of one input: batch-first (B, N, features) or unbatched (N, features).
+void check_features(const Tensor& t, const char* name, const char* dim_name, int64_t expected) {
+  if (!t.defined() || t.dim() < 2 || t.dim() > 3 || t.size(-1) != expected)
+    throw Error(std::string(kWho) + name + " is " + shape_of(t) + " but " + dim_name + " is " +
+                std::to_string(expected) + (t.defined() && (t.dim() < 2 || t.dim() > 3)
+                                                ? " (expected (B, N, features) or (N, features))" : ""));
+}
+
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, const MultiHeadAttentionOptions& options)
@@ -77,10 +105,65 @@ MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, con
       num_kv_heads_(o.num_kv_heads),
       options_(o) {
   initialise(*this);
+  if (o.alibi) alibi_slopes_ = alibi_slopes_for(num_heads);
+  if (o.sinks) {
+    sinks = Tensor::zeros({num_heads});
+    sinks_grad = Tensor::zeros({num_heads});
+  }
+  if (o.kdim != embed_dim || o.vdim != embed_dim) return;
+  // One (E + 2 Hkv hd, E) in-projection; q_proj, k_proj and v_proj become views of its row blocks
+  // (weights, biases and grads), keeping the values initialise() gave them.
+  const int64_t kv_features = k_proj.out_features();
+  in_proj_.emplace(embed_dim, embed_dim + 2 * kv_features, o.bias, stream_seed(o.seed, 8));
+  Linear& in = *in_proj_;
+  int64_t first = 0;
+  for (Linear* proj : {&q_proj, &k_proj, &v_proj}) {
+    proj->weight = fused_rows(in.weight, first, proj->weight);
+    proj->bias = fused_rows(in.bias, first, proj->bias);
+    proj->weight_grad = fused_rows(in.weight_grad, first, proj->weight_grad);
+    proj->bias_grad = fused_rows(in.bias_grad, first, proj->bias_grad);
+    first += proj->out_features();
+  }
+}
+
+bool MultiHeadAttention::fused() const {
+  if (!in_proj_) return false;
+  const Linear& in = *in_proj_;
+  int64_t first = 0;  // the row block of in_proj_ the next projection should view
+  // part is rows [first, first + rows) of whole (or both undefined).
+  const auto views = [&](const Tensor& part, const Tensor& whole, int64_t rows) {
+    if (!part.defined() || !whole.defined()) return part.defined() == whole.defined();
+    const int64_t width = whole.numel() / whole.size(0);
+    return part.shares_storage_with(whole) && part.is_contiguous() && part.numel() == rows * width &&
+           part.view_data() == whole.view_data() + first * width;
+  };
+  for (const Linear* proj : {&q_proj, &k_proj, &v_proj}) {
+    if (!proj->weight.defined() || proj->weight.dim() != 2) return false;
+    const int64_t rows = proj->weight.size(0);
+    if (!views(proj->weight, in.weight, rows) || !views(proj->bias, in.bias, rows) ||
+        !views(proj->weight_grad, in.weight_grad, rows) || !views(proj->bias_grad, in.bias_grad, rows))
+      return false;
+    first += rows;
+  }
+  return first == in.out_features();
 }
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask& mask, Weights weights) const {
-  MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
+  if (!fused()) {
+    MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
+    saved_.self_attention = true;
+    return out;
+  }
+  check_features(x, "query", "embed_dim", embed_dim_);
+  const bool unbatched = x.dim() == 2;
+  const Tensor x_in = unbatched ? x.unsqueeze(0) : x;
+  const int64_t batch = x_in.size(0), len = x_in.size(1), hd = head_dim();
+  // ---- 1. project once, 2. split: (B, N, (H + 2 Hkv) hd) -> q, k, v (B, heads, N, hd), views
+  const Tensor heads = in_proj_->forward(x_in).reshape({batch, len, num_heads_ + 2 * num_kv_heads_, hd});
+  const Tensor q = heads.narrow(2, 0, num_heads_).transpose(1, 2);
+  const Tensor k = heads.narrow(2, num_heads_, num_kv_heads_).transpose(1, 2);
+  const Tensor v = heads.narrow(2, num_heads_ + num_kv_heads_, num_kv_heads_).transpose(1, 2);
+  MultiHeadAttentionOutput out = attend(q, k, v, mask, weights, unbatched, /*fused=*/true);
   saved_.self_attention = true;
   return out;
 }
@@ -88,12 +171,6 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                                      const Mask& mask, Weights weights) const {
   // ---- check: batch-first (B, N, features) or unbatched (N, features), all three alike
-  auto check_features = [&](const Tensor& t, const char* name, const char* dim_name, int64_t expected) {
-    if (!t.defined() || t.dim() < 2 || t.dim() > 3 || t.size(-1) != expected)
-      throw Error(std::string(kWho) + name + " is " + shape_of(t) + " but " + dim_name + " is " +
-                  std::to_string(expected) + (t.defined() && (t.dim() < 2 || t.dim() > 3)
-                                                  ? " (expected (B, N, features) or (N, features))" : ""));
-  };
   check_features(query, "query", "embed_dim", embed_dim_);
   check_features(key, "key", "kdim", options_.kdim);
   check_features(value, "value", "vdim", options_.vdim);
@@ -114,23 +191,35 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
   const Tensor q = q_proj.forward(q_in).reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
   const Tensor k = k_proj.forward(k_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
   const Tensor v = v_proj.forward(v_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
+  return attend(q, k, v, mask, weights, unbatched, /*fused=*/false);
+}
 
+MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const Mask& mask, Weights weights, bool unbatched,
+                                                    bool fused) const {
+  const int64_t batch = q.size(0), q_len = q.size(2), kv_len = k.size(2), hd = head_dim();
   // ---- 3. attend, through the one functional core
   AttentionOptions attention;
   attention.mask = options_.causal ? mask & Mask::causal() : mask;
   attention.need_weights = weights != Weights::None;
+  attention.softcap = options_.softcap;
+  attention.alibi_slopes = alibi_slopes_;
+  attention.sinks = sinks;
   if (training_ && options_.dropout > 0) {
     attention.dropout_p = options_.dropout;
     attention.seed = stream_seed(options_.seed, 7) + dropout_calls_++;
   }
-  AttentionResult attended = scaled_dot_product_attention(q, k, v, attention);
-  saved_ = {.valid = true, .self_attention = false, .unbatched = unbatched, .q = q, .k = k, .v = v,
+  // ---- 4. concatenate heads: the core writes head h of row i straight to concatenated[b, i, h]
+  const Tensor concatenated = Tensor::empty({batch, q_len, num_heads_, hd});
+  AttentionResult attended;
+  attended.output = concatenated.transpose(1, 2);
+  scaled_dot_product_attention_into(q, k, v, attended, attention);
+  saved_ = {.valid = true, .self_attention = false, .fused = fused, .unbatched = unbatched, .q = q, .k = k, .v = v,
             .attended = attended, .attention = attention};
 
-  // ---- 4. concatenate heads: (B, H, Nq, hd) -> (B, Nq, E), 5. output projection
-  Tensor concatenated = attended.output.transpose(1, 2).reshape({batch, q_len, embed_dim_});
+  // ---- 5. output projection
   MultiHeadAttentionOutput result;
-  result.output = out_proj.forward(concatenated);
+  result.output = out_proj.forward(concatenated.reshape({batch, q_len, embed_dim_}));
 
   if (weights == Weights::Averaged) {
     Tensor mean = Tensor::zeros({batch, q_len, kv_len});
@@ -152,7 +241,7 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
   return result;
 }
 
-MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_output) {
+std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& grad_output) {
   if (!saved_.valid) throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first)");
   const Saved& s = saved_;
   const int64_t batch = s.q.size(0), q_len = s.q.size(2), kv_len = s.k.size(2), hd = head_dim();
@@ -164,17 +253,53 @@ MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_ou
 
   // ---- 5. output = out_proj(concatenated)
   const Tensor d_concatenated = out_proj.backward(g);
-  // ---- 4. concatenated = attended.output.transpose(1, 2).reshape({B, Nq, E})
-  const Tensor d_attended = d_concatenated.reshape({batch, q_len, num_heads_, hd}).transpose(1, 2).contiguous();
-  // ---- 3. attended = scaled_dot_product_attention(q, k, v, attention)
-  const AttentionGrads d = scaled_dot_product_attention_backward(d_attended, s.q, s.k, s.v, s.attended, s.attention);
-  // ---- 2. q = q_proj(q_in).reshape({B, N, H, hd}).transpose(1, 2), and k, v alike
-  // ---- 1. the projections
+  // ---- 4. concatenated = the heads side by side: a view, as in the forward
+  const Tensor d_attended = d_concatenated.reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
+  // ---- 3. attended = scaled_dot_product_attention(q, k, v, attention), its gradients written
+  // straight into the (B, N, heads, hd) layout of the projections' outputs
+  std::vector<Tensor> projected;
+  AttentionGrads d;
+  if (s.fused) {
+    const Tensor heads = Tensor::empty({batch, q_len, num_heads_ + 2 * num_kv_heads_, hd});
+    d.dq = heads.narrow(2, 0, num_heads_).transpose(1, 2);
+    d.dk = heads.narrow(2, num_heads_, num_kv_heads_).transpose(1, 2);
+    d.dv = heads.narrow(2, num_heads_ + num_kv_heads_, num_kv_heads_).transpose(1, 2);
+    projected = {heads.reshape({batch, q_len, (num_heads_ + 2 * num_kv_heads_) * hd})};
+  } else {
+    const Tensor dq = Tensor::empty({batch, q_len, num_heads_, hd});
+    const Tensor dk = Tensor::empty({batch, kv_len, num_kv_heads_, hd});
+    const Tensor dv = Tensor::empty({batch, kv_len, num_kv_heads_, hd});
+    d = {.dq = dq.transpose(1, 2), .dk = dk.transpose(1, 2), .dv = dv.transpose(1, 2), .dsinks = {}};
+    projected = {dq.reshape({batch, q_len, embed_dim_}), dk.reshape({batch, kv_len, num_kv_heads_ * hd}),
+                 dv.reshape({batch, kv_len, num_kv_heads_ * hd})};
+  }
+  scaled_dot_product_attention_backward_into(d_attended, s.q, s.k, s.v, s.attended, d, s.attention);
+  if (sinks_grad.defined() && d.dsinks.defined()) {
+    float* total = sinks_grad.data();
+    const Tensor dsinks = d.dsinks.contiguous();
+    for (int64_t h = 0; h < num_heads_; ++h) total[h] += dsinks.data()[h];
+  }
+  return projected;
+}
+
+MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_output) {
+  const std::vector<Tensor> projected = backward_to_projections(grad_output);
+  // ---- 2. the head split was a view; 1. the projections
   MultiHeadAttentionGrads grads;
-  grads.query = q_proj.backward(d.dq.transpose(1, 2).reshape({batch, q_len, embed_dim_}));
-  grads.key = k_proj.backward(d.dk.transpose(1, 2).reshape({batch, kv_len, num_kv_heads_ * hd}));
-  grads.value = v_proj.backward(d.dv.transpose(1, 2).reshape({batch, kv_len, num_kv_heads_ * hd}));
-  if (s.unbatched) {
+  if (saved_.fused) {
+    // One GEMM for the three weight gradients; the three input gradients apart.
+    const Tensor& d = projected[0];
+    const int64_t kv_features = k_proj.out_features();
+    in_proj_->accumulate_parameter_gradients(d);
+    grads.query = q_proj.input_gradient(d.narrow(-1, 0, embed_dim_));
+    grads.key = k_proj.input_gradient(d.narrow(-1, embed_dim_, kv_features));
+    grads.value = v_proj.input_gradient(d.narrow(-1, embed_dim_ + kv_features, kv_features));
+  } else {
+    grads.query = q_proj.backward(projected[0]);
+    grads.key = k_proj.backward(projected[1]);
+    grads.value = v_proj.backward(projected[2]);
+  }
+  if (saved_.unbatched) {
     grads.query = grads.query.squeeze(0);
     grads.key = grads.key.squeeze(0);
     grads.value = grads.value.squeeze(0);
@@ -186,6 +311,11 @@ Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
   if (saved_.valid && !saved_.self_attention)
     throw Error(std::string(kWho) + "backward() follows forward(x) (self-attention); the last forward was "
                 "forward(query, key, value): use backward_cross()");
+  if (saved_.valid && saved_.fused) {
+    // x fed the one fused projection: its backward sums the three paths in one GEMM.
+    const Tensor dx = in_proj_->backward(backward_to_projections(grad_output)[0]);
+    return saved_.unbatched ? dx.squeeze(0) : dx;
+  }
   MultiHeadAttentionGrads grads = backward_cross(grad_output);
   // x fed all three projections: its gradient is the sum of the three paths.
   float* dx = grads.query.data();
@@ -198,6 +328,7 @@ Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
 
 void MultiHeadAttention::zero_grad() {
   for (Linear* proj : {&q_proj, &k_proj, &v_proj, &out_proj}) proj->zero_grad();
+  grad::reset_grad(sinks_grad, sinks);
 }
 
 std::vector<NamedTensor> MultiHeadAttention::parameters() const {
@@ -207,6 +338,7 @@ std::vector<NamedTensor> MultiHeadAttention::parameters() const {
     auto p = proj->parameters(name);
     params.insert(params.end(), p.begin(), p.end());
   }
+  if (sinks.defined()) params.push_back({"sinks", sinks, sinks_grad});
   return params;
 }
 
