@@ -4,7 +4,7 @@ The functions here follow PyTorch's conventions so that code moves between the t
 
   scaled_dot_product_attention(q, k, v, ...)   torch.nn.functional.scaled_dot_product_attention
   scaled_dot_product_attention_backward(...)   its gradients (dq, dk, dv), from the forward's
-                                               output and lse (return_lse=True)
+                                               output and row statistics (return_lse=True)
   MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True)
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
                                                only when torch is installed)
@@ -96,6 +96,11 @@ def _mask_from(query, attn_mask=None, is_causal=False, key_lengths=None, window=
     return mask
 
 
+def _per_head(x, name):
+    """An optional per-head array (alibi_slopes, sinks) as float32, or None."""
+    return None if x is None else np.ascontiguousarray(_as_array(x, name), dtype=np.float32)
+
+
 def _check_gqa(query, key, enable_gqa):
     if not enable_gqa and query.ndim == 4 and key.ndim == 4 and query.shape[1] != key.shape[1]:
         raise Error(f"scaled_dot_product_attention: query has {query.shape[1]} heads but key has "
@@ -104,7 +109,8 @@ def _check_gqa(query, key, enable_gqa):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
-                                 window=None, seed=0, backend="auto", return_lse=False):
+                                 window=None, seed=0, backend="auto", return_lse=False, softcap=0.0,
+                                 alibi_slopes=None, sinks=None, return_row_stats=False):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
@@ -123,48 +129,74 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     need_weights: also return the (B, Hq, Nq, Nk) weights (after dropout, as applied to value).
     backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
 
-    return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
-      (-inf where a query sees no key): with the output, it is what
-      scaled_dot_product_attention_backward needs (the weights are recomputed from it).
+    Score modifiers, applied to each scaled score s in this order, before the mask:
+    softcap: > 0 caps the scores, s <- softcap * tanh(s / softcap) (Gemma 2); 0 = off.
+    alibi_slopes: (Hq) floats, s <- s - slopes[h] * |i + Nk - Nq - j| (ALiBi); None = off.
+    sinks: (Hq) floats, a logit per head that joins each row's softmax denominator but carries no
+      value (gpt-oss, StreamingLLM); None = off.
 
-    Returns the (B, Hq, Nq, Dv) float32 output; with need_weights and/or return_lse, a tuple
-    (output, weights, lse) holding those asked for, in that order. A query that sees no key
-    gets zeros (PyTorch gives NaN).
+    return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
+      (-inf where a query sees no key; the sink included): with the output, it is what
+      scaled_dot_product_attention_backward needs (the weights are recomputed from it).
+    return_row_stats: also return each row's maximum score and sum_j exp(s_ij - max), (B, Hq, Nq)
+      each: given to the backward beside lse, they keep its weights exact even when every key
+      of a row carries a huge bias (-1e9), where lse alone loses log(n) in float32.
+
+    Returns the (B, Hq, Nq, Dv) float32 output; with need_weights, return_lse and/or
+    return_row_stats, a tuple (output, weights, lse, row_max, row_sum) holding those asked for,
+    in that order. A query that
+    sees no key gets zeros (PyTorch gives NaN).
     """
     query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    output, weights, lse = _core.attention(query, key, value, mask, None if scale is None else float(scale),
-                                           float(dropout_p), int(seed), bool(need_weights), _backend(backend))
-    if not (need_weights or return_lse):
+    output, weights, lse, row_max, row_sum = _core.attention(
+        query, key, value, mask, None if scale is None else float(scale), float(dropout_p), int(seed),
+        bool(need_weights), _backend(backend), float(softcap), _per_head(alibi_slopes, "alibi_slopes"),
+        _per_head(sinks, "sinks"))
+    if not (need_weights or return_lse or return_row_stats):
         return output
-    return (output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+    return ((output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()) +
+            ((row_max, row_sum) if return_row_stats else ()))
 
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                                          key_lengths=None, window=None, seed=0, backend="auto"):
-    """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value.
+                                          key_lengths=None, window=None, seed=0, backend="auto", row_max=None,
+                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
+    (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
 
-    grad_output: dL/doutput, shaped as the output. output, lse: what the forward returned with
-    return_lse=True, on the same query, key and value. Every other argument must be the one
-    the forward was given (the mask arguments, scale, dropout_p and seed: dropout then drops
-    the same weights in both directions). The weights are recomputed from lse, never stored.
+    grad_output: dL/doutput, shaped as the output. output, lse (and row_max, row_sum): what the
+    forward returned with return_lse=True (and return_row_stats=True), on the same query, key and
+    value. Every other argument
+    must be the one the forward was given (the mask arguments, scale, dropout_p and seed: dropout
+    then drops the same weights in both directions; softcap, alibi_slopes, sinks). The weights are
+    recomputed, never stored: from row_max and row_sum when given (exact whatever the biases),
+    else from lse (exact unless every key of a row carries a huge bias such as -1e9).
     With grouped-query attention, dk and dv sum over the query heads that share a key/value
     head. A query that sees no key contributes nothing (zeros, never NaN).
     backend: "auto" (flash), "reference" or "flash".
 
-        out, lse = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
-        dq, dk, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, is_causal=True)
+        out, lse, row_max, row_sum = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
+                                                                      return_row_stats=True)
+        dq, dk, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, is_causal=True,
+                                                               row_max=row_max, row_sum=row_sum)
     """
     query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
     grad_output, output, lse = (_as_array(grad_output, "grad_output"), _as_array(output, "output"),
                                 _as_array(lse, "lse"))
+    if (row_max is None) != (row_sum is None):
+        raise Error("scaled_dot_product_attention_backward: give row_max and row_sum together (or neither)")
+    row_max = None if row_max is None else _as_array(row_max, "row_max")
+    row_sum = None if row_sum is None else _as_array(row_sum, "row_sum")
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    return _core.attention_backward(grad_output, query, key, value, output, lse, mask,
-                                    None if scale is None else float(scale), float(dropout_p), int(seed),
-                                    _backend(backend))
+    dq, dk, dv, dsinks = _core.attention_backward(
+        grad_output, query, key, value, output, lse, row_max, row_sum, mask,
+        None if scale is None else float(scale), float(dropout_p), int(seed), _backend(backend), float(softcap),
+        _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"))
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def create_causal_mask(n):
@@ -197,13 +229,16 @@ class MultiHeadAttention:
     eval() to turn it off.
     seed fixes the initial weights and dropout decisions; without one, each module draws the
     next seed of a global sequence that qkv.manual_seed restarts (as torch.manual_seed).
+    Score modifiers (no PyTorch counterpart): softcap > 0 caps the scores at +-softcap (tanh);
+    alibi=True subtracts 2^(-8 (h + 1) / num_heads) * distance from head h's scores; sinks=True
+    adds a learned per-head sink logit (parameter "sinks", zeros at first) to each softmax.
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, bias=True, dropout=0.0, kdim=None, vdim=None,
-                 batch_first=True, seed=None):
+                 batch_first=True, seed=None, softcap=0.0, alibi=False, sinks=False):
         self._core = _core.MultiHeadAttentionCore(
             int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0), int(vdim or 0), bool(bias),
-            float(dropout), False, None if seed is None else int(seed))
+            float(dropout), False, None if seed is None else int(seed), float(softcap), bool(alibi), bool(sinks))
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
 
@@ -223,7 +258,8 @@ class MultiHeadAttention:
         return self.train(False)
 
     def parameters(self):
-        """{name: array}: q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj...
+        """{name: array}: q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj..., and sinks
+        when built with sinks=True.
 
         Each array is a writable view of the module's parameter (weights are (out, in), as
         PyTorch stores them).
@@ -251,7 +287,8 @@ class MultiHeadAttention:
         """Copies of the parameters under torch.nn.MultiheadAttention's names.
 
         in_proj_weight when q, k and v have the same shape (else q_proj_weight, k_proj_weight,
-        v_proj_weight), in_proj_bias, out_proj.weight, out_proj.bias.
+        v_proj_weight), in_proj_bias, out_proj.weight, out_proj.bias; and sinks (num_heads) when
+        built with sinks=True.
         """
         return self._torch_names(self.parameters())
 
@@ -268,13 +305,15 @@ class MultiHeadAttention:
         state["out_proj.weight"] = p["out_proj.weight"].copy()
         if "out_proj.bias" in p:
             state["out_proj.bias"] = p["out_proj.bias"].copy()
+        if "sinks" in p:
+            state["sinks"] = p["sinks"].copy()
         return state
 
     def load_state_dict(self, state):
         """Loads torch.nn.MultiheadAttention().state_dict() (torch tensors or numpy arrays).
 
         Names: in_proj_weight (or q_proj_weight, k_proj_weight, v_proj_weight), in_proj_bias,
-        out_proj.weight, out_proj.bias; qkv's own names (q_proj.weight, ...) work too. Every
+        out_proj.weight, out_proj.bias (and sinks); qkv's own names (q_proj.weight, ...) work too. Every
         parameter must be given with its exact shape; nothing is written if one is wrong.
         """
         self._core.load_state_dict({str(name): _as_array(value, name) for name, value in state.items()})
@@ -306,6 +345,7 @@ class MultiHeadAttention:
         """
         query = _as_array(query, "query")
         key_given, value_given = key is not None, value is not None
+        self_attention = not key_given and not value_given  # forward(x): one fused projection
         key = query if key is None else _as_array(key, "key")
         value = key if value is None else _as_array(value, "value")
         batched = query.ndim == 3
@@ -330,7 +370,10 @@ class MultiHeadAttention:
             weights = _core.Weights.None_
         else:
             weights = _core.Weights.Averaged if average_attn_weights else _core.Weights.PerHead
-        output, attn_weights = self._core.forward(query, key, value, mask, weights)
+        if self_attention:
+            output, attn_weights = self._core.forward(query, None, None, mask, weights)
+        else:
+            output, attn_weights = self._core.forward(query, key, value, mask, weights)
         self._last = (key_given, value_given, batched)
         if batched and not self.batch_first:
             output = np.swapaxes(output, 0, 1)
@@ -353,11 +396,12 @@ class MultiHeadAttention:
         grad_output = _as_array(grad_output, "grad_output")
         if batched and not self.batch_first:
             grad_output = np.swapaxes(grad_output, 0, 1)
+        if not key_given and not value_given:  # forward(x): the core sums the three paths
+            dx = self._core.backward_self(grad_output)
+            return np.swapaxes(dx, 0, 1) if batched and not self.batch_first else dx
         dq, dk, dv = self._core.backward(grad_output)
         if batched and not self.batch_first:
             dq, dk, dv = (np.swapaxes(g, 0, 1) for g in (dq, dk, dv))
-        if not key_given and not value_given:
-            return dq + dk + dv
         if not value_given:
             return dq, dk + dv, None
         return dq, dk, dv

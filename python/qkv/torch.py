@@ -7,16 +7,18 @@ takes the arguments of torch.nn.functional.scaled_dot_product_attention (plus qk
 window and seed) on CPU float32 tensors. Tensors cross to qkv through numpy views and the
 output comes back as a tensor over qkv's own buffer.
 
-Gradients flow: forward keeps the inputs, the output and the log-sum-exp of each row, and
-backward calls qkv::scaled_dot_product_attention_backward with the same mask, scale and dropout
-seed (so dropout drops the same weights both ways). Gradients reach query, key and value; the
-mask is not differentiated (a float attn_mask gets no gradient). With grouped-query attention
-the key/value gradients sum over the query heads sharing each key/value head.
+Gradients flow: forward keeps the inputs, the output and each row's statistics (log-sum-exp,
+maximum and sum, so the recomputed weights stay exact even when every key of a row carries a
+-1e9 bias), and backward calls qkv::scaled_dot_product_attention_backward with the same mask,
+scale, dropout seed and score modifiers (so dropout drops the same weights both ways). Gradients
+reach query, key, value and sinks; the mask and alibi_slopes are not differentiated (a float
+attn_mask gets no gradient). With grouped-query attention the key/value gradients sum over the
+query heads sharing each key/value head.
 """
 
 import torch
 
-from . import Backend, Error, _check_gqa, _core, _mask_from
+from . import Backend, Error, _check_gqa, _core, _mask_from, _per_head
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -29,46 +31,58 @@ def _check_tensor(t, name):
                     "qkv runs on CPU float32 tensors")
 
 
+def _numpy(t):
+    """A CPU float32 tensor's data as numpy (None stays None)."""
+    return None if t is None else t.detach().numpy()
+
+
 class ScaledDotProductAttention(torch.autograd.Function):
-    """forward: qkv's kernel. Keeps (q, k, v, output, lse) and the options for backward."""
+    """forward: qkv's kernel. Keeps (q, k, v, sinks, output, lse, row_max, row_sum) and the options."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, scale, dropout_p, seed):
-        output, _weights, lse = _core.attention(query.detach().numpy(), key.detach().numpy(),
-                                                value.detach().numpy(), mask, scale, dropout_p, seed, False,
-                                                Backend.Auto)
-        output, lse = torch.from_numpy(output), torch.from_numpy(lse)
-        # What backward will need: the inputs, the forward's output and log-sum-exp (so P is
-        # recomputed, never stored), and the same options (the mask and dropout seed).
-        ctx.save_for_backward(query, key, value, output, lse)
-        ctx.options = (mask, scale, dropout_p, seed)
+    def forward(ctx, query, key, value, sinks, mask, scale, dropout_p, seed, softcap, alibi_slopes):
+        output, _weights, lse, row_max, row_sum = _core.attention(
+            _numpy(query), _numpy(key), _numpy(value), mask, scale, dropout_p, seed, False, Backend.Auto, softcap,
+            alibi_slopes, _numpy(sinks))
+        output, lse, row_max, row_sum = (torch.from_numpy(x) for x in (output, lse, row_max, row_sum))
+        # What backward will need: the inputs, the forward's output and row statistics (so P is
+        # recomputed, never stored, and exactly), and the same options (mask, dropout seed, modifiers).
+        ctx.save_for_backward(query, key, value, sinks, output, lse, row_max, row_sum)
+        ctx.options = (mask, scale, dropout_p, seed, softcap, alibi_slopes)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, output, lse = ctx.saved_tensors
-        mask, scale, dropout_p, seed = ctx.options
+        query, key, value, sinks, output, lse, row_max, row_sum = ctx.saved_tensors
+        mask, scale, dropout_p, seed, softcap, alibi_slopes = ctx.options
         grad_output = grad_output.detach().to(torch.float32).contiguous()
-        dq, dk, dv = _core.attention_backward(grad_output.numpy(), query.detach().numpy(), key.detach().numpy(),
-                                              value.detach().numpy(), output.numpy(), lse.numpy(), mask, scale,
-                                              dropout_p, seed, Backend.Auto)
-        grads = [torch.from_numpy(g) if needed else None
-                 for g, needed in zip((dq, dk, dv), ctx.needs_input_grad[:3])]
-        return (*grads, None, None, None, None)
+        dq, dk, dv, dsinks = _core.attention_backward(
+            grad_output.numpy(), _numpy(query), _numpy(key), _numpy(value), output.numpy(), lse.numpy(),
+            row_max.numpy(), row_sum.numpy(), mask, scale, dropout_p, seed, Backend.Auto, softcap, alibi_slopes,
+            _numpy(sinks))
+        grads = [torch.from_numpy(g) if needed and g is not None else None
+                 for g, needed in zip((dq, dk, dv, dsinks), ctx.needs_input_grad[:4])]
+        return (*grads, None, None, None, None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, key_lengths=None, window=None, seed=0):
+                                 enable_gqa=False, key_lengths=None, window=None, seed=0, softcap=0.0,
+                                 alibi_slopes=None, sinks=None):
     """torch.nn.functional.scaled_dot_product_attention computed by qkv (CPU float32).
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv), or rank 3 / 2 as one
     head. attn_mask: bool (True = attend) or float (added), broadcast numpy-style; is_causal,
     scale, enable_gqa as in PyTorch; key_lengths, window, seed as qkv.scaled_dot_product_attention.
-    Returns the (B, Hq, Nq, Dv) output; backward gives query, key and value their gradients.
+    Score modifiers as qkv.scaled_dot_product_attention: softcap (float), alibi_slopes ((Hq),
+    not differentiated) and sinks ((Hq) float32 tensor: it gets a gradient when it requires one).
+    Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)
+    if sinks is not None:
+        _check_tensor(sinks, "sinks")
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    return ScaledDotProductAttention.apply(query, key, value, mask, None if scale is None else float(scale),
-                                           float(dropout_p), int(seed))
+    return ScaledDotProductAttention.apply(query, key, value, sinks, mask, None if scale is None else float(scale),
+                                           float(dropout_p), int(seed), float(softcap),
+                                           _per_head(alibi_slopes, "alibi_slopes"))

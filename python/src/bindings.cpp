@@ -56,73 +56,107 @@ py::object to_numpy(const qkv::Tensor& tensor) {
 
 // ---- the functional core
 
-// scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse);
-// weights is None unless need_weights. lse is what the backward pass needs (with output).
-py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
-                    std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
-                    qkv::Backend backend) {
+// The options every attention call takes, gathered from the keywords (the score modifiers
+// included: alibi_slopes and sinks are (Hq) arrays or None).
+qkv::AttentionOptions make_options(const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
+                                   qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
+                                   const std::optional<FloatArray>& sinks) {
   qkv::AttentionOptions options;
   options.mask = mask;
   options.scale = scale;
   options.dropout_p = dropout_p;
   options.seed = seed;
-  options.need_weights = need_weights;
   options.backend = backend;
+  options.softcap = softcap;
+  if (alibi_slopes) options.alibi_slopes = to_tensor(*alibi_slopes);
+  if (sinks) options.sinks = to_tensor(*sinks);
+  return options;
+}
+
+// scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse,
+// row_max, row_sum); weights is None unless need_weights. The backward needs output and the row
+// statistics (row_max and row_sum keep it exact under huge biases; lse alone serves otherwise).
+py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
+                    std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
+                    qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
+                    const std::optional<FloatArray>& sinks) {
+  qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
+  options.need_weights = need_weights;
   const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult result;
   {
     py::gil_scoped_release release;
     result = qkv::scaled_dot_product_attention(qt, kt, vt, options);
   }
-  return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse));
+  return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse),
+                        to_numpy(result.row_max), to_numpy(result.row_sum));
 }
 
-// qkv::scaled_dot_product_attention_backward: (dq, dk, dv) from the forward's output and lse, with
-// the same mask and options as that forward (the dropout seed included).
+// qkv::scaled_dot_product_attention_backward: (dq, dk, dv, dsinks or None) from the forward's
+// output and row statistics (row_max and row_sum when given, else lse), with the same mask and
+// options as that forward (the dropout seed and the score modifiers included).
 py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q, const FloatArray& k,
                              const FloatArray& v, const FloatArray& output, const FloatArray& lse,
+                             const std::optional<FloatArray>& row_max, const std::optional<FloatArray>& row_sum,
                              const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
-                             qkv::Backend backend) {
-  qkv::AttentionOptions options;
-  options.mask = mask;
-  options.scale = scale;
-  options.dropout_p = dropout_p;
-  options.seed = seed;
-  options.backend = backend;
+                             qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
+                             const std::optional<FloatArray>& sinks) {
+  const qkv::AttentionOptions options =
+      make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
   const qkv::Tensor gt = to_tensor(grad_output), qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult forward;
   forward.output = to_tensor(output);
   forward.lse = to_tensor(lse);
+  if (row_max) forward.row_max = to_tensor(*row_max);
+  if (row_sum) forward.row_sum = to_tensor(*row_sum);
   qkv::AttentionGrads grads;
   {
     py::gil_scoped_release release;
     grads = qkv::scaled_dot_product_attention_backward(gt, qt, kt, vt, forward, options);
   }
-  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv));
+  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv), to_numpy(grads.dsinks));
 }
 
 // ---- nn::MultiHeadAttention
 
 qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
                                      int64_t vdim, bool bias, float dropout, bool causal,
-                                     std::optional<uint64_t> seed) {
+                                     std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks) {
   return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
                                      {.num_kv_heads = num_kv_heads, .kdim = kdim, .vdim = vdim, .bias = bias,
-                                      .dropout = dropout, .causal = causal, .seed = seed});
+                                      .dropout = dropout, .causal = causal, .softcap = softcap, .alibi = alibi,
+                                      .sinks = sinks, .seed = seed});
 }
 
-// Returns (output, weights or None). The GIL is released, except while training with dropout:
-// forward() then advances the module's dropout counter, which two threads must not do at once.
-py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& query, const FloatArray& key,
-                      const FloatArray& value, const qkv::Mask& mask, qkv::nn::Weights weights) {
-  const qkv::Tensor qt = to_tensor(query), kt = to_tensor(key), vt = to_tensor(value);
+// Returns (output, weights or None). key and value None: self-attention, forward(query) (one
+// fused projection; backward_self follows it). The GIL is released, except while training with
+// dropout: forward() then advances the module's dropout counter, which two threads must not do at once.
+py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& query,
+                      const std::optional<FloatArray>& key, const std::optional<FloatArray>& value,
+                      const qkv::Mask& mask, qkv::nn::Weights weights) {
+  if (key.has_value() != value.has_value())
+    throw qkv::Error("MultiHeadAttention: give both key and value, or neither (self-attention)");
+  const qkv::Tensor qt = to_tensor(query);
+  const qkv::Tensor kt = key ? to_tensor(*key) : qkv::Tensor(), vt = value ? to_tensor(*value) : qkv::Tensor();
   qkv::nn::MultiHeadAttentionOutput out;
   {
     std::optional<py::gil_scoped_release> release;
     if (!(mha.is_training() && mha.options().dropout > 0)) release.emplace();
-    out = mha.forward(qt, kt, vt, mask, weights);
+    out = key ? mha.forward(qt, kt, vt, mask, weights) : mha.forward(qt, mask, weights);
   }
   return py::make_tuple(to_numpy(out.output), to_numpy(out.weights));
+}
+
+// d query of the last forward(query) (self-attention: the three paths summed); adds the
+// parameter gradients to the module's.
+py::object mha_backward_self(qkv::nn::MultiHeadAttention& mha, const FloatArray& grad_output) {
+  const qkv::Tensor gt = to_tensor(grad_output);
+  qkv::Tensor dx;
+  {
+    py::gil_scoped_release release;
+    dx = mha.backward(gt);
+  }
+  return to_numpy(dx);
 }
 
 // [(name, array)] in the module's order; each array is a writable view of the parameter.
@@ -195,12 +229,14 @@ Combine with `&`: a key is visible only where every part allows it.
       .def("__repr__", [](const qkv::Mask& mask) { return "Mask(" + mask.str() + ")"; });
 
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
-        py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"),
-        "qkv::scaled_dot_product_attention: returns (output, weights or None, lse).");
+        py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"), py::arg("softcap") = 0.0f,
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        "qkv::scaled_dot_product_attention: returns (output, weights or None, lse, row_max, row_sum).");
   m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("mask"), py::arg("scale"), py::arg("dropout_p"),
-        py::arg("seed"), py::arg("backend"),
-        "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv).");
+        py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("mask"),
+        py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("backend"), py::arg("softcap") = 0.0f,
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
         [](const std::vector<int64_t>& lengths, int64_t max_len) {
@@ -220,11 +256,13 @@ Combine with `&`: a key is visible only where every part allows it.
 
   py::class_<qkv::nn::MultiHeadAttention>(m, "MultiHeadAttentionCore")
       .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"))
+           py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"),
+           py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false)
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
       .def("backward", &mha_backward, py::arg("grad_output"))
+      .def("backward_self", &mha_backward_self, py::arg("grad_output"))
       .def("gradients", &mha_gradients)
       .def("zero_grad", &qkv::nn::MultiHeadAttention::zero_grad)
       .def("load_state_dict", &mha_load_state_dict, py::arg("state"))
