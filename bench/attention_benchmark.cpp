@@ -1,9 +1,10 @@
-// Google Benchmark over the standard workloads of DESIGN.md (the table in workloads.hpp, shared
-// with `qkv bench`), for Backend::Auto (the fast path) and Backend::Reference, plus the same-run
+// Google Benchmark over the standard workloads (the table in bench/workloads.hpp, shared with
+// `qkv bench`, W1-softcap / W1-alibi / W1-sinks included), for Backend::Auto (the fast path) and Backend::Reference, plus the same-run
 // baselines the ratios need: BM_Sgemm (cblas_sgemm 2048^3 through OpenBLAS) and BM_Memcpy.
 //
 //   BM_Attention/W2/Auto       steady state: every iteration writes into the same result (_into)
 //   BM_Attention/W2/Reference
+//   BM_Attention/W1-softcap/Auto       W1 with one score modifier (also W1-alibi, W1-sinks)
 //   BM_AttentionBackward/W2/Auto       scaled_dot_product_attention_backward (W1, W2; Auto = Flash)
 //   BM_AttentionBackward/W2/Reference
 //   BM_Module/W5               nn::MultiHeadAttention forward

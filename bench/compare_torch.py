@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""qkv against PyTorch on the standard workloads W0-W5 (docs: /work/shared/DESIGN.md), one run.
+"""qkv against PyTorch on the standard workloads W0-W5 (defined in bench/workloads.hpp), one run.
 
     PYTHONPATH=build/release/python /usr/bin/python3 bench/compare_torch.py [--only W0,W5] [--repeats N]
 

@@ -1,9 +1,13 @@
-// The standard workloads of DESIGN.md (W0-W5), shared by `qkv bench` (tools/qkv/bench.cpp) and
-// the Google Benchmark target (bench/attention_benchmark.cpp), so both measure the same shapes.
+// The standard workloads W0-W5, defined here and shared by `qkv bench` (tools/qkv/bench.cpp),
+// the Google Benchmark target (bench/attention_benchmark.cpp) and, in Python, bench/compare_torch.py,
+// so all three measure the same shapes.
 //
-//   id       shape                                       mask
-//   W0       B=1 H=8 N=256 d=64                          causal (the course's CPU benchmark)
-//   W1       B=4 H=12 N=512 d=64                         none (BERT-base)
+//   id          shape                                       mask
+//   W0          B=1 H=8 N=256 d=64                          causal (the course's CPU benchmark)
+//   W1          B=4 H=12 N=512 d=64                         none (BERT-base)
+//   W1-softcap  W1 with softcap 30                          (the score modifiers' cost: issue 9's
+//   W1-alibi    W1 with ALiBi, the standard slopes           target is each within 15% of W1;
+//   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all four)
 //   W2       B=1 H=12 N=2048 d=64                        causal (GPT-2)
 //   W2-full  W2 without the mask: the issue's target is causal <= 0.6 x the time of full
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
@@ -17,6 +21,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -29,6 +34,15 @@ enum class WorkloadKind {
   Attention,  // one scaled_dot_product_attention call
   Module,     // one nn::MultiHeadAttention forward (projections + attention)
 };
+
+// The score modifier an attention workload turns on (AttentionOptions), if any.
+enum class Modifier {
+  None,
+  Softcap,  // softcap = kSoftcap
+  Alibi,    // alibi_slopes = the standard 2^(-8 (h + 1) / Hq)
+  Sinks,    // sinks = one fixed random logit per query head
+};
+inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
 
 struct Workload {
   std::string_view id;           // "W2"
@@ -43,16 +57,22 @@ struct Workload {
   bool causal;
   bool decode;       // few queries against a long cache: memory-bound, reported in GB/s
   bool backward = false;  // also timed backward (scaled_dot_product_attention_backward)
+  Modifier modifier = Modifier::None;
 
   // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
   int64_t embed_dim() const { return q_heads * head_dim; }
   bool is_module() const { return kind == WorkloadKind::Module; }
 };
 
-// W2-full follows W2: `--workload W2` runs both, since the causal target compares them.
-inline constexpr std::array<Workload, 7> kWorkloads = {{
+// W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
+// W1-<modifier> rows follow W1 for the same reason.
+inline constexpr std::array<Workload, 10> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
+    {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
+     Modifier::Softcap},
+    {"W1-alibi", "W1, ALiBi", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Alibi},
+    {"W1-sinks", "W1, sinks", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Sinks},
     {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
@@ -85,7 +105,8 @@ inline std::string shape_string(const Workload& w) {
   return dims(w.q_heads, w.q_len) + " x " + dims(w.kv_heads, w.kv_len);
 }
 
-// Forward FLOPs of one call. Attention: 4 B Hq Nq Nk d, halved when causal (DESIGN.md). Module:
+// Forward FLOPs of one call. Attention: 4 B Hq Nq Nk d, halved when causal (qkv::analysis::forward_flops,
+// include/qkv/analysis.hpp). The modifiers' few operations per score are not counted. Module:
 // the four projections (2 B N E^2 each) plus its attention.
 inline double forward_flops(const Workload& w) {
   const double attention = analysis::forward_flops(
@@ -123,6 +144,22 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
   AttentionOptions options;
   if (w.causal) options.mask = Mask::causal();
   options.backend = backend;
+  switch (w.modifier) {
+    case Modifier::None:
+      break;
+    case Modifier::Softcap:
+      options.softcap = kSoftcap;
+      break;
+    case Modifier::Alibi:
+      options.alibi_slopes = Tensor::empty({w.q_heads});
+      for (int64_t h = 0; h < w.q_heads; ++h)
+        options.alibi_slopes.data()[h] =
+            static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(w.q_heads)));
+      break;
+    case Modifier::Sinks:
+      options.sinks = Tensor::randn({w.q_heads}, /*seed=*/5);
+      break;
+  }
   return options;
 }
 

@@ -32,7 +32,7 @@ struct Workload {
 
 // Forward FLOPs, counting a multiply-add as 2: Q K^T is 2 Nq Nk Dk and P V is 2 Nq Nk Dv per
 // (batch, query head), so B Hq Nq Nk (2 Dk + 2 Dv), i.e. 4 B Hq Nq Nk d when Dk = Dv = d;
-// half of it under a causal mask (the convention of DESIGN.md and qkv bench; exactly,
+// half of it under a causal mask (the convention of qkv bench and bench/compare_torch.py; exactly,
 // a causal square mask keeps N (N + 1) / 2 of the N^2 pairs).
 double forward_flops(const Workload& w);
 

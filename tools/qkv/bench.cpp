@@ -1,4 +1,4 @@
-// `qkv bench`: times the standard workloads of DESIGN.md (bench/workloads.hpp) on this machine.
+// `qkv bench`: times the standard workloads (defined in bench/workloads.hpp) on this machine.
 //
 // Per workload and backend (Auto, the fast path; Reference, the textbook kernel):
 //   first call    qkv::release_workspaces(), then a call returning a fresh result: what a program
@@ -7,7 +7,8 @@
 //                 through scaled_dot_product_attention_into (nothing allocated, no fresh pages)
 // W1 and W2 are also timed backward (rows "W1-bwd", "W2-bwd": scaled_dot_product_attention_backward,
 // Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
-// time the same call; FLOPs = 2.5 x forward).
+// time the same call; FLOPs = 2.5 x forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
+// score modifier each (forward; the target: within 15% of W1's time).
 // and the rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
 // workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to rates
 // measured in the same run, so a loaded or slower machine shifts both sides alike:
@@ -349,6 +350,12 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   }
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
+  if (const Row* plain = find_row(rows, "W1", "Auto")) {
+    for (std::string_view id : {"W1-softcap", "W1-alibi", "W1-sinks"})
+      if (const Row* row = find_row(rows, id, "Auto"))
+        out.push_back({fmt::format("{} vs W1", id), fmt::format("{} ms / W1 ms", id), row->median_ms / plain->median_ms,
+                       1.15, false});
+  }
   const Row* causal = find_row(rows, "W2", "Auto");
   const Row* full = find_row(rows, "W2-full", "Auto");
   if (causal && full)
@@ -465,7 +472,7 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3 and 4), from this run:\n");
+    fmt::print("\nTargets (issues 3, 4 and 9), from this run:\n");
     for (const Target& target : measured) {
       fmt::print("  {:<30} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
@@ -482,8 +489,9 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along: the causal target compares the two.
-      wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full");
+      // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
+      wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
+               (named && named->id == "W1" && w.modifier != bench::Modifier::None);
     }
     if (wanted) selected.push_back(&w);
   }
