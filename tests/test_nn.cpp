@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -126,6 +127,29 @@ TEST(Linear, MatchesFloat64) {
       out_dims.back() = 13;
       EXPECT_EQ(y.shape(), Shape(out_dims));
       expect_close(y, linear64(qkv_test::to_doubles(x), x.numel() / 7, 7, w, b, 13), 1e-5, "linear");
+    }
+  }
+}
+
+// Both GEMM paths of Linear::forward (small_rows_linear up to 64 rows, sgemm beyond) against
+// float64, on shapes that leave remainders everywhere: rows not a multiple of the register tile,
+// in_features not a multiple of any vector width, out_features not a multiple of the output tile
+// or of a thread's block; and one large enough to run on threads.
+TEST(Linear, SmallAndLargeRowCountsMatchFloat64) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const std::vector<std::array<int64_t, 3>> shapes = {  // rows, in, out
+      {1, 1, 1}, {4, 17, 5}, {7, 33, 50}, {13, 100, 99}, {20, 512, 1537}, {64, 31, 7}, {65, 31, 7}, {130, 70, 49}};
+  for (const auto& [rows, in, out] : shapes) {
+    for (bool bias : {true, false}) {
+      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(in) + " -> " + std::to_string(out) +
+                   (bias ? " with bias" : " without bias"));
+      Linear linear(in, out, bias, rng.next_u64());
+      randomise(linear.parameters(), rng);
+      const Tensor x = rng.randn({rows, in});
+      const std::vector<double> b = bias ? qkv_test::to_doubles(linear.bias) : std::vector<double>{};
+      expect_close(linear.forward(x), linear64(qkv_test::to_doubles(x), rows, in, qkv_test::to_doubles(linear.weight), b, out),
+                   2e-5 * std::sqrt(static_cast<double>(in)), "linear");
     }
   }
 }

@@ -1,11 +1,13 @@
-// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims; backward is two more
-// sgemms (dx = g W, dW += g^T x) and a column sum (db += sum of g's rows).
+// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims (small_rows_linear for
+// few rows, small_gemm.hpp); backward is two more sgemms (dx = g W, dW += g^T x) and a column sum
+// (db += sum of g's rows).
 #include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "grad.hpp"
+#include "nn/small_gemm.hpp"
 #include "qkv/nn.hpp"
 #include "random.hpp"
 
@@ -42,6 +44,11 @@ Tensor Linear::forward(const Tensor& x) const {
   const int64_t rows = x.numel() / in_features();
   const int64_t n = out_features(), k = in_features();
   float* out = y.data();
+  if (rows <= gemm::kSmallGemmMaxRows) {  // few rows: sgemm would spend its time packing W
+    gemm::small_rows_linear(input.data(), k, rows, k, weight.data(), n, bias.defined() ? bias.data() : nullptr, out,
+                              n);
+    return y;
+  }
   // Start from the bias (or zeros) and accumulate x W^T on top: beta = 1.
   for (int64_t r = 0; r < rows; ++r) {
     if (bias.defined()) {
