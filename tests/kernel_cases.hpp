@@ -24,6 +24,7 @@
 
 #include "attention/flash.hpp"
 #include "attention/kernels.hpp"
+#include "attention/problem.hpp"
 #include "oracle.hpp"
 
 namespace qkv_test {
@@ -39,27 +40,10 @@ inline constexpr double kToleranceFactor = 4.0;
 inline constexpr double kScoreEpsilons = 4.0;
 
 // ---------------------------------------------------------------------------------------------
-// Building the problem as src/attention/attention.cpp does (arguments are valid by construction).
-
-// How a kernel reads tensor mask `values` broadcast to the scores (B, Hq, Nq, Nk): 2-D is
-// (Nq, Nk), 3-D (B, Nq, Nk), 4-D (B, Hq, Nq, Nk); a dim of size 1 gets stride 0.
-inline MaskTermView term_view(const Tensor& values, bool additive) {
-  const Shape& s = values.shape();
-  int64_t sizes[4] = {1, 1, 1, 1};
-  if (s.size() == 2) { sizes[2] = s[0]; sizes[3] = s[1]; }
-  if (s.size() == 3) { sizes[0] = s[0]; sizes[2] = s[1]; sizes[3] = s[2]; }
-  if (s.size() == 4) { for (int d = 0; d < 4; ++d) sizes[d] = s[d]; }
-  int64_t strides[4];
-  int64_t stride = 1;
-  for (int d = 3; d >= 0; --d) {
-    strides[d] = sizes[d] == 1 ? 0 : stride;
-    stride *= sizes[d];
-  }
-  return {values.data(), strides[0], strides[1], strides[2], strides[3], additive};
-}
+// Cases and their problems, built by the library's own builder (src/attention/problem.cpp).
 
 // One test case: q (B, Hq, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv), a mask and its
-// float64 meaning, a scale and dropout.
+// float64 meaning, a scale, dropout and the score modifiers.
 struct Case {
   std::string name;
   Tensor q, k, v;
@@ -68,24 +52,58 @@ struct Case {
   float scale = 1;
   float dropout_p = 0;
   uint64_t seed = 0;
+  float softcap = 0;
+  Tensor alibi_slopes, sinks;  // (Hq) or undefined
+
+  // The modifiers as the oracle reads them.
+  qkv_test::OracleModifiers modifiers() const {
+    qkv_test::OracleModifiers m;
+    m.softcap = softcap;
+    if (alibi_slopes.defined()) m.alibi_slopes = qkv_test::to_doubles(alibi_slopes);
+    if (sinks.defined()) m.sinks = qkv_test::to_doubles(sinks);
+    return m;
+  }
 };
 
-// The kernel's problem for `c`, writing into `output` and `lse` (weights are never asked for).
-inline AttentionProblem problem_of(const Case& c, std::vector<float>& output, std::vector<float>& lse) {
-  const int64_t batch = c.q.size(0), nk = c.k.size(2);
-  std::vector<int64_t> key_lengths(static_cast<size_t>(batch), nk);
-  if (c.mask.has_key_lengths()) key_lengths = c.mask.lengths();
-  std::vector<MaskTermView> terms;
-  for (const Mask::Term& term : c.mask.terms()) terms.push_back(term_view(term.values, term.additive));
-  return AttentionProblem{
-      .batch = batch, .q_heads = c.q.size(1), .kv_heads = c.k.size(1),
-      .q_len = c.q.size(2), .kv_len = nk, .head_dim = c.q.size(3), .value_dim = c.v.size(3),
-      .q = c.q.data(), .k = c.k.data(), .v = c.v.data(), .scale = c.scale,
-      .band_lo = c.mask.band_lo(), .band_hi = c.mask.band_hi(),
-      .key_lengths = std::move(key_lengths), .terms = std::move(terms),
-      .dropout_p = c.dropout_p, .seed = c.seed,
-      .output = output.data(), .weights = nullptr, .lse = lse.data(),
-  };
+// The options that make the library compute `c`.
+inline qkv::AttentionOptions options_of(const Case& c, qkv::Backend backend = qkv::Backend::Auto) {
+  qkv::AttentionOptions options;
+  options.mask = c.mask;
+  options.scale = c.scale;
+  options.dropout_p = c.dropout_p;
+  options.seed = c.seed;
+  options.backend = backend;
+  options.softcap = c.softcap;
+  options.alibi_slopes = c.alibi_slopes;
+  options.sinks = c.sinks;
+  return options;
+}
+
+// Where a kernel called directly writes: output (B, Hq, Nq, Dv) and per row lse, max and sum.
+struct KernelOutputs {
+  std::vector<float> output, lse, row_max, row_sum;
+};
+
+// A packed (B, H, N, D) array as the kernels read it.
+template <class T>
+qkv::detail::Rows<T> packed_rows(T* data, int64_t heads, int64_t len, int64_t dim) {
+  return {data, heads * len * dim, len * dim, dim};
+}
+
+// The kernel's problem for `c` (weights are never asked for), built by the library's builder,
+// writing into `out` (resized here; filled with `fill`). The problem points into c's tensors.
+inline AttentionProblem problem_of(const Case& c, KernelOutputs& out,
+                                   float fill = std::numeric_limits<float>::quiet_NaN()) {
+  qkv::detail::BuiltProblem built = qkv::detail::build_problem("test: ", c.q, c.k, c.v, options_of(c));
+  AttentionProblem& p = built.problem;
+  const size_t rows = static_cast<size_t>(p.batch * p.q_heads * p.q_len);
+  out.output.assign(rows * static_cast<size_t>(p.value_dim), fill);
+  for (std::vector<float>* v : {&out.lse, &out.row_max, &out.row_sum}) v->assign(rows, fill);
+  p.output = packed_rows(out.output.data(), p.q_heads, p.q_len, p.value_dim);
+  p.lse = out.lse.data();
+  p.row_max = out.row_max.data();
+  p.row_sum = out.row_sum.data();
+  return p;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,8 +289,34 @@ inline std::string describe(const Sizes& s) {
          " Dk=" + std::to_string(s.dk) + " Dv=" + std::to_string(s.dv);
 }
 
+// The score modifiers a case may carry (AttentionOptions::softcap, alibi_slopes, sinks).
+enum class Modifier { None, Softcap, Alibi, Sinks, All };
+inline constexpr Modifier kAllModifiers[] = {Modifier::Softcap, Modifier::Alibi, Modifier::Sinks, Modifier::All};
+
+inline std::string to_string(Modifier m) {
+  switch (m) {
+    case Modifier::None: return "none";
+    case Modifier::Softcap: return "softcap";
+    case Modifier::Alibi: return "alibi";
+    case Modifier::Sinks: return "sinks";
+    case Modifier::All: return "softcap+alibi+sinks";
+  }
+  return "?";
+}
+
+// Random modifiers of kind `m` for a case with Hq query heads: a softcap of a few units (it
+// bends the scores the test draws), ALiBi slopes in [0, 0.5] and sinks in [-3, 3].
+inline void set_modifiers(Case& c, Modifier m, Random& rng) {
+  const int64_t heads = c.q.size(1);
+  if (m == Modifier::Softcap || m == Modifier::All) c.softcap = static_cast<float>(rng.uniform(0.5, 5.0));
+  if (m == Modifier::Alibi || m == Modifier::All) c.alibi_slopes = rng.uniform_tensor(Shape{heads}, 0.0, 0.5);
+  if (m == Modifier::Sinks || m == Modifier::All) c.sinks = rng.uniform_tensor(Shape{heads}, -3.0, 3.0);
+  c.name += " modifiers=" + to_string(m);
+}
+
 // q, k, v standard normal times `logit_scale` for q and k (30: scores in the thousands).
-inline Case make_case(Random& rng, const Sizes& s, MaskKind kind, double logit_scale, float dropout_p) {
+inline Case make_case(Random& rng, const Sizes& s, MaskKind kind, double logit_scale, float dropout_p,
+                      Modifier modifier = Modifier::None) {
   Case c;
   c.q = rng.randn(Shape{s.batch, s.q_heads, s.nq, s.dk}, logit_scale);
   c.k = rng.randn(Shape{s.batch, s.kv_heads, s.nk, s.dk}, logit_scale);
@@ -283,6 +327,7 @@ inline Case make_case(Random& rng, const Sizes& s, MaskKind kind, double logit_s
   set_mask(c, kind, rng);
   c.name = describe(s) + " mask=" + to_string(kind) + " logits x" + std::to_string(logit_scale) +
            " dropout=" + std::to_string(dropout_p);
+  if (modifier != Modifier::None) set_modifiers(c, modifier, rng);
   return c;
 }
 
@@ -327,11 +372,11 @@ inline Expected expect(const Case& c) {
       return qkv::dropout_keeps(c.seed, b, h, i, j, c.dropout_p);
     };
   }
-  e.oracle = qkv_test::attention_oracle(c.q, c.k, c.v, c.scale, c.bias, dropout);
-  std::vector<float> output(e.oracle.output.size()), lse(e.oracle.lse.size());
-  qkv::detail::reference_attention(problem_of(c, output, lse));
-  const qkv_test::Comparison out = qkv_test::compare(output, e.oracle.output, 1e30);
-  const qkv_test::Comparison l = qkv_test::compare(lse, e.oracle.lse, 1e30);
+  e.oracle = qkv_test::attention_oracle(c.q, c.k, c.v, c.scale, c.bias, dropout, c.modifiers());
+  KernelOutputs reference;
+  qkv::detail::reference_attention(problem_of(c, reference));
+  const qkv_test::Comparison out = qkv_test::compare(reference.output, e.oracle.output, 1e30);
+  const qkv_test::Comparison l = qkv_test::compare(reference.lse, e.oracle.lse, 1e30);
   EXPECT_TRUE(std::isfinite(out.max_rel_diff) && std::isfinite(l.max_rel_diff))
       << "the reference kernel itself is off: " << c.name;
   e.reference_output_error = out.max_rel_diff;
@@ -344,9 +389,10 @@ using Kernel = void (*)(const AttentionProblem&);
 
 // Runs `kernel` on `c` into NaN-poisoned outputs and compares with the oracle.
 inline void check_kernel(Kernel kernel, const Case& c, const Expected& e) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> output(e.oracle.output.size(), nan), lse(e.oracle.lse.size(), nan);
-  kernel(problem_of(c, output, lse));
+  KernelOutputs got;  // poisoned with NaN
+  kernel(problem_of(c, got));
+  const std::vector<float>& output = got.output;
+  const std::vector<float>& lse = got.lse;
   const double score_error = kScoreEpsilons * std::numeric_limits<float>::epsilon() * e.max_abs_score;
   const double output_tolerance =
       std::max({kToleranceFloor, kToleranceFactor * e.reference_output_error, score_error});
@@ -355,7 +401,25 @@ inline void check_kernel(Kernel kernel, const Case& c, const Expected& e) {
   const qkv_test::Comparison l = qkv_test::compare(lse, e.oracle.lse, lse_tolerance);
   EXPECT_TRUE(out.ok) << c.name << "\noutput (reference error " << e.reference_output_error << "):\n" << out.detail;
   EXPECT_TRUE(l.ok) << c.name << "\nlse (reference error " << e.reference_lse_error << "):\n" << l.detail;
+  // The row stats agree with lse (lse = max + log(sum)) wherever lse is finite.
+  for (size_t r = 0; r < lse.size(); ++r)
+    if (std::isfinite(lse[r]))
+      EXPECT_NEAR(got.row_max[r] + std::log(got.row_sum[r]), lse[r], 1e-5 * std::max(1.0f, std::abs(lse[r])))
+          << c.name << " row " << r;
 }
+
+// Lowers the kernels' threading threshold for its lifetime, so that small cases really run on
+// several threads, then restores it.
+class ThreadEveryProblem {
+ public:
+  ThreadEveryProblem() : before_(qkv::detail::set_min_flops_to_thread_for_test(0)) {}
+  ~ThreadEveryProblem() { qkv::detail::set_min_flops_to_thread_for_test(before_); }
+  ThreadEveryProblem(const ThreadEveryProblem&) = delete;
+  ThreadEveryProblem& operator=(const ThreadEveryProblem&) = delete;
+
+ private:
+  double before_;
+};
 
 // Sets the SIMD targets the kernels dispatch to for its lifetime, then restores the real CPU's.
 class ForcedTarget {
@@ -389,6 +453,7 @@ inline void check_everywhere(Kernel kernel, const std::vector<Case>& cases) {
     ASSERT_EQ(qkv::detail::flash_attention_target(), target) << "the target was not forced";
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
+      ThreadEveryProblem threaded;
       SCOPED_TRACE("threads " + std::to_string(threads));
       for (size_t n = 0; n < cases.size(); ++n) check_kernel(kernel, cases[n], expected[n]);
     }

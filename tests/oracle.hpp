@@ -194,6 +194,21 @@ struct OracleDropout {
   std::function<bool(int64_t b, int64_t h, int64_t i, int64_t j)> keeps;  // empty: no dropout
 };
 
+// Score modifiers as the oracle applies them to each scaled score s, before the bias:
+// s <- softcap tanh(s / softcap) (softcap > 0), s <- s - alibi_slopes[h] |i + Nk - Nq - j|; and
+// sinks[h], a logit in each row's softmax denominator with no value. Empty vectors: off.
+struct OracleModifiers {
+  double softcap = 0;
+  std::vector<double> alibi_slopes, sinks;
+
+  double modify(double score, int64_t h, int64_t i, int64_t j, int64_t nq, int64_t nk) const {
+    if (softcap > 0) score = softcap * std::tanh(score / softcap);
+    if (!alibi_slopes.empty()) score -= alibi_slopes[static_cast<size_t>(h)] * std::abs(double(i + nk - nq - j));
+    return score;
+  }
+  double sink(int64_t h) const { return sinks.empty() ? -kInf : sinks[static_cast<size_t>(h)]; }
+};
+
 // All row-major: output (B, Hq, Nq, Dv), weights (B, Hq, Nq, Nk), lse (B, Hq, Nq).
 struct OracleResult {
   AttentionDims dims;
@@ -205,7 +220,7 @@ struct OracleResult {
 inline OracleResult attention_oracle(const AttentionDims& d, const std::vector<double>& q,
                                      const std::vector<double>& k, const std::vector<double>& v,
                                      double scale, const Bias& bias = {},
-                                     const OracleDropout& dropout = {}) {
+                                     const OracleDropout& dropout = {}, const OracleModifiers& modifiers = {}) {
   const auto expect_size = [](const std::vector<double>& x, int64_t n, const char* what) {
     if (static_cast<int64_t>(x.size()) != n) {
       throw std::logic_error(std::string("oracle: ") + what + " has the wrong number of values");
@@ -234,13 +249,14 @@ inline OracleResult attention_oracle(const AttentionDims& d, const std::vector<d
         const int64_t row = (b * d.q_heads + h) * d.q_len + i;
         const double* q_row = &q[static_cast<size_t>(row * d.qk_dim)];
 
-        // 1. Scaled, masked scores and their maximum.
-        double row_max = -kInf;
+        // 1. Scaled, modified, masked scores and their maximum (the sink's logit included).
+        const double sink = modifiers.sink(h);
+        double row_max = sink;
         for (int64_t j = 0; j < d.kv_len; ++j) {
           const double* k_row = &k[static_cast<size_t>((kv_base + j) * d.qk_dim)];
           double dot = 0;
           for (int64_t c = 0; c < d.qk_dim; ++c) dot += q_row[c] * k_row[c];
-          double score = dot * scale;
+          double score = modifiers.modify(dot * scale, h, i, j, d.q_len, d.kv_len);
           if (bias) {
             const double extra = bias(b, h, i, j);
             score = extra == -kInf ? -kInf : score + extra;
@@ -250,8 +266,8 @@ inline OracleResult attention_oracle(const AttentionDims& d, const std::vector<d
         }
         if (row_max == -kInf) continue;  // no visible key: zeros and lse = -inf
 
-        // 2. Softmax, shifted by the maximum.
-        double row_sum = 0;
+        // 2. Softmax, shifted by the maximum; the sink joins the denominator only.
+        double row_sum = sink == -kInf ? 0.0 : std::exp(sink - row_max);
         for (int64_t j = 0; j < d.kv_len; ++j) {
           const double e = std::exp(scores[static_cast<size_t>(j)] - row_max);
           scores[static_cast<size_t>(j)] = e;
@@ -292,9 +308,9 @@ inline AttentionDims dims_of(const qkv::Tensor& q, const qkv::Tensor& k, const q
 // The oracle on library tensors (contiguous ones, see to_doubles).
 inline OracleResult attention_oracle(const qkv::Tensor& q, const qkv::Tensor& k,
                                      const qkv::Tensor& v, double scale, const Bias& bias = {},
-                                     const OracleDropout& dropout = {}) {
+                                     const OracleDropout& dropout = {}, const OracleModifiers& modifiers = {}) {
   return attention_oracle(dims_of(q, k, v), to_doubles(q), to_doubles(k), to_doubles(v), scale,
-                          bias, dropout);
+                          bias, dropout, modifiers);
 }
 
 // ---------------------------------------------------------------------------------------------

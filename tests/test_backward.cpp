@@ -43,15 +43,7 @@ using qkv_test::make_case;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-AttentionOptions options_of(const Case& c, Backend backend) {
-  AttentionOptions options;
-  options.mask = c.mask;
-  options.scale = c.scale;
-  options.dropout_p = c.dropout_p;
-  options.seed = c.seed;
-  options.backend = backend;
-  return options;
-}
+using qkv_test::options_of;
 
 qkv_test::OracleDropout dropout_of(const Case& c) {
   qkv_test::OracleDropout dropout;
@@ -66,7 +58,7 @@ qkv_test::OracleDropout dropout_of(const Case& c) {
 
 // Float64 gradients of sum(G * attention(q, k, v)) in the layout of q, k and v.
 struct Grads64 {
-  std::vector<double> dq, dk, dv;
+  std::vector<double> dq, dk, dv, dsinks;  // dsinks empty without sinks
 };
 
 // Central finite differences of the float64 oracle, step h on every element of q, k and v.
@@ -74,8 +66,9 @@ Grads64 finite_differences(const Case& c, const std::vector<double>& g) {
   const qkv_test::AttentionDims d = qkv_test::dims_of(c.q, c.k, c.v);
   std::vector<double> q = qkv_test::to_doubles(c.q), k = qkv_test::to_doubles(c.k), v = qkv_test::to_doubles(c.v);
   const qkv_test::OracleDropout dropout = dropout_of(c);
+  qkv_test::OracleModifiers modifiers = c.modifiers();
   auto loss = [&] {
-    const qkv_test::OracleResult r = qkv_test::attention_oracle(d, q, k, v, c.scale, c.bias, dropout);
+    const qkv_test::OracleResult r = qkv_test::attention_oracle(d, q, k, v, c.scale, c.bias, dropout, modifiers);
     double total = 0;
     for (size_t n = 0; n < g.size(); ++n) total += g[n] * r.output[n];
     return total;
@@ -98,6 +91,7 @@ Grads64 finite_differences(const Case& c, const std::vector<double>& g) {
   grads.dq = differentiate(q);
   grads.dk = differentiate(k);
   grads.dv = differentiate(v);
+  grads.dsinks = differentiate(modifiers.sinks);
   return grads;
 }
 
@@ -109,9 +103,12 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
   const std::vector<double> q = qkv_test::to_doubles(c.q), k = qkv_test::to_doubles(c.k),
                             v = qkv_test::to_doubles(c.v);
   const qkv_test::OracleDropout dropout = dropout_of(c);
-  Grads64 grads{std::vector<double>(q.size()), std::vector<double>(k.size()), std::vector<double>(v.size())};
+  const qkv_test::OracleModifiers modifiers = c.modifiers();
+  Grads64 grads{std::vector<double>(q.size()), std::vector<double>(k.size()), std::vector<double>(v.size()),
+                std::vector<double>(modifiers.sinks.size())};
   const int64_t group = d.q_heads / d.kv_heads;
   std::vector<double> weights(static_cast<size_t>(d.kv_len)), grad_weights(static_cast<size_t>(d.kv_len));
+  std::vector<double> softcap_slope(static_cast<size_t>(d.kv_len), 1.0);
   for (int64_t b = 0; b < d.batch; ++b)
     for (int64_t h = 0; h < d.q_heads; ++h) {
       const int64_t kv_base = (b * d.kv_heads + h / group) * d.kv_len;
@@ -119,11 +116,17 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
         const int64_t row = (b * d.q_heads + h) * d.q_len + i;
         const double* q_row = &q[static_cast<size_t>(row * d.qk_dim)];
         const double* g_row = &g[static_cast<size_t>(row * d.v_dim)];
-        double row_max = -kInf;
+        const double sink = modifiers.sink(h);
+        double row_max = sink;
         for (int64_t j = 0; j < d.kv_len; ++j) {
           double dot = 0;
           for (int64_t x = 0; x < d.qk_dim; ++x) dot += q_row[x] * k[static_cast<size_t>((kv_base + j) * d.qk_dim + x)];
-          double score = dot * c.scale;
+          // softcap's derivative: d(cap tanh(s / cap))/ds = 1 - tanh^2; ALiBi's is 1
+          if (modifiers.softcap > 0) {
+            const double t = std::tanh(dot * c.scale / modifiers.softcap);
+            softcap_slope[static_cast<size_t>(j)] = 1 - t * t;
+          }
+          double score = modifiers.modify(dot * c.scale, h, i, j, d.q_len, d.kv_len);
           if (c.bias) {
             const double extra = c.bias(b, h, i, j);
             score = extra == -kInf ? -kInf : score + extra;
@@ -132,7 +135,7 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
           row_max = std::max(row_max, score);
         }
         if (row_max == -kInf) continue;  // sees no key: zero gradients
-        double row_sum = 0;
+        double row_sum = sink == -kInf ? 0.0 : std::exp(sink - row_max);
         for (double& w : weights) row_sum += (w = std::exp(w - row_max));
         double row_dot = 0;
         for (int64_t j = 0; j < d.kv_len; ++j) {
@@ -148,8 +151,11 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
           grad_weights[static_cast<size_t>(j)] = survivor * dp;
           row_dot += w * grad_weights[static_cast<size_t>(j)];
         }
+        // The sink's weight exp(sink - max) / sum has dP = 0 (no value): dS_sink = -P_sink D.
+        if (sink != -kInf) grads.dsinks[static_cast<size_t>(h)] -= std::exp(sink - row_max) / row_sum * row_dot;
         for (int64_t j = 0; j < d.kv_len; ++j) {
-          const double ds = weights[static_cast<size_t>(j)] * (grad_weights[static_cast<size_t>(j)] - row_dot);
+          const double ds = weights[static_cast<size_t>(j)] * (grad_weights[static_cast<size_t>(j)] - row_dot) *
+                            softcap_slope[static_cast<size_t>(j)];
           for (int64_t x = 0; x < d.qk_dim; ++x) {
             const size_t kx = static_cast<size_t>((kv_base + j) * d.qk_dim + x);
             grads.dq[static_cast<size_t>(row * d.qk_dim + x)] += c.scale * ds * k[kx];
@@ -163,8 +169,10 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
 
 // Compares library gradients with float64 ones at `tolerance` (relative, absolute below 1).
 void expect_close(const AttentionGrads& got, const Grads64& want, double tolerance, const std::string& what) {
+  EXPECT_EQ(got.dsinks.defined(), !want.dsinks.empty()) << what << ": dsinks";
   for (auto [name, tensor, values] : {std::tuple{"dq", &got.dq, &want.dq}, {"dk", &got.dk, &want.dk},
-                                      {"dv", &got.dv, &want.dv}}) {
+                                      {"dv", &got.dv, &want.dv}, {"dsinks", &got.dsinks, &want.dsinks}}) {
+    if (values->empty() && !tensor->defined()) continue;
     const qkv_test::Comparison c = qkv_test::compare(*tensor, *values, tolerance);
     EXPECT_TRUE(c.ok) << what << " " << name << ":\n" << c.detail;
   }
@@ -186,7 +194,7 @@ void check_against_finite_differences(const Case& c) {
   const Grads64 analytic = analytic_backward(c, qkv_test::to_doubles(grad_output));
   // The test's own analytic backward, used on larger shapes below, agrees with the differences.
   for (auto [name, mine, theirs] : {std::tuple{"dq", &analytic.dq, &want.dq}, {"dk", &analytic.dk, &want.dk},
-                                    {"dv", &analytic.dv, &want.dv}})
+                                    {"dv", &analytic.dv, &want.dv}, {"dsinks", &analytic.dsinks, &want.dsinks}})
     for (size_t n = 0; n < mine->size(); ++n)
       ASSERT_NEAR((*mine)[n], (*theirs)[n], 1e-6 * std::max(1.0, std::abs((*theirs)[n])))
           << c.name << ": the test's analytic backward disagrees with finite differences at " << name << "[" << n << "]";
@@ -259,30 +267,38 @@ TEST(Backward, FiniteDifferencesRanks2And3) {
 // A case with its forward (reference kernel), a random dO and the float64 gradients.
 struct BackwardCase {
   Case c;
-  std::vector<float> output, lse, grad_output;
+  qkv_test::KernelOutputs forward;
+  std::vector<float> grad_output, row_shift, row_scale;
   Grads64 want;
   double reference_error[3] = {0, 0, 0};  // dq, dk, dv against `want`
 };
 
-qkv::detail::AttentionBackwardProblem backward_problem_of(const BackwardCase& bc, std::vector<float>& dq,
-                                                          std::vector<float>& dk, std::vector<float>& dv) {
-  std::vector<float> unused_output, unused_lse;
-  qkv::detail::AttentionProblem forward = qkv_test::problem_of(bc.c, unused_output, unused_lse);
-  forward.output = nullptr;
-  forward.lse = nullptr;
-  return {std::move(forward), bc.output.data(), bc.lse.data(), bc.grad_output.data(), dq.data(), dk.data(), dv.data()};
-}
-
 struct GradVectors {
-  std::vector<float> dq, dk, dv;
+  std::vector<float> dq, dk, dv, dsinks;
 };
 
-// Runs a backward kernel into NaN-poisoned gradients.
+qkv::detail::AttentionBackwardProblem backward_problem_of(const BackwardCase& bc, GradVectors& g) {
+  qkv_test::KernelOutputs unused;
+  qkv::detail::AttentionProblem forward = qkv_test::problem_of(bc.c, unused);
+  forward.output = {};
+  forward.lse = forward.row_max = forward.row_sum = nullptr;
+  const int64_t hq = bc.c.q.size(1), hkv = bc.c.k.size(1), nq = bc.c.q.size(2), nk = bc.c.k.size(2);
+  const int64_t dk = bc.c.q.size(3), dv = bc.c.v.size(3);
+  using qkv_test::packed_rows;
+  return {std::move(forward), packed_rows(bc.forward.output.data(), hq, nq, dv),
+          packed_rows(bc.grad_output.data(), hq, nq, dv), bc.row_shift.data(), bc.row_scale.data(),
+          packed_rows(g.dq.data(), hq, nq, dk), packed_rows(g.dk.data(), hkv, nk, dk), packed_rows(g.dv.data(), hkv, nk, dv),
+          bc.c.sinks.defined() ? g.dsinks.data() : nullptr};
+}
+
+// Runs a backward kernel into NaN-poisoned gradients (dsinks through sink_gradients, as the library does).
 GradVectors run_backward(void (*kernel)(const qkv::detail::AttentionBackwardProblem&), const BackwardCase& bc) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   GradVectors g{std::vector<float>(bc.want.dq.size(), nan), std::vector<float>(bc.want.dk.size(), nan),
-                std::vector<float>(bc.want.dv.size(), nan)};
-  kernel(backward_problem_of(bc, g.dq, g.dk, g.dv));
+                std::vector<float>(bc.want.dv.size(), nan), std::vector<float>(bc.want.dsinks.size(), nan)};
+  const qkv::detail::AttentionBackwardProblem problem = backward_problem_of(bc, g);
+  kernel(problem);
+  qkv::detail::sink_gradients(problem);
   return g;
 }
 
@@ -290,9 +306,11 @@ BackwardCase prepare(Case c, Random& rng) {
   BackwardCase bc;
   bc.c = std::move(c);
   const int64_t rows = bc.c.q.size(0) * bc.c.q.size(1) * bc.c.q.size(2);
-  bc.output.resize(static_cast<size_t>(rows * bc.c.v.size(3)));
-  bc.lse.resize(static_cast<size_t>(rows));
-  qkv::detail::reference_attention(qkv_test::problem_of(bc.c, bc.output, bc.lse));
+  qkv::detail::reference_attention(qkv_test::problem_of(bc.c, bc.forward));
+  bc.row_shift.resize(static_cast<size_t>(rows));
+  bc.row_scale.resize(static_cast<size_t>(rows));
+  qkv::detail::weight_row_stats(bc.forward.row_max.data(), bc.forward.row_sum.data(), static_cast<size_t>(rows),
+                                bc.row_shift.data(), bc.row_scale.data());
   bc.grad_output = rng.normals(rows * bc.c.v.size(3));
   bc.want = analytic_backward(bc.c, std::vector<double>(bc.grad_output.begin(), bc.grad_output.end()));
   const GradVectors reference = run_backward(qkv::detail::reference_attention_backward, bc);

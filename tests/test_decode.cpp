@@ -156,11 +156,10 @@ TEST(Decode, EmptyRowsAndEmptyChunksGiveZerosAndMinusInfinity) {
   }
   check_everywhere(empty);
   for (const Case& c : empty) {  // and exactly so: zeros, -inf, no NaN
-    std::vector<float> output(static_cast<size_t>(c.q.size(0) * c.q.size(1) * c.q.size(2) * c.v.size(3)), 1.0f);
-    std::vector<float> lse(static_cast<size_t>(c.q.size(0) * c.q.size(1) * c.q.size(2)), 1.0f);
-    qkv::detail::decode_attention(problem_of(c, output, lse));
-    for (float x : output) ASSERT_EQ(x, 0.0f) << c.name;
-    for (float x : lse) ASSERT_EQ(x, -std::numeric_limits<float>::infinity()) << c.name;
+    qkv_test::KernelOutputs out;
+    qkv::detail::decode_attention(problem_of(c, out, 1.0f));
+    for (float x : out.output) ASSERT_EQ(x, 0.0f) << c.name;
+    for (float x : out.lse) ASSERT_EQ(x, -std::numeric_limits<float>::infinity()) << c.name;
   }
 
   // Chunks that see nothing next to chunks that do: a short key length in a long cache (only

@@ -114,7 +114,7 @@ TEST(Memory, IntoRejectsUnfitOutputs) {
   EXPECT_THAT(message({Tensor::empty({2, 5, 4}), {}, {}}),
               HasSubstr("result.output is (2, 5, 4) but should be (2, 5, 3)"));
   EXPECT_THAT(message({Tensor::empty({2, 3, 5}).transpose(1, 2), {}, {}}),
-              HasSubstr("result.output (2, 5, 3) is not contiguous"));
+              HasSubstr("result.output (2, 5, 3) has a strided last dim"));
   EXPECT_THAT(message({{}, {}, Tensor::empty({2, 6})}), HasSubstr("result.lse is (2, 6) but should be (2, 5)"));
   const Tensor v_same = Tensor::randn({2, 5, 3}, 4);  // q-length values, so output could alias v
   AttentionResult aliased{v_same, {}, {}};

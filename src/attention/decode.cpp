@@ -46,8 +46,7 @@
 #define HWY_TARGET_INCLUDE "attention/decode.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
-#include "attention/tile_gemm-inl.h"
-#include "hwy/contrib/math/math-inl.h"
+#include "attention/pipeline-inl.h"
 #include "hwy/highway.h"
 
 #ifndef QKV_ATTENTION_DECODE_ONCE
@@ -258,41 +257,128 @@ HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const float*
   }
 }
 
+namespace step = pipeline;
+
+// One worker's view of its scratch block (decode::ScratchLayout).
+struct Scratch {
+  float *q, *scores, *out, *running_max, *row_sum;
+  Scratch(float* base, const decode::ScratchLayout& l)
+      : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
+        row_sum(base + l.row_sum) {}
+};
+
+// Row r of an item of group g: query head g G + r / Nq, query r % Nq.
+struct RowCoords {
+  int64_t h, i;
+};
+HWY_INLINE RowCoords RowOf(const AttentionProblem& p, const decode::Plan& plan, int64_t g, int64_t r) {
+  return {g * plan.group + r / p.q_len, r % p.q_len};
+}
+
+// Step "load a tile": prefetch the K and V rows of keys [first, last) of head (b, g) into L2.
+HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last) {
+  for (int64_t j = first; j < last; ++j) {
+    PrefetchRange(p.k.row(b, g, j), p.k.row(b, g, j) + p.head_dim);
+    PrefetchRange(p.v.row(b, g, j), p.v.row(b, g, j) + p.value_dim);
+  }
+}
+
+// Step "scores": S (rows x Bc) = Qs K_tile^T for keys [j0, j0 + cols), keys outer so the
+// kScoreKeys K rows are reused from L1 by every row; prefetches kPrefetchKeys ahead within
+// [.., end). Past the tile's last key the pointers repeat that key (overwritten with -inf later).
+void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows, int64_t j0,
+                  size_t cols, int64_t end, const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
+  for (size_t j = 0; j < cols; j += kScoreKeys) {
+    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys;
+    if (ahead < end) PrefetchKeys(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end));
+    const float* keys[kScoreKeys];
+    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = p.k.row(b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)));
+    for (size_t r = 0; r < rows; r += kScoreRows) {
+      WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
+        ScoreTile<decltype(tile_rows)::value>(dk, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
+                                              w.scores + r * kKeyTile + j);
+      });
+    }
+  }
+}
+
+// Step "accumulate": O += P V_tile, column blocks outer so a block of V's columns is reused from
+// L1 by every row block; then the columns past the last whole vector.
+void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
+                      const float* HWY_RESTRICT v_tile, const Scratch& w) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
+  const size_t v_stride = static_cast<size_t>(p.v.row_stride);
+  for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
+    const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
+    for (size_t r = 0; r < rows; r += kValueRows) {
+      WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
+        WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
+          ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
+              cols, w.scores + r * kKeyTile, v_tile + c, v_stride, w.out + r * plan.out_stride + c, plan.out_stride);
+        });
+      });
+    }
+  }
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = full_dv; c < dv; ++c) {
+      float sum = w.out[r * plan.out_stride + c];
+      for (size_t j = 0; j < cols; ++j) sum += w.scores[r * kKeyTile + j] * v_tile[j * v_stride + c];
+      w.out[r * plan.out_stride + c] = sum;
+    }
+}
+
+// One key tile [j0, j0 + cols) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and
+// mask per row, the online softmax update, dropout, O += P V.
+void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
+                   int64_t j0, size_t cols, int64_t end, bool band, const Scratch& w) {
+  const size_t dv = static_cast<size_t>(p.value_dim);
+  const float* HWY_RESTRICT v_tile = p.v.row(b, g, j0);
+  // 1. Scores. 2. Modifiers and mask, one query's line over the tile's keys at a time; the
+  // columns past the tile's last key are hidden after the modifiers (softcap(-inf) is finite).
+  DecodeScores(p, plan, b, g, rows, j0, cols, end, w);
+  const bool per_element = band || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
+  for (size_t r = 0; r < rows; ++r) {
+    float* HWY_RESTRICT s = w.scores + r * kKeyTile;
+    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    if (per_element) step::ScoresToLogits(p, {b, row.h, row.i, j0, 0, 1}, s, kKeyTile, cols, band);
+    std::fill(s + cols, s + kKeyTile, step::kMinusInf);
+    // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
+    const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
+    if (factor != 1.0f)
+      for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
+    // 4. Dropout on P.
+    if (p.dropout_p > 0) step::Dropout(p, {b, row.h, row.i, j0, 0, 1}, s, cols);
+  }
+  // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf.
+  const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
+  if (some_hidden && !step::RowsFinite(v_tile, cols, dv, p.v.row_stride)) {
+    accumulate_skipping_zeros(rows, cols, dv, w.scores, kKeyTile, 1, v_tile, p.v.row_stride, w.out, plan.out_stride, 1);
+  } else {
+    DecodeAccumulate(p, plan, rows, cols, v_tile, w);
+  }
+}
+
 // One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys
-// [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`.
+// [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`; the first
+// chunk starts each row's softmax with its sink, if any.
 void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0,
                        size_t rows, int64_t chunk_begin, int64_t chunk_end, float* HWY_RESTRICT scratch) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const size_t full_dk = dk / lanes * lanes, full_dv = dv / lanes * lanes;
-  const int64_t nq = p.q_len;
-  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  const Scratch w(scratch, decode::ScratchLayout(plan));
 
-  const decode::ScratchLayout layout(plan);
-  float* HWY_RESTRICT q_s = scratch + layout.q;
-  float* HWY_RESTRICT scores = scratch + layout.scores;
-  float* HWY_RESTRICT out = scratch + layout.out;
-  float* HWY_RESTRICT running_max = scratch + layout.running_max;
-  float* HWY_RESTRICT row_sum = scratch + layout.row_sum;
-
-  const int64_t bg = b * p.kv_heads + g;
-  const int64_t first_head = g * plan.group;
-  const float* HWY_RESTRICT q_rows = p.q + ((b * p.q_heads + first_head) * nq + r0) * static_cast<int64_t>(dk);
-  const float* HWY_RESTRICT k_head = p.k + bg * p.kv_len * static_cast<int64_t>(dk);
-  const float* HWY_RESTRICT v_head = p.v + bg * p.kv_len * static_cast<int64_t>(dv);
-
-  // ---- Set up: O = 0, running max -inf, sums 0; the key range [begin, end) that some row of the
-  // block sees within the chunk, and the range every row sees (a tile inside it needs no band
-  // work).
-  std::fill_n(out, rows * plan.out_stride, 0.0f);
-  std::fill_n(running_max, rows, kMinusInf);
-  std::fill_n(row_sum, rows, 0.0f);
+  // ---- Set up: O = 0, the softmax started; the key range [begin, end) some row of the block
+  // sees within the chunk, and the range every row sees (a tile inside it needs no band work).
+  std::fill_n(w.out, rows * plan.out_stride, 0.0f);
   int64_t begin = chunk_end, end = chunk_begin;
   int64_t all_begin = chunk_begin, all_end = chunk_end;
   for (size_t r = 0; r < rows; ++r) {
-    const int64_t i = (r0 + static_cast<int64_t>(r)) % nq;
-    const int64_t first = p.first_visible_key(i), last = p.last_visible_key(b, i);
+    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    w.running_max[r] = chunk_begin == 0 ? step::InitialMax(p, row.h) : step::kMinusInf;
+    w.row_sum[r] = chunk_begin == 0 ? step::InitialSum(p) : 0.0f;
+    const int64_t first = p.first_visible_key(row.i), last = p.last_visible_key(b, row.i);
     begin = std::min(begin, std::max(first, chunk_begin));
     end = std::max(end, std::min(last, chunk_end));
     all_begin = std::max(all_begin, first);
@@ -301,207 +387,45 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
   if (begin >= end) return;  // the chunk is hidden from every row: K and V are never read
 
   // Qs = scale * Q, packed once per pass (not per tile).
-  for (size_t r = 0; r < rows; ++r)
-    for (size_t d = 0; d < dk; ++d) q_s[r * plan.q_stride + d] = p.scale * q_rows[r * dk + d];
-
-  const VF minus_inf = hn::Set(df, kMinusInf);
-  const float survivor_scale = p.dropout_p > 0 ? 1.0f / (1.0f - p.dropout_p) : 1.0f;
-
+  for (size_t r = 0; r < rows; ++r) {
+    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    const float* q = p.q.row(b, row.h, row.i);
+    for (size_t d = 0; d < dk; ++d) w.q[r * plan.q_stride + d] = p.scale * q[d];
+  }
   for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
-    const int64_t j_end = j0 + static_cast<int64_t>(cols);
-    const float* HWY_RESTRICT k_tile = k_head + j0 * static_cast<int64_t>(dk);
-    const float* HWY_RESTRICT v_tile = v_head + j0 * static_cast<int64_t>(dv);
-
-    // 1. S = Qs K_tile^T, keys outer so the kScoreKeys K rows are reused from L1 by every row
-    // block. Past the tile's last key the pointers repeat that key: the tile stays whole and
-    // those columns are overwritten with -inf below.
-    for (size_t j = 0; j < cols; j += kScoreKeys) {
-      // K and V of the keys kPrefetchKeys ahead, within what this pass reads.
-      const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys;
-      if (ahead < end) {
-        const int64_t ahead_end = std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end);
-        PrefetchRange(k_head + ahead * static_cast<int64_t>(dk), k_head + ahead_end * static_cast<int64_t>(dk));
-        PrefetchRange(v_head + ahead * static_cast<int64_t>(dv), v_head + ahead_end * static_cast<int64_t>(dv));
-      }
-      const float* keys[kScoreKeys];
-      for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = k_tile + std::min(j + x, cols - 1) * dk;
-      for (size_t r = 0; r < rows; r += kScoreRows) {
-        WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
-          ScoreTile<decltype(tile_rows)::value>(dk, full_dk, q_s + r * plan.q_stride, plan.q_stride, keys,
-                                                scores + r * kKeyTile + j);
-        });
-      }
-    }
-    for (size_t r = 0; r < rows; ++r) std::fill(scores + r * kKeyTile + cols, scores + (r + 1) * kKeyTile, kMinusInf);
-
-    // 2. Masks. Band and key lengths: each row hides the keys of the tile outside its range,
-    // unless every row sees the whole tile.
-    if (!(all_begin <= j0 && j_end <= all_end)) {
-      for (size_t r = 0; r < rows; ++r) {
-        const int64_t i = (r0 + static_cast<int64_t>(r)) % nq;
-        const int64_t lo = std::clamp<int64_t>(p.first_visible_key(i) - j0, 0, static_cast<int64_t>(cols));
-        const int64_t hi = std::clamp<int64_t>(p.last_visible_key(b, i) - j0, lo, static_cast<int64_t>(cols));
-        float* s = scores + r * kKeyTile;
-        std::fill(s, s + lo, kMinusInf);
-        std::fill(s + hi, s + cols, kMinusInf);
-      }
-    }
-    // Tensor terms, in the reference's order (after the band): keep 0 hides, additive adds.
-    for (const MaskTermView& term : p.terms) {
-      for (size_t r = 0; r < rows; ++r) {
-        const int64_t row = r0 + static_cast<int64_t>(r);
-        const float* values = term.data + b * term.stride_b + (first_head + row / nq) * term.stride_h +
-                              (row % nq) * term.stride_q + j0 * term.stride_k;
-        float* s = scores + r * kKeyTile;
-        for (size_t j = 0; j < cols; ++j) {
-          const float value = values[static_cast<int64_t>(j) * term.stride_k];
-          if (term.additive) {
-            s[j] = value == kMinusInf ? kMinusInf : s[j] + value;  // -inf hides even a NaN score
-          } else if (value == 0.0f) {
-            s[j] = kMinusInf;
-          }
-        }
-      }
-    }
-
-    // 3. Online softmax, one row at a time, vectorised along the tile's keys (ggml's
-    // flash_attn_ext; flash.cpp does the same with queries in the lanes).
-    for (size_t r = 0; r < rows; ++r) {
-      float* HWY_RESTRICT s = scores + r * kKeyTile;
-      // 3a. The tile's max for this row. Max and Exp drop NaN, so a NaN score (a NaN in q or k)
-      // makes the running max NaN instead, which then poisons the row's sum and output, as the
-      // reference's softmax does (std::max keeps its NaN first argument, exp(NaN) is NaN).
-      VF max_vec = minus_inf;
-      auto nan_mask = hn::IsNaN(minus_inf);
-      for (size_t j = 0; j < kKeyTile; j += lanes) {
-        const VF score = hn::Load(df, s + j);
-        max_vec = hn::Max(max_vec, score);
-        nan_mask = hn::Or(nan_mask, hn::IsNaN(score));
-      }
-      const float old_max = running_max[r];
-      const float new_max = hn::AllFalse(df, nan_mask)
-                                ? std::max(old_max, hn::GetLane(hn::MaxOfLanes(df, max_vec)))
-                                : std::numeric_limits<float>::quiet_NaN();
-      // 3b. A row that has seen no visible key yet keeps max -inf and is exponentiated against 0
-      // instead: its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
-      const float safe_max = new_max == kMinusInf ? 0.0f : new_max;
-      // 3c. exp(old - new) <= 1 moves what was accumulated to the new max: exactly 1 when the max
-      // did not grow (O is left alone), 0 when nothing was seen before.
-      const float factor = std::exp(old_max - safe_max);
-      running_max[r] = new_max;
-      if (factor != 1.0f) {
-        const VF factor_vec = hn::Set(df, factor);
-        float* HWY_RESTRICT o = out + r * plan.out_stride;
-        for (size_t c = 0; c < plan.out_stride; c += lanes) hn::Store(hn::Mul(hn::Load(df, o + c), factor_vec), df, o + c);
-      }
-      // 3d. P = exp(S - max) in place (hidden keys, -inf, give exactly 0) and its sum; every
-      // visible key counts, dropped or not (dropout acts on the normalised weights).
-      const VF max_broadcast = hn::Set(df, safe_max);
-      VF sum_vec = hn::Zero(df);
-      for (size_t j = 0; j < kKeyTile; j += lanes) {
-        const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s + j), max_broadcast));
-        hn::Store(weight, df, s + j);
-        sum_vec = hn::Add(sum_vec, weight);
-      }
-      row_sum[r] = row_sum[r] * factor + hn::GetLane(hn::SumOfLanes(df, sum_vec));
-    }
-
-    // 4. Dropout, as the reference: a kept weight is scaled by 1 / (1 - p), a dropped one is 0.
-    // Scaling the unnormalised exp(s - m) is the same as scaling exp(s - m) / l at the end.
-    if (p.dropout_p > 0) {
-      for (size_t r = 0; r < rows; ++r) {
-        const int64_t row = r0 + static_cast<int64_t>(r);
-        float* s = scores + r * kKeyTile;
-        for (size_t j = 0; j < cols; ++j)
-          s[j] = dropout_keeps(p, b, first_head + row / nq, row % nq, j0 + static_cast<int64_t>(j))
-                     ? s[j] * survivor_scale
-                     : 0.0f;
-      }
-    }
-
-    // 5. O += P V_tile: column blocks outer, so a block of V's columns (cols x kValueVectors
-    // vectors) is reused from L1 by every row block; then the columns past the last whole vector.
-    // A key some row cannot see has weight 0 there, and 0 * NaN is NaN: if such a tile's values
-    // hold NaN or Inf (a KV cache's unwritten slots), skip the zero weights instead.
-    const bool some_hidden = !(all_begin <= j0 && j_end <= all_end) || !p.terms.empty() || p.dropout_p > 0;
-    if (some_hidden && !AllFinite(v_tile, cols * dv)) {
-      for (size_t r = 0; r < rows; ++r)
-        for (size_t j = 0; j < cols; ++j) {
-          const float weight = scores[r * kKeyTile + j];
-          if (weight == 0.0f) continue;
-          for (size_t c = 0; c < dv; ++c) out[r * plan.out_stride + c] += weight * v_tile[j * dv + c];
-        }
-      continue;
-    }
-    for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
-      const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
-      for (size_t r = 0; r < rows; r += kValueRows) {
-        WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
-          WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
-            ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
-                cols, scores + r * kKeyTile, v_tile + c, dv, out + r * plan.out_stride + c, plan.out_stride);
-          });
-        });
-      }
-    }
-    for (size_t r = 0; r < rows; ++r) {
-      const float* HWY_RESTRICT weights = scores + r * kKeyTile;
-      float* HWY_RESTRICT o = out + r * plan.out_stride;
-      for (size_t c = full_dv; c < dv; ++c) {
-        float sum = o[c];
-        for (size_t j = 0; j < cols; ++j) sum += weights[j] * v_tile[j * dv + c];
-        o[c] = sum;
-      }
-    }
+    const bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
+    DecodeKeyTile(p, plan, b, g, r0, rows, j0, cols, end, band, w);
   }
 }
 
 // One work item: every row of group g of batch b against chunk `chunk`. With one chunk per
-// (b, g) it writes the final output and lse; with several it leaves its partials for the merge.
-// `scratch` is this worker's block, laid out by decode::ScratchLayout.
+// (b, g) it writes the final output, lse and row stats; with several it leaves its partials for
+// the merge. `scratch` is this worker's block, laid out by decode::ScratchLayout.
 void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t chunk,
                  const decode::Partials& partials, float* HWY_RESTRICT scratch) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
   const size_t dv = static_cast<size_t>(p.value_dim);
-  const decode::ScratchLayout layout(plan);
-  const float* HWY_RESTRICT out = scratch + layout.out;
-  const float* HWY_RESTRICT running_max = scratch + layout.running_max;
-  const float* HWY_RESTRICT row_sum = scratch + layout.row_sum;
-  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-
+  const Scratch w(scratch, decode::ScratchLayout(plan));
   const int64_t chunk_begin = chunk * plan.chunk_keys;
   const int64_t chunk_end = std::min(p.kv_len, chunk_begin + plan.chunk_keys);
   const int64_t bg = b * p.kv_heads + g;
-  const int64_t first_row = (b * p.q_heads + g * plan.group) * p.q_len;  // in (B, Hq, Nq)
 
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
     RowBlockOverChunk(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
-
-    if (plan.chunks == 1) {
-      // ---- Finish: output = O / l and lse = max + log(l); a row that saw no key has l = 0 and
-      // gets zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard).
-      for (size_t r = 0; r < rows; ++r) {
-        const int64_t row = first_row + r0 + static_cast<int64_t>(r);
-        const float sum = row_sum[r];
-        const float inverse_sum = sum == 0.0f ? 0.0f : 1.0f / sum;
-        const VF inverse_vec = hn::Set(df, inverse_sum);
-        const float* HWY_RESTRICT o = out + r * plan.out_stride;
-        float* HWY_RESTRICT dst = p.output + row * static_cast<int64_t>(dv);
-        size_t c = 0;
-        for (; c + lanes <= dv; c += lanes) hn::StoreU(hn::Mul(hn::Load(df, o + c), inverse_vec), df, dst + c);
-        for (; c < dv; ++c) dst[c] = o[c] * inverse_sum;
-        p.lse[row] = sum == 0.0f ? kMinusInf : running_max[r] + std::log(sum);
+    for (size_t r = 0; r < rows; ++r) {
+      const float* o = w.out + r * plan.out_stride;
+      if (plan.chunks == 1) {
+        const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+        const int64_t at = (b * p.q_heads + row.h) * p.q_len + row.i;  // in (B, Hq, Nq)
+        finish_row(o, 1, dv, w.running_max[r], w.row_sum[r], std::isnan(w.running_max[r]), p.output.row(b, row.h, row.i),
+                   p.lse + at, p.row_max + at, p.row_sum + at);
+      } else {  // leave the partials (m, l, o) of the row for the merge
+        const int64_t slot = (bg * plan.chunks + chunk) * plan.rows + r0 + static_cast<int64_t>(r);
+        partials.max[slot] = w.running_max[r];
+        partials.sum[slot] = w.row_sum[r];
+        std::copy_n(o, dv, partials.out + slot * static_cast<int64_t>(dv));
       }
-    } else {
-      // ---- Leave the partials (m, l, o) of each row for the merge.
-      const int64_t slot = (bg * plan.chunks + chunk) * plan.rows + r0;
-      std::copy_n(running_max, rows, partials.max + slot);
-      std::copy_n(row_sum, rows, partials.sum + slot);
-      for (size_t r = 0; r < rows; ++r)
-        std::copy_n(out + r * plan.out_stride, dv, partials.out + (slot + static_cast<int64_t>(r)) * static_cast<int64_t>(dv));
     }
   }
 }
@@ -529,8 +453,9 @@ void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode
                int64_t r) {
   const int64_t dv = p.value_dim;
   const int64_t b = bg / p.kv_heads, g = bg % p.kv_heads;
-  const int64_t row = (b * p.q_heads + g * plan.group) * p.q_len + r;  // in (B, Hq, Nq)
-  float* out = p.output + row * dv;
+  const int64_t h = g * plan.group + r / p.q_len, i = r % p.q_len;
+  const int64_t row = (b * p.q_heads + h) * p.q_len + i;  // in (B, Hq, Nq)
+  float* out = p.output.row(b, h, i);
   auto slot = [&](int64_t chunk) { return (bg * plan.chunks + chunk) * plan.rows + r; };
 
   float row_max = -std::numeric_limits<float>::infinity();
@@ -539,14 +464,10 @@ void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode
     row_max = std::max(row_max, partials.max[slot(c)]);
     saw_nan = saw_nan || std::isnan(partials.max[slot(c)]);
   }
-  if (saw_nan) {
-    std::fill_n(out, dv, std::numeric_limits<float>::quiet_NaN());
-    p.lse[row] = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
-  if (row_max == -std::numeric_limits<float>::infinity()) {
+  if (saw_nan || row_max == -std::numeric_limits<float>::infinity()) {
     std::fill_n(out, dv, 0.0f);
-    p.lse[row] = row_max;
+    finish_row(out, 1, static_cast<size_t>(dv), row_max, 0.0f, saw_nan, out, p.lse + row, p.row_max + row,
+               p.row_sum + row);
     return;
   }
   float row_sum = 0;
@@ -559,9 +480,8 @@ void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode
     for (int64_t x = 0; x < dv; ++x) out[x] += o[x] * weight;
   }
   // row_sum >= 1: the chunk holding the row's max contributes exp(0) = 1.
-  const float inverse_sum = 1.0f / row_sum;
-  for (int64_t x = 0; x < dv; ++x) out[x] *= inverse_sum;
-  p.lse[row] = row_max + std::log(row_sum);
+  finish_row(out, 1, static_cast<size_t>(dv), row_max, row_sum, false, out, p.lse + row, p.row_max + row,
+             p.row_sum + row);
 }
 
 }  // namespace
@@ -580,7 +500,7 @@ void decode_attention(const AttentionProblem& problem) {
   // A problem too small to pay for waking the other threads runs on the calling thread.
   const double flops = 2.0 * static_cast<double>(problem.batch * problem.q_heads * problem.q_len) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim);
-  const int threads = flops < kMinFlopsToThread ? 1 : omp_get_max_threads();
+  const int threads = threads_for(flops);
   const int workers = static_cast<int>(std::min<int64_t>(threads, items));
   const size_t block = decode::ScratchLayout(plan).total;
   const size_t slots = plan.chunks > 1 ? static_cast<size_t>(items * plan.rows) : 0;

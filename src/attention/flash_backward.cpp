@@ -1,7 +1,9 @@
 // The flash backward: the gradients of softmax(Q K^T * scale + mask) V with respect to Q, K and V
 // by tiles of queries x keys (FlashAttention-2's backward), never more than one Bc x Br tile of
 // weights per worker. P is recomputed per tile from the forward's lse, P = exp(S - lse); with
-// D = rowsum(dO * O) (computed once per row up front) every tile is independent:
+// D = rowsum(dO * O) (computed once per row up front) every tile is independent. (P is
+// exp(S - shift) * scale from the row stats, problem.hpp; score modifiers and masks are the
+// pipeline's steps, pipeline-inl.h, shared with the forward.)
 //
 //   forward (flash.cpp, per tile)          backward (per tile, in this order)
 //   1. S = scale * Q K^T                   S^T = (scale K) ... recomputed: S^T = K Qt
@@ -47,8 +49,7 @@
 #define HWY_TARGET_INCLUDE "attention/flash_backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
-#include "attention/tile_gemm-inl.h"
-#include "hwy/contrib/math/math-inl.h"
+#include "attention/pipeline-inl.h"
 #include "hwy/highway.h"
 
 #ifndef QKV_ATTENTION_FLASH_BACKWARD_ONCE
@@ -72,8 +73,8 @@ constexpr size_t kKeyTile = 64;
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
 struct ScratchLayout {
   size_t dk_pad, dv_pad;
-  size_t q_t, grad_out_t, q_rows, grad_out_rows, weights_t, dropped_t, grad_t, k_rows, grad_k, grad_v, grad_q,
-      lse, row_dot, first_key, last_key, total;
+  size_t q_t, grad_out_t, q_rows, grad_out_rows, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k, grad_v,
+      grad_q, shift, scale, row_dot, total;
 
   ScratchLayout(size_t br, size_t dk, size_t dv)
       : dk_pad(round_to_cache_line(dk)), dv_pad(round_to_cache_line(dv)) {
@@ -90,14 +91,14 @@ struct ScratchLayout {
     weights_t = take(kKeyTile * br);      // S^T then P^T (Bc, Br)
     dropped_t = take(kKeyTile * br);      // P'^T (Bc, Br), with dropout
     grad_t = take(kKeyTile * br);         // dP'^T then dS^T (Bc, Br)
+    softcap_t = take(kKeyTile * br);      // softcap's slope 1 - tanh^2 (Bc, Br)
     k_rows = take(kKeyTile * dk_pad);     // scale * K tile (Bc, Dk_pad)
     grad_k = take(kKeyTile * dk_pad);     // dK of the key tile (Bc, Dk_pad), without the scale
     grad_v = take(kKeyTile * dv_pad);     // dV of the key tile (Bc, Dv_pad)
     grad_q = take(br * dk_pad);           // dQ of the pair (Br, Dk_pad)
-    lse = take(br);                       // per query: lse, +inf where it is -inf (P = 0)
+    shift = take(br);                     // per query: P = exp(S - shift) * scale
+    scale = take(br);
     row_dot = take(br);                   // per query: D = dO . O
-    first_key = take(br);                 // per query, int32: first visible key
-    last_key = take(br);                  // per query, int32: one past the last visible key
     total = at;
   }
 };
@@ -111,223 +112,137 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
-using DI = hn::RebindToSigned<DF>;
-using VF = hn::Vec<DF>;
-using tile_gemm::AllFinite;
+using flash_backward::kKeyTile;
 using tile_gemm::Gemm;
-using tile_gemm::kTileRows;
 using tile_gemm::kTileVectors;
-using tile_gemm::PanelGemm;
+namespace step = pipeline;
 
 // Br, queries per tile: one micro-tile wide, as the forward.
 size_t BackwardQueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
 
-using flash_backward::kKeyTile;
+// One worker's view of its scratch block (flash_backward::ScratchLayout).
+struct Scratch {
+  size_t br, dk_pad, dv_pad;
+  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows, *grad_k,
+      *grad_v, *grad_q, *shift, *scale, *row_dot;
+  Scratch(float* s, size_t br_, const flash_backward::ScratchLayout& l)
+      : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
+        q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), weights_t(s + l.weights_t),
+        dropped_t(s + l.dropped_t), grad_t(s + l.grad_t), softcap_t(s + l.softcap_t), k_rows(s + l.k_rows),
+        grad_k(s + l.grad_k), grad_v(s + l.grad_v), grad_q(s + l.grad_q), shift(s + l.shift), scale(s + l.scale),
+        row_dot(s + l.row_dot) {}
+};
+
+// Copies `rows` rows of `d` floats of head (b, h) from row i0 into a padded (br, d_pad) block.
+HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
+                         size_t d_pad, size_t br, float* HWY_RESTRICT out) {
+  std::fill_n(out, br * d_pad, 0.0f);
+  for (size_t i = 0; i < rows; ++i) std::copy_n(a.row(b, h, i0 + static_cast<int64_t>(i)), d, out + i * d_pad);
+}
+
+// The query tile [i0, i0 + rows) of head (b, h): Qt = scale * Q^T and dOt (queries in lanes), Q
+// and dO rows (padded), and per query the weights' shift and scale and D. Padding lanes see
+// nothing (shift +inf, scale 0).
+void PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, size_t rows,
+                   const float* HWY_RESTRICT row_dot_all, const Scratch& w) {
+  const AttentionProblem& p = bp.forward;
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  step::PackTransposed(p.q, b, h, i0, rows, dk, w.br, p.scale, w.q_t);
+  step::PackTransposed(bp.grad_output, b, h, i0, rows, dv, w.br, 1.0f, w.grad_out_t);
+  PackRows(p.q, b, h, i0, rows, dk, w.dk_pad, w.br, w.q_rows);
+  PackRows(bp.grad_output, b, h, i0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
+  const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
+  for (size_t i = 0; i < w.br; ++i) {
+    w.shift[i] = i < rows ? bp.row_shift[row0 + static_cast<int64_t>(i)] : step::kInf;
+    w.scale[i] = i < rows ? bp.row_scale[row0 + static_cast<int64_t>(i)] : 0.0f;
+    w.row_dot[i] = i < rows ? row_dot_all[row0 + static_cast<int64_t>(i)] : 0.0f;
+  }
+}
+
+// One (query tile, key tile) pair of head (b, h): P and dS recomputed, dV and dK added into the
+// key tile's accumulators, dQ added into grad_q_out's rows.
+void BackwardPair(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, size_t rows, int64_t j0,
+                  size_t cols, bool fully_visible, bool k_finite, const Rows<float>& grad_q_out, const Scratch& w) {
+  const AttentionProblem& p = bp.forward;
+  const size_t br = w.br, dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const int64_t g = p.kv_head_of(h);
+  const float* softcap_slope = p.softcap > 0 ? w.softcap_t : nullptr;
+  // ---- Forward 1-3: "S = scale * Q K^T", "modifiers", "mask": S^T = K_tile Qt, the same steps.
+  Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride), 1, w.q_t, br, w.weights_t, br, false);
+  if (!fully_visible || p.softcap > 0 || p.alibi_slopes || !p.terms.empty())
+    for (size_t j = 0; j < cols; ++j)
+      step::ScoresToLogits(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.weights_t + j * br, br, rows,
+                           !fully_visible, softcap_slope ? w.softcap_t + j * br : nullptr);
+  // ---- Forward 4: "P = softmax(S)", recomputed from the row stats.
+  step::RecomputeWeights(w.weights_t, cols, br, w.shift, w.scale);
+  // ---- Forward 5: "P' = keep ? P / (1 - p) : 0", recomputed from P.
+  const float* dropped = w.weights_t;
+  if (p.dropout_p > 0) {
+    std::copy_n(w.weights_t, cols * br, w.dropped_t);
+    for (size_t j = 0; j < cols; ++j) step::Dropout(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.dropped_t + j * br, rows);
+    dropped = w.dropped_t;
+  }
+  // ---- Forward 6: "O += P' V".  dV += P'^T dO;  dP'^T = V_tile dOt.
+  Gemm(cols, w.dv_pad, br, dropped, br, 1, w.grad_out_rows, w.dv_pad, w.grad_v, w.dv_pad, true);
+  Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride), 1, w.grad_out_t, br, w.grad_t, br, false);
+  // ---- Forward 5, dropout: dP = keep ? dP' / (1 - p) : 0.  Forward 4-2: dS = P (dP - D), 0 where
+  // P = 0, through softcap's slope.
+  if (p.dropout_p > 0)
+    for (size_t j = 0; j < cols; ++j) step::Dropout(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.grad_t + j * br, rows);
+  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, softcap_slope);
+  // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ = dS (scale K).
+  Gemm(cols, w.dk_pad, br, w.grad_t, br, 1, w.q_rows, w.dk_pad, w.grad_k, w.dk_pad, true);
+  if (k_finite) {
+    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, w.k_rows, w.dk_pad, w.grad_q, w.dk_pad, false);
+    for (size_t i = 0; i < rows; ++i) {
+      float* grad_q_row = grad_q_out.row(b, h, i0 + static_cast<int64_t>(i));
+      for (size_t c = 0; c < dk; ++c) grad_q_row[c] += w.grad_q[i * w.dk_pad + c];
+    }
+  } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row
+    accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, w.k_rows, static_cast<int64_t>(w.dk_pad),
+                              grad_q_out.row(b, h, i0), static_cast<size_t>(grad_q_out.row_stride), 1);
+  }
+}
 
 // One work item: key/value head g of batch b, key tiles starting at keys [key_begin, key_end)
-// (key_begin a multiple of Bc). Adds its part of dQ into grad_q_out (B, Hq, Nq, Dk) and stores
-// dK, dV of its keys. row_dot: D for every row (B, Hq, Nq).
+// (key_begin a multiple of Bc). Adds its part of dQ into grad_q_out and stores dK, dV of its keys.
+// row_dot_all: D for every row (B, Hq, Nq).
 void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t key_begin, int64_t key_end,
-                      const float* HWY_RESTRICT row_dot_all, float* HWY_RESTRICT grad_q_out,
-                      float* HWY_RESTRICT scratch) {
+                      const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
-  const DF df;
-  const DI di;
-  const size_t lanes = hn::Lanes(df);
-  const size_t br = kTileVectors * lanes;
+  const size_t br = BackwardQueryTileRows();
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const int64_t nq = p.q_len;
-  const int64_t group = p.q_heads / p.kv_heads;
-  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-
-  const flash_backward::ScratchLayout layout(br, dk, dv);
-  const size_t dk_pad = layout.dk_pad, dv_pad = layout.dv_pad;
-  float* HWY_RESTRICT q_t = scratch + layout.q_t;
-  float* HWY_RESTRICT grad_out_t = scratch + layout.grad_out_t;
-  float* HWY_RESTRICT q_rows = scratch + layout.q_rows;
-  float* HWY_RESTRICT grad_out_rows = scratch + layout.grad_out_rows;
-  float* HWY_RESTRICT weights_t = scratch + layout.weights_t;
-  float* HWY_RESTRICT dropped_t = scratch + layout.dropped_t;
-  float* HWY_RESTRICT grad_t = scratch + layout.grad_t;
-  float* HWY_RESTRICT k_rows = scratch + layout.k_rows;
-  float* HWY_RESTRICT grad_k = scratch + layout.grad_k;
-  float* HWY_RESTRICT grad_v = scratch + layout.grad_v;
-  float* HWY_RESTRICT grad_q = scratch + layout.grad_q;
-  float* HWY_RESTRICT lse = scratch + layout.lse;
-  float* HWY_RESTRICT row_dot = scratch + layout.row_dot;
-  int32_t* HWY_RESTRICT first_key = reinterpret_cast<int32_t*>(scratch + layout.first_key);
-  int32_t* HWY_RESTRICT last_key = reinterpret_cast<int32_t*>(scratch + layout.last_key);
-
-  const int64_t bg = b * p.kv_heads + g;
-  const float* HWY_RESTRICT k_head = p.k + bg * p.kv_len * static_cast<int64_t>(dk);
-  const float* HWY_RESTRICT v_head = p.v + bg * p.kv_len * static_cast<int64_t>(dv);
-  const VF minus_inf = hn::Set(df, kMinusInf);
-  const VF zero = hn::Zero(df);
-  const float survivor_scale = p.dropout_p > 0 ? 1.0f / (1.0f - p.dropout_p) : 1.0f;
+  const int64_t nq = p.q_len, group = p.q_heads / p.kv_heads;
+  const Scratch w(scratch, br, flash_backward::ScratchLayout(br, dk, dv));
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), key_end - j0));
-    const int64_t j_end = j0 + static_cast<int64_t>(cols);
-    const float* HWY_RESTRICT k_tile = k_head + j0 * static_cast<int64_t>(dk);
-    const float* HWY_RESTRICT v_tile = v_head + j0 * static_cast<int64_t>(dv);
     // The key tile: scale * K padded for the dQ product; dK, dV accumulators at 0.
     for (size_t j = 0; j < cols; ++j) {
-      for (size_t c = 0; c < dk; ++c) k_rows[j * dk_pad + c] = p.scale * k_tile[j * dk + c];
-      std::fill(k_rows + j * dk_pad + dk, k_rows + (j + 1) * dk_pad, 0.0f);
+      const float* k_row = p.k.row(b, g, j0 + static_cast<int64_t>(j));
+      for (size_t c = 0; c < dk; ++c) w.k_rows[j * w.dk_pad + c] = p.scale * k_row[c];
+      std::fill(w.k_rows + j * w.dk_pad + dk, w.k_rows + (j + 1) * w.dk_pad, 0.0f);
     }
-    const bool k_finite = AllFinite(k_tile, cols * dk);
-    std::fill_n(grad_k, cols * dk_pad, 0.0f);
-    std::fill_n(grad_v, cols * dv_pad, 0.0f);
+    const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, p.k.row_stride);
+    std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
+    std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
 
-    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      const int64_t bh = b * p.q_heads + h;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h)
       for (int64_t i0 = 0; i0 < nq; i0 += static_cast<int64_t>(br)) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), nq - i0));
-        const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
-        // The forward's tile classes: hidden (skipped), fully visible (no mask work), partial.
-        if (p.last_visible_key(b, i_last) <= j0 || p.first_visible_key(i0) >= j_end) continue;
-        const bool fully_visible = p.first_visible_key(i_last) <= j0 && p.last_visible_key(b, i0) >= j_end;
-
-        // ---- Pack the query tile: Qt = scale * Q^T and dOt (queries in lanes), Q and dO rows
-        // (padded), lse (+inf where -inf: P = exp(S - inf) = 0), D, the visible key ranges.
-        // Padding lanes and rows are 0 and see nothing.
-        const float* HWY_RESTRICT q = p.q + (bh * nq + i0) * static_cast<int64_t>(dk);
-        const float* HWY_RESTRICT grad_out = bp.grad_output + (bh * nq + i0) * static_cast<int64_t>(dv);
-        for (size_t c = 0; c < dk; ++c) {
-          for (size_t i = 0; i < rows; ++i) q_t[c * br + i] = p.scale * q[i * dk + c];
-          for (size_t i = rows; i < br; ++i) q_t[c * br + i] = 0.0f;
-        }
-        for (size_t c = 0; c < dv; ++c) {
-          for (size_t i = 0; i < rows; ++i) grad_out_t[c * br + i] = grad_out[i * dv + c];
-          for (size_t i = rows; i < br; ++i) grad_out_t[c * br + i] = 0.0f;
-        }
-        std::fill_n(q_rows, br * dk_pad, 0.0f);
-        std::fill_n(grad_out_rows, br * dv_pad, 0.0f);
-        for (size_t i = 0; i < rows; ++i) {
-          std::copy_n(q + i * dk, dk, q_rows + i * dk_pad);
-          std::copy_n(grad_out + i * dv, dv, grad_out_rows + i * dv_pad);
-        }
-        for (size_t i = 0; i < br; ++i) {
-          if (i < rows) {
-            const int64_t query = i0 + static_cast<int64_t>(i);
-            const float row_lse = bp.lse[bh * nq + query];
-            lse[i] = row_lse == kMinusInf ? kInf : row_lse;
-            row_dot[i] = row_dot_all[bh * nq + query];
-            first_key[i] = static_cast<int32_t>(std::min(p.first_visible_key(query), p.kv_len));
-            last_key[i] = static_cast<int32_t>(std::max<int64_t>(p.last_visible_key(b, query), 0));
-          } else {
-            lse[i] = kInf;
-            row_dot[i] = 0.0f;
-            first_key[i] = 0;
-            last_key[i] = 0;
-          }
-        }
-
-        // ---- Forward 1: "S = scale * Q K^T".  Recomputed: S^T = K_tile Qt (cols, Br).
-        Gemm(cols, br, dk, k_tile, dk, 1, q_t, br, weights_t, br, false);
-
-        // ---- Forward 2: "mask".  The same masking, so hidden keys get P = 0 below.
-        if (!fully_visible) {
-          for (size_t j = 0; j < cols; ++j) {
-            const int32_t key = static_cast<int32_t>(j0 + static_cast<int64_t>(j));
-            const auto key_vec = hn::Set(di, key);
-            const auto key_next = hn::Set(di, key + 1);
-            for (size_t n = 0; n < kTileVectors; ++n) {
-              const auto visible = hn::And(hn::Lt(hn::Load(di, first_key + n * lanes), key_next),
-                                           hn::Lt(key_vec, hn::Load(di, last_key + n * lanes)));
-              float* s = weights_t + j * br + n * lanes;
-              hn::Store(hn::IfThenElse(hn::RebindMask(df, visible), hn::Load(df, s), minus_inf), df, s);
-            }
-          }
-        }
-        for (const MaskTermView& term : p.terms) {
-          for (size_t i = 0; i < rows; ++i) {
-            const float* values = term.data + b * term.stride_b + h * term.stride_h +
-                                  (i0 + static_cast<int64_t>(i)) * term.stride_q + j0 * term.stride_k;
-            for (size_t j = 0; j < cols; ++j) {
-              const float value = values[static_cast<int64_t>(j) * term.stride_k];
-              float& s = weights_t[j * br + i];
-              if (term.additive) {
-                s = value == kMinusInf ? kMinusInf : s + value;
-              } else if (value == 0.0f) {
-                s = kMinusInf;
-              }
-            }
-          }
-        }
-
-        // ---- Forward 3: "P = softmax(S)".  Recomputed: P = exp(S - lse), no max or sum needed.
-        for (size_t j = 0; j < cols; ++j)
-          for (size_t n = 0; n < kTileVectors; ++n) {
-            float* s = weights_t + j * br + n * lanes;
-            hn::Store(hn::Exp(df, hn::Sub(hn::Load(df, s), hn::Load(df, lse + n * lanes))), df, s);
-          }
-
-        // ---- Forward 4: "P' = keep ? P / (1 - p) : 0".  Recomputed from P.
-        const float* dropped = weights_t;
-        if (p.dropout_p > 0) {
-          std::copy_n(weights_t, cols * br, dropped_t);
-          for (size_t i = 0; i < rows; ++i)
-            for (size_t j = 0; j < cols; ++j) {
-              float& weight = dropped_t[j * br + i];
-              weight = dropout_keeps(p, b, h, i0 + static_cast<int64_t>(i), j0 + static_cast<int64_t>(j))
-                           ? weight * survivor_scale
-                           : 0.0f;
-            }
-          dropped = dropped_t;
-        }
-
-        // ---- Forward 5: "O += P' V".  dV += P'^T dO  (cols, Dv_pad), A(j, i) = P'^T[j, i];
-        // dP'^T = V_tile dOt  (cols, Br).
-        Gemm(cols, dv_pad, br, dropped, br, 1, grad_out_rows, dv_pad, grad_v, dv_pad, true);
-        Gemm(cols, br, dv, v_tile, dv, 1, grad_out_t, br, grad_t, br, false);
-
-        // ---- Forward 4, dropout: dP = keep ? dP' / (1 - p) : 0.
-        if (p.dropout_p > 0) {
-          for (size_t i = 0; i < rows; ++i)
-            for (size_t j = 0; j < cols; ++j) {
-              float& grad = grad_t[j * br + i];
-              grad = dropout_keeps(p, b, h, i0 + static_cast<int64_t>(i), j0 + static_cast<int64_t>(j))
-                         ? grad * survivor_scale
-                         : 0.0f;
-            }
-        }
-        // ---- Forward 3, softmax: dS = P * (dP - D), D = rowsum(P dP) = dO . O; exactly 0 where
-        // P = 0 (a hidden key, whose V may be NaN). Forward 2's additive terms pass dS through.
-        for (size_t j = 0; j < cols; ++j)
-          for (size_t n = 0; n < kTileVectors; ++n) {
-            float* grad = grad_t + j * br + n * lanes;
-            const VF weight = hn::Load(df, weights_t + j * br + n * lanes);
-            const VF grad_score = hn::Mul(weight, hn::Sub(hn::Load(df, grad), hn::Load(df, row_dot + n * lanes)));
-            hn::Store(hn::IfThenZeroElse(hn::Eq(weight, zero), grad_score), df, grad);
-          }
-
-        // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored) and
-        // dQ = dS (scale K), A(i, j) = dS^T[j, i]: row stride 1, depth stride Br.
-        Gemm(cols, dk_pad, br, grad_t, br, 1, q_rows, dk_pad, grad_k, dk_pad, true);
-        float* HWY_RESTRICT grad_q_rows = grad_q_out + (bh * nq + i0) * static_cast<int64_t>(dk);
-        if (k_finite) {
-          Gemm(rows, dk_pad, cols, grad_t, 1, br, k_rows, dk_pad, grad_q, dk_pad, false);
-          for (size_t i = 0; i < rows; ++i)
-            for (size_t c = 0; c < dk; ++c) grad_q_rows[i * dk + c] += grad_q[i * dk_pad + c];
-        } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row
-          for (size_t i = 0; i < rows; ++i)
-            for (size_t j = 0; j < cols; ++j) {
-              const float grad_score = grad_t[j * br + i];
-              if (grad_score == 0.0f) continue;
-              for (size_t c = 0; c < dk; ++c) grad_q_rows[i * dk + c] += grad_score * k_rows[j * dk_pad + c];
-            }
-        }
+        const step::TileClass tile = step::ClassifyTile(p, b, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
+                                                        j0 + static_cast<int64_t>(cols));
+        if (tile == step::TileClass::Hidden) continue;
+        PackQueryTile(bp, b, h, i0, rows, row_dot_all, w);
+        BackwardPair(bp, b, h, i0, rows, j0, cols, tile == step::TileClass::Full, k_finite, grad_q_out, w);
       }
-    }
 
     // ---- The key tile's gradients, summed over every query of the group: stored once.
-    float* HWY_RESTRICT grad_k_out = bp.grad_k + (bg * p.kv_len + j0) * static_cast<int64_t>(dk);
-    float* HWY_RESTRICT grad_v_out = bp.grad_v + (bg * p.kv_len + j0) * static_cast<int64_t>(dv);
     for (size_t j = 0; j < cols; ++j) {
-      for (size_t c = 0; c < dk; ++c) grad_k_out[j * dk + c] = p.scale * grad_k[j * dk_pad + c];
-      for (size_t c = 0; c < dv; ++c) grad_v_out[j * dv + c] = grad_v[j * dv_pad + c];
+      float* grad_k_row = bp.grad_k.row(b, g, j0 + static_cast<int64_t>(j));
+      float* grad_v_row = bp.grad_v.row(b, g, j0 + static_cast<int64_t>(j));
+      for (size_t c = 0; c < dk; ++c) grad_k_row[c] = p.scale * w.grad_k[j * w.dk_pad + c];
+      for (size_t c = 0; c < dv; ++c) grad_v_row[c] = w.grad_v[j * w.dv_pad + c];
     }
   }
 }
@@ -353,6 +268,18 @@ namespace {
 constexpr int64_t kItemsPerThread = 4;
 }  // namespace
 
+namespace {
+// The dQ a chunk adds into: the real dQ when each (b, g) is one chunk, else chunk's own packed
+// partial (B, Hq, Nq, Dk) in `partials`, partial_floats apart.
+Rows<float> grad_q_of_chunk(const AttentionBackwardProblem& bp, int64_t splits, float* partials, size_t partial_floats,
+                            int64_t chunk) {
+  const AttentionProblem& p = bp.forward;
+  if (splits == 1) return bp.grad_q;
+  return {partials + static_cast<size_t>(chunk) * partial_floats, p.q_heads * p.q_len * p.head_dim,
+          p.q_len * p.head_dim, p.head_dim};
+}
+}  // namespace
+
 void flash_attention_backward(const AttentionBackwardProblem& bp) {
   const AttentionProblem& p = bp.forward;
   const int64_t nq = p.q_len, nk = p.kv_len, dk = p.head_dim, dv = p.value_dim;
@@ -362,9 +289,8 @@ void flash_attention_backward(const AttentionBackwardProblem& bp) {
   const int64_t key_tiles = (nk + key_tile - 1) / key_tile;
 
   // Threads, as the forward: a problem too small to pay for waking them runs here alone.
-  const double flops = 2.5 * 2.0 * static_cast<double>(rows_total) * static_cast<double>(nk) *
-                       static_cast<double>(dk + dv);
-  const int threads = flops < kMinFlopsToThread ? 1 : omp_get_max_threads();
+  const int threads = threads_for(2.5 * 2.0 * static_cast<double>(rows_total) * static_cast<double>(nk) *
+                                  static_cast<double>(dk + dv));
   // Chunks per (b, g): 1 when the pairs alone give every thread several items; more (at most
   // one per key tile) otherwise, each with a dQ partial of its own.
   int64_t splits = 1;
@@ -378,24 +304,25 @@ void flash_attention_backward(const AttentionBackwardProblem& bp) {
   const size_t block = flash_backward::ScratchLayout(br, static_cast<size_t>(dk), static_cast<size_t>(dv)).total;
   const size_t row_dot_floats = round_to_cache_line(static_cast<size_t>(rows_total));
   const size_t partial_floats = round_to_cache_line(static_cast<size_t>(rows_total * dk));
+  const size_t partials_total = splits > 1 ? static_cast<size_t>(splits) * partial_floats : 0;
   const int workers = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(threads, items), 1, threads));
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch)
-                       .floats(row_dot_floats + (splits > 1 ? static_cast<size_t>(splits) * partial_floats : 0) +
-                               static_cast<size_t>(workers) * block);
+                       .floats(row_dot_floats + partials_total + static_cast<size_t>(workers) * block);
   float* row_dot = scratch;
   float* partials = scratch + row_dot_floats;
-  float* blocks = partials + (splits > 1 ? static_cast<size_t>(splits) * partial_floats : 0);
-  float* grad_q_of_chunk0 = splits > 1 ? partials : bp.grad_q;
+  float* blocks = partials + partials_total;
 
   // ---- Pass 1, per row: D = dO . O (in float64, as the reference) and dQ (or every partial) = 0.
 #pragma omp parallel for schedule(static) num_threads(workers)
   for (int64_t row = 0; row < rows_total; ++row) {
-    const float* out = bp.output + row * dv;
-    const float* grad_out = bp.grad_output + row * dv;
+    const int64_t b = row / (p.q_heads * nq), h = row / nq % p.q_heads, i = row % nq;
+    const float* out = bp.output.row(b, h, i);
+    const float* grad_out = bp.grad_output.row(b, h, i);
     double dot = 0;
     for (int64_t c = 0; c < dv; ++c) dot += static_cast<double>(grad_out[c]) * out[c];
     row_dot[row] = static_cast<float>(dot);
-    for (int64_t s = 0; s < splits; ++s) std::fill_n(grad_q_of_chunk0 + s * static_cast<int64_t>(partial_floats) + row * dk, dk, 0.0f);
+    for (int64_t s = 0; s < splits; ++s)
+      std::fill_n(grad_q_of_chunk(bp, splits, partials, partial_floats, s).row(b, h, i), dk, 0.0f);
   }
 
   // ---- Pass 2, items (b, g, chunk): dK and dV of the chunk's keys, its part of dQ. Keys no
@@ -408,26 +335,29 @@ void flash_attention_backward(const AttentionBackwardProblem& bp) {
     const int64_t visible_tiles = (visible_end + key_tile - 1) / key_tile;
     const int64_t key_begin = std::min(visible_end, visible_tiles * chunk / splits * key_tile);
     const int64_t key_end = std::min(visible_end, visible_tiles * (chunk + 1) / splits * key_tile);
-    if (chunk == splits - 1) {
-      std::fill(bp.grad_k + (pair * nk + visible_end) * dk, bp.grad_k + (pair + 1) * nk * dk, 0.0f);
-      std::fill(bp.grad_v + (pair * nk + visible_end) * dv, bp.grad_v + (pair + 1) * nk * dv, 0.0f);
-    }
+    if (chunk == splits - 1)
+      for (int64_t j = visible_end; j < nk; ++j) {
+        std::fill_n(bp.grad_k.row(b, g, j), dk, 0.0f);
+        std::fill_n(bp.grad_v.row(b, g, j), dv, 0.0f);
+      }
     if (key_begin >= key_end) continue;
     float* block_start = blocks + static_cast<size_t>(omp_get_thread_num()) * block;
     HWY_DYNAMIC_DISPATCH(BackwardKeyChunk)(bp, b, g, key_begin, key_end, row_dot,
-                                           grad_q_of_chunk0 + chunk * static_cast<int64_t>(partial_floats),
-                                           block_start);
+                                           grad_q_of_chunk(bp, splits, partials, partial_floats, chunk), block_start);
   }
 
   // ---- Pass 3, several chunks: dQ = the partials summed in chunk order.
   if (splits > 1) {
 #pragma omp parallel for schedule(static) num_threads(workers)
-    for (int64_t row = 0; row < rows_total; ++row)
+    for (int64_t row = 0; row < rows_total; ++row) {
+      const int64_t b = row / (p.q_heads * nq), h = row / nq % p.q_heads, i = row % nq;
+      float* grad_q = bp.grad_q.row(b, h, i);
       for (int64_t c = 0; c < dk; ++c) {
         float sum = 0;
-        for (int64_t s = 0; s < splits; ++s) sum += partials[s * static_cast<int64_t>(partial_floats) + row * dk + c];
-        bp.grad_q[row * dk + c] = sum;
+        for (int64_t s = 0; s < splits; ++s) sum += partials[static_cast<size_t>(s) * partial_floats + static_cast<size_t>(row * dk + c)];
+        grad_q[c] = sum;
       }
+    }
   }
 }
 

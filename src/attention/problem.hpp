@@ -1,11 +1,27 @@
-// The normalised attention problem every kernel receives. src/attention/attention.cpp builds
-// it after checking the arguments once; kernels trust it and check nothing.
+// The normalised attention problem every kernel receives, and the one builder that makes it.
+// build_problem (problem.cpp) checks the arguments once and fills it; kernels trust it and
+// check nothing. Tests build their problems with the same builder.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "qkv/attention.hpp"
+
 namespace qkv::detail {
+
+// One q/k/v-like operand as a kernel reads it, in place: row i of head h of batch b starts at
+//   data + b * batch_stride + h * head_stride + i * row_stride
+// and its elements are contiguous. A packed (B, H, N, D) tensor has strides (H N D, N D, D); a
+// transposed (B, N, H, D) head split has (N H D, D, H D).
+template <class T>
+struct Rows {
+  T* data = nullptr;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0;
+
+  T* row(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
+};
 
 // A tensor mask as a kernel reads it: the value for scores element (b, h, i, j) is
 //   data[b * stride_b + h * stride_h + i * stride_q + j * stride_k],
@@ -24,10 +40,15 @@ struct AttentionProblem {
   int64_t batch, q_heads, kv_heads;  // q_heads is a multiple of kv_heads
   int64_t q_len, kv_len;             // Nq, Nk
   int64_t head_dim, value_dim;       // Dk, Dv
-  const float* q;  // (B, Hq, Nq, Dk), packed
-  const float* k;  // (B, Hkv, Nk, Dk), packed
-  const float* v;  // (B, Hkv, Nk, Dv), packed
+  Rows<const float> q;               // (B, Hq, Nq, Dk)
+  Rows<const float> k;               // (B, Hkv, Nk, Dk)
+  Rows<const float> v;               // (B, Hkv, Nk, Dv)
   float scale;
+
+  // Score modifiers, applied to s = scale * q.k in this order, before the mask.
+  float softcap;               // > 0: s <- softcap * tanh(s / softcap); 0: off
+  const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset - j|; nullptr: off
+  const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
   // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], and every term allows it.
@@ -38,12 +59,18 @@ struct AttentionProblem {
   float dropout_p;  // 0: no dropout
   uint64_t seed;
 
-  float* output;   // (B, Hq, Nq, Dv)
-  float* weights;  // (B, Hq, Nq, Nk), or nullptr when not asked for
-  float* lse;      // (B, Hq, Nq)
+  Rows<float> output;  // (B, Hq, Nq, Dv)
+  float* weights;      // (B, Hq, Nq, Nk) packed, or nullptr when not asked for
+  float* lse;          // (B, Hq, Nq) packed
+  float* row_max;      // (B, Hq, Nq) packed: each row's max score (the sink included)
+  float* row_sum;      // (B, Hq, Nq) packed: sum_j exp(s_ij - row_max)
 
   // Grouped-query attention: the key/value head that query head h reads.
   int64_t kv_head_of(int64_t h) const { return h / (q_heads / kv_heads); }
+  // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq.
+  int64_t alibi_offset() const { return kv_len - q_len; }
+  // The sink logit of query head h, -inf when there are no sinks (it then adds exp(-inf) = 0).
+  float sink(int64_t h) const { return sinks ? sinks[h] : -std::numeric_limits<float>::infinity(); }
   // The half-open range [first, last) of keys the band and key lengths let query i of batch b
   // see (tensor terms may hide more). Empty when first >= last.
   int64_t first_visible_key(int64_t i) const { return i + band_lo > 0 ? i + band_lo : 0; }
@@ -53,20 +80,71 @@ struct AttentionProblem {
   }
 };
 
-// The backward problem: the forward's problem (q, k, v, scale, masks, dropout; its output,
-// weights and lse pointers are null) plus what the forward returned and the gradients to write.
+// The backward problem: the forward's problem (q, k, v, scale, modifiers, masks, dropout; its
+// outputs left null) plus what the forward returned and the gradients to write. The weights are
+// recomputed as P_ij = exp(s_ij - row_shift[r]) * row_scale[r] for row r = (b, h, i): from the
+// forward's row_max and 1 / row_sum, or from its lse and 1; a row that saw nothing has shift
+// +inf and scale 0, so P = 0 there, never NaN.
 struct AttentionBackwardProblem {
   AttentionProblem forward;
-  const float* output;       // (B, Hq, Nq, Dv), the forward's O
-  const float* lse;          // (B, Hq, Nq), the forward's log-sum-exp (-inf: the row saw no key)
-  const float* grad_output;  // (B, Hq, Nq, Dv), dLoss/dO
-  float* grad_q;             // (B, Hq, Nq, Dk), overwritten
-  float* grad_k;             // (B, Hkv, Nk, Dk), overwritten
-  float* grad_v;             // (B, Hkv, Nk, Dv), overwritten
+  Rows<const float> output;       // (B, Hq, Nq, Dv), the forward's O
+  Rows<const float> grad_output;  // (B, Hq, Nq, Dv), dLoss/dO
+  const float* row_shift;         // (B, Hq, Nq) packed
+  const float* row_scale;         // (B, Hq, Nq) packed
+  Rows<float> grad_q;             // (B, Hq, Nq, Dk), overwritten
+  Rows<float> grad_k;             // (B, Hkv, Nk, Dk), overwritten
+  Rows<float> grad_v;             // (B, Hkv, Nk, Dv), overwritten
+  float* grad_sinks;              // (Hq), overwritten, or nullptr without sinks
 };
 
 // The dropout rule every kernel shares: weight (b, h, i, j) is kept when the counter-based
 // uniform for those coordinates is >= p.
 bool dropout_keeps(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, int64_t j);
+
+// ---- The builder (problem.cpp), shared by the library's entry points and the tests.
+
+// A forward problem with what it points into: the tensors it reads (views of the caller's, or
+// packed copies of operands whose last dim is not contiguous) and the shapes of its results.
+// The outputs (output, weights, lse, row_max, row_sum) are left null: bind_forward_outputs sets them.
+struct BuiltProblem {
+  AttentionProblem problem;
+  Shape output_shape, lse_shape, scores_shape;  // L + (Nq, Dv), L + (Nq), L + (Nq, Nk)
+  std::vector<Tensor> held;                     // keeps every tensor the problem points into alive
+};
+
+// Checks q, k, v and the options (`who` prefixes every error message) and normalises them.
+BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const AttentionOptions& options);
+
+// Prepares result's tensors (allocated when undefined, else checked: shape, a contiguous last
+// dim, no storage shared with q, k, v) and points the problem's outputs at them.
+void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool need_weights, const Tensor& q,
+                          const Tensor& k, const Tensor& v);
+
+// A backward problem: the forward's problem built from q, k, v and options, grad_output and the
+// forward's result checked against it, row shift/scale computed, grads prepared and bound.
+struct BuiltBackwardProblem {
+  BuiltProblem forward;
+  AttentionBackwardProblem problem;
+  std::vector<float> row_shift, row_scale;
+};
+void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_output, const Tensor& q,
+                            const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
+                            const AttentionOptions& options);
+
+// The backward's per-row shift and scale of the weights (AttentionBackwardProblem), for `rows`
+// rows: from the forward's row max and sum when `sums` is given (shift = max, scale = 1 / sum),
+// else from its lse (`first` = lse, scale 1). A row that saw nothing gets +inf and 0.
+void weight_row_stats(const float* first, const float* sums, size_t rows, float* shift, float* scale);
+
+// A problem's operand view of a tensor read as (B, H, N, D) from rank 2, 3 or 4; its last dim
+// must be contiguous.
+template <class T>
+Rows<T> rows_of(const Tensor& t);
+
+// dsinks[h] = -sum over the rows r of head h of P_sink(r) D(r), with P_sink = exp(sink - shift)
+// scale and D = dO . O: the sink is a logit with no value, so dP_sink = 0 and dS_sink = -P_sink D.
+// Every backward kernel shares it; it reads only O, dO and the row stats (O(B Hq Nq Dv)).
+void sink_gradients(const AttentionBackwardProblem& problem);
 
 }  // namespace qkv::detail

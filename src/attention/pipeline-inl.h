@@ -1,0 +1,309 @@
+// The attention pipeline: the named per-target steps every fused kernel is composed of
+// (flash.cpp, flash_backward.cpp, decode.cpp). A kernel differs from another only in its loop
+// order and in what it accumulates; each step below exists once.
+//
+//   step                 forward (flash, decode)            backward (flash_backward)
+//   load a K/V tile      read in place through row strides  the same
+//   scores               S = K Qt (flash) / Qs K^T (decode)  S^T = K Qt
+//   modifiers            ModifyScores: softcap, then ALiBi   the same, keeping softcap's slope
+//   mask                 MaskBand, MaskTerms                 the same
+//   softmax              online: *SoftmaxUpdate*             RecomputeWeights from row stats
+//   dropout              Dropout on P                        Dropout on P and on dP
+//   accumulate           O += P V (GEMM, or skipping zeros   dV, dS, dK, dQ
+//                        when V is not finite)
+//   finish               finish_row (kernels.hpp): O / l, lse, row stats
+//
+// Scores travel in "lines": n consecutive floats of a tile, s[x] for query i0 + x * query_step
+// and key j0 + x * key_step. Flash keeps queries in the SIMD lanes, so its lines are one key over
+// the queries (query_step 1, key_step 0); decode keeps keys in the lanes, so its lines are one
+// query over the keys (0, 1). Every step that depends on positions (ALiBi, the band, tensor
+// terms, dropout) works from those coordinates and serves both layouts.
+//
+// Included by each kernel inside its Highway foreach_target pass (the -inl.h convention).
+
+// Per-target include guard (Highway's pattern: toggles once per target).
+#if defined(QKV_ATTENTION_PIPELINE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_ATTENTION_PIPELINE_INL_H_
+#undef QKV_ATTENTION_PIPELINE_INL_H_
+#else
+#define QKV_ATTENTION_PIPELINE_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "attention/kernels.hpp"
+#include "attention/problem.hpp"
+#include "attention/tile_gemm-inl.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::detail {
+namespace HWY_NAMESPACE {
+namespace pipeline {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using DI = hn::RebindToSigned<DF>;
+using VF = hn::Vec<DF>;
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Where a line of scores sits in the problem (see the header comment).
+struct Line {
+  int64_t b, h;                   // batch, query head
+  int64_t i0, j0;                 // the query and key of s[0]
+  int64_t query_step, key_step;   // (1, 0): one key over queries; (0, 1): one query over keys
+  int64_t query(size_t x) const { return i0 + static_cast<int64_t>(x) * query_step; }
+  int64_t key(size_t x) const { return j0 + static_cast<int64_t>(x) * key_step; }
+};
+
+// A band edge clamped into int32 (|j - i| < 2^31 for every real pair, so clamping changes nothing).
+HWY_INLINE int32_t ClampEdge(int64_t edge) {
+  return static_cast<int32_t>(std::clamp<int64_t>(edge, -(int64_t{1} << 31) + 1, (int64_t{1} << 31) - 1));
+}
+
+// ---- Step "load a tile", queries in the lanes: At (d, br) = factor * A^T for the `rows` rows
+// i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero.
+HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
+                               size_t br, float factor, float* HWY_RESTRICT a_t) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* row = a.row(b, h, i0 + static_cast<int64_t>(i));
+    for (size_t c = 0; c < d; ++c) a_t[c * br + i] = factor * row[c];
+  }
+  for (size_t c = 0; c < d; ++c) std::fill(a_t + c * br + rows, a_t + (c + 1) * br, 0.0f);
+}
+
+// How the band and key lengths treat a tile of queries [i0, i_last] x keys [j0, j_end): both
+// ends of a query's visible range grow with the query, so the first and last rows decide.
+enum class TileClass { Hidden, Partial, Full };
+HWY_INLINE TileClass ClassifyTile(const AttentionProblem& p, int64_t b, int64_t i0, int64_t i_last, int64_t j0,
+                                  int64_t j_end) {
+  if (p.last_visible_key(b, i_last) <= j0 || p.first_visible_key(i0) >= j_end) return TileClass::Hidden;
+  if (p.first_visible_key(i_last) <= j0 && p.last_visible_key(b, i0) >= j_end) return TileClass::Full;
+  return TileClass::Partial;
+}
+
+// ---- Step "modifiers": s <- softcap * tanh(s / softcap), then s <- s - slope[h] |i + Nk - Nq - j|,
+// over n floats (a whole number of vectors). When softcap_slope is given, it receives
+// d(capped)/d(raw) = 1 - tanh^2 per score, for the backward.
+HWY_INLINE void ModifyScores(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
+                             float* HWY_RESTRICT softcap_slope = nullptr) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  if (p.softcap > 0) {
+    const VF cap = hn::Set(df, p.softcap), inverse_cap = hn::Set(df, 1.0f / p.softcap), one = hn::Set(df, 1.0f);
+    for (size_t x = 0; x < n; x += lanes) {
+      const VF t = hn::Tanh(df, hn::Mul(hn::Load(df, s + x), inverse_cap));
+      hn::Store(hn::Mul(cap, t), df, s + x);
+      if (softcap_slope) hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
+    }
+  }
+  if (p.alibi_slopes) {
+    // distance(x) = |i + offset - j| = |base + x * step|, step = query_step - key_step = +-1
+    const float slope = p.alibi_slopes[line.h];
+    const float base = static_cast<float>(line.i0 + p.alibi_offset() - line.j0);
+    const float step = static_cast<float>(line.query_step - line.key_step);
+    const VF steps = hn::Mul(hn::Iota(df, 0.0f), hn::Set(df, step));
+    const VF slope_vec = hn::Set(df, slope);
+    for (size_t x = 0; x < n; x += lanes) {
+      const VF distance = hn::Abs(hn::Add(steps, hn::Set(df, base + step * static_cast<float>(x))));
+      hn::Store(hn::NegMulAdd(slope_vec, distance, hn::Load(df, s + x)), df, s + x);
+    }
+  }
+}
+
+// ---- Step "mask", structured part: -inf where the band (band_lo <= j - i <= band_hi) or the
+// key length (j < key_lengths[b]) hides the key, over n floats (a whole number of vectors).
+HWY_INLINE void MaskBand(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n) {
+  const DF df;
+  const DI di;
+  const size_t lanes = hn::Lanes(df);
+  const int32_t diagonal_step = static_cast<int32_t>(line.key_step - line.query_step);  // of j - i
+  const int32_t key_step = static_cast<int32_t>(line.key_step);
+  const auto lanes_index = hn::Iota(di, 0);
+  const auto lo = hn::Set(di, ClampEdge(p.band_lo)), hi = hn::Set(di, ClampEdge(p.band_hi));
+  const auto key_len = hn::Set(di, ClampEdge(p.key_lengths[static_cast<size_t>(line.b)]));
+  const VF minus_inf = hn::Set(df, kMinusInf);
+  for (size_t x = 0; x < n; x += lanes) {
+    const auto diagonal = hn::Add(hn::Mul(lanes_index, hn::Set(di, diagonal_step)),
+                                  hn::Set(di, ClampEdge(line.key(x) - line.query(x))));
+    const auto key = hn::Add(hn::Mul(lanes_index, hn::Set(di, key_step)), hn::Set(di, ClampEdge(line.key(x))));
+    const auto visible = hn::And(hn::And(hn::Not(hn::Lt(diagonal, lo)), hn::Not(hn::Gt(diagonal, hi))),
+                                 hn::Lt(key, key_len));
+    hn::Store(hn::IfThenElse(hn::RebindMask(df, visible), hn::Load(df, s + x), minus_inf), df, s + x);
+  }
+}
+
+// ---- Step "mask", tensor terms, in the reference's order (after the band), over the `count`
+// real elements of a line: a keep 0 hides, an additive term adds (-inf hides even a NaN score).
+HWY_INLINE void MaskTerms(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t count) {
+  for (const MaskTermView& term : p.terms) {
+    const float* values = term.data + line.b * term.stride_b + line.h * term.stride_h + line.i0 * term.stride_q +
+                          line.j0 * term.stride_k;
+    const int64_t step = line.query_step * term.stride_q + line.key_step * term.stride_k;
+    for (size_t x = 0; x < count; ++x) {
+      const float value = values[static_cast<int64_t>(x) * step];
+      if (term.additive) {
+        s[x] = value == kMinusInf ? kMinusInf : s[x] + value;
+      } else if (value == 0.0f) {
+        s[x] = kMinusInf;
+      }
+    }
+  }
+}
+
+// Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
+// `band` false skips the structured mask (a tile every query of it fully sees).
+HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
+                               size_t count, bool band, float* HWY_RESTRICT softcap_slope = nullptr) {
+  ModifyScores(p, line, s, n, softcap_slope);
+  if (band) MaskBand(p, line, s, n);
+  MaskTerms(p, line, s, count);
+}
+
+// ---- Step "dropout": a kept weight is scaled by 1 / (1 - p), a dropped one is 0, over the
+// `count` real elements of a line. Also the backward's dP = keep ? dP' / (1 - p) : 0.
+HWY_INLINE void Dropout(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t count) {
+  const float survivor_scale = 1.0f / (1.0f - p.dropout_p);
+  for (size_t x = 0; x < count; ++x)
+    s[x] = dropout_keeps(p, line.b, line.h, line.query(x), line.key(x)) ? s[x] * survivor_scale : 0.0f;
+}
+
+// ---- Step "softmax", the start of a row: the sink, if any, is a key with no value seen first:
+// running max = sink, sum = exp(sink - sink) = 1; without one, max -inf and sum 0.
+HWY_INLINE float InitialMax(const AttentionProblem& p, int64_t h) { return p.sink(h); }
+HWY_INLINE float InitialSum(const AttentionProblem& p) { return p.sinks ? 1.0f : 0.0f; }
+
+// ---- Step "softmax", queries in the lanes (flash): one tile of Bc key lines of br queries.
+// For each query: the new running max over the tile, the factor exp(old - new) that moves what
+// was accumulated to it (into `correction`), P = exp(S - max) in place (hidden keys give exactly
+// 0) and the running sum. A NaN score is noted in nan_seen (Max and Exp drop NaN) and poisons its
+// row at the finish, as the reference's softmax does. Returns whether any query's max grew.
+HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, size_t br, float* HWY_RESTRICT running_max,
+                                     float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction,
+                                     float* HWY_RESTRICT nan_seen) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF minus_inf = hn::Set(df, kMinusInf);
+  bool max_grew = false;
+  for (size_t n = 0; n < br; n += lanes) {
+    VF tile_max = minus_inf;
+    VF tile_nan = hn::Zero(df);
+    for (size_t j = 0; j < cols; ++j) {
+      const VF score = hn::Load(df, scores + j * br + n);
+      tile_max = hn::Max(tile_max, score);
+      tile_nan = hn::IfThenElse(hn::IsNaN(score), hn::Set(df, 1.0f), tile_nan);
+    }
+    hn::Store(hn::Max(hn::Load(df, nan_seen + n), tile_nan), df, nan_seen + n);
+    // A query that has seen no visible key yet keeps -inf and is exponentiated against 0
+    // instead, so its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
+    const VF old_max = hn::Load(df, running_max + n);
+    const VF new_max = hn::Max(old_max, tile_max);
+    const VF safe_max = hn::IfThenZeroElse(hn::Eq(new_max, minus_inf), new_max);
+    const VF factor = hn::Exp(df, hn::Sub(old_max, safe_max));  // 1 when the max did not grow
+    max_grew = max_grew || !hn::AllTrue(df, hn::Eq(old_max, new_max));
+    hn::Store(new_max, df, running_max + n);
+    hn::Store(factor, df, correction + n);
+    VF tile_sum = hn::Zero(df);
+    for (size_t j = 0; j < cols; ++j) {
+      float* s = scores + j * br + n;
+      const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s), safe_max));
+      hn::Store(weight, df, s);
+      tile_sum = hn::Add(tile_sum, weight);
+    }
+    hn::Store(hn::MulAdd(hn::Load(df, row_sum + n), factor, tile_sum), df, row_sum + n);
+  }
+  return max_grew;
+}
+
+// Ot (d, br) moves to the new max: each query's column times its correction factor.
+HWY_INLINE void RescaleColumns(float* HWY_RESTRICT out_t, size_t d, size_t br, const float* HWY_RESTRICT correction) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t c = 0; c < d; ++c)
+    for (size_t n = 0; n < br; n += lanes) {
+      float* o = out_t + c * br + n;
+      hn::Store(hn::Mul(hn::Load(df, o), hn::Load(df, correction + n)), df, o);
+    }
+}
+
+// ---- Step "softmax", keys in the lanes (decode): one query's line of n scores (whole vectors).
+// The same update as SoftmaxColumnsUpdate for one row; a NaN score makes the running max NaN,
+// which poisons the row's sum and output. Returns the factor exp(old - new) to rescale O by.
+HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& running_max, float& row_sum) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF max_vec = hn::Set(df, kMinusInf);
+  auto nan_mask = hn::IsNaN(max_vec);
+  for (size_t x = 0; x < n; x += lanes) {
+    const VF score = hn::Load(df, s + x);
+    max_vec = hn::Max(max_vec, score);
+    nan_mask = hn::Or(nan_mask, hn::IsNaN(score));
+  }
+  const float old_max = running_max;
+  const float new_max = hn::AllFalse(df, nan_mask) ? std::max(old_max, hn::GetLane(hn::MaxOfLanes(df, max_vec)))
+                                                   : std::numeric_limits<float>::quiet_NaN();
+  const float safe_max = new_max == kMinusInf ? 0.0f : new_max;
+  const float factor = std::exp(old_max - safe_max);
+  running_max = new_max;
+  const VF max_broadcast = hn::Set(df, safe_max);
+  VF sum_vec = hn::Zero(df);
+  for (size_t x = 0; x < n; x += lanes) {
+    const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s + x), max_broadcast));
+    hn::Store(weight, df, s + x);
+    sum_vec = hn::Add(sum_vec, weight);
+  }
+  row_sum = row_sum * factor + hn::GetLane(hn::SumOfLanes(df, sum_vec));
+  return factor;
+}
+
+// True when the `rows` rows of `cols` floats (row stride `stride`) are all finite.
+HWY_INLINE bool RowsFinite(const float* HWY_RESTRICT values, size_t rows, size_t cols, int64_t stride) {
+  for (size_t r = 0; r < rows; ++r)
+    if (!tile_gemm::AllFinite(values + static_cast<int64_t>(r) * stride, cols)) return false;
+  return true;
+}
+
+// ---- Backward step "softmax": P = exp(S - shift) * scale per query in the lanes, over a tile of
+// `cols` key lines of br queries (problem.hpp: shift +inf and scale 0 give P = 0).
+HWY_INLINE void RecomputeWeights(float* HWY_RESTRICT scores, size_t cols, size_t br, const float* HWY_RESTRICT shift,
+                                 const float* HWY_RESTRICT scale) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t j = 0; j < cols; ++j)
+    for (size_t n = 0; n < br; n += lanes) {
+      float* s = scores + j * br + n;
+      hn::Store(hn::Mul(hn::Exp(df, hn::Sub(hn::Load(df, s), hn::Load(df, shift + n))), hn::Load(df, scale + n)), df, s);
+    }
+}
+
+// ---- Backward step "softmax": dS = P * (dP - D) in place of dP, exactly 0 where P = 0 (a hidden
+// key, whose V may be NaN), then through softcap's slope when given (ALiBi and additive terms
+// pass dS through unchanged).
+HWY_INLINE void SoftmaxGradient(const float* HWY_RESTRICT weights, float* HWY_RESTRICT grad, size_t cols, size_t br,
+                                const float* HWY_RESTRICT row_dot, const float* HWY_RESTRICT softcap_slope) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF zero = hn::Zero(df);
+  for (size_t j = 0; j < cols; ++j)
+    for (size_t n = 0; n < br; n += lanes) {
+      const size_t at = j * br + n;
+      const VF weight = hn::Load(df, weights + at);
+      VF grad_score = hn::Mul(weight, hn::Sub(hn::Load(df, grad + at), hn::Load(df, row_dot + n)));
+      if (softcap_slope) grad_score = hn::Mul(grad_score, hn::Load(df, softcap_slope + at));
+      hn::Store(hn::IfThenZeroElse(hn::Eq(weight, zero), grad_score), df, grad + at);
+    }
+}
+
+}  // namespace pipeline
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

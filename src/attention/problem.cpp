@@ -1,0 +1,340 @@
+// The one problem builder (problem.hpp): every argument of scaled_dot_product_attention and its
+// backward checked once, with messages that name the shapes or values involved, and normalised
+// into the AttentionProblem the kernels trust. The library's entry points (attention.cpp) and the
+// kernel tests both build their problems here.
+#include "attention/problem.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+#include <string>
+
+#include "qkv/error.hpp"
+
+namespace qkv::detail {
+
+namespace {
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+[[noreturn]] void fail(const char* who, const std::string& message) { throw Error(who + message); }
+
+std::string format_float(float x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+// The sizes of one q/k/v argument read as (B, H, N, D) whatever its rank.
+struct Dims {
+  int64_t batch, heads, len, dim;
+};
+
+Dims read_dims(const char* who, const Tensor& t, const char* name) {
+  if (!t.defined()) fail(who, std::string(name) + " is undefined");
+  const Shape& s = t.shape();
+  switch (s.size()) {
+    case 2: return {1, 1, s[0], s[1]};
+    case 3: return {s[0], 1, s[1], s[2]};
+    case 4: return {s[0], s[1], s[2], s[3]};
+    default: fail(who, std::string(name) + " is " + s.str() + ": rank must be 2, 3 or 4");
+  }
+}
+
+std::string pair(const char* a, const Tensor& ta, const char* b, const Tensor& tb) {
+  return std::string(a) + " is " + ta.shape().str() + " but " + b + " is " + tb.shape().str();
+}
+
+// An operand the kernels can read in place: the tensor itself when its last dim is contiguous
+// and its rows do not overlap (a GEMM's leading dimension must cover a row), else one packed copy.
+Tensor readable(const Tensor& t) {
+  const int64_t rank = t.dim();
+  const bool last_contiguous = t.strides()[static_cast<size_t>(rank - 1)] == 1 || t.size(-1) <= 1;
+  const bool rows_apart = t.size(-2) <= 1 || t.strides()[static_cast<size_t>(rank - 2)] >= t.size(-1);
+  return last_contiguous && rows_apart ? t : t.clone();
+}
+
+// Checks that a tensor mask broadcasts to the scores (B, Hq, Nq, Nk) and returns how a kernel
+// reads it, through its own strides (a view is read in place). 2-D is (Nq, Nk), 3-D (B, Nq, Nk),
+// 4-D (B, Hq, Nq, Nk); any dim may also be 1.
+MaskTermView term_view(const char* who, const Mask::Term& term, const Dims& q, int64_t kv_len,
+                       const Shape& scores_shape) {
+  const Shape& s = term.values.shape();
+  const int64_t rank = static_cast<int64_t>(s.size());
+  auto broadcast_error = [&] {
+    fail(who, std::string("mask ") + (term.additive ? "additive " : "keep ") + s.str() +
+                  " does not broadcast to the scores " + scores_shape.str());
+  };
+  if (rank < 2 || rank > 4) broadcast_error();
+  // The term's dims aligned to (B, H, Nq, Nk); absent leading dims broadcast.
+  const int64_t target[4] = {q.batch, q.heads, q.len, kv_len};
+  // Where each of the term's dims sits among (B, H, Nq, Nk).
+  static constexpr int kPlace[5][4] = {{}, {}, {2, 3}, {0, 2, 3}, {0, 1, 2, 3}};
+  int64_t sizes[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  for (int64_t d = 0; d < rank; ++d) {
+    sizes[kPlace[rank][d]] = s[d];
+    strides[kPlace[rank][d]] = term.values.strides()[static_cast<size_t>(d)];
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (sizes[d] != target[d] && sizes[d] != 1) broadcast_error();
+    if (sizes[d] == 1) strides[d] = 0;
+  }
+  return {term.values.view_data(), strides[0], strides[1], strides[2], strides[3], term.additive};
+}
+
+// A per-head vector option (alibi_slopes, sinks): undefined, or Hq finite floats.
+const float* head_vector(const char* who, const Tensor& t, const char* name, int64_t heads,
+                         std::vector<Tensor>& held) {
+  if (!t.defined()) return nullptr;
+  if (t.dim() != 1 || t.size(0) != heads)
+    fail(who, std::string(name) + " is " + t.shape().str() + " but should be (" + std::to_string(heads) +
+                  "), one per query head");
+  held.push_back(t.contiguous());
+  const float* values = held.back().data();
+  for (int64_t h = 0; h < heads; ++h)
+    if (!std::isfinite(values[h]))
+      fail(who, std::string(name) + "[" + std::to_string(h) + "] = " + format_float(values[h]) + " is not finite");
+  return values;
+}
+
+// The key lengths of a padding mask, checked against the batch and Nk (Nk for every batch
+// element without one).
+std::vector<int64_t> key_lengths_of(const char* who, const Mask& mask, int64_t batch, int64_t kv_len) {
+  std::vector<int64_t> key_lengths(static_cast<size_t>(batch), kv_len);
+  if (!mask.has_key_lengths()) return key_lengths;
+  const auto& lengths = mask.lengths();
+  if (static_cast<int64_t>(lengths.size()) != batch)
+    fail(who, "mask key_lengths has " + std::to_string(lengths.size()) + " lengths but the batch is " +
+                  std::to_string(batch));
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 0 || lengths[b] > kv_len)
+      fail(who, "mask key_lengths[" + std::to_string(b) + "] = " + std::to_string(lengths[b]) + " is outside [0, " +
+                    std::to_string(kv_len) + "]");
+    key_lengths[b] = lengths[b];
+  }
+  return key_lengths;
+}
+
+void check_shapes(const char* who, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& qd,
+                  const Dims& kd, const Dims& vd) {
+  if (k.dim() != q.dim()) fail(who, pair("q", q, "k", k) + ": ranks differ");
+  if (v.dim() != k.dim()) fail(who, pair("k", k, "v", v) + ": ranks differ");
+  if (kd.dim != qd.dim) fail(who, pair("q", q, "k", k) + ": head dims differ");
+  if (kd.batch != qd.batch) fail(who, pair("q", q, "k", k) + ": batch sizes differ");
+  if (vd.batch != kd.batch) fail(who, pair("k", k, "v", v) + ": batch sizes differ");
+  if (vd.heads != kd.heads) fail(who, pair("k", k, "v", v) + ": head counts differ");
+  if (vd.len != kd.len) fail(who, pair("k", k, "v", v) + ": key and value lengths differ");
+  if (qd.dim < 1) fail(who, "q is " + q.shape().str() + ": head dim must be at least 1");
+  if (kd.heads < 1 || qd.heads % kd.heads != 0)
+    fail(who, pair("q", q, "k", k) + ": query heads (" + std::to_string(qd.heads) +
+                  ") must be a multiple of key/value heads (" + std::to_string(kd.heads) + ")");
+}
+
+// A caller-provided result tensor: allocated when undefined, else checked. Kernels write it
+// through its strides, so any view with a contiguous last dim whose elements do not overlap works.
+void prepare_output(const char* who, Tensor& t, const char* name, const Shape& shape,
+                    std::initializer_list<const Tensor*> inputs, bool packed) {
+  if (!t.defined()) {
+    t = Tensor::empty(shape);
+    return;
+  }
+  if (t.shape() != shape)
+    fail(who, std::string(name) + " is " + t.shape().str() + " but should be " + shape.str());
+  const bool last_contiguous = t.dim() == 0 || t.strides().back() == 1 || t.size(-1) <= 1;
+  if (packed ? !t.is_contiguous() : !last_contiguous)
+    fail(who, std::string(name) + " " + t.shape().str() + (packed ? " is not contiguous" : " has a strided last dim"));
+  // No two elements may share memory: sorted by stride, each dim must step over all the smaller ones.
+  std::vector<size_t> order(static_cast<size_t>(t.dim()));
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return t.strides()[a] < t.strides()[b]; });
+  int64_t span = 1;
+  for (size_t d : order) {
+    if (t.shape()[static_cast<int64_t>(d)] == 1) continue;
+    if (t.strides()[d] < span) fail(who, std::string(name) + " " + t.shape().str() + " has overlapping elements");
+    span = t.strides()[d] * t.shape()[static_cast<int64_t>(d)];
+  }
+  for (const Tensor* input : inputs)
+    if (t.shares_storage_with(*input)) fail(who, std::string(name) + " shares storage with an input");
+}
+
+}  // namespace
+
+template <class T>
+Rows<T> rows_of(const Tensor& t) {
+  const auto& st = t.strides();
+  // A single row's stride is never used to step, but GEMMs take it as a leading dimension,
+  // which must cover a row.
+  const int64_t row_stride = t.size(-2) <= 1 ? std::max<int64_t>(t.size(-1), 1) : st[st.size() - 2];
+  switch (t.dim()) {
+    case 2: return {t.view_data(), 0, 0, row_stride};
+    case 3: return {t.view_data(), st[0], 0, row_stride};
+    default: return {t.view_data(), st[0], st[1], row_stride};
+  }
+}
+template Rows<const float> rows_of<const float>(const Tensor&);
+template Rows<float> rows_of<float>(const Tensor&);
+
+BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const AttentionOptions& options) {
+  // ---- shapes
+  const Dims qd = read_dims(who, q, "q");
+  const Dims kd = read_dims(who, k, "k");
+  const Dims vd = read_dims(who, v, "v");
+  check_shapes(who, q, k, v, qd, kd, vd);
+
+  // ---- scalar options
+  const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(qd.dim)));
+  if (!std::isfinite(scale) || scale <= 0) fail(who, "scale must be finite and positive, got " + format_float(scale));
+  if (!(options.dropout_p >= 0 && options.dropout_p < 1))
+    fail(who, "dropout_p must be in [0, 1), got " + format_float(options.dropout_p));
+  if (!(options.softcap >= 0 && std::isfinite(options.softcap)))
+    fail(who, "softcap must be 0 (off) or finite and positive, got " + format_float(options.softcap));
+
+  // ---- result shapes: q's leading dims, then the per-row sizes
+  std::vector<int64_t> lead(q.shape().begin(), q.shape().end() - 2);
+  auto with = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> dims = lead;
+    dims.insert(dims.end(), tail);
+    return Shape(std::move(dims));
+  };
+  BuiltProblem built;
+  built.output_shape = with({qd.len, vd.dim});
+  built.lse_shape = with({qd.len});
+  built.scores_shape = with({qd.len, kd.len});
+
+  // ---- modifiers and the mask, normalised
+  const float* alibi = head_vector(who, options.alibi_slopes, "alibi_slopes", qd.heads, built.held);
+  const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
+  const Mask& mask = options.mask;
+  std::vector<MaskTermView> terms;
+  for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
+  for (const Mask::Term& term : mask.terms()) built.held.push_back(term.values);
+
+  // ---- operands, read in place when their last dim is contiguous
+  built.held.push_back(readable(q));
+  const Rows<const float> q_rows = rows_of<const float>(built.held.back());
+  built.held.push_back(readable(k));
+  const Rows<const float> k_rows = rows_of<const float>(built.held.back());
+  built.held.push_back(readable(v));
+  const Rows<const float> v_rows = rows_of<const float>(built.held.back());
+
+  built.problem = AttentionProblem{
+      .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
+      .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
+      .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
+      .softcap = options.softcap, .alibi_slopes = alibi, .sinks = sinks,
+      .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
+      .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
+      .dropout_p = options.dropout_p, .seed = options.seed,
+      .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
+  };
+  return built;
+}
+
+void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool need_weights, const Tensor& q,
+                          const Tensor& k, const Tensor& v) {
+  const char* who = "scaled_dot_product_attention: ";
+  const auto inputs = {&q, &k, &v};
+  prepare_output(who, result.output, "result.output", built.output_shape, inputs, false);
+  prepare_output(who, result.lse, "result.lse", built.lse_shape, inputs, true);
+  prepare_output(who, result.row_max, "result.row_max", built.lse_shape, inputs, true);
+  prepare_output(who, result.row_sum, "result.row_sum", built.lse_shape, inputs, true);
+  if (need_weights) {
+    prepare_output(who, result.weights, "result.weights", built.scores_shape, inputs, true);
+  } else {
+    result.weights = Tensor();
+  }
+  AttentionProblem& p = built.problem;
+  p.output = rows_of<float>(result.output);
+  p.weights = need_weights ? result.weights.data() : nullptr;
+  p.lse = result.lse.data();
+  p.row_max = result.row_max.data();
+  p.row_sum = result.row_sum.data();
+}
+
+namespace {
+// A backward input that must have the shape of a forward result.
+void expect_shape(const char* who, const Tensor& t, const char* name, const Shape& shape, const char* what) {
+  if (!t.defined()) fail(who, std::string(name) + " is undefined");
+  if (t.shape() != shape)
+    fail(who, std::string(name) + " is " + t.shape().str() + " but should be " + shape.str() + " (" + what + ")");
+}
+
+// Row shift and scale of the recomputed weights (problem.hpp), from row_max and row_sum when
+// the forward gave them, else from lse.
+void row_stats(const AttentionResult& forward, std::vector<float>& shift, std::vector<float>& scale) {
+  const bool exact = forward.row_max.defined() && forward.row_sum.defined();
+  const std::vector<float> first = exact ? forward.row_max.to_vector() : forward.lse.to_vector();
+  const std::vector<float> sums = exact ? forward.row_sum.to_vector() : std::vector<float>();
+  shift.resize(first.size());
+  scale.resize(first.size());
+  weight_row_stats(first.data(), exact ? sums.data() : nullptr, first.size(), shift.data(), scale.data());
+}
+}  // namespace
+
+void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_output, const Tensor& q,
+                            const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
+                            const AttentionOptions& options) {
+  const char* who = "scaled_dot_product_attention_backward: ";
+  built.forward = build_problem(who, q, k, v, options);
+  BuiltProblem& f = built.forward;
+  expect_shape(who, grad_output, "grad_output", f.output_shape, "the forward's output");
+  expect_shape(who, forward.output, "forward.output", f.output_shape, "q's leading dims + (Nq, Dv)");
+  expect_shape(who, forward.lse, "forward.lse", f.lse_shape, "q's leading dims + (Nq)");
+  if (forward.row_max.defined()) expect_shape(who, forward.row_max, "forward.row_max", f.lse_shape, "as lse");
+  if (forward.row_sum.defined()) expect_shape(who, forward.row_sum, "forward.row_sum", f.lse_shape, "as lse");
+  row_stats(forward, built.row_shift, built.row_scale);
+
+  const auto inputs = {&q, &k, &v};
+  prepare_output(who, grads.dq, "grads.dq", q.shape(), inputs, false);
+  prepare_output(who, grads.dk, "grads.dk", k.shape(), inputs, false);
+  prepare_output(who, grads.dv, "grads.dv", v.shape(), inputs, false);
+  if (options.sinks.defined()) {
+    prepare_output(who, grads.dsinks, "grads.dsinks", options.sinks.shape(), inputs, true);
+  } else {
+    grads.dsinks = Tensor();
+  }
+  f.held.push_back(readable(grad_output));
+  const Rows<const float> grad_output_rows = rows_of<const float>(f.held.back());
+  f.held.push_back(readable(forward.output));
+  const Rows<const float> output_rows = rows_of<const float>(f.held.back());
+  built.problem = AttentionBackwardProblem{
+      .forward = f.problem,
+      .output = output_rows, .grad_output = grad_output_rows,
+      .row_shift = built.row_shift.data(), .row_scale = built.row_scale.data(),
+      .grad_q = rows_of<float>(grads.dq), .grad_k = rows_of<float>(grads.dk), .grad_v = rows_of<float>(grads.dv),
+      .grad_sinks = grads.dsinks.defined() ? grads.dsinks.data() : nullptr,
+  };
+}
+
+void weight_row_stats(const float* first, const float* sums, size_t rows, float* shift, float* scale) {
+  for (size_t r = 0; r < rows; ++r) {
+    const bool empty = sums ? sums[r] == 0.0f : first[r] == kMinusInf;
+    shift[r] = empty ? kInf : first[r];
+    scale[r] = empty ? 0.0f : (sums ? 1.0f / sums[r] : 1.0f);
+  }
+}
+
+void sink_gradients(const AttentionBackwardProblem& bp) {
+  const AttentionProblem& p = bp.forward;
+  if (!bp.grad_sinks) return;
+  for (int64_t h = 0; h < p.q_heads; ++h) {
+    double sum = 0;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t r = (b * p.q_heads + h) * p.q_len + i;
+        const float* out = bp.output.row(b, h, i);
+        const float* grad_out = bp.grad_output.row(b, h, i);
+        double dot = 0;  // D = dO . O
+        for (int64_t c = 0; c < p.value_dim; ++c) dot += static_cast<double>(grad_out[c]) * out[c];
+        const double sink_weight = bp.row_scale[r] == 0.0f ? 0.0 : std::exp(static_cast<double>(p.sinks[h]) - bp.row_shift[r]) * bp.row_scale[r];
+        sum -= sink_weight * dot;
+      }
+    bp.grad_sinks[h] = static_cast<float>(sum);
+  }
+}
+
+}  // namespace qkv::detail
