@@ -283,7 +283,9 @@ TEST(MultiHeadAttentionBackward, ScoreModifiersAndSinks) {
   (void)mha.forward(x, memory, memory);
   const qkv::nn::MultiHeadAttentionGrads grads = mha.backward_cross(r);
   expect_gradient("MHA modifiers cross query", x, grads.query, cross_loss);
-  expect_gradient("MHA modifiers cross key", memory, grads.key, cross_loss);
+  Tensor d_memory = grads.key.clone();  // memory is both key and value: both paths
+  for (int64_t e = 0; e < d_memory.numel(); ++e) d_memory.data()[e] += grads.value.data()[e];
+  expect_gradient("MHA modifiers cross key + value", memory, d_memory, cross_loss);
   expect_parameter_gradients("MHA modifiers cross", mha.parameters(), cross_loss);
 }
 
