@@ -143,7 +143,8 @@ class MultiHeadAttention {
   int64_t parameter_count() const;
   // Loads a torch.nn.MultiheadAttention state dict (in_proj_weight, in_proj_bias, or
   // q_proj_weight / k_proj_weight / v_proj_weight, out_proj.weight, out_proj.bias) or qkv's own
-  // names. Every parameter must be given, with its exact shape; unknown names are an error.
+  // names (sinks too, with options().sinks: torch has no such parameter). Every parameter must be
+  // given, with its exact shape; unknown names are an error.
   void load_state_dict(const std::map<std::string, Tensor>& state);
 
   // The ALiBi slopes (num_heads) with options().alibi, else undefined.

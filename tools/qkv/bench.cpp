@@ -436,14 +436,14 @@ std::string short_number(double value) {
 }
 
 void print_table(const std::vector<Row>& rows, const Environment& env) {
-  fmt::print("workload  backend    kernel     runs  first ms  median ms   calls/s  GFLOP/s  x sgemm    GB/s  "
+  fmt::print("workload    backend    kernel     runs  first ms  median ms   calls/s  GFLOP/s  x sgemm    GB/s  "
              "x memcpy   x ref  peak MiB  shape\n");
   for (const Row& row : rows) {
     const Workload& w = *row.workload;
     const std::string gbs = w.decode ? short_number(kv_gbs(row)) : "";
     const std::string vs_memcpy = w.decode ? fixed(kv_gbs(row) / env.best().memcpy_gbs, 2) : "";
     const std::string vs_reference = row.vs_reference ? fixed(*row.vs_reference, 1) : "";
-    fmt::print("{:<8}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
+    fmt::print("{:<10}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
                row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
                fixed(gflops(row) / env.best().sgemm_gflops, 2), gbs, vs_memcpy, vs_reference,
