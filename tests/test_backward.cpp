@@ -216,6 +216,17 @@ TEST(Backward, FiniteDifferencesEveryMaskKind) {
     for (int repeat = 0; repeat < 2; ++repeat) check_against_finite_differences(make_case(rng, kSmall, kind, 1.0, 0.0f));
 }
 
+// Each modifier alone and all together: dq, dk, dv and dsinks against central differences of the
+// float64 oracle, on every backend.
+TEST(Backward, FiniteDifferencesScoreModifiers) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (qkv_test::Modifier m : qkv_test::kAllModifiers)
+    for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::EmptyRows, MaskKind::Combined})
+      check_against_finite_differences(make_case(rng, kSmall, kind, 1.0, 0.0f, m));
+  check_against_finite_differences(make_case(rng, kSmall, MaskKind::Causal, 1.0, 0.3f, qkv_test::Modifier::All));
+}
+
 TEST(Backward, FiniteDifferencesShapes) {
   Random rng;
   SCOPED_TRACE(rng.note());
@@ -328,11 +339,13 @@ constexpr double kFlashFloor = 2e-4;
 
 void check_flash(const BackwardCase& bc) {
   const GradVectors flash = run_backward(qkv::detail::flash_attention_backward, bc);
-  const char* names[3] = {"dq", "dk", "dv"};
-  const std::vector<float>* got[3] = {&flash.dq, &flash.dk, &flash.dv};
-  const std::vector<double>* want[3] = {&bc.want.dq, &bc.want.dk, &bc.want.dv};
-  for (int n = 0; n < 3; ++n) {
-    const double tolerance = std::max(kFlashFloor, qkv_test::kToleranceFactor * bc.reference_error[n]);
+  const char* names[4] = {"dq", "dk", "dv", "dsinks"};
+  const std::vector<float>* got[4] = {&flash.dq, &flash.dk, &flash.dv, &flash.dsinks};
+  const std::vector<double>* want[4] = {&bc.want.dq, &bc.want.dk, &bc.want.dv, &bc.want.dsinks};
+  for (int n = 0; n < 4; ++n) {
+    // dsinks sums over every row of a head: as dQ's error, times the rows it adds.
+    const double error = n < 3 ? bc.reference_error[n] : bc.reference_error[0] * static_cast<double>(bc.c.q.size(2));
+    const double tolerance = std::max(kFlashFloor, qkv_test::kToleranceFactor * error);
     const qkv_test::Comparison c = qkv_test::compare(*got[n], *want[n], tolerance);
     EXPECT_TRUE(c.ok) << bc.c.name << " " << names[n] << " (reference error " << bc.reference_error[n] << "):\n"
                       << c.detail;
@@ -348,6 +361,7 @@ void check_flash_everywhere(const std::vector<BackwardCase>& cases) {
     SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
+      qkv_test::ThreadEveryProblem threaded;
       SCOPED_TRACE("threads " + std::to_string(threads));
       for (const BackwardCase& bc : cases) check_flash(bc);
     }
@@ -369,6 +383,16 @@ TEST(Backward, FlashMatchesReferenceEveryMaskKind) {
   SCOPED_TRACE(rng.note());
   std::vector<BackwardCase> cases;
   for (MaskKind kind : kAllMasks) cases.push_back(prepare(make_case(rng, random_sizes(rng), kind, 1.0, 0.0f), rng));
+  check_flash_everywhere(cases);
+}
+
+TEST(Backward, FlashMatchesReferenceWithScoreModifiers) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<BackwardCase> cases;
+  for (qkv_test::Modifier m : qkv_test::kAllModifiers)
+    for (MaskKind kind : kAllMasks)
+      cases.push_back(prepare(make_case(rng, random_sizes(rng), kind, 1.0, rng.chance(0.3) ? 0.2f : 0.0f, m), rng));
   check_flash_everywhere(cases);
 }
 

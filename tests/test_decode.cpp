@@ -71,6 +71,21 @@ TEST(Decode, EveryMaskKindOnRandomShapes) {
   check_everywhere(cases);
 }
 
+// Softcap, ALiBi and sinks, alone and together, with every mask kind, against the float64 oracle
+// on every target and thread count; the sink joins only the first chunk of a row's keys.
+TEST(Decode, ScoreModifiersEveryMaskKind) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<Case> cases;
+  for (qkv_test::Modifier m : qkv_test::kAllModifiers)
+    for (MaskKind kind : kAllMasks)
+      cases.push_back(make_case(rng, random_decode_sizes(rng), kind, 1.0, rng.chance(0.3) ? 0.2f : 0.0f, m));
+  Case long_cache = make_case(rng, {1, 4, 2, 3, 5000, 32, 16}, MaskKind::None, 1.0, 0.0f, qkv_test::Modifier::All);
+  set_kv_cache_mask(long_cache);
+  cases.push_back(long_cache);
+  check_everywhere(cases);
+}
+
 TEST(Decode, EveryLengthWithTheKvCacheMask) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -65,6 +65,19 @@ TEST(Flash, EveryMaskKindOnRandomShapes) {
   check_everywhere(cases);
 }
 
+// Softcap, ALiBi and sinks, alone and together, with every mask kind, GQA, Nq != Nk, Dk != Dv
+// and dropout, against the float64 oracle on every target and thread count.
+TEST(Flash, ScoreModifiersEveryMaskKind) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<Case> cases;
+  for (qkv_test::Modifier m : qkv_test::kAllModifiers)
+    for (MaskKind kind : kAllMasks)
+      cases.push_back(make_case(rng, random_sizes(rng), kind, 1.0, rng.chance(0.3) ? 0.2f : 0.0f, m));
+  cases.push_back(make_case(rng, {1, 4, 2, 130, 300, 64, 48}, MaskKind::Causal, 3.0, 0.0f, qkv_test::Modifier::All));
+  check_everywhere(cases);
+}
+
 TEST(Flash, AwkwardLengthsAndDims) {
   Random rng;
   SCOPED_TRACE(rng.note());
