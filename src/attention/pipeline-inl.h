@@ -88,6 +88,31 @@ HWY_INLINE TileClass ClassifyTile(const AttentionProblem& p, int64_t b, int64_t 
   return TileClass::Partial;
 }
 
+// tanh for softcap's hot loop: x P(x^2) / Q(x^2) on [-9, 9] (past 9, tanh is 1 to within 3e-8),
+// P of degree 4 and Q of degree 4 in x^2, fitted by iterated least squares on the relative error
+// (max 6e-8 in float64, 3.4e-7 absolute when evaluated in float32). Eight FMAs and a refined
+// reciprocal: about half the cost of an Exp-based tanh, which made softcap cost a third of W1's
+// time. NaN stays NaN.
+HWY_INLINE VF Tanh(VF x) {
+  const DF df;
+  const VF limit = hn::Set(df, 9.0f);
+  const VF clamped = hn::Min(hn::Max(x, hn::Neg(limit)), limit);
+  const VF z = hn::Mul(clamped, clamped);
+  VF numerator = hn::Set(df, 1.3663458392487726e-08f);
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 2.0831980707288183e-05f));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 3.5091362204917125e-03f));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 1.3392434315878096e-01f));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 9.9999998321745998e-01f));
+  VF denominator = hn::Set(df, 7.902955801997180e-07f);
+  denominator = hn::MulAdd(denominator, z, hn::Set(df, 3.307789092288514e-04f));
+  denominator = hn::MulAdd(denominator, z, hn::Set(df, 2.592852808456218e-02f));
+  denominator = hn::MulAdd(denominator, z, hn::Set(df, 4.672575296450575e-01f));
+  denominator = hn::MulAdd(denominator, z, hn::Set(df, 1.0f));
+  VF reciprocal = hn::ApproximateReciprocal(denominator);  // Q >= 1: no overflow, no zero
+  reciprocal = hn::Mul(reciprocal, hn::NegMulAdd(denominator, reciprocal, hn::Set(df, 2.0f)));  // Newton
+  return hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(hn::Mul(clamped, numerator), reciprocal));
+}
+
 // ---- Step "modifiers": s <- softcap * tanh(s / softcap), then s <- s - slope[h] |i + Nk - Nq - j|,
 // over n floats (a whole number of vectors). When softcap_slope is given, it receives
 // d(capped)/d(raw) = 1 - tanh^2 per score, for the backward.
@@ -98,7 +123,7 @@ HWY_INLINE void ModifyScores(const AttentionProblem& p, const Line& line, float*
   if (p.softcap > 0) {
     const VF cap = hn::Set(df, p.softcap), inverse_cap = hn::Set(df, 1.0f / p.softcap), one = hn::Set(df, 1.0f);
     for (size_t x = 0; x < n; x += lanes) {
-      const VF t = hn::Tanh(df, hn::Mul(hn::Load(df, s + x), inverse_cap));
+      const VF t = Tanh(hn::Mul(hn::Load(df, s + x), inverse_cap));
       hn::Store(hn::Mul(cap, t), df, s + x);
       if (softcap_slope) hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
     }
