@@ -50,4 +50,8 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
                                        const Tensor& v, const AttentionResult& forward, MPI_Comm comm,
                                        const AttentionOptions& options = {}, RingStats* stats = nullptr);
 
+// The calls keep their ring buffers and accumulators per thread for the next call (fresh pages
+// cost as much as the compute on small shards); this frees the calling thread's.
+void release_ring_workspaces();
+
 }  // namespace qkv::dist

@@ -454,7 +454,29 @@ Shape lse_shape_like(const Tensor& original, const Tensor& q4) {
 
 Tensor poisoned(const Shape& shape) { return Tensor::full(shape, std::numeric_limits<float>::quiet_NaN()); }
 
+// Buffers kept per thread between calls (ring buffers, accumulators, the pair results), so a loop
+// of calls pays for fresh pages once: on this machine's VM a page fault costs as much as the
+// kernel's work on a 1024-row shard. Never handed to the caller; release_ring_workspaces() frees them.
+struct Workspace {
+  std::vector<Tensor> buffers;
+  AttentionResult pair;  // scaled_dot_product_attention_into's result, reused pair after pair
+  // The buffer in `slot`, shaped `shape`, contents unspecified.
+  Tensor get(size_t slot, const Shape& shape) {
+    if (slot >= buffers.size()) buffers.resize(slot + 1);
+    if (!buffers[slot].defined() || buffers[slot].shape() != shape) buffers[slot] = Tensor::empty(shape);
+    return buffers[slot];
+  }
+};
+thread_local Workspace workspace;
+
+Tensor filled(Tensor t, float value) {
+  std::fill_n(t.data(), t.numel(), value);
+  return t;
+}
+
 }  // namespace
+
+void release_ring_workspaces() { workspace = Workspace(); }
 
 AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, MPI_Comm parent,
                                const AttentionOptions& options, RingStats* stats_out) {
@@ -473,7 +495,7 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
 
   // Entry: this rank's query chunks and its K/V block in ring buffer 0.
   const BlockLayout bl = block_layout(k4, v4, layout);
-  Tensor buffers[2] = {Tensor::empty(Shape{bl.total()}), Tensor::empty(Shape{bl.total()})};
+  Tensor buffers[2] = {workspace.get(0, Shape{bl.total()}), workspace.get(1, Shape{bl.total()})};
   std::vector<Tensor> q_chunks, k_chunks, v_chunks;
   {
     Requests requests;
@@ -488,14 +510,21 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
     std::memcpy(bl.v(buffers[0], c).data(), v_chunks[static_cast<size_t>(c)].data(), sizeof(float) * static_cast<size_t>(bl.v_size));
   }
 
-  // Accumulators per query chunk: output 0 and lse -inf (no key seen yet).
+  // Accumulators per query chunk: output 0 and lse -inf (no key seen yet). Without zigzag the
+  // one chunk is this rank's shard, so the accumulators are the results themselves.
+  const bool direct = !layout.zigzag;
   std::vector<Tensor> out_chunks, lse_chunks;
   for (int c = 0; c < layout.chunks; ++c) {
-    out_chunks.push_back(Tensor::zeros(Shape{q4.size(0), q4.size(1), layout.chunk, v4.size(3)}));
-    lse_chunks.push_back(Tensor::full(Shape{q4.size(0), q4.size(1), layout.chunk}, kMinusInf));
+    const Shape out_shape{q4.size(0), q4.size(1), layout.chunk, v4.size(3)}, lse_shape{q4.size(0), q4.size(1), layout.chunk};
+    const size_t slot = 2 + 2 * static_cast<size_t>(c);
+    out_chunks.push_back(direct ? Tensor::zeros(out_shape) : filled(workspace.get(slot, out_shape), 0.0f));
+    lse_chunks.push_back(direct ? Tensor::full(lse_shape, kMinusInf) : filled(workspace.get(slot + 1, lse_shape), kMinusInf));
   }
 
   AttentionOptions pair_options = options;
+  if (workspace.pair.output.defined() &&
+      workspace.pair.output.shape() != Shape{q4.size(0), q4.size(1), layout.chunk, v4.size(3)})
+    workspace.pair = AttentionResult();  // another problem's shapes: let the next call allocate
   for (int step = 0; step < p; ++step) {
     const Tensor& current = buffers[step % 2];
     const int source = (r - step + p) % p;  // whose K/V block this is
@@ -510,8 +539,9 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
         if (!pair_mask(options.mask, layout.start(r, qc), layout.chunk, layout.start(source, kc), layout.chunk,
                        pair_options.mask))
           continue;
-        const AttentionResult part = scaled_dot_product_attention(q_chunks[static_cast<size_t>(qc)], bl.k(current, kc),
-                                                                  bl.v(current, kc), pair_options);
+        AttentionResult& part = workspace.pair;
+        scaled_dot_product_attention_into(q_chunks[static_cast<size_t>(qc)], bl.k(current, kc), bl.v(current, kc), part,
+                                          pair_options);
         merge(out_chunks[static_cast<size_t>(qc)], lse_chunks[static_cast<size_t>(qc)], part.output, part.lse);
         ++stats.blocks_computed;
         requests.poke();
@@ -523,12 +553,15 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
 
   // Exit: the chunks go back to the contiguous shards.
   AttentionResult result;
-  Tensor out4 = poisoned(Shape{q4.size(0), q4.size(1), q4.size(2), v4.size(3)});
-  Tensor lse4 = poisoned(Shape{q4.size(0), q4.size(1), q4.size(2), 1});
-  std::vector<Tensor> lse_rows;
-  for (const Tensor& t : lse_chunks) lse_rows.push_back(t.unsqueeze(3));
-  gather_chunks(out_chunks, out4, layout, comm, 0, stats);
-  gather_chunks(lse_rows, lse4, layout, comm, 1, stats);
+  Tensor out4 = out_chunks[0], lse4 = lse_chunks[0].unsqueeze(3);
+  if (!direct) {
+    out4 = poisoned(Shape{q4.size(0), q4.size(1), q4.size(2), v4.size(3)});
+    lse4 = poisoned(Shape{q4.size(0), q4.size(1), q4.size(2), 1});
+    std::vector<Tensor> lse_rows;
+    for (const Tensor& t : lse_chunks) lse_rows.push_back(t.unsqueeze(3));
+    gather_chunks(out_chunks, out4, layout, comm, 0, stats);
+    gather_chunks(lse_rows, lse4, layout, comm, 1, stats);
+  }
   result.output = out4.reshape(shape_like(q, out4));
   result.lse = lse4.reshape(lse_shape_like(q, q4));
   stats.total_seconds = seconds_since(start);
@@ -569,7 +602,7 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   const int right = (r + 1) % p, left = (r + p - 1) % p;
 
   const BlockLayout bl = block_layout(k4, v4, layout);  // also the layout of a dK/dV accumulator
-  Tensor kv[2] = {Tensor::empty(Shape{bl.total()}), Tensor::empty(Shape{bl.total()})};
+  Tensor kv[2] = {workspace.get(0, Shape{bl.total()}), workspace.get(1, Shape{bl.total()})};
   std::vector<Tensor> q_chunks, k_chunks, v_chunks, go_chunks, o_chunks, lse_chunks;
   {
     Requests requests;
@@ -593,14 +626,16 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
     f.output = o_chunks[static_cast<size_t>(c)];
     f.lse = lse_chunks[static_cast<size_t>(c)].squeeze(3);
     forwards.push_back(f);
-    dq_chunks.push_back(Tensor::zeros(q_chunks[static_cast<size_t>(c)].shape()));
+    const Shape dq_shape = q_chunks[static_cast<size_t>(c)].shape();
+    dq_chunks.push_back(layout.zigzag ? filled(workspace.get(7 + static_cast<size_t>(c), dq_shape), 0.0f)
+                                      : Tensor::zeros(dq_shape));  // without zigzag: the result itself
   }
 
   // dK/dV buffers: this step's contribution, the accumulator arriving from the left, and the one
   // leaving to the right (still in flight from the previous step).
-  Tensor contribution = Tensor::empty(Shape{bl.total()});
-  Tensor arriving = Tensor::empty(Shape{bl.total()});
-  Tensor leaving = Tensor::empty(Shape{bl.total()});
+  Tensor contribution = workspace.get(2, Shape{bl.total()});
+  Tensor arriving = workspace.get(3, Shape{bl.total()});
+  Tensor leaving = workspace.get(4, Shape{bl.total()});
   Requests grad_sends, grad_recv;
   AttentionOptions pair_options = options;
   for (int step = 0; step < p; ++step) {
@@ -651,8 +686,9 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
     dk_chunks.push_back(bl.k(arriving, c));
     dv_chunks.push_back(bl.v(arriving, c));
   }
-  Tensor dq4 = poisoned(q4.shape()), dk4 = poisoned(k4.shape()), dv4 = poisoned(v4.shape());
-  gather_chunks(dq_chunks, dq4, layout, comm, 0, stats);
+  Tensor dq4 = layout.zigzag ? poisoned(q4.shape()) : dq_chunks[0];
+  Tensor dk4 = poisoned(k4.shape()), dv4 = poisoned(v4.shape());
+  if (layout.zigzag) gather_chunks(dq_chunks, dq4, layout, comm, 0, stats);
   gather_chunks(dk_chunks, dk4, layout, comm, 1, stats);
   gather_chunks(dv_chunks, dv4, layout, comm, 2, stats);
   AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape())};
