@@ -142,8 +142,24 @@ void copy_rows(const Tensor& rows, int64_t start, const Tensor& chunk, bool to_r
   }
 }
 
-Tensor with_rows(const Tensor& t4, int64_t rows) {
-  return Tensor::empty(Shape{t4.size(0), t4.size(1), rows, t4.size(3)});
+// Buffers kept per thread between calls (ring buffers, accumulators, the pair results), so a loop
+// of calls pays for fresh pages once: on this machine's VM a page fault costs as much as the
+// kernel's work on a 1024-row shard. Never handed to the caller; release_ring_workspaces() frees them.
+struct Workspace {
+  std::vector<Tensor> buffers;
+  AttentionResult pair;  // scaled_dot_product_attention_into's result, reused pair after pair
+  // The buffer in `slot`, shaped `shape`, contents unspecified.
+  Tensor get(size_t slot, const Shape& shape) {
+    if (slot >= buffers.size()) buffers.resize(slot + 1);
+    if (!buffers[slot].defined() || buffers[slot].shape() != shape) buffers[slot] = Tensor::empty(shape);
+    return buffers[slot];
+  }
+};
+thread_local Workspace workspace;
+
+// Workspace slot `slot` shaped as t4 with `rows` rows.
+Tensor with_rows(const Tensor& t4, int64_t rows, size_t slot) {
+  return workspace.get(slot, Shape{t4.size(0), t4.size(1), rows, t4.size(3)});
 }
 
 // Which rows of the global sequence each rank computes on (see the file comment).
@@ -164,7 +180,8 @@ struct Layout {
 // Global chunk g (rows g*c ...) lies in caller shard g / 2 (half g % 2) and is computed by rank
 // g (slot 0) when g < P, else by rank 2P-1-g (slot 1). `index` keeps the tags of tensors apart.
 std::vector<Tensor> scatter_chunks(const Tensor& shard, const Layout& layout, const Comm& comm, int index,
-                                   Requests& requests, std::vector<Tensor>& keep_alive, RingStats& stats) {
+                                   Requests& requests, RingStats& stats) {
+  const size_t slots = 10 + 4 * static_cast<size_t>(index);  // workspace: 2 chunks, 2 outgoing halves
   std::vector<Tensor> chunks;
   if (!layout.zigzag) {
     chunks.push_back(shard);
@@ -172,7 +189,7 @@ std::vector<Tensor> scatter_chunks(const Tensor& shard, const Layout& layout, co
   }
   const int p = layout.ranks, r = layout.rank;
   for (int slot = 0; slot < 2; ++slot) {
-    chunks.push_back(with_rows(shard, layout.chunk));
+    chunks.push_back(with_rows(shard, layout.chunk, slots + static_cast<size_t>(slot)));
     const int64_t g = slot == 0 ? r : 2 * p - 1 - r;
     requests.recv(chunks.back().data(), chunks.back().numel(), static_cast<int>(g / 2), kTagZigzag + 2 * index + slot,
                   comm.get());
@@ -181,10 +198,9 @@ std::vector<Tensor> scatter_chunks(const Tensor& shard, const Layout& layout, co
     const int64_t g = 2 * int64_t{r} + half;
     const int dest = static_cast<int>(g < p ? g : 2 * p - 1 - g);
     const int slot = g < p ? 0 : 1;
-    keep_alive.push_back(with_rows(shard, layout.chunk));
-    copy_rows(shard, half * layout.chunk, keep_alive.back(), false);
-    requests.send(keep_alive.back().data(), keep_alive.back().numel(), dest, kTagZigzag + 2 * index + slot,
-                  comm.get(), stats);
+    const Tensor outgoing = with_rows(shard, layout.chunk, slots + 2 + static_cast<size_t>(half));
+    copy_rows(shard, half * layout.chunk, outgoing, false);
+    requests.send(outgoing.data(), outgoing.numel(), dest, kTagZigzag + 2 * index + slot, comm.get(), stats);
   }
   return chunks;
 }
@@ -201,7 +217,7 @@ void gather_chunks(const std::vector<Tensor>& chunks, const Tensor& shard, const
   std::vector<Tensor> incoming;
   Requests requests;
   for (int half = 0; half < 2; ++half) {
-    incoming.push_back(with_rows(shard, layout.chunk));
+    incoming.push_back(with_rows(shard, layout.chunk, 40 + 2 * static_cast<size_t>(index) + static_cast<size_t>(half)));
     const int64_t g = 2 * int64_t{r} + half;
     const int source = static_cast<int>(g < p ? g : 2 * p - 1 - g);
     requests.recv(incoming.back().data(), incoming.back().numel(), source, kTagZigzag + 2 * index + half, comm.get());
@@ -454,21 +470,6 @@ Shape lse_shape_like(const Tensor& original, const Tensor& q4) {
 
 Tensor poisoned(const Shape& shape) { return Tensor::full(shape, std::numeric_limits<float>::quiet_NaN()); }
 
-// Buffers kept per thread between calls (ring buffers, accumulators, the pair results), so a loop
-// of calls pays for fresh pages once: on this machine's VM a page fault costs as much as the
-// kernel's work on a 1024-row shard. Never handed to the caller; release_ring_workspaces() frees them.
-struct Workspace {
-  std::vector<Tensor> buffers;
-  AttentionResult pair;  // scaled_dot_product_attention_into's result, reused pair after pair
-  // The buffer in `slot`, shaped `shape`, contents unspecified.
-  Tensor get(size_t slot, const Shape& shape) {
-    if (slot >= buffers.size()) buffers.resize(slot + 1);
-    if (!buffers[slot].defined() || buffers[slot].shape() != shape) buffers[slot] = Tensor::empty(shape);
-    return buffers[slot];
-  }
-};
-thread_local Workspace workspace;
-
 Tensor filled(Tensor t, float value) {
   std::fill_n(t.data(), t.numel(), value);
   return t;
@@ -499,10 +500,9 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
   std::vector<Tensor> q_chunks, k_chunks, v_chunks;
   {
     Requests requests;
-    std::vector<Tensor> keep_alive;
-    q_chunks = scatter_chunks(q4, layout, comm, 0, requests, keep_alive, stats);
-    k_chunks = scatter_chunks(k4, layout, comm, 1, requests, keep_alive, stats);
-    v_chunks = scatter_chunks(v4, layout, comm, 2, requests, keep_alive, stats);
+    q_chunks = scatter_chunks(q4, layout, comm, 0, requests, stats);
+    k_chunks = scatter_chunks(k4, layout, comm, 1, requests, stats);
+    v_chunks = scatter_chunks(v4, layout, comm, 2, requests, stats);
     requests.wait(stats);
   }
   for (int c = 0; c < layout.chunks; ++c) {
@@ -606,13 +606,12 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   std::vector<Tensor> q_chunks, k_chunks, v_chunks, go_chunks, o_chunks, lse_chunks;
   {
     Requests requests;
-    std::vector<Tensor> keep_alive;
-    q_chunks = scatter_chunks(q4, layout, comm, 0, requests, keep_alive, stats);
-    k_chunks = scatter_chunks(k4, layout, comm, 1, requests, keep_alive, stats);
-    v_chunks = scatter_chunks(v4, layout, comm, 2, requests, keep_alive, stats);
-    go_chunks = scatter_chunks(go4, layout, comm, 3, requests, keep_alive, stats);
-    o_chunks = scatter_chunks(o4, layout, comm, 4, requests, keep_alive, stats);
-    lse_chunks = scatter_chunks(lse4, layout, comm, 5, requests, keep_alive, stats);
+    q_chunks = scatter_chunks(q4, layout, comm, 0, requests, stats);
+    k_chunks = scatter_chunks(k4, layout, comm, 1, requests, stats);
+    v_chunks = scatter_chunks(v4, layout, comm, 2, requests, stats);
+    go_chunks = scatter_chunks(go4, layout, comm, 3, requests, stats);
+    o_chunks = scatter_chunks(o4, layout, comm, 4, requests, stats);
+    lse_chunks = scatter_chunks(lse4, layout, comm, 5, requests, stats);
     requests.wait(stats);
   }
   for (int c = 0; c < layout.chunks; ++c) {
@@ -688,9 +687,9 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   }
   Tensor dq4 = layout.zigzag ? poisoned(q4.shape()) : dq_chunks[0];
   Tensor dk4 = poisoned(k4.shape()), dv4 = poisoned(v4.shape());
-  if (layout.zigzag) gather_chunks(dq_chunks, dq4, layout, comm, 0, stats);
-  gather_chunks(dk_chunks, dk4, layout, comm, 1, stats);
-  gather_chunks(dv_chunks, dv4, layout, comm, 2, stats);
+  if (layout.zigzag) gather_chunks(dq_chunks, dq4, layout, comm, 2, stats);
+  gather_chunks(dk_chunks, dk4, layout, comm, 3, stats);
+  gather_chunks(dv_chunks, dv4, layout, comm, 4, stats);
   AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape())};
   stats.total_seconds = seconds_since(start);
   if (stats_out) *stats_out = stats;

@@ -16,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
@@ -79,6 +80,18 @@ double max_diff_on_root(const Tensor& mine, const Tensor& whole, MPI_Comm comm) 
 // Visible (query, key) pairs of one head: N^2, or N (N + 1) / 2 when causal.
 double visible_pairs(int64_t n, bool causal) {
   return causal ? 0.5 * static_cast<double>(n) * static_cast<double>(n + 1) : static_cast<double>(n) * static_cast<double>(n);
+}
+
+// A barrier whose waiting ranks sleep instead of spinning (Open MPI's MPI_Barrier polls), so
+// rank 0's single-process timing has the machine's other cores to itself.
+void quiet_barrier(MPI_Comm comm) {
+  MPI_Request request;
+  MPI_Ibarrier(comm, &request);
+  int done = 0;
+  while (!done) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 struct PassResult {
@@ -184,7 +197,7 @@ void run_ring_bench(const RingBenchOptions& o) {
         single_bwd = median(times);
       }
     }
-    MPI_Barrier(comm);
+    quiet_barrier(comm);
     const auto lse4 = [](const Tensor& t) { return t.defined() ? t.unsqueeze(3) : t; };
     diff_out = max_diff_on_root(ring.output, whole.output, comm);
     diff_lse = max_diff_on_root(lse4(ring.lse), lse4(whole.lse), comm);
