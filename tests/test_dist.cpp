@@ -142,6 +142,12 @@ TEST(RingAttention, WindowCrossesShards) {
   check(c);
 }
 
+TEST(RingAttention, WindowWithOffset) {  // query i sees keys i + 2 - 4 ... i + 2 + 1
+  Case c;
+  c.options.mask = Mask::window(4, 1, 2);
+  check(c);
+}
+
 TEST(RingAttention, CausalWindow) {
   Case c;
   c.options.mask = Mask::causal() & Mask::window(5);
