@@ -14,10 +14,10 @@
 //
 // Masks refer to global positions: Mask::causal(offset), Mask::window(left, right, offset) and
 // Mask::key_lengths(global lengths) mean what they mean for the whole sequence. Tensor masks
-// (keep, additive), dropout and need_weights are a qkv::Error. Shapes and options are compared
-// across ranks with one MPI_Allgather before any ring traffic, so a mismatch is the same
-// qkv::Error on every rank, never a hang. All calls are collective over `comm`; MPI must be
-// initialised and the calls made from one thread per rank.
+// (keep, additive), dropout, need_weights and Backend::Decode (no backward) are a qkv::Error.
+// Shapes and options are compared across ranks with one MPI_Allgather before any ring traffic,
+// so a mismatch is the same qkv::Error on every rank, never a hang. All calls are collective
+// over `comm`; MPI must be initialised and the calls made from one thread per rank.
 #pragma once
 
 #include <cstdint>
