@@ -15,6 +15,7 @@ packages=(
   libbenchmark-dev
   pybind11-dev python3-dev python3-numpy   # the Python module (python/)
   python3-pytest python3-torch             # its tests: parity with PyTorch (tests/python)
+  libopenmpi-dev openmpi-bin               # qkv::dist, ring attention over MPI (docs/distributed.md)
 )
 
 missing=()

@@ -26,4 +26,10 @@ void add_bench_command(CLI::App& app);
 // `qkv train`: trains a small attention model on copy, recall or reverse (train.cpp).
 void add_train_command(CLI::App& app);
 
+#ifdef QKV_HAVE_DIST
+// `qkv ring-bench`: ring attention over MPI, timed under mpirun (ring_bench.cpp); only when
+// qkv was built with MPI (qkv::dist).
+void add_ring_bench_command(CLI::App& app);
+#endif
+
 }  // namespace qkv::cli
