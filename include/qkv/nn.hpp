@@ -245,6 +245,13 @@ struct AdamWOptions {
   float weight_decay = 0.01f;
 };
 
+// What AdamW carries from step to step, for checkpoints (qkv/train.hpp): the step count t and
+// the two moments of each parameter (numel floats each, in parameters() order).
+struct AdamWState {
+  int64_t steps = 0;
+  std::vector<std::vector<float>> first_moment, second_moment;
+};
+
 class AdamW {
  public:
   // Every parameter must have a grad tensor of its shape (the modules' parameters() do).
@@ -255,6 +262,10 @@ class AdamW {
   int64_t steps() const { return steps_; }
   AdamWOptions& options() { return options_; }  // e.g. to change lr on a schedule
   const std::vector<NamedTensor>& parameters() const { return parameters_; }
+  AdamWState state() const { return {steps_, first_moment_, second_moment_}; }
+  // Resumes from a state(): one moment pair per parameter, each of its numel; else qkv::Error
+  // (and the optimizer is unchanged).
+  void load_state(const AdamWState& state);
 
  private:
   std::vector<NamedTensor> parameters_;
