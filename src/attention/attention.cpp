@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "attention/kernels.hpp"
+#include "memory.hpp"
 #include "random.hpp"
 
 namespace qkv {
@@ -219,6 +220,9 @@ void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const T
     fail(kForward, "backend " + std::string(to_string(options.backend)) +
                        " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
 
+  // Before allocating: the results' bytes against the memory limit (src/memory.cpp).
+  detail::check_attention_request(kForward, q, k, v, result, checked.output_shape, checked.lse_shape,
+                                  options.need_weights ? &checked.scores_shape : nullptr);
   prepare_output(result.output, "output", checked.output_shape, q, k, v);
   prepare_output(result.lse, "lse", checked.lse_shape, q, k, v);
   if (options.need_weights) {
