@@ -81,7 +81,7 @@ MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, con
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask& mask, Weights weights) const {
   MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
-  saved_.self_attention = true;
+  if (training_) saved_.self_attention = true;
   return out;
 }
 
@@ -110,10 +110,15 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
   const Tensor v_in = unbatched ? value.unsqueeze(0) : value;
   const int64_t batch = q_in.size(0), q_len = q_in.size(1), kv_len = k_in.size(1), hd = head_dim();
 
+  // Training keeps what backward needs; eval() keeps nothing, so concurrent inference on one
+  // module only reads it (include/qkv/nn.hpp).
+  const bool remember = training_;
+  auto project = [remember](const Linear& proj, const Tensor& in) { return remember ? proj.forward(in) : proj.apply(in); };
+
   // ---- 1. project, 2. split into heads: (B, N, H * hd) -> (B, H, N, hd), views
-  const Tensor q = q_proj.forward(q_in).reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
-  const Tensor k = k_proj.forward(k_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
-  const Tensor v = v_proj.forward(v_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
+  const Tensor q = project(q_proj, q_in).reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
+  const Tensor k = project(k_proj, k_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
+  const Tensor v = project(v_proj, v_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
 
   // ---- 3. attend, through the one functional core
   AttentionOptions attention;
@@ -124,13 +129,14 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
     attention.seed = stream_seed(options_.seed, 7) + dropout_calls_++;
   }
   AttentionResult attended = scaled_dot_product_attention(q, k, v, attention);
-  saved_ = {.valid = true, .self_attention = false, .unbatched = unbatched, .q = q, .k = k, .v = v,
-            .attended = attended, .attention = attention};
+  if (remember)
+    saved_ = {.valid = true, .self_attention = false, .unbatched = unbatched, .q = q, .k = k, .v = v,
+              .attended = attended, .attention = attention};
 
   // ---- 4. concatenate heads: (B, H, Nq, hd) -> (B, Nq, E), 5. output projection
   Tensor concatenated = attended.output.transpose(1, 2).reshape({batch, q_len, embed_dim_});
   MultiHeadAttentionOutput result;
-  result.output = out_proj.forward(concatenated);
+  result.output = project(out_proj, concatenated);
 
   if (weights == Weights::Averaged) {
     Tensor mean = Tensor::zeros({batch, q_len, kv_len});
@@ -153,7 +159,9 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
 }
 
 MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_output) {
-  if (!saved_.valid) throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first)");
+  if (!saved_.valid)
+    throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first, in train() mode: "
+                "eval() forwards keep nothing)");
   const Saved& s = saved_;
   const int64_t batch = s.q.size(0), q_len = s.q.size(2), kv_len = s.k.size(2), hd = head_dim();
   const Shape expected = s.unbatched ? Shape{q_len, embed_dim_} : Shape{batch, q_len, embed_dim_};
