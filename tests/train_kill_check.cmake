@@ -43,13 +43,20 @@ if(NOT differ EQUAL 0)
   message(FATAL_ERROR "the resumed run's model differs from the uninterrupted run's")
 endif()
 
-# 3. Ctrl-C: `timeout -s INT` sends SIGINT after 3 s to a run far too long to finish by then.
-find_program(TIMEOUT timeout REQUIRED)
+# 3. Ctrl-C: once the run has printed its header (the SIGINT handler is in place by then), send
+#    SIGINT to a run far too long to finish, as a terminal's Ctrl-C would.
 set(interrupted_ckpt ${WORK_DIR}/interrupted.ckpt)
-execute_process(COMMAND ${TIMEOUT} -s INT 3 ${QKV} train --task copy --length 3 --symbols 4 --steps 100000000
-    --batch 8 --d-model 16 --heads 2 --layers 1 --eval-every 100000000 --checkpoint ${interrupted_ckpt}
-  RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(NOT EXISTS ${interrupted_ckpt} OR NOT err MATCHES "Interrupted: saved a checkpoint at step [0-9]+ to")
-  message(FATAL_ERROR "SIGINT did not save a checkpoint (result ${result}):\n${out}\n${err}")
+set(script "
+  '${QKV}' train --task copy --length 3 --symbols 4 --steps 100000000 --batch 8 --d-model 16 --heads 2 \\
+      --layers 1 --eval-every 100000000 --checkpoint '${interrupted_ckpt}' >'${WORK_DIR}/out.txt' 2>'${WORK_DIR}/err.txt' &
+  pid=$!
+  for i in $(seq 600); do grep -q 'held-out' '${WORK_DIR}/out.txt' && break; sleep 0.1; done
+  sleep 0.5
+  kill -INT $pid
+  wait $pid")
+execute_process(COMMAND sh -c "${script}" RESULT_VARIABLE result)
+file(READ ${WORK_DIR}/err.txt err)
+if(NOT result EQUAL 130 OR NOT EXISTS ${interrupted_ckpt} OR NOT err MATCHES "Interrupted: saved a checkpoint at step [0-9]+ to")
+  message(FATAL_ERROR "SIGINT did not save a checkpoint and exit with 130 (result ${result}):\n${err}")
 endif()
 message(STATUS "Ctrl-C: ${err}")

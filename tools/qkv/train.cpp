@@ -229,6 +229,7 @@ void run_train(const TrainCommandOptions& o) {
              o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, o.layers, model.parameter_count(),
              train::sequence_length(options.task), config.vocab_size);
   fmt::print("{:>8} {:>10} {:>10} {:>14} {:>9}\n", "step", "loss", "held-out", "accuracy", "seconds");
+  std::fflush(stdout);  // Ctrl-C is handled from here on: say so at once, even into a pipe
 
   ProgressBar bar(o.steps);
   float smoothed = 0;
