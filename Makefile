@@ -1,35 +1,66 @@
-# qkv: the two commands a new machine needs.
-#   make demo   install what is missing, build, run the guided tour (qkv demo)
-#   make test   install what is missing, build twice (optimised; ASan + UBSan), run the suite on both
+# qkv: the commands a new machine needs.
+#   make build  install what building needs (library, tool, Python module) if missing, build
+#   make demo   install what the tool needs if missing, build it, run the guided tour (qkv demo)
+#   make test   install everything the tests need if missing, then build and run the suite three
+#               times (optimised; ASan + UBSan; the thread stress test under TSan) and the fuzzers'
+#               CI lane (FUZZ_CI_SECONDS each under ASan + UBSan)
+#   make fuzz   run each fuzzer for FUZZ_SECONDS (corpora in build/fuzz/corpus, seeds in fuzz/corpus)
+# Only scripts/install-deps.sh calls apt (and sudo when not root), and only for missing packages:
+# on a machine that has them, no target needs root.
 BUILD ?= build
 JOBS ?= 2
+FUZZ_SECONDS ?= 300
+FUZZ_CI_SECONDS ?= 45
 
-.PHONY: all deps configure build demo test test-release test-sanitize clean
+.PHONY: all configure build demo test test-release test-sanitize test-tsan test-fuzz fuzz fuzz-build clean
 
 all: build
 
-deps:
-	@bash scripts/install-deps.sh
-
-configure: deps
-	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release
+configure:
+	@bash scripts/install-deps.sh tools python
+	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCHMARKS=OFF
 
 build: configure
 	cmake --build $(BUILD)/release -j$(JOBS)
 
-demo: configure
+demo:
+	@bash scripts/install-deps.sh tools
+	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_BENCHMARKS=OFF
 	cmake --build $(BUILD)/release -j$(JOBS) --target qkv_cli
 	$(BUILD)/release/tools/qkv/qkv demo
 
-test: test-release test-sanitize
+test: test-release test-sanitize test-tsan test-fuzz
 
-test-release: build
+test-release:
+	@bash scripts/install-deps.sh test
+	cmake -S . -B $(BUILD)/release -DCMAKE_BUILD_TYPE=Release -DQKV_BUILD_TESTS=ON -DQKV_BUILD_BENCHMARKS=ON
+	cmake --build $(BUILD)/release -j$(JOBS)
 	cd $(BUILD)/release && ctest --output-on-failure -j$(JOBS)
 
-test-sanitize: deps
+test-sanitize:
+	@bash scripts/install-deps.sh test
 	cmake -S . -B $(BUILD)/sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKV_SANITIZE=ON
 	cmake --build $(BUILD)/sanitize -j$(JOBS)
 	cd $(BUILD)/sanitize && ctest --output-on-failure -j$(JOBS)
+
+# ThreadSanitizer: only the library and the concurrency stress test (tests/test_concurrency.cpp).
+test-tsan:
+	@bash scripts/install-deps.sh test
+	cmake -S . -B $(BUILD)/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKV_TSAN=ON
+	cmake --build $(BUILD)/tsan -j$(JOBS) --target qkv_concurrency_tests
+	cd $(BUILD)/tsan && ctest --output-on-failure -L tsan
+
+# libFuzzer (clang) with ASan + UBSan: the fuzz targets of fuzz/, in a build of their own.
+fuzz-build:
+	@bash scripts/install-deps.sh test
+	cmake -S . -B $(BUILD)/fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ -DQKV_FUZZ=ON
+	cmake --build $(BUILD)/fuzz -j$(JOBS)
+
+test-fuzz: fuzz-build
+	bash fuzz/run.sh $(BUILD)/fuzz $(FUZZ_CI_SECONDS)
+
+fuzz: fuzz-build
+	bash fuzz/run.sh $(BUILD)/fuzz $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD)

@@ -1,32 +1,69 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages qkv needs to build, test and run, when any are missing.
-# Idempotent: a machine that has them all returns at once without touching apt.
+# Installs the Debian 12 packages qkv needs, by purpose, when any are missing:
+#   scripts/install-deps.sh build    the library alone (cmake -DQKV_BUILD_TESTS=OFF -DQKV_BUILD_TOOLS=OFF)
+#   scripts/install-deps.sh tools    the qkv command line tool (qkv demo, train, viz, ...)
+#   scripts/install-deps.sh python   the Python module (python/) and `pip install .`
+#   scripts/install-deps.sh test     the test suite, benchmarks, fuzzers, sanitizers and PyTorch parity
+#   scripts/install-deps.sh all      all of the above (the default)
+# Several groups may be given. Idempotent: when every package asked for is installed (checked with
+# dpkg-query, which needs no root) it returns at once without touching apt or sudo.
 set -euo pipefail
 
-packages=(
-  build-essential cmake make pkg-config git
+build=(
+  build-essential cmake make pkg-config
   libopenblas-dev          # GEMMs (reference kernel, Linear)
   libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
   libgomp1                 # OpenMP threads (ships with g++)
+)
+tools=(
   libcli11-dev libfmt-dev  # the qkv command line tool
   libcairo2-dev            # qkv viz / scaling: PNG, SVG and PDF figures
   fonts-dejavu-core        # the figures' text
-  libgtest-dev libgmock-dev
-  libbenchmark-dev
-  pybind11-dev python3-dev python3-numpy   # the Python module (python/)
-  python3-pytest python3-torch             # its tests: parity with PyTorch (tests/python)
+)
+python=(
+  pybind11-dev python3-dev python3-numpy                 # the Python module (python/)
+  python3-pip python3-venv python3-setuptools python3-wheel  # pip install . (setup.py), offline
+)
+test=(
+  git                                      # tests/consumer and the pip install test copy the sources
+  libgtest-dev libgmock-dev                # the GoogleTest suite (tests/)
+  libbenchmark-dev                         # bench/
+  python3-pytest python3-torch             # tests/python: parity with PyTorch
+  clang libclang-rt-14-dev                 # fuzz/: libFuzzer and its sanitizer runtimes (clang 14)
   libopenmpi-dev openmpi-bin               # qkv::dist, ring attention over MPI (docs/distributed.md)
 )
+
+groups=("$@")
+[ ${#groups[@]} -eq 0 ] && groups=(all)
+packages=()
+for group in "${groups[@]}"; do
+  case "$group" in
+    build) packages+=("${build[@]}") ;;
+    tools) packages+=("${build[@]}" "${tools[@]}") ;;
+    python) packages+=("${build[@]}" "${python[@]}") ;;
+    test) packages+=("${build[@]}" "${tools[@]}" "${python[@]}" "${test[@]}") ;;
+    all) packages+=("${build[@]}" "${tools[@]}" "${python[@]}" "${test[@]}") ;;
+    *) echo "install-deps: unknown group '$group' (build, tools, python, test, all)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
+# Each package once, in order.
+mapfile -t missing < <(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++')
 
-echo "install-deps: installing ${missing[*]}"
+echo "install-deps: missing ${missing[*]}"
 sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
+if [ "$(id -u)" -ne 0 ]; then
+  if ! command -v sudo >/dev/null; then
+    echo "install-deps: not root and no sudo: install them as root: apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+  sudo="sudo"
+fi
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y --no-install-recommends "${missing[@]}"

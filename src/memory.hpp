@@ -3,12 +3,37 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+
+#include "qkv/attention.hpp"
+#include "qkv/tensor.hpp"
 
 namespace qkv::detail {
 
 // 64-byte aligned allocation counted in memory_stats(): one cache line, one AVX-512 register,
-// so SIMD rows start aligned and workers never share a line. Throws std::bad_alloc.
+// so SIMD rows start aligned and workers never share a line. Throws qkv::Error naming the bytes
+// (never std::bad_alloc) when they exceed the memory limit (qkv/memory.hpp) or the system says no.
 float* allocate_floats(size_t count);
+
+// The bytes still allowed: memory limit minus what qkv holds, or without a limit the machine's
+// physical memory (one request can never use more).
+int64_t bytes_available();
+
+// Before a call allocates its results: `needed` bytes (the sum of the parts, described in
+// `parts`, e.g. "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB") against
+// bytes_available(); throws qkv::Error "<who>: <shapes> need <bytes> ...; <advice>" if over.
+void check_request(const char* who, const std::string& shapes, int64_t needed, const std::string& parts,
+                   const std::string& advice);
+
+// scaled_dot_product_attention's check before it allocates (src/attention/attention.cpp): the
+// results the caller did not provide (output, lse, and weights when `weights` is given) against
+// bytes_available(), the error naming q, k, v and each result's shape, and for weights the advice
+// to drop need_weights or use Backend::Flash.
+void check_attention_request(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionResult& given, const Shape& output, const Shape& lse, const Shape* weights);
+
+// "1.5 GiB", "12.0 MiB", "640 bytes": for error messages.
+std::string human_bytes(int64_t bytes);
 void free_floats(float* data, size_t count);
 
 // A grow-only aligned buffer. A kernel asks its thread's workspace for the scratch it needs;

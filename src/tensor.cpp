@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
+#include <new>
 #include <numeric>
 #include <ostream>
 #include <sstream>
@@ -88,7 +89,17 @@ std::vector<int64_t> row_major_strides(const Shape& shape) {
 
 Tensor Tensor::empty(const Shape& shape) {
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(shape.numel());
+  // Allocation failures name the shape that asked (qkv/memory.hpp: no std::bad_alloc escapes).
+  try {
+    t.storage_ = std::make_shared<Storage>(shape.numel());
+  } catch (const Error& e) {
+    std::string what = e.what();  // "qkv: cannot allocate ..." (src/memory.cpp)
+    if (what.rfind("qkv: ", 0) == 0) what.erase(0, 5);
+    throw Error("Tensor " + shape.str() + ": " + what);
+  } catch (const std::bad_alloc&) {
+    throw Error("Tensor " + shape.str() + ": cannot allocate " + std::to_string(shape.numel() * 4) +
+                " bytes: the system refused (out of memory)");
+  }
   t.shape_ = shape;
   t.strides_ = row_major_strides(shape);
   return t;

@@ -171,4 +171,53 @@ TEST(Memory, TensorStorageIsCounted) {
   EXPECT_EQ(qkv::memory_stats().current_bytes, before);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Large requests: refused before allocating, with the bytes and shapes that asked.
+
+// The weights of 200000 x 200000 scores are 160 GB, more than this machine (or the CI's) has.
+TEST(Memory, HugeWeightsAreRefusedBeforeAllocating) {
+  const Tensor q = Tensor::randn({1, 1, 200000, 8}, 1);
+  const int64_t before = qkv::memory_stats().current_bytes;
+  AttentionOptions options;
+  options.need_weights = true;
+  EXPECT_THAT([&] { (void)qkv::scaled_dot_product_attention(q, q, q, options); },
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(
+                  HasSubstr("scaled_dot_product_attention: q (1, 1, 200000, 8), k (1, 1, 200000, 8)"),
+                  HasSubstr("need 160007200000 bytes"), HasSubstr("weights (1, 1, 200000, 200000) 149.0 GiB"),
+                  HasSubstr("physical memory"), HasSubstr("need_weights = false"), HasSubstr("Backend::Flash"))));
+  EXPECT_EQ(qkv::memory_stats().current_bytes, before);
+}
+
+// Restores the memory limit when a test ends, whatever happens in it.
+struct LimitGuard {
+  explicit LimitGuard(int64_t bytes) { qkv::set_memory_limit(bytes); }
+  ~LimitGuard() { qkv::set_memory_limit(0); }
+};
+
+TEST(Memory, TheLimitIsEnforcedWithShapesAndBytes) {
+  const Tensor q = Tensor::randn({2, 4, 512, 32}, 1);
+  const LimitGuard limit(qkv::memory_stats().current_bytes + 2 * kMiB);
+  EXPECT_EQ(qkv::memory_limit(), qkv::memory_stats().current_bytes + 2 * kMiB);
+  // Output 512 KiB fits; with weights (2, 4, 512, 512) = 8 MiB it does not.
+  EXPECT_NO_THROW((void)qkv::scaled_dot_product_attention(q, q, q));
+  AttentionOptions options;
+  options.need_weights = true;
+  EXPECT_THAT([&] { (void)qkv::scaled_dot_product_attention(q, q, q, options); },
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(
+                  HasSubstr("need 8929280 bytes"), HasSubstr("weights (2, 4, 512, 512) 8.0 MiB"),
+                  HasSubstr("the memory limit leaves"), HasSubstr("need_weights = false"))));
+  // Any tensor: the shape and the bytes.
+  EXPECT_THAT([] { (void)Tensor::zeros({1024, 1024}); },
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(
+                  HasSubstr("Tensor (1024, 1024): cannot allocate 4194304 bytes (4.0 MiB): over the memory limit"))));
+  EXPECT_THAT([] { qkv::set_memory_limit(-1); }, ::testing::ThrowsMessage<qkv::Error>(HasSubstr(">= 0")));
+}
+
+// No std::bad_alloc: a tensor larger than the machine is a qkv::Error too.
+TEST(Memory, NoBadAllocEscapes) {
+  EXPECT_THAT([] { (void)Tensor::empty({int64_t{1} << 20, int64_t{1} << 20}); },
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(HasSubstr("Tensor (1048576, 1048576)"),
+                                                                    HasSubstr("4398046511104 bytes"))));
+}
+
 }  // namespace

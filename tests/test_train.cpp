@@ -11,6 +11,13 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+
+#include "crc32c.hpp"
 #include "oracle.hpp"
 
 namespace {
@@ -78,6 +85,13 @@ class ModelFile : public ::testing::Test {
     std::ifstream in(path_, std::ios::binary);
     return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   }
+  // Writes `data` with its last 4 bytes replaced by the CRC-32C of the rest, so a test can edit
+  // one field and reach the check behind the checksum.
+  void write_resealed(std::vector<char> data) const {
+    const uint32_t crc = qkv::detail::crc32c_update(0, data.data(), data.size() - 4);
+    std::memcpy(data.data() + data.size() - 4, &crc, 4);
+    write(data);
+  }
   void write(const std::vector<char>& data) const {
     std::ofstream out(path_, std::ios::binary | std::ios::trunc);
     out.write(data.data(), static_cast<std::streamsize>(data.size()));
@@ -105,12 +119,115 @@ TEST_F(ModelFile, RoundTripKeepsEveryBit) {
   }
   const std::vector<int64_t> ids{1, 2, 3, 4, 5, 6, 7, 8, 0, 1};
   EXPECT_EQ(model.forward(ids, 2, 5).to_vector(), loaded.forward(ids, 2, 5).to_vector());
-  // The documented layout: magic, version 1, then the five config integers.
+  // The documented layout: magic, version 2, flags 0, the five config integers, ..., CRC-32C.
   const std::vector<char> data = bytes();
-  ASSERT_GE(data.size(), 52u);
+  ASSERT_GE(data.size(), 60u);
   EXPECT_EQ(std::string(data.begin(), data.begin() + 8), "QKVMODEL");
-  EXPECT_EQ(data[8], 1);
-  EXPECT_EQ(data[12], 9);  // vocab_size, little-endian
+  EXPECT_EQ(data[8], 2);
+  EXPECT_EQ(data[12], 0);
+  EXPECT_EQ(data[16], 9);  // vocab_size, little-endian
+  uint32_t stored;
+  std::memcpy(&stored, data.data() + data.size() - 4, 4);
+  EXPECT_EQ(stored, qkv::detail::crc32c_update(0, data.data(), data.size() - 4));
+  // The save left no temporary file beside the model.
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(path_).parent_path()))
+    EXPECT_EQ(entry.path().string().find(path_ + ".tmp-"), std::string::npos) << entry.path();
+}
+
+TEST(Crc32c, KnownAnswers) {
+  // The check value of the CRC catalogue (CRC-32/ISCSI) and RFC 3720's 32 zero bytes.
+  EXPECT_EQ(qkv::detail::crc32c_update(0, "123456789", 9), 0xE3069283u);
+  const std::vector<char> zeros(32, 0);
+  EXPECT_EQ(qkv::detail::crc32c_update(0, zeros.data(), zeros.size()), 0x8A9136AAu);
+  // Chunked equals whole.
+  EXPECT_EQ(qkv::detail::crc32c_update(qkv::detail::crc32c_update(0, "12345", 5), "6789", 4), 0xE3069283u);
+}
+
+TEST_F(ModelFile, AFlippedBitIsCaughtByTheChecksum) {
+  AttentionModel(config_, 3).save(path_);
+  std::vector<char> data = bytes();
+  data[data.size() / 2] ^= 0x10;  // one bit in some tensor's values: shapes and names still fine
+  write(data);
+  expect_load_error("corrupt or truncated: the CRC-32C of its");
+}
+
+TEST_F(ModelFile, Version1FilesStillLoad) {
+  // A version 1 file is version 2 without the flags and the checksum.
+  const AttentionModel model(config_, 5);
+  model.save(path_);
+  std::vector<char> data = bytes();
+  data.erase(data.end() - 4, data.end());
+  data.erase(data.begin() + 12, data.begin() + 16);
+  data[8] = 1;
+  write(data);
+  const AttentionModel loaded = AttentionModel::load(path_);
+  const auto a = model.parameters(), b = loaded.parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].tensor.to_vector(), b[i].tensor.to_vector()) << a[i].name;
+}
+
+TEST_F(ModelFile, AFailedSaveKeepsThePreviousFile) {
+  const AttentionModel old_model(config_, 1), new_model(config_, 2);
+  old_model.save(path_);
+  const std::vector<char> before = bytes();
+  // A full disk, as the kernel reports it to a process over its file size limit: EFBIG.
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto* previous_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = saved;
+  small.rlim_cur = 1000;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  EXPECT_THAT([&] { new_model.save(path_); },
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(HasSubstr("failed"),
+                                                                    HasSubstr("the previous file, if any, is unchanged"))));
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  std::signal(SIGXFSZ, previous_handler);
+  EXPECT_EQ(bytes(), before);
+  (void)AttentionModel::load(path_);
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(path_).parent_path()))
+    EXPECT_EQ(entry.path().string().find(path_ + ".tmp-"), std::string::npos) << "left behind: " << entry.path();
+  // Saving into a folder that does not exist names it.
+  EXPECT_THAT([&] { new_model.save("/nonexistent/dir/model.qkv"); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("cannot create a temporary file in '/nonexistent/dir'")));
+}
+
+TEST_F(ModelFile, CheckpointRoundTripAndResumeEqualsAnUninterruptedRun) {
+  const qkv::train::TaskOptions task{.task = qkv::train::Task::Copy, .symbols = 4, .length = 3};
+  const ModelConfig config{.vocab_size = qkv::train::vocab_size(task), .max_len = qkv::train::sequence_length(task),
+                           .d_model = 16, .num_heads = 2, .num_layers = 1};
+  qkv::train::TrainOptions options;
+  options.task = task;
+  options.steps = 12;
+  options.batch = 8;
+  options.warmup_steps = 3;
+  AttentionModel straight(config, 4);
+  qkv::train::train(straight, options);
+
+  // The same run, stopped after step 5 (as Ctrl-C would) and resumed from its checkpoint.
+  AttentionModel first_half(config, 4);
+  options.checkpoint_path = path_;
+  int64_t calls = 0;
+  options.stop_requested = [&calls] { return ++calls == 5; };
+  const qkv::train::TrainResult stopped = qkv::train::train(first_half, options);
+  EXPECT_TRUE(stopped.interrupted);
+  EXPECT_EQ(stopped.step, 5);
+  qkv::train::Checkpoint checkpoint;
+  AttentionModel resumed = AttentionModel::load(path_, &checkpoint);
+  EXPECT_EQ(checkpoint.step, 5);
+  EXPECT_EQ(checkpoint.optimizer.steps, 5);
+  ASSERT_EQ(checkpoint.optimizer.first_moment.size(), resumed.parameters().size());
+  options.stop_requested = {};
+  options.resume = &checkpoint;
+  const qkv::train::TrainResult finished = qkv::train::train(resumed, options);
+  EXPECT_FALSE(finished.interrupted);
+  EXPECT_EQ(finished.step, 12);
+  const auto a = straight.parameters(), b = resumed.parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].tensor.to_vector(), b[i].tensor.to_vector()) << a[i].name;
+
+  // A plain model file read as a checkpoint: step 0, no optimizer state.
+  straight.save(path_);
+  (void)AttentionModel::load(path_, &checkpoint);
+  EXPECT_EQ(checkpoint.step, 0);
+  EXPECT_TRUE(checkpoint.optimizer.first_moment.empty());
 }
 
 TEST_F(ModelFile, TruncatedAnywhereIsAClearError) {
@@ -119,7 +236,7 @@ TEST_F(ModelFile, TruncatedAnywhereIsAClearError) {
   for (size_t cut : {size_t{0}, size_t{5}, size_t{10}, size_t{30}, size_t{56}, size_t{70}, whole.size() / 2, whole.size() - 1}) {
     SCOPED_TRACE("cut at " + std::to_string(cut));
     write({whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(cut)});
-    expect_load_error(cut < 8 ? "not a qkv model file" : "truncated");
+    expect_load_error(cut < 8 ? "not a qkv model file" : cut < 16 ? "is truncated" : "corrupt or truncated");
   }
 }
 
@@ -132,24 +249,30 @@ TEST_F(ModelFile, ForeignVersionShapeAndTrailingBytes) {
   std::vector<char> data = good;
   data[8] = 7;  // version
   write(data);
-  expect_load_error("format version 7, but this qkv reads version 1");
+  expect_load_error("format version 7, but this qkv reads versions 1 and 2");
 
   data = good;
-  data[36] = 3;  // num_heads 3 does not divide d_model 8
-  write(data);
+  data[40] = 3;  // num_heads 3 does not divide d_model 8
+  write_resealed(data);
   expect_load_error("bad config");
+
+  // A config that asks for far more parameters than the file holds: refused before allocating.
+  data = good;
+  data[16 + 2] = 0x08;  // vocab_size 9 + 2^19
+  write_resealed(data);
+  expect_load_error("truncated: its config describes");
 
   // The embedding's first dim (vocab 9) changed to 10: found by name and shape.
   data = good;
   const std::string name = "embedding.weight";
   const auto at = std::search(data.begin(), data.end(), name.begin(), name.end()) - data.begin();
   data[static_cast<size_t>(at) + name.size() + 4] = 10;
-  write(data);
+  write_resealed(data);
   expect_load_error("embedding.weight is (10, 8) in the file but (9, 8)");
 
   data = good;
-  data.push_back(0);
-  write(data);
+  data.insert(data.end() - 4, 0);
+  write_resealed(data);
   expect_load_error("1 unexpected bytes after the last tensor");
 
   EXPECT_THAT([] { (void)AttentionModel::load("/nonexistent/dir/model.qkv"); },

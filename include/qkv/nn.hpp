@@ -8,6 +8,8 @@
 // grad tensor (zero_grad() clears them). backward uses the most recent forward of the module, so
 // call them in pairs, and do not share one module between threads while training. forward()
 // stays const, so inference callers are unchanged: the saved state is a cache, not a result.
+// MultiHeadAttention in eval() mode keeps no such state: concurrent inference on one module is
+// safe (tests/concurrency/test_concurrency.cpp runs it from 8 threads under ThreadSanitizer).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +41,7 @@ class Linear {
   Linear(int64_t in_features, int64_t out_features, bool bias = true, std::optional<uint64_t> seed = std::nullopt);
 
   Tensor forward(const Tensor& x) const;  // remembers x for backward
+  Tensor apply(const Tensor& x) const;    // forward that remembers nothing: safe from many threads
   // grad_output: (..., out_features), shaped as the last forward's y. Returns dL/dx (..., in);
   // adds dL/dW = g^T x to weight_grad and dL/db = sum of g over rows to bias_grad.
   // A grad_output view whose rows are evenly spaced with a contiguous last dim (a narrow of a wider
@@ -102,8 +105,11 @@ struct MultiHeadAttentionGrads {
 //   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); always batch first
 //   (torch's batch_first=True; its default (N, B, E) layout is not accepted), or unbatched
 //   (N, features). The mask is over the scores (B, num_heads, Nq, Nk).
-// forward() is const but, while training with dropout, advances a counter for the dropout
-// seed: do not call it on one module from several threads at once in that mode.
+// Threads: in eval() mode forward() only reads the module (no state for backward is kept, no
+// dropout counter moves), so one module may serve inference from many threads at once;
+// backward() then has nothing to differentiate (call train() first). In training mode (the
+// default) forward() keeps what backward needs and advances the dropout seed: one thread at a
+// time per module.
 // Initialised as torch.nn.MultiheadAttention: xavier-uniform q/k/v projections, zero biases.
 class MultiHeadAttention {
  public:
@@ -280,6 +286,13 @@ struct AdamWOptions {
   float weight_decay = 0.01f;
 };
 
+// What AdamW carries from step to step, for checkpoints (qkv/train.hpp): the step count t and
+// the two moments of each parameter (numel floats each, in parameters() order).
+struct AdamWState {
+  int64_t steps = 0;
+  std::vector<std::vector<float>> first_moment, second_moment;
+};
+
 class AdamW {
  public:
   // Every parameter must have a grad tensor of its shape (the modules' parameters() do).
@@ -290,6 +303,10 @@ class AdamW {
   int64_t steps() const { return steps_; }
   AdamWOptions& options() { return options_; }  // e.g. to change lr on a schedule
   const std::vector<NamedTensor>& parameters() const { return parameters_; }
+  AdamWState state() const { return {steps_, first_moment_, second_moment_}; }
+  // Resumes from a state(): one moment pair per parameter, each of its numel; else qkv::Error
+  // (and the optimizer is unchanged).
+  void load_state(const AdamWState& state);
 
  private:
   std::vector<NamedTensor> parameters_;

@@ -5,17 +5,26 @@
 // MultiHeadAttention, residual], LayerNorm, linear head to the vocabulary. No MLP: every bit of
 // mixing between positions is attention, so what it learns is what attention learns.
 //
-// The .qkv file (all integers and floats little-endian):
+// The .qkv file, format version 2 (all integers and floats little-endian):
 //   offset 0   8 bytes   magic "QKVMODEL"
-//          8   u32       format version (kModelFormatVersion)
-//         12   5 x i64   config: vocab_size, max_len, d_model, num_heads, num_layers
-//         52   u32       tensor count, then per tensor, in parameters() order:
+//          8   u32       format version (kModelFormatVersion = 2)
+//         12   u32       flags: bit 0 set = a checkpoint (training state after the tensors)
+//         16   5 x i64   config: vocab_size, max_len, d_model, num_heads, num_layers
+//         56   u32       tensor count, then per tensor, in parameters() order:
 //                          u32 name length, name (UTF-8, no terminator),
 //                          u32 rank, rank x i64 dims, numel x f32 values (row-major)
-//   nothing after the last tensor.
-// load() checks the magic, the version, the config, every name and shape against the model the
-// config describes, and that the file ends where it should; anything else is a qkv::Error that
-// names the file and what was wrong (not a qkv model, truncated at byte n, shape differs, ...).
+//   if a checkpoint:     i64 training step done, i64 AdamW step count, then per tensor in the
+//                        same order numel x f32 first moments, then per tensor the second moments
+//   last 4 bytes         u32 CRC-32C (Castagnoli) of every byte before it
+// load() checks the magic, the version, the checksum, the config, every name and shape against
+// the model the config describes, and that the file ends where it should; anything else is a
+// qkv::Error that names the file and what was wrong (not a qkv model, corrupt or truncated,
+// shape differs, ...). Version 1 files (no flags, no checksum) still load, unchecked.
+//
+// save() never loses the previous file: it writes a temporary file in the target's folder
+// ("<name>.tmp-XXXXXX"), fsyncs it, renames it over the target and fsyncs the folder. A crash,
+// a full disk or a signal before the rename leaves the old file as it was (and at worst the
+// temporary file behind); after it, the new file is complete.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +38,13 @@
 
 namespace qkv::train {
 
-inline constexpr uint32_t kModelFormatVersion = 1;
+inline constexpr uint32_t kModelFormatVersion = 2;
+
+// The training state a checkpoint adds to the model: the last step done and AdamW's state.
+struct Checkpoint {
+  int64_t step = 0;
+  nn::AdamWState optimizer;
+};
 
 struct ModelConfig {
   int64_t vocab_size = 17;  // token ids 0 .. vocab_size - 1
@@ -59,8 +74,14 @@ class AttentionModel {
   int64_t parameter_count() const;
   const ModelConfig& config() const { return config_; }
 
-  void save(const std::string& path) const;              // the .qkv format above
-  static AttentionModel load(const std::string& path);  // throws qkv::Error on a bad file
+  // The .qkv format above; with `checkpoint`, the training state too. Atomic: see above.
+  void save(const std::string& path, const Checkpoint* checkpoint = nullptr) const;
+  // Throws qkv::Error on a bad file. With `checkpoint`, receives the file's training state
+  // (step 0 and no moments for a plain model file).
+  static AttentionModel load(const std::string& path, Checkpoint* checkpoint = nullptr);
+  // The same from bytes in memory (`name` only labels the errors): what load() runs on the file.
+  static AttentionModel load_bytes(const void* data, size_t size, const std::string& name,
+                                   Checkpoint* checkpoint = nullptr);
 
   struct Block {
     nn::LayerNorm norm;
@@ -114,6 +135,20 @@ struct TrainOptions {
   nn::AdamWOptions adamw{.lr = 3e-3f};
   int64_t warmup_steps = 100;  // linear warm-up of the learning rate, then cosine decay to lr / 10
   Mask mask;                   // and-ed into every attention (the learning test's diagonal control)
+
+  // Checkpoints: every checkpoint_every steps (0: never) and when stop_requested() turns true
+  // (checked after each step; e.g. set from a SIGINT handler), save model + AdamW state + step to
+  // checkpoint_path (atomically, AttentionModel::save). resume: continue from that state (steps
+  // resume->step + 1 .. steps); with the same options the result equals an uninterrupted run.
+  int64_t checkpoint_every = 0;
+  std::string checkpoint_path;
+  const Checkpoint* resume = nullptr;
+  std::function<bool()> stop_requested;
+};
+
+struct TrainResult {
+  int64_t step = 0;          // the last step done
+  bool interrupted = false;  // stop_requested() ended the run early (a checkpoint was saved)
 };
 
 struct TrainStep {
@@ -125,7 +160,7 @@ struct TrainStep {
 };
 
 // Trains `model` in place; calls `progress` after every step (may be empty).
-void train(AttentionModel& model, const TrainOptions& options,
+TrainResult train(AttentionModel& model, const TrainOptions& options,
            const std::function<void(const TrainStep&)>& progress = {});
 
 // Held-out accuracy: the fraction of predicted positions (argmax == target) over `sequences`

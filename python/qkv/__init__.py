@@ -9,9 +9,12 @@ The functions here follow PyTorch's conventions so that code moves between the t
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
                                                only when torch is installed)
 
-Inputs are numpy arrays (or anything np.asarray accepts). float32 C-contiguous arrays are read
-in place; others are converted to float32 first. Outputs are float32 arrays. Bad input raises
-qkv.Error, a ValueError, with the library's message naming the shapes involved.
+Inputs are numpy arrays (or anything np.asarray accepts, torch tensors included). dtypes follow
+PyTorch: query, key, value (and gradients, parameters) must be float32; float64 (and float16) is
+an error unless the call says allow_cast=True, integer and bool inputs always are. Masks are
+bool or float of any precision. float32 C-contiguous arrays are read in place; strided ones are
+copied first. Outputs are float32 arrays. Bad input raises qkv.Error, a ValueError, with the
+library's message naming the shapes involved.
 
 A query that sees no key at all gets an output of zeros and weights of zeros (PyTorch 1.13
 returns NaN there).
@@ -57,6 +60,21 @@ def _as_array(x, name):
     return np.asarray(x)
 
 
+def _as_float32(x, name, allow_cast=False):
+    """x as a float32 array, by PyTorch's dtype rules: float32 as is; float64/float16 an error
+    unless allow_cast (then converted); integer, bool and other dtypes always an error."""
+    array = _as_array(x, name)
+    if array.dtype == np.float32:
+        return array
+    if array.dtype.kind == "f":
+        if allow_cast:
+            return array.astype(np.float32)
+        raise Error(f"{name} is {array.dtype}, but qkv computes in float32 (as PyTorch, it does not mix "
+                    f"dtypes): pass allow_cast=True to convert, or {name}.astype(numpy.float32)")
+    raise Error(f"{name} is {array.dtype}: attention needs float inputs (float32, or float64 with "
+                f"allow_cast=True); PyTorch refuses integer and bool inputs too")
+
+
 def _tensor_mask(mask, rank, name, true_means_attend):
     """A bool or float mask array as a qkv.Mask over scores of `rank` dims.
 
@@ -70,7 +88,7 @@ def _tensor_mask(mask, rank, name, true_means_attend):
     if mask.dtype == np.bool_:
         return Mask.keep(mask if true_means_attend else ~mask)
     if np.issubdtype(mask.dtype, np.floating):
-        return Mask.additive(mask)
+        return Mask.additive(mask.astype(np.float32, copy=False))
     raise ValueError(f"{name} must be bool or float, got {mask.dtype}")
 
 
@@ -110,7 +128,7 @@ def _check_gqa(query, key, enable_gqa):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
                                  window=None, seed=0, backend="auto", return_lse=False, softcap=0.0,
-                                 alibi_slopes=None, sinks=None, return_row_stats=False):
+                                 alibi_slopes=None, sinks=None, return_row_stats=False, allow_cast=False):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
@@ -138,6 +156,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
       (-inf where a query sees no key; the sink included): with the output, it is what
       scaled_dot_product_attention_backward needs (the weights are recomputed from it).
+    allow_cast: accept float64 (and float16) query, key and value, converted to float32; by
+      default they are an error, as in PyTorch. Integer inputs are always an error.
     return_row_stats: also return each row's maximum score and sum_j exp(s_ij - max), (B, Hq, Nq)
       each: given to the backward beside lse, they keep its weights exact even when every key
       of a row carries a huge bias (-1e9), where lse alone loses log(n) in float32.
@@ -147,7 +167,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     in that order. A query that
     sees no key gets zeros (PyTorch gives NaN).
     """
-    query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
+    query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
+                         _as_float32(value, "value", allow_cast))
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
     output, weights, lse, row_max, row_sum = _core.attention(
@@ -163,7 +184,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                                           key_lengths=None, window=None, seed=0, backend="auto", row_max=None,
-                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None):
+                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None, allow_cast=False):
     """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
     (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
 
@@ -176,20 +197,21 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     else from lse (exact unless every key of a row carries a huge bias such as -1e9).
     With grouped-query attention, dk and dv sum over the query heads that share a key/value
     head. A query that sees no key contributes nothing (zeros, never NaN).
-    backend: "auto" (flash), "reference" or "flash".
+    backend: "auto" (flash), "reference" or "flash". allow_cast: as in scaled_dot_product_attention.
 
         out, lse, row_max, row_sum = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
                                                                       return_row_stats=True)
         dq, dk, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, is_causal=True,
                                                                row_max=row_max, row_sum=row_sum)
     """
-    query, key, value = (_as_array(query, "query"), _as_array(key, "key"), _as_array(value, "value"))
-    grad_output, output, lse = (_as_array(grad_output, "grad_output"), _as_array(output, "output"),
-                                _as_array(lse, "lse"))
+    query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
+                         _as_float32(value, "value", allow_cast))
+    grad_output, output, lse = (_as_float32(grad_output, "grad_output", allow_cast),
+                                _as_float32(output, "output", allow_cast), _as_float32(lse, "lse", allow_cast))
     if (row_max is None) != (row_sum is None):
         raise Error("scaled_dot_product_attention_backward: give row_max and row_sum together (or neither)")
-    row_max = None if row_max is None else _as_array(row_max, "row_max")
-    row_sum = None if row_sum is None else _as_array(row_sum, "row_sum")
+    row_max = None if row_max is None else _as_float32(row_max, "row_max", allow_cast)
+    row_sum = None if row_sum is None else _as_float32(row_sum, "row_sum", allow_cast)
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
     dq, dk, dv, dsinks = _core.attention_backward(
@@ -316,13 +338,14 @@ class MultiHeadAttention:
         out_proj.weight, out_proj.bias (and sinks); qkv's own names (q_proj.weight, ...) work too. Every
         parameter must be given with its exact shape; nothing is written if one is wrong.
         """
-        self._core.load_state_dict({str(name): _as_array(value, name) for name, value in state.items()})
+        self._core.load_state_dict({str(name): _as_float32(value, name, allow_cast=True)  # torch casts here too
+                                   for name, value in state.items()})
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
-                average_attn_weights=True, is_causal=False):
+                average_attn_weights=True, is_causal=False, allow_cast=False):
         """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
 
         query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
@@ -340,14 +363,16 @@ class MultiHeadAttention:
           average_attn_weights, else per head (B, num_heads, Nq, Nk). False by default here
           (PyTorch's default is True), because computing them takes the slower reference path.
 
+        allow_cast: accept float64 inputs, converted to float32 (by default an error, as in PyTorch).
+
         Returns (output, weights or None), as PyTorch does; output is (B, Nq, embed_dim)
         (or (Nq, B, embed_dim) without batch_first).
         """
-        query = _as_array(query, "query")
+        query = _as_float32(query, "query", allow_cast)
         key_given, value_given = key is not None, value is not None
         self_attention = not key_given and not value_given  # forward(x): one fused projection
-        key = query if key is None else _as_array(key, "key")
-        value = key if value is None else _as_array(value, "value")
+        key = query if key is None else _as_float32(key, "key", allow_cast)
+        value = key if value is None else _as_float32(value, "value", allow_cast)
         batched = query.ndim == 3
         if batched and not self.batch_first:
             query, key, value = (np.swapaxes(x, 0, 1) for x in (query, key, value))
@@ -393,7 +418,7 @@ class MultiHeadAttention:
         if getattr(self, "_last", None) is None:
             raise Error("MultiHeadAttention.backward: no forward to differentiate (call forward first)")
         key_given, value_given, batched = self._last
-        grad_output = _as_array(grad_output, "grad_output")
+        grad_output = _as_float32(grad_output, "grad_output")
         if batched and not self.batch_first:
             grad_output = np.swapaxes(grad_output, 0, 1)
         if not key_given and not value_given:  # forward(x): the core sums the three paths

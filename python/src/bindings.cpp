@@ -23,9 +23,49 @@ namespace py = pybind11;
 
 namespace {
 
-// A float32 C-contiguous array: given one, pybind11 passes it through untouched; anything else
-// (float64, bool, strided views) is converted by numpy into a fresh array of this kind.
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+// A float32 C-contiguous array: given one, pybind11 passes it through untouched; a strided
+// float32 view, or a bool array (masks), is converted by numpy into a fresh array of this kind.
+// Any other dtype is refused as PyTorch refuses it (its caster, below): float64 and float16 are a
+// qkv.Error (python/qkv/__init__.py casts them first when the caller passes allow_cast=True),
+// integer arrays always are.
+struct FloatArray : py::array_t<float, py::array::c_style | py::array::forcecast> {
+  using array_t::array_t;
+  FloatArray() = default;
+  explicit FloatArray(array_t&& a) : array_t(std::move(a)) {}
+};
+
+}  // namespace
+
+namespace pybind11::detail {
+template <>
+struct type_caster<FloatArray> {
+  PYBIND11_TYPE_CASTER(FloatArray, const_name("numpy.ndarray[float32]"));
+
+  // The dtype rule, then numpy's conversion (layout only: float32 stays float32, bool -> 0/1).
+  bool load(handle src, bool convert) {
+    using Exact = py::array_t<float, py::array::c_style>;
+    if (!convert) {
+      if (!Exact::check_(src)) return false;
+    } else {
+      const py::array a = py::array::ensure(src);
+      if (!a) return false;
+      const char kind = a.dtype().kind();
+      if (kind == 'f' && a.itemsize() != 4)
+        throw qkv::Error("qkv: got a " + std::string(py::str(a.dtype())) + " array, but qkv computes in float32 " +
+                         "(as PyTorch, it does not mix dtypes): pass allow_cast=True, or convert with " +
+                         ".astype(numpy.float32)");
+      if (kind != 'f' && kind != 'b')
+        throw qkv::Error("qkv: got a " + std::string(py::str(a.dtype())) +
+                         " array: attention needs float32 inputs (PyTorch refuses integer inputs too)");
+    }
+    value = FloatArray(FloatArray::array_t::ensure(src));
+    return static_cast<bool>(value);
+  }
+  static handle cast(const FloatArray& array, return_value_policy, handle) { return array.inc_ref(); }
+};
+}  // namespace pybind11::detail
+
+namespace {
 
 // A float32 C-contiguous array as a Tensor over the same memory, with the GIL held. The Tensor
 // (and whatever keeps it: a Mask, a module's backward cache) holds a reference to the array, so

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 
+#include "memory.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -237,6 +238,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
 void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool need_weights, const Tensor& q,
                           const Tensor& k, const Tensor& v) {
   const char* who = "scaled_dot_product_attention: ";
+  // Before allocating: the results' bytes against the memory limit (src/memory.cpp).
+  check_attention_request(who, q, k, v, result, built.output_shape, built.lse_shape,
+                          need_weights ? &built.scores_shape : nullptr);
   const auto inputs = {&q, &k, &v};
   prepare_output(who, result.output, "result.output", built.output_shape, inputs, false);
   prepare_output(who, result.lse, "result.lse", built.lse_shape, inputs, true);

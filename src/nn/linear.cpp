@@ -28,6 +28,12 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, std::option
 }
 
 Tensor Linear::forward(const Tensor& x) const {
+  Tensor y = apply(x);
+  saved_input_ = x.contiguous();  // a handle, no copy, when x is contiguous already
+  return y;
+}
+
+Tensor Linear::apply(const Tensor& x) const {
   // weight and bias are public (to load or inspect them): check they still fit each other.
   if (!weight.defined() || weight.dim() != 2 || (bias.defined() && bias.shape() != Shape{weight.size(0)}))
     throw Error("Linear: weight is " + (weight.defined() ? weight.shape().str() : std::string("undefined")) +
@@ -37,7 +43,6 @@ Tensor Linear::forward(const Tensor& x) const {
     throw Error("Linear: x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but in_features is " + std::to_string(in_features()));
   const Tensor input = x.contiguous();
-  saved_input_ = input;
   std::vector<int64_t> out_dims(x.shape().begin(), x.shape().end());
   out_dims.back() = out_features();
   Tensor y = Tensor::empty(Shape(out_dims));

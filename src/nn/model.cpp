@@ -1,11 +1,23 @@
 // qkv::train::AttentionModel: embedding + positions, [LayerNorm, causal attention, residual] x L,
 // LayerNorm, head. Forward in numbered passes; backward walks them in reverse. Also the .qkv
 // file format (documented in include/qkv/train.hpp).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <bit>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 
+#include "crc32c.hpp"
 #include "qkv/train.hpp"
 #include "random.hpp"
 
@@ -128,40 +140,123 @@ int64_t AttentionModel::parameter_count() const {
 namespace {
 
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'M', 'O', 'D', 'E', 'L'};
+constexpr uint32_t kCheckpointFlag = 1;
 static_assert(std::endian::native == std::endian::little, "the .qkv writer assumes a little-endian host");
 
-class Writer {
+// How many saves this process has started (the test hook below counts them).
+std::atomic<int> saves_started{0};
+
+// Test-only hook: QKV_TEST_KILL_IN_SAVE=n makes the n-th save of this process SIGKILL itself
+// halfway through writing the temporary file, as a crash or `kill -9` would (tests/test_train.cpp
+// and tests/train_kill_check.cmake show the previous file survives).
+bool kill_in_this_save(int save_number) {
+  const char* env = std::getenv("QKV_TEST_KILL_IN_SAVE");
+  return env != nullptr && std::atoi(env) == save_number;
+}
+
+// Writes a file atomically: bytes go to a temporary file beside the target (same folder, so the
+// rename cannot cross file systems), with a running CRC-32C; commit() appends the CRC, fsyncs,
+// renames over the target and fsyncs the folder. Destroyed without commit(): the temporary is
+// removed and the target untouched.
+class AtomicWriter {
  public:
-  explicit Writer(const std::string& path) : path_(path), out_(path, std::ios::binary | std::ios::trunc) {
-    if (!out_) throw Error("AttentionModel::save: cannot open '" + path + "' for writing");
+  explicit AtomicWriter(const std::string& path) : path_(path) {
+    const std::filesystem::path target(path);
+    if (target.filename().empty()) fail("the path names a folder, not a file");
+    folder_ = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+    temp_ = (folder_ / (target.filename().string() + ".tmp-XXXXXX")).string();
+    fd_ = ::mkstemp(temp_.data());
+    if (fd_ < 0) fail("cannot create a temporary file in '" + folder_.string() + "'", errno);
+    // mkstemp makes it 0600; give the new file the old one's mode, or rw-r--r--.
+    struct stat old {};
+    ::fchmod(fd_, ::stat(path.c_str(), &old) == 0 ? (old.st_mode & 07777) : 0644);
+    buffer_.reserve(kBuffer);
   }
-  void bytes(const void* data, size_t n) { out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n)); }
+  ~AtomicWriter() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temp_.c_str());
+  }
+  AtomicWriter(const AtomicWriter&) = delete;
+  AtomicWriter& operator=(const AtomicWriter&) = delete;
+
+  void bytes(const void* data, size_t n) {
+    crc_ = detail::crc32c_update(crc_, data, n);
+    const auto* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const size_t take = std::min(n, kBuffer - buffer_.size());
+      buffer_.insert(buffer_.end(), p, p + take);
+      p += take;
+      n -= take;
+      if (buffer_.size() == kBuffer) flush();
+    }
+  }
   template <typename T>
   void value(T v) { bytes(&v, sizeof v); }
-  void finish() {
-    out_.flush();
-    if (!out_) throw Error("AttentionModel::save: writing '" + path_ + "' failed");
+
+  // The test hook's crash: what is buffered reaches the temporary file, then the process dies.
+  void die_here() {
+    flush();
+    ::raise(SIGKILL);
+  }
+
+  void commit() {
+    const uint32_t crc = crc_;
+    bytes(&crc, sizeof crc);
+    flush();
+    if (::fsync(fd_) != 0) fail("fsync of '" + temp_ + "' failed", errno);
+    if (::close(fd_) != 0) {
+      fd_ = -1;
+      fail("closing '" + temp_ + "' failed", errno);
+    }
+    fd_ = -1;
+    if (::rename(temp_.c_str(), path_.c_str()) != 0) fail("cannot rename '" + temp_ + "' over it", errno);
+    committed_ = true;
+    // The rename itself is durable once the folder's entry is on disk.
+    const int folder = ::open(folder_.c_str(), O_RDONLY | O_DIRECTORY);
+    if (folder >= 0) {
+      ::fsync(folder);
+      ::close(folder);
+    }
   }
 
  private:
-  std::string path_;
-  std::ofstream out_;
+  static constexpr size_t kBuffer = size_t{1} << 16;
+
+  void flush() {
+    const char* p = buffer_.data();
+    size_t left = buffer_.size();
+    while (left > 0) {
+      const ssize_t wrote = ::write(fd_, p, left);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote <= 0) fail("writing '" + temp_ + "' failed", wrote < 0 ? errno : ENOSPC);
+      p += wrote;
+      left -= static_cast<size_t>(wrote);
+    }
+    buffer_.clear();
+  }
+  [[noreturn]] void fail(const std::string& what, int error = 0) const {
+    throw Error("AttentionModel::save: '" + path_ + "': " + what +
+                (error ? std::string(" (") + std::strerror(error) + ")" : std::string()) +
+                "; the previous file, if any, is unchanged");
+  }
+
+  std::string path_, temp_;
+  std::filesystem::path folder_;
+  int fd_ = -1;
+  bool committed_ = false;
+  uint32_t crc_ = 0;
+  std::vector<char> buffer_;
 };
 
+// Reads the bytes of a .qkv file held in memory, each read bounds-checked.
 class Reader {
  public:
-  explicit Reader(const std::string& path) : path_(path), in_(path, std::ios::binary) {
-    if (!in_) throw Error("AttentionModel::load: cannot open '" + path + "'");
-    in_.seekg(0, std::ios::end);
-    size_ = static_cast<int64_t>(in_.tellg());
-    in_.seekg(0);
-  }
-  void bytes(void* data, int64_t n, const char* what) {
-    if (n > size_ - offset_)
-      throw Error("AttentionModel::load: '" + path_ + "' is truncated: " + what + " needs " + std::to_string(n) +
-                  " bytes at offset " + std::to_string(offset_) + " but the file ends at " + std::to_string(size_));
-    in_.read(static_cast<char*>(data), static_cast<std::streamsize>(n));
-    if (!in_) throw Error("AttentionModel::load: reading '" + path_ + "' failed at offset " + std::to_string(offset_));
+  Reader(const char* data, int64_t size, const std::string& name) : data_(data), size_(size), name_(name) {}
+  void bytes(void* out, int64_t n, const char* what) {
+    if (n < 0 || n > size_ - offset_)
+      throw Error("AttentionModel::load: '" + name_ + "' is truncated: " + what + " needs " + std::to_string(n) +
+                  " bytes at offset " + std::to_string(offset_) + " but the data ends at " + std::to_string(size_));
+    std::memcpy(out, data_ + offset_, static_cast<size_t>(n));
     offset_ += n;
   }
   template <typename T>
@@ -171,48 +266,111 @@ class Reader {
     return v;
   }
   [[noreturn]] void fail(const std::string& message) const {
-    throw Error("AttentionModel::load: '" + path_ + "': " + message);
+    throw Error("AttentionModel::load: '" + name_ + "': " + message);
   }
   int64_t offset() const { return offset_; }
   int64_t size() const { return size_; }
+  void set_size(int64_t size) { size_ = size; }  // the checksum's 4 bytes are not content
 
  private:
-  std::string path_;
-  std::ifstream in_;
-  int64_t size_ = 0, offset_ = 0;
+  const char* data_;
+  int64_t size_;
+  std::string name_;
+  int64_t offset_ = 0;
 };
+
+// How many floats the parameters of a model with this config hold (what parameters() returns),
+// computed before building it so a file cannot make load() allocate more than it carries.
+int64_t parameter_floats(const ModelConfig& c) {
+  const int64_t d = c.d_model, v = c.vocab_size;
+  const int64_t per_layer = 2 * d + 4 * (d * d + d);  // norm weight + bias, four projections with bias
+  return v * d + c.num_layers * per_layer + 2 * d + d * v + v;
+}
 
 }  // namespace
 
-void AttentionModel::save(const std::string& path) const {
-  Writer out(path);
+void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint) const {
+  const int save_number = ++saves_started;
+  const auto params = parameters();
+  if (checkpoint) {
+    const auto& o = checkpoint->optimizer;
+    bool fits = o.first_moment.size() == params.size() && o.second_moment.size() == params.size();
+    for (size_t i = 0; fits && i < params.size(); ++i)
+      fits = static_cast<int64_t>(o.first_moment[i].size()) == params[i].tensor.numel() &&
+             static_cast<int64_t>(o.second_moment[i].size()) == params[i].tensor.numel();
+    if (!fits)
+      throw Error("AttentionModel::save: '" + path + "': the checkpoint's optimizer state has " +
+                  std::to_string(o.first_moment.size()) + " moment tensors for " + std::to_string(params.size()) +
+                  " parameters (or sizes differ)");
+  }
+  AtomicWriter out(path);
   out.bytes(kMagic, sizeof kMagic);
   out.value<uint32_t>(kModelFormatVersion);
+  out.value<uint32_t>(checkpoint ? kCheckpointFlag : 0);
   for (int64_t v : {config_.vocab_size, config_.max_len, config_.d_model, config_.num_heads, config_.num_layers})
     out.value<int64_t>(v);
-  const auto params = parameters();
   out.value<uint32_t>(static_cast<uint32_t>(params.size()));
-  for (const auto& p : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
     out.value<uint32_t>(static_cast<uint32_t>(p.name.size()));
     out.bytes(p.name.data(), p.name.size());
     out.value<uint32_t>(static_cast<uint32_t>(p.tensor.dim()));
     for (int64_t d : p.tensor.shape()) out.value<int64_t>(d);
     const Tensor values = p.tensor.contiguous();
     out.bytes(values.data(), static_cast<size_t>(values.numel()) * sizeof(float));
+    if (i == params.size() / 2 && kill_in_this_save(save_number)) out.die_here();
   }
-  out.finish();
+  if (checkpoint) {
+    out.value<int64_t>(checkpoint->step);
+    out.value<int64_t>(checkpoint->optimizer.steps);
+    for (const auto* moments : {&checkpoint->optimizer.first_moment, &checkpoint->optimizer.second_moment})
+      for (const auto& m : *moments) out.bytes(m.data(), m.size() * sizeof(float));
+  }
+  out.commit();
 }
 
-AttentionModel AttentionModel::load(const std::string& path) {
-  Reader in(path);
+AttentionModel AttentionModel::load(const std::string& path, Checkpoint* checkpoint) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("AttentionModel::load: cannot open '" + path + "'");
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(0);
+  if (size < 0) throw Error("AttentionModel::load: cannot read '" + path + "'");
+  std::vector<char> data(static_cast<size_t>(size));
+  in.read(data.data(), static_cast<std::streamsize>(size));
+  if (!in) throw Error("AttentionModel::load: reading '" + path + "' failed");
+  return load_bytes(data.data(), data.size(), path, checkpoint);
+}
+
+AttentionModel AttentionModel::load_bytes(const void* bytes, size_t size, const std::string& name,
+                                          Checkpoint* checkpoint) {
+  Reader in(static_cast<const char*>(bytes), static_cast<int64_t>(size), name);
   char magic[sizeof kMagic];
   if (in.size() < static_cast<int64_t>(sizeof kMagic)) in.fail("not a qkv model file (too short for the magic number)");
   in.bytes(magic, sizeof magic, "the magic number");
   if (std::memcmp(magic, kMagic, sizeof kMagic) != 0) in.fail("not a qkv model file (no QKVMODEL magic number)");
   const auto version = in.value<uint32_t>("the version");
-  if (version != kModelFormatVersion)
-    in.fail("format version " + std::to_string(version) + ", but this qkv reads version " +
+  if (version != 1 && version != kModelFormatVersion)
+    in.fail("format version " + std::to_string(version) + ", but this qkv reads versions 1 and " +
             std::to_string(kModelFormatVersion));
+  uint32_t flags = 0;
+  if (version >= 2) {
+    // The checksum first: whatever else is wrong with a damaged file, this says what happened.
+    if (in.size() < 16) in.value<uint32_t>("the flags");  // throws "truncated"
+    uint32_t stored;
+    std::memcpy(&stored, static_cast<const char*>(bytes) + size - 4, 4);
+    const uint32_t computed = detail::crc32c_update(0, bytes, size - 4);
+    if (stored != computed) {
+      char message[160];
+      std::snprintf(message, sizeof message,
+                    "corrupt or truncated: the CRC-32C of its %zu bytes is %08x but the file says %08x", size - 4,
+                    computed, stored);
+      in.fail(message);
+    }
+    in.set_size(in.size() - 4);
+    flags = in.value<uint32_t>("the flags");
+    if (flags & ~kCheckpointFlag) in.fail("unknown flags " + std::to_string(flags));
+  }
   ModelConfig config;
   for (int64_t* field : {&config.vocab_size, &config.max_len, &config.d_model, &config.num_heads, &config.num_layers})
     *field = in.value<int64_t>("the config");
@@ -221,6 +379,11 @@ AttentionModel AttentionModel::load(const std::string& path) {
   } catch (const Error& e) {
     in.fail(std::string("bad config: ") + e.what());
   }
+  const int64_t floats = parameter_floats(config);
+  if (floats > (in.size() - in.offset()) / static_cast<int64_t>(sizeof(float)))
+    in.fail("truncated: its config describes " + std::to_string(floats) + " parameters (" +
+            std::to_string(floats * static_cast<int64_t>(sizeof(float))) + " bytes) but only " +
+            std::to_string(in.size() - in.offset()) + " bytes follow the config");
   AttentionModel model(config, 0);
   const auto params = model.parameters();
   const auto count = in.value<uint32_t>("the tensor count");
@@ -229,12 +392,12 @@ AttentionModel AttentionModel::load(const std::string& path) {
   for (const auto& p : params) {
     const auto name_length = in.value<uint32_t>("a tensor name's length");
     if (name_length != p.name.size()) in.fail("expected tensor '" + p.name + "' at offset " + std::to_string(in.offset() - 4));
-    std::string name(name_length, '\0');
-    in.bytes(name.data(), name_length, "a tensor name");
-    if (name != p.name) in.fail("expected tensor '" + p.name + "' but found '" + name + "'");
+    std::string tensor_name(name_length, '\0');
+    in.bytes(tensor_name.data(), name_length, "a tensor name");
+    if (tensor_name != p.name) in.fail("expected tensor '" + p.name + "' but found '" + tensor_name + "'");
     const auto rank = in.value<uint32_t>("a tensor rank");
     if (rank != static_cast<uint32_t>(p.tensor.dim()))
-      in.fail(name + " has rank " + std::to_string(rank) + " but should be " + p.tensor.shape().str());
+      in.fail(tensor_name + " has rank " + std::to_string(rank) + " but should be " + p.tensor.shape().str());
     std::vector<int64_t> dims(rank);
     for (auto& d : dims) d = in.value<int64_t>("a tensor shape");
     bool same = true;
@@ -242,12 +405,30 @@ AttentionModel AttentionModel::load(const std::string& path) {
     if (!same) {
       std::string got = "(";
       for (uint32_t i = 0; i < rank; ++i) got += (i ? ", " : "") + std::to_string(dims[i]);
-      in.fail(name + " is " + got + ") in the file but " + p.tensor.shape().str() + " in the model its config describes");
+      in.fail(tensor_name + " is " + got + ") in the file but " + p.tensor.shape().str() +
+              " in the model its config describes");
     }
-    in.bytes(p.tensor.data(), p.tensor.numel() * static_cast<int64_t>(sizeof(float)), name.c_str());
+    in.bytes(p.tensor.data(), p.tensor.numel() * static_cast<int64_t>(sizeof(float)), tensor_name.c_str());
+  }
+  Checkpoint state;
+  if (flags & kCheckpointFlag) {
+    state.step = in.value<int64_t>("the checkpoint's step");
+    state.optimizer.steps = in.value<int64_t>("the optimizer's step count");
+    if (state.step < 0 || state.optimizer.steps < 0)
+      in.fail("checkpoint step " + std::to_string(state.step) + " and optimizer step " +
+              std::to_string(state.optimizer.steps) + " must be >= 0");
+    if (floats > (in.size() - in.offset()) / static_cast<int64_t>(2 * sizeof(float)))
+      in.fail("truncated: the optimizer state needs " + std::to_string(2 * floats * 4) + " bytes but " +
+              std::to_string(in.size() - in.offset()) + " follow");
+    for (auto* moments : {&state.optimizer.first_moment, &state.optimizer.second_moment})
+      for (const auto& p : params) {
+        moments->emplace_back(static_cast<size_t>(p.tensor.numel()));
+        in.bytes(moments->back().data(), p.tensor.numel() * static_cast<int64_t>(sizeof(float)), "a moment");
+      }
   }
   if (in.offset() != in.size())
     in.fail(std::to_string(in.size() - in.offset()) + " unexpected bytes after the last tensor");
+  if (checkpoint) *checkpoint = std::move(state);
   return model;
 }
 

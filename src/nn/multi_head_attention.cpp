@@ -151,20 +151,22 @@ bool MultiHeadAttention::fused() const {
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask& mask, Weights weights) const {
   if (!fused()) {
     MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
-    saved_.self_attention = true;
+    if (training_) saved_.self_attention = true;
     return out;
   }
   check_features(x, "query", "embed_dim", embed_dim_);
   const bool unbatched = x.dim() == 2;
   const Tensor x_in = unbatched ? x.unsqueeze(0) : x;
   const int64_t batch = x_in.size(0), len = x_in.size(1), hd = head_dim();
-  // ---- 1. project once, 2. split: (B, N, (H + 2 Hkv) hd) -> q, k, v (B, heads, N, hd), views
-  const Tensor heads = in_proj_->forward(x_in).reshape({batch, len, num_heads_ + 2 * num_kv_heads_, hd});
+  // ---- 1. project once (eval() keeps nothing: include/qkv/nn.hpp), 2. split:
+  // (B, N, (H + 2 Hkv) hd) -> q, k, v (B, heads, N, hd), views
+  const Tensor projected = training_ ? in_proj_->forward(x_in) : in_proj_->apply(x_in);
+  const Tensor heads = projected.reshape({batch, len, num_heads_ + 2 * num_kv_heads_, hd});
   const Tensor q = heads.narrow(2, 0, num_heads_).transpose(1, 2);
   const Tensor k = heads.narrow(2, num_heads_, num_kv_heads_).transpose(1, 2);
   const Tensor v = heads.narrow(2, num_heads_ + num_kv_heads_, num_kv_heads_).transpose(1, 2);
   MultiHeadAttentionOutput out = attend(q, k, v, mask, weights, unbatched, /*fused=*/true);
-  saved_.self_attention = true;
+  if (training_) saved_.self_attention = true;
   return out;
 }
 
@@ -187,10 +189,15 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const 
   const Tensor v_in = unbatched ? value.unsqueeze(0) : value;
   const int64_t batch = q_in.size(0), q_len = q_in.size(1), kv_len = k_in.size(1), hd = head_dim();
 
+  // Training keeps what backward needs; eval() keeps nothing, so concurrent inference on one
+  // module only reads it (include/qkv/nn.hpp).
+  const bool remember = training_;
+  auto project = [remember](const Linear& proj, const Tensor& in) { return remember ? proj.forward(in) : proj.apply(in); };
+
   // ---- 1. project, 2. split into heads: (B, N, H * hd) -> (B, H, N, hd), views
-  const Tensor q = q_proj.forward(q_in).reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
-  const Tensor k = k_proj.forward(k_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
-  const Tensor v = v_proj.forward(v_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
+  const Tensor q = project(q_proj, q_in).reshape({batch, q_len, num_heads_, hd}).transpose(1, 2);
+  const Tensor k = project(k_proj, k_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
+  const Tensor v = project(v_proj, v_in).reshape({batch, kv_len, num_kv_heads_, hd}).transpose(1, 2);
   return attend(q, k, v, mask, weights, unbatched, /*fused=*/false);
 }
 
@@ -214,12 +221,16 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   AttentionResult attended;
   attended.output = concatenated.transpose(1, 2);
   scaled_dot_product_attention_into(q, k, v, attended, attention);
-  saved_ = {.valid = true, .self_attention = false, .fused = fused, .unbatched = unbatched, .q = q, .k = k, .v = v,
-            .attended = attended, .attention = attention};
+  // Training keeps what backward needs; eval() keeps nothing, so concurrent inference on one
+  // module only reads it (include/qkv/nn.hpp).
+  if (training_)
+    saved_ = {.valid = true, .self_attention = false, .fused = fused, .unbatched = unbatched, .q = q, .k = k, .v = v,
+              .attended = attended, .attention = attention};
 
   // ---- 5. output projection
   MultiHeadAttentionOutput result;
-  result.output = out_proj.forward(concatenated.reshape({batch, q_len, embed_dim_}));
+  const Tensor flat = concatenated.reshape({batch, q_len, embed_dim_});
+  result.output = training_ ? out_proj.forward(flat) : out_proj.apply(flat);
 
   if (weights == Weights::Averaged) {
     Tensor mean = Tensor::zeros({batch, q_len, kv_len});
@@ -242,7 +253,9 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
 }
 
 std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& grad_output) {
-  if (!saved_.valid) throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first)");
+  if (!saved_.valid)
+    throw Error(std::string(kWho) + "backward: no forward to differentiate (call forward first, in train() mode: "
+                "eval() forwards keep nothing)");
   const Saved& s = saved_;
   const int64_t batch = s.q.size(0), q_len = s.q.size(2), kv_len = s.k.size(2), hd = head_dim();
   const Shape expected = s.unbatched ? Shape{q_len, embed_dim_} : Shape{batch, q_len, embed_dim_};

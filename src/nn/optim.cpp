@@ -49,6 +49,23 @@ void AdamW::step() {
   }
 }
 
+void AdamW::load_state(const AdamWState& state) {
+  auto fits = [&](const std::vector<std::vector<float>>& moments) {
+    if (moments.size() != parameters_.size()) return false;
+    for (size_t i = 0; i < moments.size(); ++i)
+      if (static_cast<int64_t>(moments[i].size()) != parameters_[i].tensor.numel()) return false;
+    return true;
+  };
+  if (state.steps < 0 || !fits(state.first_moment) || !fits(state.second_moment))
+    throw Error("AdamW::load_state: the state has " + std::to_string(state.first_moment.size()) + " and " +
+                std::to_string(state.second_moment.size()) + " moment tensors at step " + std::to_string(state.steps) +
+                " for " + std::to_string(parameters_.size()) +
+                " parameters: each parameter needs two moments of its size and the step must be >= 0");
+  steps_ = state.steps;
+  first_moment_ = state.first_moment;
+  second_moment_ = state.second_moment;
+}
+
 void AdamW::zero_grad() {
   for (NamedTensor& p : parameters_) std::fill_n(p.grad.data(), p.grad.numel(), 0.0f);
 }

@@ -108,21 +108,36 @@ Batch make_batch(const TaskOptions& task, int64_t batch, uint64_t seed) {
 
 uint64_t held_out_seed(uint64_t seed) { return detail::mix64(seed ^ 0x68656c646f7574ULL); }  // "heldout"
 
-void train(AttentionModel& model, const TrainOptions& o, const std::function<void(const TrainStep&)>& progress) {
+TrainResult train(AttentionModel& model, const TrainOptions& o, const std::function<void(const TrainStep&)>& progress) {
   check(o.task);
-  if (o.steps < 0 || o.batch < 1)
-    throw Error("train: steps (" + std::to_string(o.steps) + ") must be >= 0 and batch (" + std::to_string(o.batch) +
-                ") >= 1");
+  if (o.steps < 0 || o.batch < 1 || o.checkpoint_every < 0)
+    throw Error("train: steps (" + std::to_string(o.steps) + ") must be >= 0, batch (" + std::to_string(o.batch) +
+                ") >= 1 and checkpoint_every (" + std::to_string(o.checkpoint_every) + ") >= 0");
+  if ((o.checkpoint_every > 0 || o.stop_requested) && o.checkpoint_path.empty())
+    throw Error("train: checkpoint_every or stop_requested needs a checkpoint_path");
   if (model.config().vocab_size < vocab_size(o.task) || model.config().max_len < sequence_length(o.task))
     throw Error("train: the model (vocab " + std::to_string(model.config().vocab_size) + ", max_len " +
                 std::to_string(model.config().max_len) + ") is too small for " + to_string(o.task.task) + " (vocab " +
                 std::to_string(vocab_size(o.task)) + ", length " + std::to_string(sequence_length(o.task)) + ")");
   model.zero_grad();
   nn::AdamW optimizer(model.parameters(), o.adamw);
+  int64_t first_step = 1;
+  if (o.resume) {
+    if (o.resume->step > o.steps)
+      throw Error("train: the checkpoint is at step " + std::to_string(o.resume->step) + ", past the run's " +
+                  std::to_string(o.steps) + " steps");
+    optimizer.load_state(o.resume->optimizer);
+    first_step = o.resume->step + 1;
+  }
+  auto save_checkpoint = [&](int64_t step) {
+    const Checkpoint checkpoint{.step = step, .optimizer = optimizer.state()};
+    model.save(o.checkpoint_path, &checkpoint);
+  };
   nn::CrossEntropyLoss loss;
   const auto start = std::chrono::steady_clock::now();
   int64_t tokens = 0;
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  TrainResult result{.step = first_step - 1};
+  for (int64_t step = first_step; step <= o.steps; ++step) {
     // Learning rate: linear warm-up, then cosine from lr down to lr / 10 at the last step.
     const float peak = o.adamw.lr;
     float lr = peak;
@@ -140,13 +155,21 @@ void train(AttentionModel& model, const TrainOptions& o, const std::function<voi
     optimizer.zero_grad();
     model.backward(loss.backward());
     optimizer.step();
+    result.step = step;
 
     tokens += batch.batch * batch.length;
     if (progress) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       progress({.step = step, .loss = value, .lr = lr, .seconds = seconds, .tokens = tokens});
     }
+    if (o.stop_requested && o.stop_requested()) {
+      save_checkpoint(step);
+      result.interrupted = true;
+      return result;
+    }
+    if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) save_checkpoint(step);
   }
+  return result;
 }
 
 Evaluation evaluate(const AttentionModel& model, const TaskOptions& task, int64_t sequences, uint64_t seed,

@@ -150,13 +150,14 @@ def test_one_head_ranks(rng, shape):
     check(out, expected, ref.tolerance(q, k, v, keep=ref.causal_keep(shape[-2], 8)), "output")
 
 
-def test_converts_float64_and_strided_inputs(rng):
+def test_converts_float64_with_allow_cast_and_strided_inputs(rng):
     q, k, v = randn(rng, 2, 3, 5, 8), randn(rng, 2, 3, 6, 8), randn(rng, 2, 3, 6, 8)
     expected = qkv.scaled_dot_product_attention(q, k, v)
-    # float64, and a transposed (non-contiguous) view of the same numbers
+    # float64 (allowed by allow_cast; tests/python/test_dtypes.py: refused without), and a
+    # transposed (non-contiguous) view of the same numbers
     k_strided = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     assert not k_strided.flags["C_CONTIGUOUS"]
-    out = qkv.scaled_dot_product_attention(q.astype(np.float64), k_strided, v.tolist())
+    out = qkv.scaled_dot_product_attention(q.astype(np.float64), k_strided, v.tolist(), allow_cast=True)
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, expected)
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -40,7 +41,20 @@ struct TrainCommandOptions {
   // One thread: at this model's size (B=64, H=4, N=17, head dim 16) the kernels' thread fork/join
   // costs more than it saves; measured here, 2 threads were ~4x slower per step than 1.
   int threads = 1;
+  // Checkpoints (model + AdamW state + step, AttentionModel::save's atomic write).
+  std::string checkpoint = "qkv-train.ckpt";
+  int64_t checkpoint_every = 0;  // 0: only on Ctrl-C
+  bool resume = false;
 };
+
+// Set by SIGINT (Ctrl-C): the loop saves a checkpoint after the current step and stops. The
+// handler then restores the default, so a second Ctrl-C ends the process at once (the atomic
+// save leaves either the old checkpoint or the new one, never a torn file).
+volatile std::sig_atomic_t interrupted = 0;
+void on_sigint(int) {
+  interrupted = 1;
+  std::signal(SIGINT, SIG_DFL);
+}
 
 // Progress on stderr: a bar rewritten in place on a terminal; elsewhere one line per report.
 class ProgressBar {
@@ -189,7 +203,25 @@ void run_train(const TrainCommandOptions& o) {
                                   .d_model = o.d_model,
                                   .num_heads = o.heads,
                                   .num_layers = o.layers};
-  train::AttentionModel model(config, o.seed);
+  train::Checkpoint resumed;
+  train::AttentionModel model = o.resume ? train::AttentionModel::load(o.checkpoint, &resumed)
+                                         : train::AttentionModel(config, o.seed);
+  if (o.resume) {
+    const train::ModelConfig& c = model.config();
+    if (c.vocab_size != config.vocab_size || c.max_len != config.max_len || c.d_model != config.d_model ||
+        c.num_heads != config.num_heads || c.num_layers != config.num_layers)
+      throw Error(fmt::format("--resume: {} holds a model of vocabulary {}, length {}, d_model {}, {} heads, {} layers "
+                              "but this command line asks for {}, {}, {}, {}, {}: resume with the same options",
+                              o.checkpoint, c.vocab_size, c.max_len, c.d_model, c.num_heads, c.num_layers,
+                              config.vocab_size, config.max_len, config.d_model, config.num_heads, config.num_layers));
+    fmt::print("Resumed from {} at step {} of {}\n", o.checkpoint, resumed.step, o.steps);
+    options.resume = &resumed;
+  }
+  options.checkpoint_path = o.checkpoint;
+  options.checkpoint_every = o.checkpoint_every;
+  interrupted = 0;
+  options.stop_requested = [] { return interrupted != 0; };
+  std::signal(SIGINT, on_sigint);
   const int64_t eval_every = o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 10);
   constexpr int64_t kCurveSequences = 500;  // held-out sequences at each report (the final one uses --eval)
   fmt::print("qkv train: task {}, {} steps of batch {}, seed {}; model d_model {}, {} heads, {} layers, {} parameters; "
@@ -197,13 +229,15 @@ void run_train(const TrainCommandOptions& o) {
              o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, o.layers, model.parameter_count(),
              train::sequence_length(options.task), config.vocab_size);
   fmt::print("{:>8} {:>10} {:>10} {:>14} {:>9}\n", "step", "loss", "held-out", "accuracy", "seconds");
+  std::fflush(stdout);  // Ctrl-C is handled from here on: say so at once, even into a pipe
 
   ProgressBar bar(o.steps);
   float smoothed = 0;
   const uint64_t held_out = train::held_out_seed(o.seed);
   double last_seconds = 0;
-  train::train(model, options, [&](const train::TrainStep& s) {
-    smoothed = s.step == 1 ? s.loss : 0.95f * smoothed + 0.05f * s.loss;
+  const int64_t first_step = resumed.step + 1;
+  const train::TrainResult trained = train::train(model, options, [&](const train::TrainStep& s) {
+    smoothed = s.step == first_step ? s.loss : 0.95f * smoothed + 0.05f * s.loss;
     const bool report = s.step % eval_every == 0 || s.step == o.steps;
     bar.update(s, smoothed, report);
     last_seconds = s.seconds;
@@ -216,6 +250,12 @@ void run_train(const TrainCommandOptions& o) {
       std::fflush(stdout);
     }
   });
+  std::signal(SIGINT, SIG_DFL);
+  if (trained.interrupted) {
+    bar.note(fmt::format("Interrupted: saved a checkpoint at step {} to {}; continue with the same options and --resume",
+                         trained.step, o.checkpoint));
+    std::exit(130);  // 128 + SIGINT, as a shell reports a process Ctrl-C ended
+  }
   const train::Evaluation final_eval = train::evaluate(model, options.task, o.eval_sequences, held_out);
   fmt::print("\nHeld-out accuracy over {} fresh sequences: {:.2f}% of answer tokens, {:.2f}% of sequences all right "
              "(loss {:.4f}; chance {:.2f}%). Trained in {:.1f} s.\n",
@@ -261,6 +301,16 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--threads", options->threads, "Threads for OpenMP and OpenBLAS (1 is fastest for the default model)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  cmd->add_option("--checkpoint", options->checkpoint,
+                  "Checkpoint file (model + optimizer state + step): written every --checkpoint-every steps and on "
+                  "Ctrl-C, read by --resume")
+      ->capture_default_str();
+  cmd->add_option("--checkpoint-every", options->checkpoint_every, "Steps between checkpoints (0: only on Ctrl-C)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_flag("--resume", options->resume,
+                "Continue from --checkpoint (same options as the run that wrote it: the result equals an "
+                "uninterrupted run)");
   cmd->callback([options] { run_train(*options); });
 }
 

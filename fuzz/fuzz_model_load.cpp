@@ -1,0 +1,33 @@
+// libFuzzer target: the .qkv model loader (qkv::train::AttentionModel::load_bytes, what load()
+// runs on a file's bytes). Input byte 0 picks the mode: odd = the rest as is (the checksum
+// check's own fuzzing), even = the rest with its last 4 bytes replaced by the right CRC-32C, so
+// mutations reach the parser behind the checksum. Every outcome must be a model or a qkv::Error.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "crc32c.hpp"
+#include "qkv/qkv.hpp"
+#include "qkv/train.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  qkv::set_memory_limit(int64_t{256} << 20);
+  if (size == 0) return 0;
+  std::vector<uint8_t> bytes(data + 1, data + size);
+  if ((data[0] & 1) == 0 && bytes.size() >= 4) {
+    const uint32_t crc = qkv::detail::crc32c_update(0, bytes.data(), bytes.size() - 4);
+    std::memcpy(bytes.data() + bytes.size() - 4, &crc, 4);
+  }
+  try {
+    qkv::train::Checkpoint checkpoint;
+    const qkv::train::AttentionModel model =
+        qkv::train::AttentionModel::load_bytes(bytes.data(), bytes.size(), "fuzz input", &checkpoint);
+    // A loaded model must run.
+    const int64_t length = std::min<int64_t>(model.config().max_len, 3);
+    std::vector<int64_t> ids(static_cast<size_t>(length), 0);
+    (void)model.forward(ids, 1, length);
+  } catch (const qkv::Error&) {
+  }
+  return 0;
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every libFuzzer target of a QKV_FUZZ build for a bounded time each and prints its
+# figures (executions, coverage, corpus, crashes). Usage: fuzz/run.sh <build dir> <seconds each>
+# The working corpus (build dir/corpus/<target>) starts from the committed seeds (fuzz/corpus/)
+# and grows across runs; crashes land in <build dir>/artifacts/ and fail the run.
+set -euo pipefail
+build=$1
+seconds=$2
+here=$(cd "$(dirname "$0")" && pwd)
+# One OpenMP thread: the kernels' thread pool adds nothing to what is fuzzed, and the CI has 2 cores.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+mkdir -p "$build/artifacts" "$build/logs"
+status=0
+for target in fuzz_attention fuzz_model_load; do
+  corpus="$build/corpus/$target"
+  mkdir -p "$corpus"
+  log="$build/logs/$target.log"
+  set +e
+  "$build/fuzz/$target" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=3072 -print_final_stats=1 \
+    -artifact_prefix="$build/artifacts/$target-" "$corpus" "$here/corpus/$target" >"$log" 2>&1
+  result=$?
+  set -e
+  runs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
+  last=$(grep -E '^#[0-9]+' "$log" | tail -1)
+  cov=$(echo "$last" | grep -o 'cov: [0-9]*' | grep -o '[0-9]*' || echo "?")
+  ft=$(echo "$last" | grep -o 'ft: [0-9]*' | grep -o '[0-9]*' || echo "?")
+  corp=$(echo "$last" | grep -o 'corp: [0-9]*' | grep -o '[0-9]*' || echo "?")
+  echo "fuzz: $target: ${seconds} s, $runs executions, coverage $cov edges, $ft features, corpus $corp inputs, exit $result"
+  if [ $result -ne 0 ]; then
+    echo "fuzz: $target FAILED; the log's end ($log):"
+    tail -40 "$log"
+    status=1
+  fi
+done
+exit $status
