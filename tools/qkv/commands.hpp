@@ -26,4 +26,7 @@ void add_bench_command(CLI::App& app);
 // `qkv train`: trains a small attention model on copy, recall or reverse (train.cpp).
 void add_train_command(CLI::App& app);
 
+// `qkv serve`: the attention explorer, a local page and JSON API over HTTP (serve.cpp).
+void add_serve_command(CLI::App& app);
+
 }  // namespace qkv::cli

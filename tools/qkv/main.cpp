@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_scaling_command(app);
   qkv::cli::add_bench_command(app);
   qkv::cli::add_train_command(app);
+  qkv::cli::add_serve_command(app);
 
   // After the subcommands: they copy the footer of their parent when they are created.
   app.footer("New to attention? Start with `qkv demo`.");
