@@ -29,15 +29,15 @@ endif()
 # load test; a small one keeps use-after-free detection without that.
 set(serve_env "QKV_BIN=$<TARGET_FILE:qkv_cli>" "QKV_MODEL=${serve_out}/copy.qkv" "QKV_OUT=${serve_out}"
   "ASAN_OPTIONS=quarantine_size_mb=4" "PYTHONDONTWRITEBYTECODE=1")
-foreach(name http)
+foreach(name http browser load)
   set(file test_api.py)
   if(NOT name STREQUAL "http")
     set(file test_${name}.py)
   endif()
   add_test(NAME serve_${name}
-    COMMAND ${QKV_PYTHON3} -m pytest -q -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/${file})
+    COMMAND ${QKV_PYTHON3} -m pytest -q -s -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/${file})
   set_tests_properties(serve_${name} PROPERTIES ENVIRONMENT "${serve_env}" FIXTURES_REQUIRED serve_model
     TIMEOUT 300)
 endforeach()
 # The load test measures memory and speed: alone, not beside the rest of the suite.
-#LOAD
+set_tests_properties(serve_load PROPERTIES RUN_SERIAL TRUE)

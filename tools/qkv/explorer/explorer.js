@@ -234,7 +234,6 @@ function heatmapPanel(panel, tokens, scaleMax) {
     const x = label + i * cell + cell / 2 + 4;
     svg.append(el("svg:text", { x, y: label - 4, transform: `rotate(-90 ${x} ${label - 4})` }, t));
   });
-  svg.append(el("svg:text", { x: 2, y: 10, "font-size": 9 }, "query \u2193 key \u2192"));
 
   const describe = (i, j) => `${panel.title}: "${tokens[i]}" (query ${i}) \u2192 "${tokens[j]}" (key ${j}) = ` +
     panel.weights[i][j].toFixed(6);
