@@ -166,3 +166,18 @@ def test_models_come_only_from_start_up_files_and_bad_ones_refuse_to_start():
     result = subprocess.run([QKV_BIN, "serve", "--port", "0", "--max-concurrent", "0"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "--max-concurrent must be between 1 and 64, got 0" in result.stderr
+
+
+def test_garbage_never_crashes_the_server(server):
+    """Random bytes, deep nesting and odd JSON values: every one a 400 with an error, then still up."""
+    import random
+    seed = random.randrange(2 ** 32)
+    rng = random.Random(seed)
+    bodies = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400))) for _ in range(100)]
+    bodies += [b"[" * 8000 + b"]" * 8000, b'{"text": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+               b'{"text": "a", "heads": 1e400}', b'{"text": "a", "temperature": NaN}', b'{"text": "\\ud800"}',
+               b'{"text": "a", "seed": 18446744073709551616}', b'{"text": "a"} trailing', b"\x00" * 1000]
+    for body in bodies:
+        status, answer, _ = server.request("/api/attention", body)
+        assert status == 400 and isinstance(answer, dict) and answer.get("error"), (seed, body[:60], status, answer)
+    assert server.attention({"text": "still here"})[0] == 200

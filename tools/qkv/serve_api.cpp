@@ -92,8 +92,9 @@ json parse_request(const std::string& body, const ServeLimits& limits) {
   json request;
   try {
     request = json::parse(body);
-  } catch (const json::parse_error& e) {
-    // "[json.exception.parse_error.101] parse error at line 1, column 2: ..." without the tag.
+  } catch (const json::exception& e) {
+    // "[json.exception.parse_error.101] parse error at line 1, column 2: ..." without the tag;
+    // also out_of_range.406, "number overflow parsing '1e400'".
     std::string what = e.what();
     const size_t tag_end = what.find("] ");
     if (tag_end != std::string::npos) what = what.substr(tag_end + 2);
