@@ -154,6 +154,13 @@ def test_sigterm_also_stops_cleanly():
     assert code == 0 and "stopped (SIGTERM)" in out
 
 
+def test_ctrl_c_right_after_start_stops_cleanly():
+    """The signal is caught from before the URL is printed, even before the server is listening."""
+    for _ in range(5):
+        code, out, err = Server([]).stop(signal.SIGINT)
+        assert code == 0 and "stopped (Ctrl-C)" in out, (code, out, err)
+
+
 def test_models_come_only_from_start_up_files_and_bad_ones_refuse_to_start():
     import subprocess
     from conftest import QKV_BIN

@@ -145,6 +145,7 @@ void run_serve(const ServeOptions& o) {
     set_json(response, 500, error_json("internal error"));
   });
 
+  catch_stop_signals();  // from here on, Ctrl-C stops the server cleanly
   const int port = o.port == 0 ? server.bind_to_any_port(o.host) : (server.bind_to_port(o.host, o.port) ? o.port : -1);
   if (port < 0) {
     throw Error(fmt::format("cannot listen on {}:{} (in use, or not an address of this machine); try --port 0 for "
@@ -156,8 +157,8 @@ void run_serve(const ServeOptions& o) {
              api.loaded_models().size(), api.loaded_models().size() == 1 ? "" : "s");
   std::fflush(stdout);
 
-  // Stops the server once a stop signal arrives; also ends when listening ends another way.
-  catch_stop_signals();
+  // Stops the server once a stop signal arrives (caught since before the URL was printed);
+  // also ends when listening ends another way.
   std::atomic<bool> finished{false};
   std::thread stopper([&] {
     while (!finished) {
