@@ -188,3 +188,14 @@ def test_garbage_never_crashes_the_server(server):
         status, answer, _ = server.request("/api/attention", body)
         assert status == 400 and isinstance(answer, dict) and answer.get("error"), (seed, body[:60], status, answer)
     assert server.attention({"text": "still here"})[0] == 200
+
+
+def test_another_host_is_warned_about():
+    """192.0.2.1 (TEST-NET-1, documentation only) is not an address of this machine: the warning is
+    printed, then binding fails with a clear error, and no socket beyond loopback is ever open."""
+    import subprocess
+    from conftest import QKV_BIN
+    result = subprocess.run([QKV_BIN, "serve", "--host", "192.0.2.1", "--port", "0"],
+                            capture_output=True, text=True, timeout=30)
+    assert "warning: listening on 192.0.2.1, not loopback" in result.stderr
+    assert result.returncode == 2 and "cannot listen on 192.0.2.1:0" in result.stderr
