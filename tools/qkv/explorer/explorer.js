@@ -25,6 +25,14 @@ function colour(t) {
   return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
 }
 
+// The largest value of nested arrays (a loop: spreading 16 heads x 64 x 64 numbers into
+// Math.max could overflow the call stack), at least 1e-6 so a scale never divides by 0.
+function largest(nested) {
+  let m = 1e-6;
+  for (const v of nested.flat(Infinity)) if (v > m) m = v;
+  return m;
+}
+
 function el(tag, attributes = {}, text) {
   const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
   for (const [k, v] of Object.entries(attributes)) node.setAttribute(k, v);
@@ -167,7 +175,7 @@ function meanEntropy(rows) {
 
 function render() {
   const r = state.response, all = panels();
-  const scaleMax = Math.max(1e-6, ...all.flatMap((p) => p.weights.flat()));
+  const scaleMax = largest(all.map((p) => p.weights));
   state.scaleMax = scaleMax;
   drawLegend(scaleMax);
   $("uniform-note").textContent = `uniform over all ${r.tokens.length} keys = ${r.uniform_entropy.toFixed(2)} nats.`;
@@ -274,7 +282,7 @@ function drawHeadView() {
   const n = r.tokens.length, row = 22, width = 420, left = 110, right = width - 110;
   const svg = el("svg:svg", { width, height: n * row + 10, role: "img", "aria-label": `head view of ${chosen.title}` });
   const lines = el("svg:g");
-  const maxW = Math.max(1e-6, ...chosen.weights.flat());
+  const maxW = largest(chosen.weights);
   for (let i = 0; i < n; i++) {
     for (let j = 0; j < n; j++) {
       const w = chosen.weights[i][j];
@@ -319,7 +327,7 @@ function drawOverview() {
         title: `layer ${l} head ${h}: entropy ${layer.entropy[h].toFixed(2)} nats`,
       });
       const g = canvas.getContext("2d");
-      const m = Math.max(1e-6, ...w.flat());
+      const m = largest(w);
       for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
         g.fillStyle = colour(w[i][j] / m);
         g.fillRect(j * scale, i * scale, scale, scale);
