@@ -139,6 +139,10 @@ TEST(ExplorerApi, BadInputIsA400NamingTheProblem) {
   EXPECT_EQ(error_of("{\"text\": \"a\",}"),
             "malformed JSON: parse error at line 1, column 14: syntax error while parsing object key - unexpected '}'; "
             "expected string literal");
+  // Deep nesting is refused before parsing (nlohmann's dump and destructor recurse per level).
+  EXPECT_EQ(error_of(std::string(8000, '[') + std::string(8000, ']')),
+            "the body nests 8000 levels deep; a request is one JSON object of plain fields (at most 32 levels)");
+  EXPECT_EQ(error_of(R"({"text": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "heads": [1]})"), "\"heads\" must be a whole number, got [1]");
   // Not UTF-8: nlohmann refuses it, and the error is still valid JSON.
   EXPECT_NE(error_of("{\"text\": \"\xff\"}").find("malformed JSON"), std::string::npos);
 }

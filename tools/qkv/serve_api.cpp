@@ -81,6 +81,32 @@ std::vector<double> entropies(const std::vector<std::vector<float>>& heads, int6
   return out;
 }
 
+// Deepest nesting a request may have; a request needs 1. Deeper bodies are refused before
+// parsing: nlohmann's dump and destructor recurse once per level, and a 16 KiB body of "["
+// would overflow a worker thread's stack.
+constexpr int kMaxJsonDepth = 32;
+
+// The deepest [ / { nesting of JSON text, strings skipped (an estimate for malformed text,
+// which the parser then refuses anyway).
+int json_depth(const std::string& body) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char c = body[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 // The request's JSON object, or a 400 that says what is wrong with the body.
 json parse_request(const std::string& body, const ServeLimits& limits) {
   if (body.size() > limits.max_body_bytes) {
@@ -88,6 +114,11 @@ json parse_request(const std::string& body, const ServeLimits& limits) {
   }
   if (body.find_first_not_of(" \t\r\n") == std::string::npos) {
     throw BadRequest("the body is empty: send a JSON object such as {\"text\": \"The cat sat on the mat\"}");
+  }
+  if (const int depth = json_depth(body); depth > kMaxJsonDepth) {
+    throw BadRequest(fmt::format("the body nests {} levels deep; a request is one JSON object of plain fields (at "
+                                 "most {} levels)",
+                                 depth, kMaxJsonDepth));
   }
   json request;
   try {
