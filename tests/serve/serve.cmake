@@ -29,6 +29,9 @@ endif()
 # load test; a small one keeps use-after-free detection without that.
 set(serve_env "QKV_BIN=$<TARGET_FILE:qkv_cli>" "QKV_MODEL=${serve_out}/copy.qkv" "QKV_OUT=${serve_out}"
   "ASAN_OPTIONS=quarantine_size_mb=4" "PYTHONDONTWRITEBYTECODE=1")
+if(QKV_SANITIZE)
+  list(APPEND serve_env "QKV_SANITIZED=1")  # test_load.py: the allocator's own growth, bounded looser
+endif()
 foreach(name http browser load)
   set(file test_api.py)
   if(NOT name STREQUAL "http")

@@ -17,7 +17,11 @@ CLIENTS = 8
 REQUESTS = 200
 WARM_UP = 25            # requests per client before the memory is first measured
 TIME_BOUND_S = 240      # the whole measured run; generous for the sanitizer build on a shared machine
-MAX_GROWTH_MIB = 8.0
+# Under AddressSanitizer (QKV_SANITIZED=1, the sanitizer build) the allocator keeps a quarantine
+# and per-thread caches that grow by several MiB on their own (7.7 MiB measured); there
+# LeakSanitizer, run when the server exits, is what catches a leak, and this bound only a runaway.
+SANITIZED = os.environ.get("QKV_SANITIZED") == "1"
+MAX_GROWTH_MIB = 32.0 if SANITIZED else 8.0
 
 SENTENCES = ["The cat sat on the mat", "the quick brown fox jumps over the lazy dog",
              "attention is all you need", "a b c d e f g h i j k l m n o p"]
@@ -82,10 +86,10 @@ def test_eight_clients_two_hundred_requests_each(server):
     seconds = time.monotonic() - start
     after = rss_mib(pid)
 
-    figures = {"clients": CLIENTS, "requests_per_client": REQUESTS, "errors": len(errors),
+    figures = {"build": "sanitizer" if SANITIZED else "optimised", "clients": CLIENTS, "requests_per_client": REQUESTS, "errors": len(errors),
                "seconds": round(seconds, 2), "requests_per_second": round(CLIENTS * REQUESTS / seconds, 1),
                "rss_before_mib": round(before, 1), "rss_after_mib": round(after, 1),
-               "rss_growth_mib": round(after - before, 1)}
+               "rss_growth_mib": round(after - before, 1), "max_growth_mib": MAX_GROWTH_MIB}
     print("\nload test:", json.dumps(figures))
     if QKV_OUT:
         with open(os.path.join(QKV_OUT, "load.json"), "w") as out:
