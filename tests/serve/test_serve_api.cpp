@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <string>
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -157,8 +159,10 @@ TEST(ExplorerApi, LoopbackHosts) {
 class ExplorerModel : public ::testing::Test {
  protected:
   void SetUp() override {
+    // One file per test and process: ctest -j runs the tests of this fixture side by side.
     path_ = (std::filesystem::temp_directory_path() /
-             ("qkv_serve_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".qkv"))
+             ("qkv_serve_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+              std::to_string(::getpid()) + ".qkv"))
                 .string();
     // A copy task of length 3 over 4 symbols: sequences of 6, vocabulary a-d and '|'.
     train::AttentionModel model({.vocab_size = 5, .max_len = 6, .d_model = 16, .num_heads = 2, .num_layers = 2}, 1);
