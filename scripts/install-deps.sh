@@ -18,6 +18,7 @@ build=(
 tools=(
   libcli11-dev libfmt-dev  # the qkv command line tool
   libcairo2-dev            # qkv viz / scaling: PNG, SVG and PDF figures
+  libcpp-httplib-dev nlohmann-json3-dev    # qkv serve: HTTP server and its JSON API
   fonts-dejavu-core        # the figures' text
 )
 python=(
@@ -47,23 +48,41 @@ for group in "${groups[@]}"; do
   esac
 done
 
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+# The explorer's browser test (tests/serve): headless Chromium driven by Selenium, with the test
+# group only. Installed apart: where Chromium cannot be installed the rest still is, and that one
+# test says why it skips.
+browser_packages=()
+for group in "${groups[@]}"; do
+  case "$group" in test|all) browser_packages=(chromium chromium-driver python3-selenium) ;; esac
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-# Each package once, in order.
-mapfile -t missing < <(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++')
 
-echo "install-deps: missing ${missing[*]}"
+# The packages of a list that are not installed yet, each once, in order.
+missing_from() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
+  done | awk '!seen[$0]++'
+}
+mapfile -t missing < <(missing_from "${packages[@]}")
+mapfile -t missing_browser < <(missing_from "${browser_packages[@]}")
+[ ${#missing[@]} -eq 0 ] && [ ${#missing_browser[@]} -eq 0 ] && exit 0
+
+echo "install-deps: missing ${missing[*]} ${missing_browser[*]}"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
   if ! command -v sudo >/dev/null; then
-    echo "install-deps: not root and no sudo: install them as root: apt-get install ${missing[*]}" >&2
+    echo "install-deps: not root and no sudo: install them as root: apt-get install ${missing[*]} ${missing_browser[*]}" >&2
     exit 1
   fi
   sudo="sudo"
 fi
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
-$sudo apt-get install -y --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+if [ ${#missing_browser[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing_browser[*]} (the explorer's browser test)"
+  $sudo apt-get install -y --no-install-recommends "${missing_browser[@]}" ||
+    echo "install-deps: warning: could not install ${missing_browser[*]}; the browser test (serve_browser) will skip"
+fi

@@ -31,5 +31,7 @@ void add_train_command(CLI::App& app);
 // qkv was built with MPI (qkv::dist).
 void add_ring_bench_command(CLI::App& app);
 #endif
+// `qkv serve`: the attention explorer, a local page and JSON API over HTTP (serve.cpp).
+void add_serve_command(CLI::App& app);
 
 }  // namespace qkv::cli

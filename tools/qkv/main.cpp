@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
 #ifdef QKV_HAVE_DIST
   qkv::cli::add_ring_bench_command(app);
 #endif
+  qkv::cli::add_serve_command(app);
 
   // After the subcommands: they copy the footer of their parent when they are created.
   app.footer("New to attention? Start with `qkv demo`.");

@@ -32,6 +32,7 @@
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
+#include "text_attention.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -56,101 +57,6 @@ struct VizOptions {
   std::vector<std::string> layer_options_given;
   std::string output = "attention.png";
 };
-
-// ---------------------------------------------------------------------------------------------
-// Text to tokens to vectors
-
-// Whitespace-separated words, or (chars) every UTF-8 character with spaces shown as "␣".
-std::vector<std::string> tokenize(const std::string& text, bool chars) {
-  std::vector<std::string> tokens;
-  if (chars) {
-    for (size_t i = 0; i < text.size();) {
-      size_t length = 1;  // a UTF-8 lead byte says how many bytes its character has
-      const auto lead = static_cast<unsigned char>(text[i]);
-      if (lead >= 0xF0) length = 4;
-      else if (lead >= 0xE0) length = 3;
-      else if (lead >= 0xC0) length = 2;
-      std::string token = text.substr(i, length);
-      if (token == " ") token = "\u2423";
-      else if (token == "\t" || token == "\n") token = "\u21b5";
-      tokens.push_back(token);
-      i += length;
-    }
-    return tokens;
-  }
-  std::string word;
-  for (char c : text) {
-    if (std::isspace(static_cast<unsigned char>(c))) {
-      if (!word.empty()) tokens.push_back(word);
-      word.clear();
-    } else {
-      word += c;
-    }
-  }
-  if (!word.empty()) tokens.push_back(word);
-  return tokens;
-}
-
-// (1, N, embed): each token's word vector (case-folded, so "The" and "the" share one) plus its
-// position's sinusoidal code.
-Tensor embed_tokens(const std::vector<std::string>& tokens, int64_t embed, uint64_t seed) {
-  std::map<std::string, int64_t> vocabulary;
-  std::vector<int64_t> ids;
-  for (const std::string& token : tokens) {
-    std::string key = token;
-    for (char& c : key) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    const auto [it, inserted] = vocabulary.emplace(key, static_cast<int64_t>(vocabulary.size()));
-    ids.push_back(it->second);
-  }
-  const auto n = static_cast<int64_t>(tokens.size());
-  const nn::Embedding embedding(static_cast<int64_t>(vocabulary.size()), embed, seed + 1);
-  const nn::SinusoidalPositionalEncoding positions(n, embed);
-  return positions.forward(embedding.forward(ids, {1, n}));
-}
-
-// ---------------------------------------------------------------------------------------------
-// Weights
-
-// (N, embed) -> (1, H, N, embed / H): a projection split into heads.
-Tensor split_heads(const Tensor& projected, int64_t heads) {
-  const int64_t n = projected.size(1), width = projected.size(2);
-  return projected.reshape({1, n, heads, width / heads}).transpose(1, 2).contiguous();
-}
-
-// Every head's weights, (H, N, N) flattened per head: softmax(Q K^T / (sqrt(d) * T)) masked.
-std::vector<std::vector<float>> head_weights(const nn::MultiHeadAttention& layer, const Tensor& x, bool causal,
-                                             double temperature) {
-  const int64_t heads = layer.num_heads();
-  AttentionOptions options;
-  options.mask = causal ? Mask::causal() : Mask();
-  options.scale = static_cast<float>(1.0 / (std::sqrt(static_cast<double>(layer.head_dim())) * temperature));
-  options.need_weights = true;
-  options.backend = Backend::Reference;
-  const AttentionResult result =
-      scaled_dot_product_attention(split_heads(layer.q_proj.forward(x), heads), split_heads(layer.k_proj.forward(x), heads),
-                                   split_heads(layer.v_proj.forward(x), heads), options);
-  const std::vector<float> all = result.weights.to_vector();  // (1, H, N, N)
-  const size_t per_head = all.size() / static_cast<size_t>(heads);
-  std::vector<std::vector<float>> out;
-  for (int64_t h = 0; h < heads; ++h) {
-    out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(h * per_head),
-                     all.begin() + static_cast<std::ptrdiff_t>((h + 1) * per_head));
-  }
-  return out;
-}
-
-nn::MultiHeadAttention make_layer(int64_t embed, int64_t heads, uint64_t seed) {
-  // The same seed gives the same projection matrices whatever the head count, so panels with
-  // different head counts split the very same Q and K differently.
-  nn::MultiHeadAttention layer(embed, heads, {.seed = seed});
-  layer.eval();
-  return layer;
-}
-
-// The panel's mean row entropy: one head's (n, n) weights seen as a single head.
-double mean_entropy(const std::vector<float>& weights, int64_t n) {
-  return analysis::head_entropy(Tensor::from(weights, {1, n, n})).at({0});
-}
 
 plot::HeatmapPanel make_panel(std::string title, std::vector<float> weights, int64_t n) {
   plot::HeatmapPanel panel;
@@ -206,82 +112,6 @@ void check_options(const VizOptions& o, const std::vector<std::string>& tokens) 
   plot::format_from_path(o.output);
 }
 
-// ---------------------------------------------------------------------------------------------
-// A trained model (--model)
-
-// The task a model file was trained on. The file holds the vocabulary (symbols + 1) and the
-// sequence length (recall 2P + 1: odd; copy and reverse 2L: even), not the task's name: an odd
-// length is recall; an even one is copy or reverse, whichever the model gets more right.
-struct ModelTask {
-  train::TaskOptions options;
-  std::string name;
-  std::string how;  // how the task was chosen, for the figure
-};
-
-ModelTask model_task(const train::AttentionModel& model, const std::string& requested, uint64_t seed) {
-  const train::ModelConfig& c = model.config();
-  const int64_t symbols = c.vocab_size - 1, n = c.max_len;
-  if (symbols < 2 || symbols > 26) {
-    throw Error(fmt::format("--model: a vocabulary of {} tokens is not a `qkv train` task's (3 to 27: the letters and "
-                            "'|'), so there is no example to run it on",
-                            c.vocab_size));
-  }
-  auto task_for = [&](train::Task task) {
-    train::TaskOptions t{.task = task, .symbols = symbols, .pairs = (n - 1) / 2, .length = n / 2};
-    const bool fits = task == train::Task::Recall ? n % 2 == 1 : n % 2 == 0;
-    if (!fits || train::sequence_length(t) != n) {
-      throw Error(fmt::format("--task {}: the model reads sequences of {} tokens, which a {} sequence ({}) never has",
-                              train::to_string(task), n, train::to_string(task),
-                              task == train::Task::Recall ? "2 x pairs + 1, odd" : "2 x length, even"));
-    }
-    (void)train::make_batch(t, 1, seed);  // checks the options (pairs <= symbols, ...)
-    return t;
-  };
-  if (!requested.empty()) {
-    const train::Task task = train::parse_task(requested);
-    return {task_for(task), train::to_string(task), "given by --task"};
-  }
-  if (n % 2 == 1) {
-    return {task_for(train::Task::Recall), "recall",
-            fmt::format("recall by the file's odd sequence length {} = 2 x {} pairs + 1", n, (n - 1) / 2)};
-  }
-  const train::TaskOptions copy = task_for(train::Task::Copy), reverse = task_for(train::Task::Reverse);
-  constexpr int64_t kSequences = 200;
-  const double copy_accuracy = train::evaluate(model, copy, kSequences, seed).accuracy;
-  const double reverse_accuracy = train::evaluate(model, reverse, kSequences, seed).accuracy;
-  const bool is_copy = copy_accuracy >= reverse_accuracy;
-  return {is_copy ? copy : reverse, is_copy ? "copy" : "reverse",
-          fmt::format("{} (even length {}: copy or reverse; the model gets {:.0f}% of copy and {:.0f}% of reverse "
-                      "right; --task sets it)",
-                      is_copy ? "copy" : "reverse", n, 100 * copy_accuracy, 100 * reverse_accuracy)};
-}
-
-// The --text tokens as the model's ids, or why they cannot be (empty ids).
-std::vector<int64_t> text_ids(const std::vector<std::string>& tokens, const ModelTask& task, int64_t max_len,
-                              std::string& why_not) {
-  std::map<std::string, int64_t> vocabulary;
-  for (int64_t id = 0; id <= task.options.symbols; ++id) vocabulary[train::token_text(task.options, id)] = id;
-  const std::string letters = fmt::format("a-{} and |", train::token_text(task.options, task.options.symbols - 1));
-  std::vector<int64_t> ids;
-  for (const std::string& token : tokens) {
-    if (token == "\u2423" || token == "\u21b5") continue;  // --chars: spaces only separate
-    std::string key = token;
-    for (char& c : key) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    const auto it = vocabulary.find(key);
-    if (it == vocabulary.end()) {
-      why_not = fmt::format("--text token '{}' is not in the model's vocabulary ({})", token, letters);
-      return {};
-    }
-    ids.push_back(it->second);
-  }
-  if (ids.empty()) why_not = "--text has no tokens";
-  else if (static_cast<int64_t>(ids.size()) > max_len) {
-    why_not = fmt::format("--text has {} tokens; the model reads at most {}", ids.size(), max_len);
-    ids.clear();
-  }
-  return ids;
-}
-
 void run_model_viz(const VizOptions& o) {
   if (!o.layer_options_given.empty()) {
     throw Error(fmt::format("{} describes the untrained layer; with --model the layers come from the file",
@@ -298,6 +128,7 @@ void run_model_viz(const VizOptions& o) {
   if (o.text_given) {
     std::string why_not;
     ids = text_ids(tokenize(o.text, o.chars), task, c.max_len, why_not);
+      why_not = "--text: " + why_not;
     if (ids.empty()) {
       fmt::print(stderr, "qkv viz: {}: drawing one {} example instead\n", why_not, task.name);
       source = fmt::format("on one {} example, not --text: {}", task.name, why_not);
@@ -349,13 +180,7 @@ void run_model_viz(const VizOptions& o) {
                                      n, std::log(static_cast<double>(n))));
   size_t widest = 1, panels = 0;
   for (size_t layer = 0; layer < weights.size(); ++layer) {
-    const std::vector<float> all = weights[layer].to_vector();
-    const size_t per_head = all.size() / static_cast<size_t>(c.num_heads);
-    std::vector<std::vector<float>> heads;
-    for (int64_t h = 0; h < c.num_heads; ++h) {
-      heads.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(h * per_head),
-                         all.begin() + static_cast<std::ptrdiff_t>((h + 1) * per_head));
-    }
+    const std::vector<std::vector<float>> heads = split_weights_by_head(weights[layer], c.num_heads);
     plot::HeatmapSection section;
     section.heading = fmt::format("layer {}", layer);
     section.panels = head_panels(heads, n, "");
@@ -382,6 +207,7 @@ void run_viz(const VizOptions& o) {
   check_options(o, tokens);
   const auto n = static_cast<int64_t>(tokens.size());
   const Tensor x = embed_tokens(tokens, o.embed, o.seed);
+  const Mask mask = o.causal ? Mask::causal() : Mask();
 
   plot::HeatmapFigure figure;
   figure.row_labels = figure.col_labels = tokens;
@@ -395,7 +221,7 @@ void run_viz(const VizOptions& o) {
     const nn::MultiHeadAttention layer = make_layer(o.embed, o.heads, o.seed);
     plot::HeatmapSection section;
     for (double t : o.temperatures) {
-      auto panel = make_panel(fmt::format("T = {}", t), head_weights(layer, x, o.causal, t)[static_cast<size_t>(o.head)], n);
+      auto panel = make_panel(fmt::format("T = {}", t), head_weights(layer, x, mask, t)[static_cast<size_t>(o.head)], n);
       section.panels.push_back(std::move(panel));
     }
     figure.sections.push_back(std::move(section));
@@ -410,7 +236,7 @@ void run_viz(const VizOptions& o) {
       const nn::MultiHeadAttention layer = make_layer(o.embed, h, o.seed);
       plot::HeatmapSection section;
       section.heading = fmt::format("{} head{} x {} dims", h, h == 1 ? "" : "s", o.embed / h);
-      section.panels = head_panels(head_weights(layer, x, o.causal, 1.0), n, "");
+      section.panels = head_panels(head_weights(layer, x, mask, 1.0), n, "");
       widest = std::max(widest, section.panels.size());
       figure.sections.push_back(std::move(section));
     }
@@ -420,7 +246,7 @@ void run_viz(const VizOptions& o) {
   } else {
     const nn::MultiHeadAttention layer = make_layer(o.embed, o.heads, o.seed);
     plot::HeatmapSection section;
-    section.panels = head_panels(head_weights(layer, x, o.causal, 1.0), n, "");
+    section.panels = head_panels(head_weights(layer, x, mask, 1.0), n, "");
     figure.columns = grid_columns(section.panels.size());
     figure.sections.push_back(std::move(section));
     figure.notes.push_back(fmt::format("{} heads x {} dims (embed {}), {}", o.heads, o.embed / o.heads, o.embed, mask_note));

@@ -1,0 +1,214 @@
+// qkv serve's mask expressions (tools/qkv/mask_expr.cpp) and JSON API as plain functions
+// (tools/qkv/serve_api.cpp), without a socket. The HTTP side is tests/serve/test_api.py.
+#include <cmath>
+#include <filesystem>
+#include <string>
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "mask_expr.hpp"
+#include "qkv/train.hpp"
+#include "serve_api.hpp"
+
+namespace qkv::cli {
+namespace {
+
+using nlohmann::json;
+
+// ---- Mask expressions
+
+TEST(MaskExpression, EachTermIsTheLibrarysMask) {
+  EXPECT_TRUE(parse_mask_expression("").is_none());
+  EXPECT_TRUE(parse_mask_expression("none").is_none());
+  EXPECT_TRUE(parse_mask_expression("  none & none ").is_none());
+
+  const Mask causal = parse_mask_expression("causal");
+  EXPECT_EQ(causal.band_hi(), 0);
+  EXPECT_EQ(causal.band_lo(), -Mask::kUnbounded);
+
+  const Mask window = parse_mask_expression("window(3)");
+  EXPECT_EQ(window.band_lo(), -3);
+  EXPECT_EQ(window.band_hi(), 0);
+
+  const Mask both_sides = parse_mask_expression("window( 3 ,1 )");
+  EXPECT_EQ(both_sides.band_lo(), -3);
+  EXPECT_EQ(both_sides.band_hi(), 1);
+
+  const Mask combined = parse_mask_expression("causal & window(4, 2)");  // & takes the tighter edges
+  EXPECT_EQ(combined.band_lo(), -4);
+  EXPECT_EQ(combined.band_hi(), 0);
+
+  const Mask padding = parse_mask_expression("padding(4)");
+  ASSERT_TRUE(padding.has_key_lengths());
+  EXPECT_EQ(padding.lengths(), std::vector<int64_t>{4});
+  EXPECT_FALSE(padding.has_band());
+}
+
+// The message quotes the expression, the column and the bad token; column() is that column.
+void expect_error(const std::string& expression, size_t column, const std::string& message) {
+  try {
+    parse_mask_expression(expression);
+    ADD_FAILURE() << "'" << expression << "' parsed";
+  } catch (const MaskExpressionError& e) {
+    EXPECT_EQ(e.column(), column) << e.what();
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(MaskExpression, ErrorsPointAtTheBadToken) {
+  expect_error("windw(3)", 1, "mask 'windw(3)': column 1, found 'windw': unknown mask; expected none, causal, window(left)");
+  expect_error("causal & windw(3)", 10, "column 10, found 'windw': unknown mask");
+  expect_error("window(3", 9, "column 9, found the end: expected ')' to close window(");
+  expect_error("window(-1)", 8, "column 8, found '-': not part of a mask");
+  expect_error("window(2.5)", 9, "column 9, found '.': not part of a mask");
+  expect_error("window 3", 8, "column 8, found '3': expected '(' after window, as in window(3)");
+  expect_error("window()", 8, "column 8, found ')': expected window's left (a whole number >= 0)");
+  expect_error("window(1,)", 10, "expected window's right");
+  expect_error("causal &", 9, "column 9, found the end: expected a mask");
+  expect_error("& causal", 1, "column 1, found '&': expected a mask");
+  expect_error("causal causal", 8, "column 8, found 'causal': expected & or the end");
+  expect_error("Causal", 1, "found 'Causal': unknown mask");
+  expect_error("padding(0)", 9, "padding's length must be at least 1");
+  expect_error("window(99999999)", 8, "window's left is at most 1000000");
+  expect_error("causal \xe2\x88\xa7 window(2)", 8, "found '\xe2\x88\xa7': not part of a mask");
+  expect_error(std::string(kMaxMaskExpressionLength + 1, ' '), kMaxMaskExpressionLength + 1,
+               "mask expression has 201 characters; the limit is 200");
+}
+
+// ---- The JSON API
+
+// The answer's status and parsed body.
+std::pair<int, json> ask(const ExplorerApi& api, const json& request) {
+  const ApiResponse response = api.attention(request.dump());
+  return {response.status, json::parse(response.body)};
+}
+
+TEST(ExplorerApi, WeightsAreSoftmaxRowsWithTheirEntropy) {
+  const ExplorerApi api({}, ServeLimits{});
+  const auto [status, answer] = ask(api, {{"text", "the cat sat on the mat"}, {"heads", 4}, {"embed", 16}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  ASSERT_EQ(answer["weights"].size(), 4u);
+  for (size_t h = 0; h < 4; ++h) {
+    double entropy = 0;
+    for (const auto& row : answer["weights"][h]) {
+      ASSERT_EQ(row.size(), 6u);
+      double sum = 0;
+      for (double w : row) {
+        sum += w;
+        if (w > 0) entropy -= w * std::log(w);
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+    }
+    EXPECT_NEAR(answer["entropy"][h].get<double>(), entropy / 6, 1e-5);
+  }
+  // The same request, the same answer: the seed fixes the layer.
+  EXPECT_EQ(ask(api, {{"text", "the cat sat on the mat"}, {"heads", 4}, {"embed", 16}}).second, answer);
+}
+
+TEST(ExplorerApi, CausalEmptiesTheUpperTriangle) {
+  const ExplorerApi api({}, ServeLimits{});
+  const auto [status, answer] = ask(api, {{"text", "a b c d e"}, {"mask", "causal"}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  for (const auto& head : answer["weights"]) {
+    for (size_t i = 0; i < 5; ++i) {
+      for (size_t j = 0; j < 5; ++j) {
+        if (j > i) EXPECT_EQ(head[i][j].get<double>(), 0.0) << i << "," << j;
+        else EXPECT_GT(head[i][j].get<double>(), 0.0) << i << "," << j;
+      }
+    }
+  }
+  EXPECT_EQ(answer["weights"][0][0][0].get<double>(), 1.0);  // the first token sees only itself
+}
+
+TEST(ExplorerApi, BadInputIsA400NamingTheProblem) {
+  ServeLimits limits;
+  limits.max_tokens = 4;
+  const ExplorerApi api({}, limits);
+  const auto error_of = [&](const std::string& body) {
+    const ApiResponse response = api.attention(body);
+    EXPECT_EQ(response.status, 400) << body;
+    return json::parse(response.body)["error"].get<std::string>();
+  };
+  EXPECT_EQ(error_of(R"({"text": "a b c d e"})"), "\"text\" has 5 tokens; the explorer shows at most 4");
+  EXPECT_EQ(error_of(R"({"text": "a", "temperature": 0})"), "\"temperature\" must be above 0 and at most 100, got 0");
+  EXPECT_EQ(error_of(R"({"text": "a", "model": "m.qkv"})"),
+            "unknown model \"m.qkv\"; the server was started with no --model");
+  EXPECT_EQ(error_of("\"just a string\""), "the body must be a JSON object, got \"just a string\"");
+  EXPECT_EQ(error_of(" \n"), "the body is empty: send a JSON object such as {\"text\": \"The cat sat on the mat\"}");
+  EXPECT_EQ(error_of("{\"text\": \"a\",}"),
+            "malformed JSON: parse error at line 1, column 14: syntax error while parsing object key - unexpected '}'; "
+            "expected string literal");
+  // Deep nesting is refused before parsing (nlohmann's dump and destructor recurse per level).
+  EXPECT_EQ(error_of(std::string(8000, '[') + std::string(8000, ']')),
+            "the body nests 8000 levels deep; a request is one JSON object of plain fields (at most 32 levels)");
+  EXPECT_EQ(error_of(R"({"text": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "heads": [1]})"), "\"heads\" must be a whole number, got [1]");
+  // Not UTF-8: nlohmann refuses it, and the error is still valid JSON.
+  EXPECT_NE(error_of("{\"text\": \"\xff\"}").find("malformed JSON"), std::string::npos);
+}
+
+TEST(ExplorerApi, LoopbackHosts) {
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"}) EXPECT_TRUE(is_loopback_host(host)) << host;
+  for (const char* host : {"0.0.0.0", "192.168.1.10", "example.com", "::", "", "localhost.example.com"}) {
+    EXPECT_FALSE(is_loopback_host(host)) << host;
+  }
+}
+
+class ExplorerModel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // One file per test and process: ctest -j runs the tests of this fixture side by side.
+    path_ = (std::filesystem::temp_directory_path() /
+             ("qkv_serve_test_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+              std::to_string(::getpid()) + ".qkv"))
+                .string();
+    // A copy task of length 3 over 4 symbols: sequences of 6, vocabulary a-d and '|'.
+    train::AttentionModel model({.vocab_size = 5, .max_len = 6, .d_model = 16, .num_heads = 2, .num_layers = 2}, 1);
+    model.save(path_);
+  }
+  void TearDown() override { std::filesystem::remove(path_); }
+  std::string path_;
+};
+
+TEST_F(ExplorerModel, ListedAndRunLayerByLayerUnderItsCausalMask) {
+  const ExplorerApi api({path_}, ServeLimits{});
+  const json models = json::parse(api.models().body)["models"];
+  ASSERT_EQ(models.size(), 1u);
+  const std::string name = std::filesystem::path(path_).filename().string();
+  EXPECT_EQ(models[0]["name"], name);
+  EXPECT_EQ(models[0]["layers"], 2);
+  EXPECT_EQ(models[0]["heads"], 2);
+
+  auto [status, answer] = ask(api, {{"text", "a b | a"}, {"model", name}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  EXPECT_EQ(answer["tokens"], json({"a", "b", "|", "a"}));
+  ASSERT_EQ(answer["layers"].size(), 2u);
+  for (const auto& layer : answer["layers"]) {
+    ASSERT_EQ(layer["weights"].size(), 2u);
+    for (const auto& head : layer["weights"]) {
+      for (size_t i = 0; i < 4; ++i) {
+        for (size_t j = i + 1; j < 4; ++j) EXPECT_EQ(head[i][j].get<double>(), 0.0);
+      }
+    }
+  }
+  // A mask is and-ed into the model's own causal one.
+  std::tie(status, answer) = ask(api, {{"text", "a b c d"}, {"model", name}, {"mask", "window(0)"}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  EXPECT_EQ(answer["layers"][1]["weights"][0][3], json({0.0, 0.0, 0.0, 1.0}));
+
+  // Too long for the model (6 tokens at most): one example of its task instead, said so.
+  std::tie(status, answer) = ask(api, {{"text", "a b c d a b c"}, {"model", name}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  EXPECT_NE(answer["note"].get<std::string>().find("the model reads at most 6"), std::string::npos) << answer["note"];
+  EXPECT_EQ(answer["tokens"].size(), 6u);
+}
+
+TEST_F(ExplorerModel, RepeatedNamesAndMissingFilesRefuseToStart) {
+  EXPECT_THROW(ExplorerApi({path_, path_}, ServeLimits{}), Error);
+  EXPECT_THROW(ExplorerApi({path_ + ".missing"}, ServeLimits{}), Error);
+}
+
+}  // namespace
+}  // namespace qkv::cli

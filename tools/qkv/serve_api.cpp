@@ -1,0 +1,338 @@
+// The JSON API of `qkv serve`; see serve_api.hpp for the requests and answers.
+#include "serve_api.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "mask_expr.hpp"
+#include "qkv/analysis.hpp"
+#include "qkv/error.hpp"
+
+namespace qkv::cli {
+namespace {
+
+using nlohmann::json;
+
+// A 400 answer: what the request got wrong.
+class BadRequest : public std::exception {
+ public:
+  explicit BadRequest(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+const std::set<std::string> kFields = {"text", "heads", "embed", "seed", "temperature", "mask", "chars", "model"};
+
+// JSON text; a byte that is not UTF-8 becomes U+FFFD instead of an exception.
+std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// A JSON value shown in a message, cut short when long.
+std::string shown(const json& value) {
+  std::string text = dump(value);
+  return text.size() > 40 ? text.substr(0, 37) + "..." : text;
+}
+
+// An optional integer field within [low, high]; fallback when absent or null.
+int64_t integer_field(const json& request, const std::string& name, int64_t fallback, int64_t low, int64_t high) {
+  if (!request.contains(name) || request[name].is_null()) return fallback;
+  const json& value = request[name];
+  if (!value.is_number_integer()) throw BadRequest(fmt::format("\"{}\" must be a whole number, got {}", name, shown(value)));
+  if (value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(high)) {
+    throw BadRequest(fmt::format("\"{}\" must be between {} and {}, got {}", name, low, high, shown(value)));
+  }
+  const auto n = value.get<int64_t>();
+  if (n < low || n > high) throw BadRequest(fmt::format("\"{}\" must be between {} and {}, got {}", name, low, high, n));
+  return n;
+}
+
+// An optional string field; empty when absent or null.
+std::string string_field(const json& request, const std::string& name) {
+  if (!request.contains(name) || request[name].is_null()) return {};
+  if (!request[name].is_string()) throw BadRequest(fmt::format("\"{}\" must be a string, got {}", name, shown(request[name])));
+  return request[name].get<std::string>();
+}
+
+// (n, n) weights flattened row-major as rows of JSON numbers.
+json rows_json(const std::vector<float>& weights, int64_t n) {
+  json rows = json::array();
+  for (int64_t i = 0; i < n; ++i) {
+    rows.push_back(std::vector<float>(weights.begin() + i * n, weights.begin() + (i + 1) * n));
+  }
+  return rows;
+}
+
+// Each head's mean row entropy (nats), by qkv::analysis::head_entropy.
+std::vector<double> entropies(const std::vector<std::vector<float>>& heads, int64_t n) {
+  std::vector<float> all;
+  for (const auto& head : heads) all.insert(all.end(), head.begin(), head.end());
+  const Tensor entropy = analysis::head_entropy(Tensor::from(all, {static_cast<int64_t>(heads.size()), n, n}));
+  std::vector<double> out;
+  for (float e : entropy.to_vector()) out.push_back(e);
+  return out;
+}
+
+// Deepest nesting a request may have; a request needs 1. Deeper bodies are refused before
+// parsing: nlohmann's dump and destructor recurse once per level, and a 16 KiB body of "["
+// would overflow a worker thread's stack.
+constexpr int kMaxJsonDepth = 32;
+
+// The deepest [ / { nesting of JSON text, strings skipped (an estimate for malformed text,
+// which the parser then refuses anyway).
+int json_depth(const std::string& body) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char c = body[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// The request's JSON object, or a 400 that says what is wrong with the body.
+json parse_request(const std::string& body, const ServeLimits& limits) {
+  if (body.size() > limits.max_body_bytes) {
+    throw BadRequest(fmt::format("request body has {} bytes; the limit is {}", body.size(), limits.max_body_bytes));
+  }
+  if (body.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw BadRequest("the body is empty: send a JSON object such as {\"text\": \"The cat sat on the mat\"}");
+  }
+  if (const int depth = json_depth(body); depth > kMaxJsonDepth) {
+    throw BadRequest(fmt::format("the body nests {} levels deep; a request is one JSON object of plain fields (at "
+                                 "most {} levels)",
+                                 depth, kMaxJsonDepth));
+  }
+  json request;
+  try {
+    request = json::parse(body);
+  } catch (const json::exception& e) {
+    // "[json.exception.parse_error.101] parse error at line 1, column 2: ..." without the tag;
+    // also out_of_range.406, "number overflow parsing '1e400'".
+    std::string what = e.what();
+    const size_t tag_end = what.find("] ");
+    if (tag_end != std::string::npos) what = what.substr(tag_end + 2);
+    throw BadRequest("malformed JSON: " + what);
+  }
+  if (!request.is_object()) throw BadRequest(fmt::format("the body must be a JSON object, got {}", shown(request)));
+  for (const auto& [key, value] : request.items()) {
+    if (!kFields.contains(key)) {
+      throw BadRequest(fmt::format("unknown field \"{}\"; the fields are text, heads, embed, seed, temperature, mask, "
+                                   "chars and model",
+                                   key));
+    }
+  }
+  if (!request.contains("text")) throw BadRequest("\"text\" is missing: give the sentence to attend over");
+  if (!request["text"].is_string()) throw BadRequest(fmt::format("\"text\" must be a string, got {}", shown(request["text"])));
+  return request;
+}
+
+// The request's tokens, checked against the limits.
+std::vector<std::string> request_tokens(const json& request, const ServeLimits& limits) {
+  const std::string text = request["text"].get<std::string>();
+  if (text.size() > limits.max_text_bytes) {
+    throw BadRequest(fmt::format("\"text\" has {} bytes; the limit is {}", text.size(), limits.max_text_bytes));
+  }
+  bool chars = false;
+  if (request.contains("chars") && !request["chars"].is_null()) {
+    if (!request["chars"].is_boolean()) throw BadRequest(fmt::format("\"chars\" must be true or false, got {}", shown(request["chars"])));
+    chars = request["chars"].get<bool>();
+  }
+  std::vector<std::string> tokens = tokenize(text, chars);
+  if (tokens.empty()) throw BadRequest("\"text\" has no tokens: type a sentence, e.g. \"The cat sat on the mat\"");
+  if (static_cast<int64_t>(tokens.size()) > limits.max_tokens) {
+    throw BadRequest(fmt::format("\"text\" has {} tokens; the explorer shows at most {}", tokens.size(), limits.max_tokens));
+  }
+  return tokens;
+}
+
+double temperature_field(const json& request, const ServeLimits& limits) {
+  if (!request.contains("temperature") || request["temperature"].is_null()) return 1.0;
+  const json& value = request["temperature"];
+  if (!value.is_number()) throw BadRequest(fmt::format("\"temperature\" must be a number, got {}", shown(value)));
+  const double t = value.get<double>();
+  if (!(t > 0) || !(t <= limits.max_temperature)) {
+    throw BadRequest(fmt::format("\"temperature\" must be above 0 and at most {}, got {}", limits.max_temperature, t));
+  }
+  return t;
+}
+
+// The request's mask for n tokens: its expression parsed, padding no longer than the text.
+Mask mask_field(const json& request, int64_t n) {
+  const std::string expression = string_field(request, "mask");
+  Mask mask;
+  try {
+    mask = parse_mask_expression(expression);
+  } catch (const MaskExpressionError& e) {
+    throw BadRequest(e.what());
+  }
+  if (mask.has_key_lengths() && mask.lengths().front() > n) {
+    throw BadRequest(fmt::format("mask '{}': padding({}) keeps more keys than the {} tokens there are", expression,
+                                 mask.lengths().front(), n));
+  }
+  return mask;
+}
+
+// An untrained layer of `heads` x `embed` on the text's tokens.
+json untrained_attention(const json& request, const ServeLimits& limits) {
+  const std::vector<std::string> tokens = request_tokens(request, limits);
+  const int64_t heads = integer_field(request, "heads", 8, 1, limits.max_heads);
+  const int64_t embed = integer_field(request, "embed", 64, 1, limits.max_embed);
+  const auto seed = static_cast<uint64_t>(integer_field(request, "seed", 42, 0, int64_t{1} << 53));
+  const double temperature = temperature_field(request, limits);
+  const auto n = static_cast<int64_t>(tokens.size());
+  const Mask mask = mask_field(request, n);
+  if (embed % heads != 0) {
+    throw BadRequest(fmt::format("\"embed\" ({}) must be divisible by \"heads\" ({}): each head gets embed / heads dims",
+                                 embed, heads));
+  }
+  const std::vector<std::vector<float>> weights =
+      head_weights(make_layer(embed, heads, seed), embed_tokens(tokens, embed, seed), mask, temperature);
+  std::vector<float> average(weights.front().size(), 0.0f);
+  json heads_json = json::array();
+  for (const auto& head : weights) {
+    heads_json.push_back(rows_json(head, n));
+    for (size_t e = 0; e < average.size(); ++e) average[e] += head[e] / static_cast<float>(heads);
+  }
+  return {{"tokens", tokens},
+          {"weights", std::move(heads_json)},
+          {"entropy", entropies(weights, n)},
+          {"average", rows_json(average, n)},
+          {"average_entropy", mean_entropy(average, n)},
+          {"uniform_entropy", std::log(static_cast<double>(n))},
+          {"heads", heads},
+          {"embed", embed},
+          {"seed", seed},
+          {"temperature", temperature},
+          {"mask", mask.is_none() ? std::string("none") : mask.str()}};
+}
+
+// A trained model's every layer on the text's tokens when they are in its vocabulary, else on
+// one example of its task.
+json model_attention(const json& request, const LoadedModel& loaded, const ServeLimits& limits) {
+  for (const char* field : {"heads", "embed"}) {
+    if (request.contains(field) && !request[field].is_null()) {
+      throw BadRequest(fmt::format("\"{}\" describes the untrained layer; model \"{}\" brings its own", field, loaded.name));
+    }
+  }
+  if (temperature_field(request, limits) != 1.0) {
+    throw BadRequest(fmt::format("\"temperature\" applies to the untrained layer; model \"{}\" runs as trained (T = 1)",
+                                 loaded.name));
+  }
+  const std::vector<std::string> tokens = request_tokens(request, limits);
+  const auto seed = static_cast<uint64_t>(integer_field(request, "seed", 42, 0, int64_t{1} << 53));
+  const train::ModelConfig& c = loaded.model.config();
+  std::string why_not;
+  std::vector<int64_t> ids = text_ids(tokens, loaded.task, c.max_len, why_not);
+  std::string note = "on your text: every token is in the model's vocabulary";
+  if (ids.empty()) {
+    ids = train::make_batch(loaded.task.options, 1, train::held_out_seed(seed)).ids;
+    note = fmt::format("on one {} example, not your text: {}", loaded.task.name, why_not);
+  }
+  const auto n = static_cast<int64_t>(ids.size());
+  const Mask mask = mask_field(request, n);
+  std::vector<Tensor> weights;  // per layer (1, H, n, n)
+  {
+    const std::lock_guard<std::mutex> lock(*loaded.busy);
+    (void)loaded.model.forward(ids, 1, n, mask, &weights);
+  }
+  json layers = json::array();
+  for (const Tensor& layer : weights) {
+    const std::vector<std::vector<float>> heads = split_weights_by_head(layer, c.num_heads);
+    json heads_json = json::array();
+    for (const auto& head : heads) heads_json.push_back(rows_json(head, n));
+    layers.push_back({{"weights", std::move(heads_json)}, {"entropy", entropies(heads, n)}});
+  }
+  std::vector<std::string> labels;
+  for (int64_t id : ids) labels.push_back(train::token_text(loaded.task.options, id));
+  return {{"model", loaded.name},
+          {"task", loaded.task.name},
+          {"note", note},
+          {"tokens", labels},
+          {"layers", std::move(layers)},
+          {"uniform_entropy", std::log(static_cast<double>(n))},
+          {"seed", seed},
+          {"mask", mask.is_none() ? std::string("causal") : "causal & " + mask.str()}};
+}
+
+}  // namespace
+
+std::string error_json(const std::string& message) {
+  return dump(json{{"error", message}});
+}
+
+bool is_loopback_host(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.starts_with("127.");
+}
+
+ExplorerApi::ExplorerApi(const std::vector<std::string>& model_paths, ServeLimits limits) : limits_(limits) {
+  for (const std::string& path : model_paths) {
+    const std::string name = std::filesystem::path(path).filename().string();
+    for (const LoadedModel& other : models_) {
+      if (other.name == name) {
+        throw Error(fmt::format("--model: '{}' and '{}' are both named '{}'; requests name models by file name, so "
+                                "rename one",
+                                other.path, path, name));
+      }
+    }
+    train::AttentionModel model = train::AttentionModel::load(path);
+    ModelTask task = model_task(model, "", 0);
+    models_.push_back({name, path, std::move(model), std::move(task)});
+  }
+}
+
+ApiResponse ExplorerApi::attention(const std::string& request_body) const {
+  try {
+    const json request = parse_request(request_body, limits_);
+    const std::string model_name = string_field(request, "model");
+    if (model_name.empty()) return {200, dump(untrained_attention(request, limits_))};
+    for (const LoadedModel& loaded : models_) {
+      if (loaded.name == model_name) return {200, dump(model_attention(request, loaded, limits_))};
+    }
+    std::string names;
+    for (const LoadedModel& loaded : models_) names += (names.empty() ? "" : ", ") + loaded.name;
+    throw BadRequest(fmt::format("unknown model \"{}\"; the server was started with {}", model_name,
+                                 names.empty() ? "no --model" : "--model " + names));
+  } catch (const BadRequest& e) {
+    return {400, error_json(e.what())};
+  } catch (const Error& e) {
+    return {400, error_json(e.what())};  // the library refused the request's sizes or mask
+  } catch (const std::exception& e) {
+    return {500, error_json(fmt::format("internal error: {}", e.what()))};
+  }
+}
+
+ApiResponse ExplorerApi::models() const {
+  json list = json::array();
+  for (const LoadedModel& loaded : models_) {
+    const train::ModelConfig& c = loaded.model.config();
+    list.push_back({{"name", loaded.name},
+                    {"layers", c.num_layers},
+                    {"heads", c.num_heads},
+                    {"d_model", c.d_model},
+                    {"max_len", c.max_len},
+                    {"vocab_size", c.vocab_size},
+                    {"task", loaded.task.name},
+                    {"task_how", loaded.task.how}});
+  }
+  return {200, dump(json{{"models", std::move(list)}})};
+}
+
+}  // namespace qkv::cli

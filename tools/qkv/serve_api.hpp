@@ -1,0 +1,80 @@
+// The JSON API of `qkv serve` as plain functions, JSON text in, status and JSON text out, so
+// tests call it without a socket (tests/test_serve_api.cpp) and serve.cpp only moves bytes.
+//
+//   POST /api/attention  {"text": "The cat sat", "heads": 8, "embed": 64, "seed": 42,
+//                         "temperature": 1.0, "mask": "causal", "chars": false, "model": null}
+//     untrained layer -> {"tokens": [...], "weights": [head][query][key], "entropy": [per head],
+//                         "average": [query][key], "average_entropy": x, "uniform_entropy": ln N,
+//                         "mask": "...", "heads": H, "embed": E, "seed": S, "temperature": T}
+//     "model": name   -> {"model": name, "task": ..., "tokens": [...], "note": "...",
+//                         "layers": [{"weights": [head][query][key], "entropy": [...]}, ...], ...}
+//   GET /api/models     {"models": [{"name", "layers", "heads", "d_model", "max_len", "task"}, ...]}
+//
+// Every field but text is optional. Any bad input answers 400 with {"error": "..."} naming the
+// field and the value. Weights come from qkv::scaled_dot_product_attention (text_attention.cpp)
+// or, for a model, from its own forward pass; entropies from qkv::analysis.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "qkv/train.hpp"
+#include "text_attention.hpp"
+
+namespace qkv::cli {
+
+// What one request may ask for; beyond these the answer is a 400 naming the limit.
+struct ServeLimits {
+  size_t max_body_bytes = 16 * 1024;  // the request body
+  size_t max_text_bytes = 2000;       // the "text" field
+  int64_t max_tokens = 64;            // tokens of the text (a heatmap's rows)
+  int64_t max_heads = 16;
+  int64_t max_embed = 512;
+  double max_temperature = 100;
+};
+
+struct ApiResponse {
+  int status = 200;
+  std::string body;  // JSON
+};
+
+// One model named at start-up: its file, weights and task. forward() keeps state for backward,
+// so one request at a time uses it (mutex).
+struct LoadedModel {
+  std::string name;  // the file name without directories, what requests name
+  std::string path;
+  train::AttentionModel model;
+  ModelTask task;
+  std::unique_ptr<std::mutex> busy = std::make_unique<std::mutex>();
+};
+
+class ExplorerApi {
+ public:
+  // Loads every model file (qkv::Error naming the file on a bad one or a repeated name).
+  ExplorerApi(const std::vector<std::string>& model_paths, ServeLimits limits);
+
+  // POST /api/attention with this body. Never throws: bad input is a 400, a failure of ours a 500.
+  ApiResponse attention(const std::string& request_body) const;
+  // GET /api/models.
+  ApiResponse models() const;
+
+  const ServeLimits& limits() const { return limits_; }
+  const std::vector<LoadedModel>& loaded_models() const { return models_; }
+
+ private:
+  ServeLimits limits_;
+  std::vector<LoadedModel> models_;
+};
+
+// {"error": message} as JSON text.
+std::string error_json(const std::string& message);
+
+// True for the host names and addresses that only this machine can reach: localhost,
+// 127.0.0.0/8 and ::1.
+bool is_loopback_host(const std::string& host);
+
+}  // namespace qkv::cli
