@@ -8,7 +8,7 @@
 pkg_check_modules(CAIRO REQUIRED IMPORTED_TARGET cairo)
 find_package(fmt CONFIG REQUIRED)
 add_executable(cli_tools_tests test_cli_tools.cpp
-  ${PROJECT_SOURCE_DIR}/tools/qkv/plot.cpp ${PROJECT_SOURCE_DIR}/tools/qkv/analysis.cpp)
+  ${PROJECT_SOURCE_DIR}/tools/qkv/plot.cpp ${PROJECT_SOURCE_DIR}/tools/qkv/numbers.cpp)
 target_include_directories(cli_tools_tests PRIVATE ${PROJECT_SOURCE_DIR}/tools/qkv)
 target_link_libraries(cli_tools_tests PRIVATE qkv::qkv PkgConfig::CAIRO fmt::fmt GTest::gtest_main)
 gtest_discover_tests(cli_tools_tests DISCOVERY_TIMEOUT 60)

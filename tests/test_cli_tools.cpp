@@ -1,5 +1,5 @@
 // The drawing and arithmetic behind `qkv viz`, `qkv memory` and `qkv scaling` (tools/qkv/plot.cpp,
-// tools/qkv/analysis.cpp): heatmaps read back pixel by pixel, SVG cells counted, the memory
+// tools/qkv/numbers.cpp): heatmaps read back pixel by pixel, SVG cells counted, the memory
 // figures against hand-computed values, the slope fit on data with a known exponent.
 // The command lines themselves are run by tests/cli_tools_check.cmake.
 #include <cairo.h>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "analysis.hpp"
+#include "numbers.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
 

@@ -1,5 +1,6 @@
-// qkv::train: a small causal attention model, its file format, synthetic tasks that only
-// attention can solve, and the loop that trains one on them (what `qkv train` runs).
+// qkv::train: a small causal attention model (src/train/model.cpp), its file format, synthetic
+// tasks that only attention can solve (src/train/tasks.cpp), and the loop that trains one on them
+// (src/train/train.cpp): what `qkv train` runs.
 //
 // The model: token embedding + sinusoidal positions, num_layers x [LayerNorm, causal
 // MultiHeadAttention, residual], LayerNorm, linear head to the vocabulary. No MLP: every bit of

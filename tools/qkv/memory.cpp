@@ -13,7 +13,7 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
-#include "analysis.hpp"
+#include "numbers.hpp"
 #include "commands.hpp"
 #include "qkv/qkv.hpp"
 

@@ -27,7 +27,7 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
-#include "analysis.hpp"
+#include "numbers.hpp"
 #include "commands.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"

@@ -1,5 +1,5 @@
-// The formulas behind `qkv viz`, `qkv memory` and `qkv scaling`; see analysis.hpp.
-#include "analysis.hpp"
+// The numbers behind `qkv viz`, `qkv memory` and `qkv scaling` (a power-law fit, dtype sizes, number formatting); see numbers.hpp.
+#include "numbers.hpp"
 
 #include <cmath>
 #include <limits>
