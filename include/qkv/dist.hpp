@@ -12,9 +12,14 @@
 // cut into 2P chunks and rank r computes the query chunks r and 2P-1-r), so the caller still
 // passes and gets contiguous shards.
 //
-// Masks refer to global positions: Mask::causal(offset), Mask::window(left, right, offset) and
-// Mask::key_lengths(global lengths) mean what they mean for the whole sequence. Tensor masks
-// (keep, additive), dropout, need_weights and Backend::Decode (no backward) are a qkv::Error.
+// Masks and modifiers refer to global positions: Mask::causal(offset), Mask::window(left, right,
+// offset), Mask::key_lengths(global lengths), softcap, alibi_slopes (distances of the whole
+// sequence) and sinks (each row's softmax sees its head's sink once) mean what they mean for the
+// whole sequence. Tensor masks (Mask::keep, Mask::additive) are sharded as the queries: rank r
+// passes the rows of its n queries over all N keys, a tensor that broadcasts to (B, Hq, n, N) the
+// way a single call's broadcasts to (B, Hq, Nq, Nk) (a dim of 1 still broadcasts; a term without a
+// query dim of n, e.g. (B, 1, 1, N) padding, is the same on every rank). Any other shape is a
+// qkv::Error naming it. Dropout, need_weights and Backend::Decode (no backward) are a qkv::Error.
 // Shapes and options are compared across ranks with one MPI_Allgather before any ring traffic,
 // so a mismatch is the same qkv::Error on every rank, never a hang. All calls are collective
 // over `comm`; MPI must be initialised and the calls made from one thread per rank.
@@ -43,7 +48,8 @@ struct RingStats {
 AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, MPI_Comm comm,
                                const AttentionOptions& options = {}, RingStats* stats = nullptr);
 
-// Gradients of ring_attention for this rank's shard: dq, dk, dv shaped as q, k and v.
+// Gradients of ring_attention for this rank's shard: dq, dk, dv shaped as q, k and v, and, with
+// sinks, dsinks (Hq): the gradient over the whole sequence, the same on every rank.
 // grad_output: shaped as forward.output; `forward` is this rank's result of ring_attention on the
 // same q, k, v, options and comm. dK/dV accumulators travel around the ring with the K/V blocks.
 AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,

@@ -11,6 +11,7 @@
 
 #include "qkv/error.hpp"
 
+#include "attention/block.hpp"
 #include "attention/kernels.hpp"
 #include "random.hpp"
 
@@ -56,7 +57,13 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options) {
+  detail::block_attention_into(q, k, v, result, options, 0);
+}
+
+void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                                  const AttentionOptions& options, int64_t alibi_shift) {
   detail::BuiltProblem built = detail::build_problem("scaled_dot_product_attention: ", q, k, v, options);
+  built.problem.alibi_shift = alibi_shift;
   if ((options.backend == Backend::Flash || options.backend == Backend::Decode) && options.need_weights)
     throw Error("scaled_dot_product_attention: backend " + std::string(to_string(options.backend)) +
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
@@ -92,8 +99,15 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, 
 void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const AttentionResult& forward,
                                                 AttentionGrads& grads, const AttentionOptions& options) {
+  detail::block_attention_backward_into(grad_output, q, k, v, forward, grads, options, 0);
+}
+
+void detail::block_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
+                                           const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
+                                           const AttentionOptions& options, int64_t alibi_shift) {
   detail::BuiltBackwardProblem built;
   detail::build_backward_problem(built, grad_output, q, k, v, forward, grads, options);
+  built.problem.forward.alibi_shift = alibi_shift;
   // ---- dispatch: the reference when asked for, else flash (decode has no backward; a forward
   // that ran on decode has the same output and row stats, which is all backward reads).
   if (options.backend == Backend::Reference) {

@@ -226,7 +226,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
       .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
       .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
-      .softcap = options.softcap, .alibi_slopes = alibi, .sinks = sinks,
+      .softcap = options.softcap, .alibi_slopes = alibi, .alibi_shift = 0, .sinks = sinks,
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
       .dropout_p = options.dropout_p, .seed = options.seed,

@@ -47,7 +47,8 @@ struct AttentionProblem {
 
   // Score modifiers, applied to s = scale * q.k in this order, before the mask.
   float softcap;               // > 0: s <- softcap * tanh(s / softcap); 0: off
-  const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset - j|; nullptr: off
+  const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset() - j|; nullptr: off
+  int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/block.hpp)
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
@@ -67,8 +68,9 @@ struct AttentionProblem {
 
   // Grouped-query attention: the key/value head that query head h reads.
   int64_t kv_head_of(int64_t h) const { return h / (q_heads / kv_heads); }
-  // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq.
-  int64_t alibi_offset() const { return kv_len - q_len; }
+  // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq,
+  // moved by alibi_shift when the call is one block of a longer sequence.
+  int64_t alibi_offset() const { return kv_len - q_len + alibi_shift; }
   // The sink logit of query head h, -inf when there are no sinks (it then adds exp(-inf) = 0).
   float sink(int64_t h) const { return sinks ? sinks[h] : -std::numeric_limits<float>::infinity(); }
   // The half-open range [first, last) of keys the band and key lengths let query i of batch b

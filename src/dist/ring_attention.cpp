@@ -1,8 +1,11 @@
 // Ring attention over MPI (include/qkv/dist.hpp): the sequence is split across the ranks of a
 // communicator, K/V blocks travel around the ring, and each rank merges the partial results of
-// its queries through their lse. Only qkv's public API is called (scaled_dot_product_attention
-// and its backward, one (query chunk, key chunk) pair at a time, with the global mask shifted to
-// the pair's positions), so any kernel behind it serves the distributed call unchanged.
+// its queries through their lse. Each (query chunk, key chunk) pair is one call of
+// scaled_dot_product_attention or its backward, through src/attention/block.hpp, which differs only
+// in ALiBi's distances (those of the whole sequence), with the global mask shifted to the pair's
+// positions and the tensor terms' view of the pair; any kernel behind it serves the distributed call
+// unchanged. Softcap acts per score and needs nothing more. Sinks join each row's softmax once,
+// after the ring (merge_sinks); their gradient needs only the rows' O, dO and lse.
 //
 // Layout inside a call. The caller's shard on rank r is the contiguous rows r*n ... (r+1)*n - 1
 // (n = N/P). Without a causal band each rank computes on that shard as it is: one chunk. With a
@@ -30,6 +33,9 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "attention/block.hpp"
+#include "attention/problem.hpp"
 
 namespace qkv::dist {
 namespace {
@@ -181,7 +187,8 @@ struct Layout {
 // g (slot 0) when g < P, else by rank 2P-1-g (slot 1). `index` keeps the tags of tensors apart.
 std::vector<Tensor> scatter_chunks(const Tensor& shard, const Layout& layout, const Comm& comm, int index,
                                    Requests& requests, RingStats& stats) {
-  const size_t slots = 10 + 4 * static_cast<size_t>(index);  // workspace: 2 chunks, 2 outgoing halves
+  // Workspace: 2 chunks, 2 outgoing halves per index, after gather_chunks' slots 40 ... 49.
+  const size_t slots = 64 + 4 * static_cast<size_t>(index);
   std::vector<Tensor> chunks;
   if (!layout.zigzag) {
     chunks.push_back(shard);
@@ -268,6 +275,46 @@ bool pair_mask(const Mask& global, int64_t qs, int64_t lq, int64_t ks, int64_t l
   return true;
 }
 
+// The caller's tensor terms per query chunk, as (Bm, Hm, rows or 1, N or 1): a term with a row
+// per query travels with the queries in the zigzag exchange (tensor index `first_index` on), one
+// that broadcasts over the queries serves every chunk as it is.
+struct Terms {
+  struct Term {
+    std::vector<Tensor> chunks;
+    bool additive = false;
+  };
+  std::vector<Term> list;
+  int64_t total = 0;  // N, the global number of keys
+};
+
+Terms scatter_terms(const Mask& mask, const Layout& layout, const Comm& comm, int first_index, Requests& requests,
+                    RingStats& stats) {
+  Terms terms;
+  terms.total = layout.n * layout.ranks;
+  int index = first_index;
+  for (const Mask::Term& term : mask.terms()) {
+    const Tensor t4 = as4(term.values);
+    Terms::Term t;
+    t.additive = term.additive;
+    if (layout.zigzag && t4.size(2) == layout.n) {
+      t.chunks = scatter_chunks(t4, layout, comm, index++, requests, stats);
+    } else {
+      t.chunks.assign(static_cast<size_t>(layout.chunks), t4);
+    }
+    terms.list.push_back(std::move(t));
+  }
+  return terms;
+}
+
+// Adds the terms' part for query chunk `qc` and the lk keys from global row ks (views, no copy).
+void add_pair_terms(const Terms& terms, int qc, int64_t ks, int64_t lk, Mask& out) {
+  for (const Terms::Term& t : terms.list) {
+    Tensor c = t.chunks[static_cast<size_t>(qc)];
+    if (c.size(3) == terms.total) c = c.narrow(3, ks, lk);
+    out &= t.additive ? Mask::additive(c) : Mask::keep(c);
+  }
+}
+
 // ---- the collective check -------------------------------------------------------------------
 
 // What every rank must agree on, gathered from all ranks before any ring traffic.
@@ -280,8 +327,37 @@ struct Descriptor {
   int32_t has_lengths = 0, backend = 0;
   float scale = 0;
   int32_t has_scale = 0;
+  float softcap = 0;
+  uint64_t modifiers_hash = 0;  // alibi_slopes and sinks: defined or not, and their bits
+  uint64_t terms_hash = 0;      // the tensor terms: how many, their kind and (B, H, Nq, Nk) sizes
   char message[400] = {};
 };
+
+// FNV-1a, to compare what every rank must agree on in one number.
+struct Hash {
+  uint64_t value = 1469598103934665603ull;
+  void add(uint64_t x) { value = (value ^ x) * 1099511628211ull; }
+  void add(const Tensor& t) {
+    add(t.defined() ? static_cast<uint64_t>(t.numel()) + 1 : 0);
+    if (!t.defined()) return;
+    for (float x : t.to_vector()) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &x, sizeof bits);
+      add(bits);
+    }
+  }
+};
+
+// A tensor term's sizes aligned to the scores (B, H, Nq, Nk), as scaled_dot_product_attention
+// broadcasts it: 2-D is (Nq, Nk), 3-D (B, Nq, Nk), 4-D (B, H, Nq, Nk); absent dims are 1.
+std::vector<int64_t> term_sizes(const Tensor& values) {
+  static constexpr int kPlace[5][4] = {{}, {}, {2, 3}, {0, 2, 3}, {0, 1, 2, 3}};
+  std::vector<int64_t> sizes{1, 1, 1, 1};
+  const int64_t rank = values.dim();
+  if (rank < 2 || rank > 4) return {};
+  for (int64_t d = 0; d < rank; ++d) sizes[static_cast<size_t>(kPlace[rank][d])] = values.size(d);
+  return sizes;
+}
 
 std::string dims_str(const Descriptor& d, int i) {
   std::vector<int64_t> dims(d.dims[i], d.dims[i] + d.ranks[i]);
@@ -313,9 +389,17 @@ std::string local_problem(const Tensor& q, const Tensor& k, const Tensor& v, con
          "q and k the same head dim";
     return m.str();
   }
-  if (!options.mask.terms().empty())
-    return "tensor masks (Mask::keep, Mask::additive) are not supported across ranks; use causal, window and "
-           "key_lengths, which refer to global positions (mask: " + options.mask.str() + ")";
+  // scale, softcap, alibi_slopes and sinks: the single-process checks and messages, on this shard.
+  AttentionOptions modifiers;
+  modifiers.scale = options.scale;
+  modifiers.softcap = options.softcap;
+  modifiers.alibi_slopes = options.alibi_slopes;
+  modifiers.sinks = options.sinks;
+  try {
+    detail::build_problem("", q, k, v, modifiers);
+  } catch (const Error& e) {
+    return e.what();
+  }
   if (options.dropout_p != 0) return "dropout_p = " + std::to_string(options.dropout_p) + " is not supported (0 only)";
   if (options.need_weights) return "need_weights is not supported (the weights are never gathered)";
   if (options.backend == Backend::Decode) return "backend Decode has no backward and is not offered; use Auto, Flash or Reference";
@@ -328,12 +412,24 @@ Descriptor describe(const std::vector<Tensor>& tensors, const AttentionOptions& 
   d.band_lo = options.mask.band_lo();
   d.band_hi = options.mask.band_hi();
   d.has_lengths = options.mask.has_key_lengths();
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the lengths
-  for (int64_t length : options.mask.lengths()) h = (h ^ static_cast<uint64_t>(length)) * 1099511628211ull;
-  d.lengths_hash = h;
+  Hash lengths;
+  for (int64_t length : options.mask.lengths()) lengths.add(static_cast<uint64_t>(length));
+  d.lengths_hash = lengths.value;
   d.backend = static_cast<int32_t>(options.backend);
   d.has_scale = options.scale.has_value();
   d.scale = options.scale.value_or(0.0f);
+  d.softcap = options.softcap;
+  Hash modifiers;
+  modifiers.add(options.alibi_slopes);
+  modifiers.add(options.sinks);
+  d.modifiers_hash = modifiers.value;
+  Hash terms;
+  terms.add(options.mask.terms().size());
+  for (const Mask::Term& term : options.mask.terms()) {
+    terms.add(term.additive);
+    for (int64_t size : term_sizes(term.values)) terms.add(static_cast<uint64_t>(size));
+  }
+  d.terms_hash = terms.value;
   if (!problem.empty()) {
     d.ok = 0;
     std::strncpy(d.message, problem.c_str(), sizeof(d.message) - 1);
@@ -368,9 +464,14 @@ void agree(const Descriptor& mine, const Comm& comm, const char* who, const std:
                   std::to_string(comm.size()) + ")");
     if (a.band_lo != b.band_lo || a.band_hi != b.band_hi || a.has_lengths != b.has_lengths ||
         a.lengths_hash != b.lengths_hash || a.backend != b.backend || a.has_scale != b.has_scale ||
-        (a.has_scale && a.scale != b.scale))
-      throw Error(std::string(who) + ": rank " + std::to_string(r) + " passed different options (mask, scale or "
-                  "backend) than rank 0; every rank must pass the same AttentionOptions");
+        (a.has_scale && a.scale != b.scale) || a.softcap != b.softcap || a.modifiers_hash != b.modifiers_hash)
+      throw Error(std::string(who) + ": rank " + std::to_string(r) + " passed different options (mask, scale, "
+                  "backend, softcap, alibi_slopes or sinks) than rank 0; every rank must pass the same "
+                  "AttentionOptions");
+    if (a.terms_hash != b.terms_hash)
+      throw Error(std::string(who) + ": rank " + std::to_string(r) + " passed tensor masks of other kinds or "
+                  "broadcast shapes than rank 0; every rank must pass the same terms, each holding the rows of "
+                  "its own queries over all N keys (or broadcasting the same dims)");
   }
 }
 
@@ -396,6 +497,24 @@ std::string lengths_problem(const Mask& mask, int64_t batch, int64_t total) {
     if (lengths[b] < 0 || lengths[b] > total)
       return "mask key_lengths[" + std::to_string(b) + "] = " + std::to_string(lengths[b]) +
              " is outside [0, N = " + std::to_string(total) + "] (global positions)";
+  return "";
+}
+
+// Tensor mask terms are sharded as the queries: rank r passes the rows of its n queries over all
+// N keys, a tensor that broadcasts to (B, Hq, n, N) as a single call's broadcasts to (B, Hq, Nq, Nk).
+std::string terms_problem(const Mask& mask, const Tensor& q4, int64_t total) {
+  const int64_t n = q4.size(2);
+  const std::vector<int64_t> want{q4.size(0), q4.size(1), n, total};
+  for (const Mask::Term& term : mask.terms()) {
+    const std::vector<int64_t> sizes = term_sizes(term.values);
+    bool fits = !sizes.empty();
+    for (size_t d = 0; fits && d < 4; ++d) fits = sizes[d] == want[d] || sizes[d] == 1;
+    if (!fits)
+      return std::string("mask ") + (term.additive ? "additive" : "keep") + term.values.shape().str() +
+             " does not broadcast to (B, Hq, n, N) = " + Shape(want).str() +
+             ": each rank passes the rows of its own n = " + std::to_string(n) + " queries over all N = " +
+             std::to_string(total) + " keys";
+  }
   return "";
 }
 
@@ -425,6 +544,49 @@ void merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor&
     for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(c1 * x[i] + c2 * y[i]);
     la[row] = static_cast<float>(m + std::log(sum));
   }
+}
+
+// The sinks join each row's softmax once, after the ring: a key whose lse is sinks[h] and whose
+// output is 0. out (B, H, rows, D) and lse (B, H, rows) are merged with it in place; a row that
+// saw no key gets output 0 and lse = sinks[h], as in a single call.
+void merge_sinks(const Tensor& out, const Tensor& lse, const Tensor& sinks) {
+  const int64_t heads = out.size(1), rows = out.size(2), d = out.size(3);
+  const int64_t all_rows = out.size(0) * heads * rows;
+  const std::vector<float> sink = sinks.to_vector();
+  float* x = out.data();
+  float* la = lse.data();
+  for (int64_t row = 0; row < all_rows; ++row) {
+    const double l = la[row], s = sink[static_cast<size_t>(row / rows % heads)];
+    const double m = std::max(l, s);
+    const double keys = std::exp(l - m), sum = keys + std::exp(s - m), c = keys / sum;
+    for (int64_t i = 0; i < d; ++i) x[row * d + i] = static_cast<float>(c * x[row * d + i]);
+    la[row] = static_cast<float>(m + std::log(sum));
+  }
+}
+
+// dsinks[h] = -sum over the rows of head h of exp(sinks[h] - lse) (dO . O): the sink is a logit
+// with no value (as sink_gradients in src/attention/problem.cpp). go4, o4 (B, H, n, Dv) and lse4
+// (B, H, n, 1) are this rank's rows; the sum over every rank's is returned on every rank.
+Tensor ring_sink_gradients(const Tensor& go4, const Tensor& o4, const Tensor& lse4, const Tensor& sinks,
+                           const Comm& comm) {
+  const int64_t heads = o4.size(1), rows = o4.size(2), d = o4.size(3);
+  const std::vector<float> sink = sinks.to_vector();
+  std::vector<double> sums(static_cast<size_t>(heads), 0.0);
+  const float* go = go4.data();
+  const float* o = o4.data();
+  const float* lse = lse4.data();
+  for (int64_t row = 0; row < o4.size(0) * heads * rows; ++row) {
+    const size_t h = static_cast<size_t>(row / rows % heads);
+    if (lse[row] == kMinusInf) continue;  // a row that saw nothing, not even a sink
+    double dot = 0;
+    for (int64_t i = 0; i < d; ++i) dot += static_cast<double>(go[row * d + i]) * o[row * d + i];
+    sums[h] -= std::exp(static_cast<double>(sink[h]) - lse[row]) * dot;
+  }
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(heads), MPI_DOUBLE, MPI_SUM, comm.get()),
+            "MPI_Allreduce of dsinks");
+  Tensor dsinks = Tensor::empty(sinks.shape());
+  for (int64_t h = 0; h < heads; ++h) dsinks.data()[h] = static_cast<float>(sums[static_cast<size_t>(h)]);
+  return dsinks;
 }
 
 void add_into(float* dst, const float* src, int64_t count) {
@@ -487,6 +649,7 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
   const char* who = "ring_attention";
   std::string problem = local_problem(q, k, v, options);
   if (problem.empty()) problem = lengths_problem(options.mask, as4(q).size(0), q.size(-2) * comm.size());
+  if (problem.empty()) problem = terms_problem(options.mask, as4(q), q.size(-2) * comm.size());
   agree(describe({q, k, v}, options, problem), comm, who, {"q", "k", "v"});
 
   const Tensor q4 = as4(q), k4 = as4(k), v4 = as4(v);
@@ -498,11 +661,13 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
   const BlockLayout bl = block_layout(k4, v4, layout);
   Tensor buffers[2] = {workspace.get(0, Shape{bl.total()}), workspace.get(1, Shape{bl.total()})};
   std::vector<Tensor> q_chunks, k_chunks, v_chunks;
+  Terms terms;
   {
     Requests requests;
     q_chunks = scatter_chunks(q4, layout, comm, 0, requests, stats);
     k_chunks = scatter_chunks(k4, layout, comm, 1, requests, stats);
     v_chunks = scatter_chunks(v4, layout, comm, 2, requests, stats);
+    terms = scatter_terms(options.mask, layout, comm, 3, requests, stats);
     requests.wait(stats);
   }
   for (int c = 0; c < layout.chunks; ++c) {
@@ -521,7 +686,10 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
     lse_chunks.push_back(direct ? Tensor::full(lse_shape, kMinusInf) : filled(workspace.get(slot + 1, lse_shape), kMinusInf));
   }
 
+  // The pairs see no sinks (merge_sinks adds them once per row after the ring), and ALiBi's
+  // distances of the whole sequence through alibi_shift (src/attention/block.hpp).
   AttentionOptions pair_options = options;
+  pair_options.sinks = Tensor();
   if (workspace.pair.output.defined() &&
       workspace.pair.output.shape() != Shape{q4.size(0), q4.size(1), layout.chunk, v4.size(3)})
     workspace.pair = AttentionResult();  // another problem's shapes: let the next call allocate
@@ -536,12 +704,12 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
     const auto compute_start = Clock::now();
     for (int qc = 0; qc < layout.chunks; ++qc) {
       for (int kc = 0; kc < layout.chunks; ++kc) {
-        if (!pair_mask(options.mask, layout.start(r, qc), layout.chunk, layout.start(source, kc), layout.chunk,
-                       pair_options.mask))
-          continue;
+        const int64_t qs = layout.start(r, qc), ks = layout.start(source, kc);
+        if (!pair_mask(options.mask, qs, layout.chunk, ks, layout.chunk, pair_options.mask)) continue;
+        add_pair_terms(terms, qc, ks, layout.chunk, pair_options.mask);
         AttentionResult& part = workspace.pair;
-        scaled_dot_product_attention_into(q_chunks[static_cast<size_t>(qc)], bl.k(current, kc), bl.v(current, kc), part,
-                                          pair_options);
+        detail::block_attention_into(q_chunks[static_cast<size_t>(qc)], bl.k(current, kc), bl.v(current, kc), part,
+                                     pair_options, qs - ks);
         merge(out_chunks[static_cast<size_t>(qc)], lse_chunks[static_cast<size_t>(qc)], part.output, part.lse);
         ++stats.blocks_computed;
         requests.poke();
@@ -550,6 +718,10 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
     stats.compute_seconds += seconds_since(compute_start);
     requests.wait(stats);
   }
+
+  if (options.sinks.defined())
+    for (int c = 0; c < layout.chunks; ++c)
+      merge_sinks(out_chunks[static_cast<size_t>(c)], lse_chunks[static_cast<size_t>(c)], options.sinks);
 
   // Exit: the chunks go back to the contiguous shards.
   AttentionResult result;
@@ -578,6 +750,7 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   const char* who = "ring_attention_backward";
   std::string problem = local_problem(q, k, v, options);
   if (problem.empty()) problem = lengths_problem(options.mask, as4(q).size(0), q.size(-2) * comm.size());
+  if (problem.empty()) problem = terms_problem(options.mask, as4(q), q.size(-2) * comm.size());
   if (problem.empty()) {
     // grad_output and forward.output shaped as q's leading dims + (n, Dv); lse as + (n).
     std::vector<int64_t> od = q.shape().dims(), ld = q.shape().dims();
@@ -604,6 +777,7 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   const BlockLayout bl = block_layout(k4, v4, layout);  // also the layout of a dK/dV accumulator
   Tensor kv[2] = {workspace.get(0, Shape{bl.total()}), workspace.get(1, Shape{bl.total()})};
   std::vector<Tensor> q_chunks, k_chunks, v_chunks, go_chunks, o_chunks, lse_chunks;
+  Terms terms;
   {
     Requests requests;
     q_chunks = scatter_chunks(q4, layout, comm, 0, requests, stats);
@@ -612,6 +786,7 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
     go_chunks = scatter_chunks(go4, layout, comm, 3, requests, stats);
     o_chunks = scatter_chunks(o4, layout, comm, 4, requests, stats);
     lse_chunks = scatter_chunks(lse4, layout, comm, 5, requests, stats);
+    terms = scatter_terms(options.mask, layout, comm, 6, requests, stats);
     requests.wait(stats);
   }
   for (int c = 0; c < layout.chunks; ++c) {
@@ -637,6 +812,8 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   Tensor leaving = workspace.get(4, Shape{bl.total()});
   Requests grad_sends, grad_recv;
   AttentionOptions pair_options = options;
+  pair_options.sinks = Tensor();  // forward.lse includes them; dsinks come from the rows alone
+  AttentionGrads g;               // one pair's gradients, reused pair after pair
   for (int step = 0; step < p; ++step) {
     const Tensor& current = kv[step % 2];
     const int source = (r - step + p) % p;
@@ -651,12 +828,12 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
     std::memset(contribution.data(), 0, sizeof(float) * static_cast<size_t>(bl.total()));
     for (int qc = 0; qc < layout.chunks; ++qc) {
       for (int kc = 0; kc < layout.chunks; ++kc) {
-        if (!pair_mask(options.mask, layout.start(r, qc), layout.chunk, layout.start(source, kc), layout.chunk,
-                       pair_options.mask))
-          continue;
+        const int64_t qs = layout.start(r, qc), ks = layout.start(source, kc);
+        if (!pair_mask(options.mask, qs, layout.chunk, ks, layout.chunk, pair_options.mask)) continue;
+        add_pair_terms(terms, qc, ks, layout.chunk, pair_options.mask);
         const size_t i = static_cast<size_t>(qc);
-        const AttentionGrads g = scaled_dot_product_attention_backward(
-            go_chunks[i], q_chunks[i], bl.k(current, kc), bl.v(current, kc), forwards[i], pair_options);
+        detail::block_attention_backward_into(go_chunks[i], q_chunks[i], bl.k(current, kc), bl.v(current, kc),
+                                              forwards[i], g, pair_options, qs - ks);
         add_into(dq_chunks[i].data(), g.dq.data(), g.dq.numel());
         add_into(bl.k(contribution, kc).data(), g.dk.data(), g.dk.numel());
         add_into(bl.v(contribution, kc).data(), g.dv.data(), g.dv.numel());
@@ -690,7 +867,8 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   if (layout.zigzag) gather_chunks(dq_chunks, dq4, layout, comm, 2, stats);
   gather_chunks(dk_chunks, dk4, layout, comm, 3, stats);
   gather_chunks(dv_chunks, dv4, layout, comm, 4, stats);
-  AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape())};
+  AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape()), Tensor()};
+  if (options.sinks.defined()) grads.dsinks = ring_sink_gradients(go4, o4, lse4, options.sinks, comm);
   stats.total_seconds = seconds_since(start);
   if (stats_out) *stats_out = stats;
   return grads;
