@@ -34,6 +34,7 @@ struct RingBenchOptions {
   int64_t per_rank = 0;     // > 0: N = per_rank * P (weak scaling)
   int64_t batch = 1, heads = 8, kv_heads = 0, dim = 128;
   bool causal = false, backward = false, check = true;
+  bool modifiers = false;  // softcap 30, ALiBi slopes 2^(-8 (h + 1) / H), sinks 0
   int runs = 5, threads = 1;
 };
 
@@ -148,6 +149,14 @@ void run_ring_bench(const RingBenchOptions& o) {
   const int64_t n = total / p, kv_heads = o.kv_heads > 0 ? o.kv_heads : o.heads;
   AttentionOptions options;
   if (o.causal) options.mask = Mask::causal();
+  if (o.modifiers) {
+    std::vector<float> slopes;
+    for (int64_t h = 0; h < o.heads; ++h)
+      slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(o.heads)));
+    options.softcap = 30.0f;
+    options.alibi_slopes = Tensor::from(std::move(slopes), Shape{o.heads});
+    options.sinks = Tensor::zeros(Shape{o.heads});
+  }
 
   // The same data on every rank (one seed); each keeps its rows.
   const Tensor q = Tensor::randn(Shape{o.batch, o.heads, total, o.dim}, 1);
@@ -159,8 +168,9 @@ void run_ring_bench(const RingBenchOptions& o) {
 
   if (rank == 0)
     fmt::print("qkv ring-bench: P = {} ranks x {} OpenMP thread(s), B = {}, Hq = {}, Hkv = {}, D = {}, N = {} "
-               "({} per rank), {}\n",
-               p, omp_get_max_threads(), o.batch, o.heads, kv_heads, o.dim, total, n, o.causal ? "causal" : "full");
+               "({} per rank), {}{}\n",
+               p, omp_get_max_threads(), o.batch, o.heads, kv_heads, o.dim, total, n, o.causal ? "causal" : "full",
+               o.modifiers ? ", softcap + ALiBi + sinks" : "");
   const double forward_flops = visible_pairs(total, o.causal) * 2.0 * (2 * o.dim) * static_cast<double>(o.batch * o.heads);
 
   AttentionResult ring;
@@ -236,6 +246,7 @@ void add_ring_bench_command(CLI::App& app) {
   cmd->add_option("--dim", options->dim, "Head dim (Dk = Dv)")->capture_default_str();
   cmd->add_flag("--causal", options->causal, "Causal mask (zigzag load balancing)");
   cmd->add_flag("--backward", options->backward, "Also time ring_attention_backward");
+  cmd->add_flag("--modifiers", options->modifiers, "Softcap 30, ALiBi slopes and sinks (0) on every head");
   cmd->add_option("--runs", options->runs, "Timed calls per pass (the median is reported)")->capture_default_str();
   cmd->add_option("--threads", options->threads, "OpenMP threads per rank (0: leave as set)")->capture_default_str();
   cmd->add_flag("!--no-check", options->check, "Skip the single-process run and the comparison");
