@@ -1,10 +1,13 @@
 // qkv::detail::sgemm (gemm.hpp): one entry point, three paths, chosen per shape class.
 //
-// The choice (measured with bench/gemm_benchmark.cpp, docs/performance.md):
-//   - A not transposed, B transposed and at most kSmallMaxRows rows (a Linear over a few tokens,
-//     W5's 20-row projections): the Small kernel, which reads W where it is instead of packing it.
+// The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
+//   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
+//     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
+//     64 rows against OpenBLAS, which packs W even for one row; oneDNN caught up with it from
+//     about 32 rows (64 rows: oneDNN 1.15-1.4x Small on one thread), so 32 when oneDNN is there.
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
-//     OPENBLAS_CORETYPE says; OpenBLAS otherwise.
+//     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
+//     within the noise of each other); OpenBLAS otherwise.
 #include "gemm.hpp"
 
 #include <cblas.h>
@@ -26,7 +29,11 @@ namespace qkv::detail {
 namespace {
 
 // At most this many rows of A go to the Small kernel: beyond, packing W pays for itself.
+#ifdef QKV_HAVE_DNNL
+constexpr int64_t kSmallMaxRows = 32;
+#else
 constexpr int64_t kSmallMaxRows = 64;
+#endif
 
 // The test override: -1 none, else a GemmPath.
 std::atomic<int> forced_path{-1};

@@ -199,6 +199,7 @@ struct GemmClass {
 constexpr GemmClass kGemmClasses[] = {
     {"W5 in-proj (Linear, 20 rows)", false, true, 20, 1536, 512},
     {"W5 out-proj (Linear, 20 rows)", false, true, 20, 512, 512},
+    {"Linear 32 rows", false, true, 32, 512, 512},
     {"Linear 64 rows", false, true, 64, 512, 512},
     {"Linear 2048 rows", false, true, 2048, 512, 512},
     {"Linear dx, 2048 rows", false, false, 2048, 512, 512},
