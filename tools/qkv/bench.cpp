@@ -765,6 +765,8 @@ void run_bench(const BenchOptions& options) {
              [&] { return measure_backward(*w, inputs, Backend::Reference, 0, reference_runs, progress); });
   }
   env.end = baselines();
+  progress.show("baseline", "FMA peak", "runs");
+  if (const FmaPeak end = measure_fma_peak(5); end.gflops > env.fma.gflops) env.fma = end;  // the higher, as above
   env.warnings = environment_warnings(env.omp_threads, env.openblas_threads, env.best());
   progress.clear();
 
