@@ -7,7 +7,8 @@
 //   Small     qkv's Highway kernel (small_gemm.hpp): A not transposed, B transposed, few rows
 //   OneDnn    dnnl_sgemm, when qkv was built with oneDNN (QKV_HAVE_DNNL)
 //   OpenBlas  cblas_sgemm
-// docs/performance.md gives the measurements behind the choice (bench/gemm_benchmark.cpp).
+// docs/performance.md gives the measurements behind the choice (`qkv bench` times every path on
+// the shape classes the library meets).
 #pragma once
 
 #include <cstdint>
