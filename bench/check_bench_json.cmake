@@ -2,6 +2,7 @@
 # line is a JSON object with the keys its kind promises. It never looks at a speed: speed is
 # measured by `qkv bench` and bench/, not asserted by timed tests.
 #   cmake -DQKV=path/to/qkv -P check_bench_json.cmake
+cmake_policy(SET CMP0054 NEW)  # "workload" below is a string, not the variable of that name
 execute_process(COMMAND ${QKV} bench --workload W5 --runs 1 --no-reference --json
   OUTPUT_VARIABLE output ERROR_VARIABLE errors RESULT_VARIABLE status)
 if(NOT status EQUAL 0)
@@ -9,9 +10,11 @@ if(NOT status EQUAL 0)
 endif()
 
 set(environment_keys qkv_version omp_threads openblas_threads openblas_coretype openblas_core decode_built
-  sgemm_gflops memcpy_gbs)
+  fma_peak_gflops fma_lanes simd_target sgemm_gflops sgemm_library sgemm_openblas_gflops sgemm_onednn_gflops
+  memcpy_gbs warnings)
+set(gemm_keys class trans_a trans_b m n k gflops chosen chosen_gflops vs_best_path vs_sgemm vs_peak)
 set(workload_keys workload backend kernel shape mask runs first_ms median_ms min_ms calls_per_s gflops gbs
-  vs_reference vs_sgemm vs_memcpy peak_extra_mib)
+  vs_reference vs_sgemm vs_peak vs_memcpy peak_extra_mib)
 
 string(STRIP "${output}" output)
 string(REPLACE "\n" ";" lines "${output}")
@@ -26,6 +29,8 @@ foreach(line IN LISTS lines)
     set(keys ${environment_keys})
   elseif(kind STREQUAL "workload")
     set(keys ${workload_keys})
+  elseif(kind STREQUAL "gemm")
+    set(keys ${gemm_keys})
   else()
     set(keys "")
   endif()
@@ -45,7 +50,10 @@ foreach(line IN LISTS lines)
     endif()
   endif()
 endforeach()
-if(NOT kinds STREQUAL "environment;workload")
-  message(FATAL_ERROR "expected an environment line then one workload line, got kinds: ${kinds}\n${output}")
+# The environment, the GEMM paths' shape classes (at least one), the one workload, then the
+# targets measured (the GEMM classes' among them).
+string(REPLACE ";" " " kind_text "${kinds}")
+if(NOT kind_text MATCHES "^environment( gemm)+ workload( target)*$")
+  message(FATAL_ERROR "expected an environment line, gemm lines, then one workload line, got kinds: ${kinds}\n${output}")
 endif()
 message(STATUS "qkv bench --json: OK (${kinds})")

@@ -14,6 +14,7 @@ build=(
   libopenblas-dev          # GEMMs (reference kernel, Linear)
   libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
   libgomp1                 # OpenMP threads (ships with g++)
+  libdnnl-dev              # oneDNN's sgemm for large GEMMs (optional to CMake: OpenBLAS without it)
 )
 tools=(
   libcli11-dev libfmt-dev  # the qkv command line tool

@@ -131,7 +131,7 @@ TEST(Linear, MatchesFloat64) {
   }
 }
 
-// Both GEMM paths of Linear::forward (small_rows_linear up to 64 rows, sgemm beyond) against
+// Both GEMM paths of Linear::forward (the Small kernel for few rows, a library sgemm beyond) against
 // float64, on shapes that leave remainders everywhere: rows not a multiple of the register tile,
 // in_features not a multiple of any vector width, out_features not a multiple of the output tile
 // or of a thread's block; and one large enough to run on threads.

@@ -16,13 +16,12 @@
 // past the last one any query may see (a KV cache's unwritten slots) are never read. A hidden key
 // inside that range has weight 0, and 0 * NaN is NaN: when V holds a non-finite value there,
 // step 6 skips zero weights, so NaN or Inf reaches only the rows that see it.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "attention/kernels.hpp"
+#include "gemm.hpp"
 #include "memory.hpp"
 
 namespace qkv::detail {
@@ -100,17 +99,14 @@ bool rows_finite(const float* values, int64_t rows, int64_t cols, int64_t stride
   return true;
 }
 
-int to_int(int64_t n) { return static_cast<int>(n); }
-
 // Steps 1-5 for head (b, h): the weights (Nq x Nk, row stride nk) and the row statistics.
 void weights_of_head(const AttentionProblem& p, int64_t b, int64_t h, int64_t visible_keys, float* scores) {
   const int64_t nq = p.q_len, nk = p.kv_len, dk = p.head_dim;
   const int64_t g = p.kv_head_of(h);
   // 1. S = scale * Q K^T over the keys that may be visible (step 3 hides the rest)
   if (visible_keys > 0)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nq), to_int(visible_keys), to_int(dk), p.scale,
-                p.q.row(b, h, 0), to_int(p.q.row_stride), p.k.row(b, g, 0), to_int(p.k.row_stride), 0.0f, scores,
-                to_int(nk));
+    sgemm(false, true, nq, visible_keys, dk, p.scale, p.q.row(b, h, 0), p.q.row_stride, p.k.row(b, g, 0),
+          p.k.row_stride, 0.0f, scores, nk);
   const int64_t row0 = (b * p.q_heads + h) * nq;
   for (int64_t i = 0; i < nq; ++i) {
     float* row = scores + i * nk;
@@ -149,8 +145,7 @@ void reference_attention(const AttentionProblem& p) {
       if (visible_keys == 0 || dv == 0) {
         for (int64_t i = 0; i < nq; ++i) std::fill_n(out + i * out_stride, dv, 0.0f);
       } else if (rows_finite(v, visible_keys, dv, p.v.row_stride)) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(nq), to_int(dv), to_int(visible_keys), 1.0f,
-                    scores, to_int(nk), v, to_int(p.v.row_stride), 0.0f, out, to_int(out_stride));
+        sgemm(false, false, nq, dv, visible_keys, 1.0f, scores, nk, v, p.v.row_stride, 0.0f, out, out_stride);
       } else {
         for (int64_t i = 0; i < nq; ++i) std::fill_n(out + i * out_stride, dv, 0.0f);
         accumulate_skipping_zeros(static_cast<size_t>(nq), static_cast<size_t>(visible_keys), static_cast<size_t>(dv),

@@ -21,13 +21,12 @@
 // Keys past the last one any query may see are never read, as in the forward; a hidden key
 // inside that range has P = 0, and its dS is set to exactly 0, so a NaN or Inf in its V (a KV
 // cache's unwritten slot) reaches no gradient; one in its K is skipped in step 1's dQ product.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "attention/kernels.hpp"
+#include "gemm.hpp"
 #include "memory.hpp"
 
 namespace qkv::detail {
@@ -39,8 +38,6 @@ bool rows_finite(const float* values, int64_t rows, int64_t cols, int64_t stride
       if (!std::isfinite(values[r * stride + c])) return false;
   return true;
 }
-
-int to_int(int64_t n) { return static_cast<int>(n); }
 
 // Zeroes `rows` rows of `cols` floats, row stride `stride`.
 void zero_rows(float* rows_start, int64_t rows, int64_t cols, int64_t stride) {
@@ -60,9 +57,8 @@ void recompute_weights(const AttentionBackwardProblem& bp, int64_t b, int64_t h,
                        const HeadScratch& m) {
   const AttentionProblem& p = bp.forward;
   const int64_t nq = p.q_len, nk = p.kv_len;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nq), to_int(visible_keys), to_int(p.head_dim), p.scale,
-              p.q.row(b, h, 0), to_int(p.q.row_stride), p.k.row(b, p.kv_head_of(h), 0), to_int(p.k.row_stride), 0.0f,
-              m.weights, to_int(nk));
+  sgemm(false, true, nq, visible_keys, p.head_dim, p.scale, p.q.row(b, h, 0), p.q.row_stride,
+        p.k.row(b, p.kv_head_of(h), 0), p.k.row_stride, 0.0f, m.weights, nk);
   const int64_t row0 = (b * p.q_heads + h) * nq;
   for (int64_t i = 0; i < nq; ++i) {
     float* row = m.weights + i * nk;
@@ -122,12 +118,10 @@ void head_backward(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int
     dropped_weights = m.grad_weights;
   }
   if (dv > 0) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(visible_keys), to_int(dv), to_int(nq), 1.0f,
-                dropped_weights, to_int(nk), grad_out, to_int(bp.grad_output.row_stride), 1.0f, bp.grad_v.row(b, g, 0),
-                to_int(bp.grad_v.row_stride));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nq), to_int(visible_keys), to_int(dv), 1.0f, grad_out,
-                to_int(bp.grad_output.row_stride), p.v.row(b, g, 0), to_int(p.v.row_stride), 0.0f, m.grad_weights,
-                to_int(nk));
+    sgemm(true, false, visible_keys, dv, nq, 1.0f, dropped_weights, nk, grad_out, bp.grad_output.row_stride, 1.0f,
+          bp.grad_v.row(b, g, 0), bp.grad_v.row_stride);
+    sgemm(false, true, nq, visible_keys, dv, 1.0f, grad_out, bp.grad_output.row_stride, p.v.row(b, g, 0),
+          p.v.row_stride, 0.0f, m.grad_weights, nk);
   } else {
     for (int64_t i = 0; i < nq; ++i) std::fill_n(m.grad_weights + i * nk, visible_keys, 0.0f);
   }
@@ -135,8 +129,8 @@ void head_backward(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int
 
   // Forward 1: "S = scale * Q K^T".  dQ = scale * dS K  and  dK += scale * dS^T Q.
   if (rows_finite(k, visible_keys, dk, p.k.row_stride)) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(nq), to_int(dk), to_int(visible_keys), p.scale,
-                m.weights, to_int(nk), k, to_int(p.k.row_stride), 0.0f, grad_q, to_int(bp.grad_q.row_stride));
+    sgemm(false, false, nq, dk, visible_keys, p.scale, m.weights, nk, k, p.k.row_stride, 0.0f, grad_q,
+          bp.grad_q.row_stride);
   } else {  // a hidden key's K may be NaN or Inf: its dS is 0 and must stay out of dQ
     zero_rows(grad_q, nq, dk, bp.grad_q.row_stride);
     accumulate_skipping_zeros(static_cast<size_t>(nq), static_cast<size_t>(visible_keys), static_cast<size_t>(dk),
@@ -145,9 +139,8 @@ void head_backward(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int
     for (int64_t i = 0; i < nq; ++i)
       for (int64_t c = 0; c < dk; ++c) grad_q[i * bp.grad_q.row_stride + c] *= p.scale;
   }
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(visible_keys), to_int(dk), to_int(nq), p.scale,
-              m.weights, to_int(nk), p.q.row(b, h, 0), to_int(p.q.row_stride), 1.0f, bp.grad_k.row(b, g, 0),
-              to_int(bp.grad_k.row_stride));
+  sgemm(true, false, visible_keys, dk, nq, p.scale, m.weights, nk, p.q.row(b, h, 0), p.q.row_stride, 1.0f,
+        bp.grad_k.row(b, g, 0), bp.grad_k.row_stride);
 }
 }  // namespace
 

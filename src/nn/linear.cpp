@@ -1,13 +1,11 @@
-// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims (small_rows_linear for
-// few rows, small_gemm.hpp); backward is two more sgemms (dx = g W, dW += g^T x) and a column sum
-// (db += sum of g's rows).
-#include <cblas.h>
-
+// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims; backward is two more
+// sgemms (dx = g W, dW += g^T x) and a column sum (db += sum of g's rows). Every sgemm goes
+// through qkv::detail::sgemm (gemm.hpp), which picks the library per shape class.
 #include <algorithm>
 #include <cmath>
 
 #include "grad.hpp"
-#include "nn/small_gemm.hpp"
+#include "gemm.hpp"
 #include "qkv/nn.hpp"
 #include "random.hpp"
 
@@ -49,11 +47,6 @@ Tensor Linear::apply(const Tensor& x) const {
   const int64_t rows = x.numel() / in_features();
   const int64_t n = out_features(), k = in_features();
   float* out = y.data();
-  if (rows <= gemm::kSmallGemmMaxRows) {  // few rows: sgemm would spend its time packing W
-    gemm::small_rows_linear(input.data(), k, rows, k, weight.data(), n, bias.defined() ? bias.data() : nullptr, out,
-                              n);
-    return y;
-  }
   // Start from the bias (or zeros) and accumulate x W^T on top: beta = 1.
   for (int64_t r = 0; r < rows; ++r) {
     if (bias.defined()) {
@@ -62,10 +55,7 @@ Tensor Linear::apply(const Tensor& x) const {
       std::fill_n(out + r * n, n, 0.0f);
     }
   }
-  if (rows > 0)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
-                static_cast<int>(k), 1.0f, input.data(), static_cast<int>(k), weight.data(), static_cast<int>(k), 1.0f,
-                out, static_cast<int>(n));
+  detail::sgemm(false, true, rows, n, k, 1.0f, input.data(), k, weight.data(), k, 1.0f, out, n);
   return y;
 }
 
@@ -110,9 +100,7 @@ Tensor Linear::input_gradient(const Tensor& grad_output) const {
   int64_t ld = 0;
   const Tensor g = as_matrix(grad_output, &ld);
   // y = x W^T + b  ->  dx = g W : (rows, n) x (n, k)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(k),
-              static_cast<int>(n), 1.0f, g.view_data(), static_cast<int>(ld), weight.data(),
-              static_cast<int>(k), 0.0f, dx.data(), static_cast<int>(k));
+  detail::sgemm(false, false, rows, k, n, 1.0f, g.view_data(), ld, weight.data(), k, 0.0f, dx.data(), k);
   return dx;
 }
 
@@ -135,9 +123,7 @@ void Linear::accumulate_parameter_gradients(const Tensor& grad_output) {
   const Tensor matrix = as_matrix(grad_output, &ld);
   const float* g = matrix.view_data();
   // dW += g^T x : (n, rows) x (rows, k), beta = 1 accumulates
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(k),
-              static_cast<int>(rows), 1.0f, g, static_cast<int>(ld), x.data(), static_cast<int>(k), 1.0f,
-              weight_grad.data(), static_cast<int>(k));
+  detail::sgemm(true, false, n, k, rows, 1.0f, g, ld, x.data(), k, 1.0f, weight_grad.data(), k);
   // db += sum over rows of g
   if (bias.defined()) {
     float* db = bias_grad.data();

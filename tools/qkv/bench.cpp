@@ -10,11 +10,16 @@
 // time the same call; FLOPs = 2.5 x forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
 // score modifier each (forward; the target: within 15% of W1's time).
 // and the rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
-// workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to rates
+// workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to ceilings
 // measured in the same run, so a loaded or slower machine shifts both sides alike:
-//   sgemm   cblas_sgemm 2048^3 through OpenBLAS (the library qkv links), median of 5
-//   memcpy  256 MiB into a pre-touched buffer, bytes read + written per second, median of 5
+//   FMA peak  independent FMA chains on the widest vector, on every thread used (fma_peak.cpp)
+//   sgemm     the best of the libraries qkv can call (src/gemm.hpp: OpenBLAS's cblas_sgemm and,
+//             when built in, oneDNN's dnnl_sgemm), 2048^3, median of 5
+//   memcpy    256 MiB into a pre-touched buffer, bytes read + written per second, median of 5
 // each measured before and after the workloads; ratios divide by the higher of the two.
+// Also timed: qkv's GEMM paths on the shape classes the library meets (Linear, the reference
+// kernel), each against the others, which is what choose_gemm_path's rule rests on; and the
+// environment variables that handicap a library are named (OPENBLAS_CORETYPE, thread counts).
 // The program measures; it asserts nothing. The issue's targets are printed as met / not met.
 #include <unistd.h>
 
@@ -34,11 +39,14 @@
 
 #include <cblas.h>
 #include <omp.h>
+#include <thread>
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "fma_peak.hpp"
+#include "gemm.hpp"
 #include "qkv/qkv.hpp"
 #include "workloads.hpp"
 
@@ -54,6 +62,7 @@ struct BenchOptions {
   int runs = 10;                       // steady-state runs of the fast path
   int reference_runs = 0;              // 0: 5, or 3 when the reference's first call took > 1 s
   bool no_reference = false;
+  bool no_gemm = false;                // skip the table of GEMM paths per shape class
 };
 
 // Sizes of the same-run baselines. 2048^3 is large enough for OpenBLAS to reach its peak rate;
@@ -124,25 +133,37 @@ class Progress {
 // ---------------------------------------------------------------------------------------------
 // Same-run baselines
 
+using detail::GemmPath;
+
+// The GEMM paths of src/gemm.hpp that can compute a general product in this build.
+std::vector<GemmPath> sgemm_libraries() {
+  std::vector<GemmPath> out;
+  for (GemmPath path : {GemmPath::OpenBlas, GemmPath::OneDnn})
+    if (detail::gemm_path_can_take(path, false, false)) out.push_back(path);
+  return out;
+}
+
 struct Baselines {
-  double sgemm_gflops = 0;
-  double memcpy_gbs = 0;  // bytes read + written per second
+  double openblas_gflops = 0;
+  double onednn_gflops = 0;  // 0: oneDNN not built in
+  double memcpy_gbs = 0;     // bytes read + written per second
+  double sgemm_gflops() const { return std::max(openblas_gflops, onednn_gflops); }
 };
 
-// C = A B for square n x n matrices through OpenBLAS: GFLOP/s, the median of kBaselineRuns after
+// C = A B for square n x n matrices on one GEMM path: GFLOP/s, the median of kBaselineRuns after
 // a warm-up.
-double measure_sgemm(int n, Progress& progress) {
+double measure_sgemm(GemmPath path, int n, Progress& progress) {
   const Tensor a = Tensor::randn({n, n}, /*seed=*/11), b = Tensor::randn({n, n}, /*seed=*/12);
   const Tensor c = Tensor::zeros({n, n});
   const auto call = [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                c.data(), n);
+    detail::sgemm_on(path, false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
   };
-  progress.show("baseline", "sgemm", "warm-up");
+  const std::string name = fmt::format("sgemm {}", detail::to_string(path));
+  progress.show("baseline", name, "warm-up");
   call();
   std::vector<double> times;
   for (int run = 1; run <= kBaselineRuns; ++run) {
-    progress.show("baseline", "sgemm", "run", run, kBaselineRuns);
+    progress.show("baseline", name, "run", run, kBaselineRuns);
     times.push_back(time_ms(call));
   }
   const double flops = 2.0 * n * static_cast<double>(n) * n;
@@ -163,6 +184,119 @@ double measure_memcpy(size_t bytes, Progress& progress) {
   }
   if (destination[bytes / 2] != 1) fmt::print(stderr, "qkv bench: memcpy baseline copied wrong bytes\n");
   return 2.0 * static_cast<double>(bytes) / (median(times) * 1e-3) * 1e-9;
+}
+
+// ---------------------------------------------------------------------------------------------
+// qkv's GEMM paths on the shape classes the library meets: the measurement behind
+// choose_gemm_path (src/gemm.cpp). C = op(A) op(B) with packed operands.
+
+struct GemmClass {
+  std::string_view name;
+  bool trans_a, trans_b;
+  int64_t m, n, k;
+};
+
+constexpr GemmClass kGemmClasses[] = {
+    {"W5 in-proj (Linear, 20 rows)", false, true, 20, 1536, 512},
+    {"W5 out-proj (Linear, 20 rows)", false, true, 20, 512, 512},
+    {"Linear 32 rows", false, true, 32, 512, 512},
+    {"Linear 64 rows", false, true, 64, 512, 512},
+    {"Linear 2048 rows", false, true, 2048, 512, 512},
+    {"Linear dx, 2048 rows", false, false, 2048, 512, 512},
+    {"Linear dW, 2048 rows", true, false, 512, 512, 2048},
+    {"Reference W0 S=QK^T", false, true, 256, 256, 64},
+    {"Reference W1 S=QK^T", false, true, 512, 512, 64},
+    {"Reference W1 O=PV", false, false, 512, 64, 512},
+    {"Reference W2 S=QK^T", false, true, 2048, 2048, 64},
+    {"Reference W2 O=PV", false, false, 2048, 64, 2048},
+    {"Reference W1 bwd dK", true, false, 512, 64, 512},
+};
+
+struct GemmRow {
+  const GemmClass* shape;
+  std::vector<std::pair<GemmPath, double>> gflops;  // every path that can take it
+  GemmPath chosen;
+  double chosen_gflops() const {
+    for (const auto& [path, rate] : gflops)
+      if (path == chosen) return rate;
+    return 0;
+  }
+  double best_gflops() const {
+    double best = 0;
+    for (const auto& entry : gflops) best = std::max(best, entry.second);
+    return best;
+  }
+};
+
+// GFLOP/s of one path on one shape: calls repeated for at least ~20 ms, the best of 3 such batches.
+double time_gemm(GemmPath path, const GemmClass& g, const Tensor& a, const Tensor& b, const Tensor& c) {
+  const int64_t lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
+  const auto call = [&] {
+    detail::sgemm_on(path, g.trans_a, g.trans_b, g.m, g.n, g.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(),
+                     g.n);
+  };
+  call();
+  const double flops = 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+  double best = 0;
+  for (int batch = 0; batch < 3; ++batch) {
+    int calls = 0;
+    const Clock::time_point start = Clock::now();
+    double ms = 0;
+    while (ms < 20) {
+      call();
+      ++calls;
+      ms = elapsed_ms(start);
+    }
+    best = std::max(best, flops * calls / (ms * 1e-3) * 1e-9);
+  }
+  return best;
+}
+
+std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
+  std::vector<GemmRow> rows;
+  for (const GemmClass& g : kGemmClasses) {
+    const Tensor a = Tensor::randn({g.m * g.k}, /*seed=*/21), b = Tensor::randn({g.k * g.n}, /*seed=*/22);
+    const Tensor c = Tensor::zeros({g.m * g.n});
+    GemmRow row{&g, {}, detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)};
+    for (GemmPath path : {GemmPath::OpenBlas, GemmPath::OneDnn, GemmPath::Small}) {
+      if (!detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) continue;
+      progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
+      row.gflops.emplace_back(path, time_gemm(path, g, a, b, c));
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment variables that handicap a library, and the warning for each one that is set.
+
+std::vector<std::string> environment_warnings(int omp_threads, int openblas_threads, const Baselines& ceilings) {
+  std::vector<std::string> out;
+  const int cores = omp_get_num_procs();
+  if (const char* coretype = std::getenv("OPENBLAS_CORETYPE")) {
+    std::string line = fmt::format("OPENBLAS_CORETYPE={} forces OpenBLAS's kernels for that core, whatever this CPU offers",
+                                   coretype);
+    if (ceilings.onednn_gflops > 0)
+      line += fmt::format(" (OpenBLAS sgemm {:.0f} GFLOP/s here vs oneDNN's {:.0f}; qkv's GEMMs use oneDNN)",
+                          ceilings.openblas_gflops, ceilings.onednn_gflops);
+    out.push_back(line);
+  }
+  for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_THREAD_LIMIT"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr) continue;
+    const int threads = std::atoi(value);
+    if (threads > 0 && threads < cores)
+      out.push_back(fmt::format("{}={} is lower than the {} cores OpenMP sees", name, value, cores));
+  }
+  if (openblas_threads != omp_threads)
+    out.push_back(fmt::format("OpenBLAS runs {} threads and OpenMP {}: the ceilings and the kernels use different "
+                              "thread counts",
+                              openblas_threads, omp_threads));
+  for (const char* name : {"DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"})
+    if (const char* value = std::getenv(name))
+      out.push_back(fmt::format("{}={} caps oneDNN's instruction set", name, value));
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,12 +445,21 @@ struct Environment {
   std::string openblas_core;
   std::string openblas_config;
   DecodeProbe decode;
+  FmaPeak fma;
   Baselines start, end;  // the baselines before and after the workloads
+  std::vector<GemmRow> gemm;
+  std::vector<std::string> warnings;
   // What the ratios divide by: the higher of the two, so a load that slowed one measurement makes
   // a ratio smaller, never larger.
   Baselines best() const {
-    return {std::max(start.sgemm_gflops, end.sgemm_gflops), std::max(start.memcpy_gbs, end.memcpy_gbs)};
+    return {std::max(start.openblas_gflops, end.openblas_gflops), std::max(start.onednn_gflops, end.onednn_gflops),
+            std::max(start.memcpy_gbs, end.memcpy_gbs)};
   }
+  double sgemm() const { return best().sgemm_gflops(); }
+  std::string sgemm_library() const {
+    return best().onednn_gflops > best().openblas_gflops ? "oneDNN" : "OpenBLAS";
+  }
+  double peak() const { return fma.gflops; }
 };
 
 // The issue's targets, computed from the rows when they were measured.
@@ -341,13 +484,26 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   for (std::string_view id : {"W1", "W2", "W3"}) {
     if (const Row* row = find_row(rows, id, "Auto"))
       out.push_back({fmt::format("{} fast path vs sgemm", id), "GFLOP/s / sgemm GFLOP/s",
-                     gflops(*row) / env.best().sgemm_gflops, 0.55, true});
+                     gflops(*row) / env.sgemm(), 0.55, true});
   }
   for (std::string_view id : {"W1", "W2"}) {
     if (const Row* row = find_row(rows, id, "Auto", /*backward=*/true))
       out.push_back({fmt::format("{} flash backward vs sgemm", id), "GFLOP/s / sgemm GFLOP/s",
-                     gflops(*row) / env.best().sgemm_gflops, 0.35, true});
+                     gflops(*row) / env.sgemm(), 0.35, true});
   }
+  // Issue 15: fractions of the same-run FMA peak.
+  for (const auto& [id, limit] : {std::pair<std::string_view, double>{"W0", 0.60}, {"W1", 0.75}, {"W2", 0.75},
+                                  {"W3", 0.80}})
+    if (const Row* row = find_row(rows, id, "Auto"))
+      out.push_back({fmt::format("{} fast path vs FMA peak", id), "GFLOP/s / FMA peak", gflops(*row) / env.peak(),
+                     limit, true});
+  for (std::string_view id : {"W1", "W2"})
+    if (const Row* row = find_row(rows, id, "Auto", /*backward=*/true))
+      out.push_back({fmt::format("{} flash backward vs FMA peak", id), "GFLOP/s / FMA peak",
+                     gflops(*row) / env.peak(), 0.70, true});
+  for (const GemmRow& g : env.gemm)
+    out.push_back({fmt::format("GEMM {}", g.shape->name), "chosen GFLOP/s / sgemm", g.chosen_gflops() / env.sgemm(),
+                   0.85, true});
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
   if (const Row* plain = find_row(rows, "W1", "Auto")) {
@@ -383,19 +539,44 @@ std::string number(std::optional<double> value) {
   return value && std::isfinite(*value) ? fmt::format("{:.6g}", *value) : "null";
 }
 
-// JSON Lines: one object per line, each with "kind": "environment", then one "workload" per row,
-// then one "target" per target measured.
+std::string json_strings(const std::vector<std::string>& texts) {
+  std::string out = "[";
+  for (const std::string& text : texts) out += (out.size() > 1 ? ", " : "") + json_string(text);
+  return out + "]";
+}
+
+std::optional<double> if_built(double gflops) { return gflops > 0 ? std::optional<double>(gflops) : std::nullopt; }
+
+// JSON Lines: one object per line, each with "kind": "environment", then one "gemm" per shape
+// class, one "workload" per row, then one "target" per target measured.
 void print_json(const std::vector<Row>& rows, const Environment& env) {
   fmt::print(
       "{{\"kind\": \"environment\", \"qkv_version\": {}, \"omp_threads\": {}, \"openblas_threads\": {}, "
       "\"openblas_coretype\": {}, \"openblas_core\": {}, \"openblas_config\": {}, \"decode_built\": {}, "
-      "\"sgemm_size\": {}, \"sgemm_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, "
-      "\"sgemm_gflops_start\": {}, \"sgemm_gflops_end\": {}, \"memcpy_gbs_start\": {}, \"memcpy_gbs_end\": {}}}\n",
+      "\"fma_peak_gflops\": {}, \"fma_threads\": {}, \"fma_lanes\": {}, \"simd_target\": {}, "
+      "\"sgemm_size\": {}, \"sgemm_gflops\": {}, \"sgemm_library\": {}, \"sgemm_openblas_gflops\": {}, "
+      "\"sgemm_onednn_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, "
+      "\"sgemm_gflops_start\": {}, \"sgemm_gflops_end\": {}, \"memcpy_gbs_start\": {}, \"memcpy_gbs_end\": {}, "
+      "\"warnings\": {}}}\n",
       json_string(version()), env.omp_threads, env.openblas_threads,
       env.coretype.empty() ? "null" : json_string(env.coretype), json_string(env.openblas_core), json_string(env.openblas_config),
-      env.decode.built ? "true" : "false", kSgemmSize, number(env.best().sgemm_gflops), kMemcpyBytes,
-      number(env.best().memcpy_gbs), number(env.start.sgemm_gflops), number(env.end.sgemm_gflops),
-      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs));
+      env.decode.built ? "true" : "false", number(env.peak()), env.fma.threads, env.fma.lanes,
+      json_string(env.fma.target), kSgemmSize, number(env.sgemm()), json_string(env.sgemm_library()),
+      number(env.best().openblas_gflops), number(if_built(env.best().onednn_gflops)), kMemcpyBytes,
+      number(env.best().memcpy_gbs), number(env.start.sgemm_gflops()), number(env.end.sgemm_gflops()),
+      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), json_strings(env.warnings));
+  for (const GemmRow& g : env.gemm) {
+    std::string rates;
+    for (const auto& [path, rate] : g.gflops)
+      rates += fmt::format("{}{}: {}", rates.empty() ? "" : ", ", json_string(detail::to_string(path)), number(rate));
+    fmt::print("{{\"kind\": \"gemm\", \"class\": {}, \"trans_a\": {}, \"trans_b\": {}, \"m\": {}, \"n\": {}, "
+               "\"k\": {}, \"gflops\": {{{}}}, \"chosen\": {}, \"chosen_gflops\": {}, \"vs_best_path\": {}, "
+               "\"vs_sgemm\": {}, \"vs_peak\": {}}}\n",
+               json_string(g.shape->name), g.shape->trans_a ? "true" : "false", g.shape->trans_b ? "true" : "false",
+               g.shape->m, g.shape->n, g.shape->k, rates, json_string(detail::to_string(g.chosen)),
+               number(g.chosen_gflops()), number(g.chosen_gflops() / g.best_gflops()),
+               number(g.chosen_gflops() / env.sgemm()), number(g.chosen_gflops() / env.peak()));
+  }
   for (const Row& row : rows) {
     const Workload& w = *row.workload;
     const bool decode = w.decode;
@@ -405,13 +586,13 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
         "\"shape\": {}, \"mask\": {}, \"batch\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"q_len\": {}, "
         "\"kv_len\": {}, \"head_dim\": {}, \"flops\": {}, \"kv_bytes\": {}, \"runs\": {}, \"first_ms\": {}, "
         "\"median_ms\": {}, \"min_ms\": {}, \"calls_per_s\": {}, \"gflops\": {}, \"gbs\": {}, "
-        "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
+        "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_peak\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
         json_string(row_id(row)), json_string(row.backward ? "backward" : "forward"), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
         json_string(w.causal ? "causal" : "none"), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
         number(row_flops(row)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
         number(row.median_ms), number(row.min_ms), number(1e3 / row.median_ms), number(gflops(row)),
         decode ? number(kv_gbs(row)) : "null", number(row.vs_reference),
-        number(gflops(row) / env.best().sgemm_gflops),
+        number(gflops(row) / env.sgemm()), number(gflops(row) / env.peak()),
         decode ? number(kv_gbs(row) / env.best().memcpy_gbs) : "null", number(row.peak_extra_mib));
   }
   for (const Target& target : targets(rows, env)) {
@@ -436,17 +617,17 @@ std::string short_number(double value) {
 }
 
 void print_table(const std::vector<Row>& rows, const Environment& env) {
-  fmt::print("workload    backend    kernel     runs  first ms  median ms   calls/s  GFLOP/s  x sgemm    GB/s  "
+  fmt::print("workload    backend    kernel     runs  first ms  median ms   calls/s  GFLOP/s  x sgemm  x peak    GB/s  "
              "x memcpy   x ref  peak MiB  shape\n");
   for (const Row& row : rows) {
     const Workload& w = *row.workload;
     const std::string gbs = w.decode ? short_number(kv_gbs(row)) : "";
     const std::string vs_memcpy = w.decode ? fixed(kv_gbs(row) / env.best().memcpy_gbs, 2) : "";
     const std::string vs_reference = row.vs_reference ? fixed(*row.vs_reference, 1) : "";
-    fmt::print("{:<10}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
+    fmt::print("{:<10}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
                row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
-               fixed(gflops(row) / env.best().sgemm_gflops, 2), gbs, vs_memcpy, vs_reference,
+               fixed(gflops(row) / env.sgemm(), 2), fixed(gflops(row) / env.peak(), 2), gbs, vs_memcpy, vs_reference,
                fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.causal ? " causal" : "");
   }
 }
@@ -455,26 +636,52 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
   fmt::print("qkv {} bench: {} OpenMP threads, {} OpenBLAS threads; OPENBLAS_CORETYPE={}; OpenBLAS core: {}\n",
              version(), env.omp_threads, env.openblas_threads, env.coretype.empty() ? "(unset)" : env.coretype,
              env.openblas_core);
-  fmt::print("sgemm {}^3 (cblas_sgemm, OpenBLAS): {:.1f} GFLOP/s   memcpy {} MiB: {:.1f} GB/s (read + written)\n",
-             kSgemmSize, env.best().sgemm_gflops, kMemcpyBytes >> 20, env.best().memcpy_gbs);
+  fmt::print("Ceilings, measured in this run:\n");
+  fmt::print("  FMA peak: {:.1f} GFLOP/s ({} threads x {} float lanes, Highway target {}, independent FMA chains)\n",
+             env.peak(), env.fma.threads, env.fma.lanes, env.fma.target);
+  const std::string onednn =
+      env.best().onednn_gflops > 0 ? fmt::format("{:.1f}", env.best().onednn_gflops) : std::string("not built in");
+  fmt::print("  sgemm {}^3: {:.1f} GFLOP/s from {} (OpenBLAS {:.1f}, oneDNN {}) = {:.2f} x the FMA peak\n",
+             kSgemmSize, env.sgemm(), env.sgemm_library(), env.best().openblas_gflops, onednn, env.sgemm() / env.peak());
+  fmt::print("  memcpy {} MiB: {:.1f} GB/s (read + written)\n", kMemcpyBytes >> 20, env.best().memcpy_gbs);
   fmt::print("  measured before and after the workloads: sgemm {:.1f} / {:.1f} GFLOP/s, memcpy {:.1f} / {:.1f} GB/s;\n"
              "  the ratios divide by the higher (a wide spread means a loaded machine)\n",
-             env.start.sgemm_gflops, env.end.sgemm_gflops, env.start.memcpy_gbs, env.end.memcpy_gbs);
+             env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs);
+  for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
+  if (!env.gemm.empty()) {
+    fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
+    fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n", "k",
+               "OpenBLAS", "oneDNN", "Small", "chosen", "x best", "x sgemm");
+    for (const GemmRow& g : env.gemm) {
+      const auto rate = [&](GemmPath path) -> std::string {
+        for (const auto& [p, r] : g.gflops)
+          if (p == path) return short_number(r);
+        return "-";
+      };
+      fmt::print("{:<32} {}{} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6}  {:<8} {:>9} {:>7}\n", g.shape->name,
+                 g.shape->trans_a ? "T" : "N", g.shape->trans_b ? "T" : "N", g.shape->m, g.shape->n, g.shape->k,
+                 rate(GemmPath::OpenBlas), rate(GemmPath::OneDnn), rate(GemmPath::Small),
+                 detail::to_string(g.chosen), fixed(g.chosen_gflops() / g.best_gflops(), 2),
+                 fixed(g.chosen_gflops() / env.sgemm(), 2));
+    }
+    fmt::print("\n");
+  }
   if (env.decode.built) {
     fmt::print("Auto's kernel: told from its output, which matches the kernel it ran bit for bit\n");
   } else {
     fmt::print("Auto's kernel: Flash everywhere (Backend::Decode not built yet: \"{}\")\n", env.decode.message);
   }
   fmt::print("first = release_workspaces() + a fresh result; median = steady state, same result reused (_into)\n");
-  fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / sgemm; GB/s and x memcpy: K and V bytes read\n");
+  fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / best sgemm; x peak = GFLOP/s / FMA peak;\n"
+             "GB/s and x memcpy: K and V bytes read\n");
   fmt::print("-bwd = scaled_dot_product_attention_backward (gradients allocated each call), FLOPs = 2.5 x forward\n\n");
   print_table(rows, env);
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3, 4 and 9), from this run:\n");
+    fmt::print("\nTargets (issues 3, 4, 9 and 15), from this run:\n");
     for (const Target& target : measured) {
-      fmt::print("  {:<30} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
+      fmt::print("  {:<42} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
                  target.met() ? "met" : "NOT met");
     }
@@ -511,7 +718,19 @@ void run_bench(const BenchOptions& options) {
   env.openblas_core = openblas_get_corename();
   env.openblas_config = openblas_get_config();
   env.decode = probe_decode();
-  env.start = {measure_sgemm(kSgemmSize, progress), measure_memcpy(kMemcpyBytes, progress)};
+  const auto baselines = [&] {
+    Baselines out;
+    for (GemmPath path : sgemm_libraries()) {
+      const double rate = measure_sgemm(path, kSgemmSize, progress);
+      (path == GemmPath::OneDnn ? out.onednn_gflops : out.openblas_gflops) = rate;
+    }
+    out.memcpy_gbs = measure_memcpy(kMemcpyBytes, progress);
+    return out;
+  };
+  progress.show("baseline", "FMA peak", "runs");
+  env.fma = measure_fma_peak(5);
+  env.start = baselines();
+  if (!options.no_gemm) env.gemm = measure_gemm_classes(progress);
 
   std::vector<Row> rows;
   const auto reference_runs = [&](double first_ms) {
@@ -545,7 +764,10 @@ void run_bench(const BenchOptions& options) {
     add_pair(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress),
              [&] { return measure_backward(*w, inputs, Backend::Reference, 0, reference_runs, progress); });
   }
-  env.end = {measure_sgemm(kSgemmSize, progress), measure_memcpy(kMemcpyBytes, progress)};
+  env.end = baselines();
+  progress.show("baseline", "FMA peak", "runs");
+  if (const FmaPeak end = measure_fma_peak(5); end.gflops > env.fma.gflops) env.fma = end;  // the higher, as above
+  env.warnings = environment_warnings(env.omp_threads, env.openblas_threads, env.best());
   progress.clear();
 
   if (options.json) {
@@ -577,6 +799,7 @@ void add_bench_command(CLI::App& app) {
                     "Steady-state runs of Reference (default: 5, or 3 when its first call took over 1 s)")
       ->check(CLI::PositiveNumber);
   bench->add_flag("--no-reference", options->no_reference, "Skip the Reference backend");
+  bench->add_flag("--no-gemm", options->no_gemm, "Skip the table of qkv's GEMM paths per shape class");
   bench->callback([options] { run_bench(*options); });
 }
 

@@ -1,0 +1,149 @@
+// qkv::detail::sgemm (gemm.hpp): one entry point, three paths, chosen per shape class.
+//
+// The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
+//   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
+//     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
+//     64 rows against OpenBLAS, which packs W even for one row; oneDNN caught up with it from
+//     about 32 rows (64 rows: oneDNN 1.15-1.4x Small on one thread), so 32 when oneDNN is there.
+//   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
+//     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
+//     within the noise of each other); OpenBLAS otherwise.
+#include "gemm.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <string>
+
+#include "qkv/error.hpp"
+#include "small_gemm.hpp"
+
+#ifdef QKV_HAVE_DNNL
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
+namespace qkv::detail {
+
+namespace {
+
+// At most this many rows of A go to the Small kernel: beyond, packing W pays for itself.
+#ifdef QKV_HAVE_DNNL
+constexpr int64_t kSmallMaxRows = 32;
+#else
+constexpr int64_t kSmallMaxRows = 64;
+#endif
+
+// The test override: -1 none, else a GemmPath.
+std::atomic<int> forced_path{-1};
+
+std::string shape_text(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  return std::string("sgemm(") + (trans_a ? "T" : "N") + (trans_b ? "T" : "N") + ", m " + std::to_string(m) +
+         ", n " + std::to_string(n) + ", k " + std::to_string(k) + ")";
+}
+
+void check_fits_int(int64_t value, const char* name, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  if (value > INT_MAX)
+    throw Error(shape_text(trans_a, trans_b, m, n, k) + ": " + name + " = " + std::to_string(value) +
+                " exceeds OpenBLAS's int");
+}
+
+void run_openblas(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const std::pair<int64_t, const char*> sizes[] = {{m, "m"}, {n, "n"}, {k, "k"}, {lda, "lda"}, {ldb, "ldb"}, {ldc, "ldc"}};
+  for (const auto& [value, name] : sizes) check_fits_int(value, name, trans_a, trans_b, m, n, k);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+}
+
+#ifdef QKV_HAVE_DNNL
+void run_onednn(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const dnnl_status_t status =
+      dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (status != dnnl_success)
+    throw Error(shape_text(trans_a, trans_b, m, n, k) + ": dnnl_sgemm failed (status " +
+                std::to_string(static_cast<int>(status)) + ")");
+}
+#endif
+
+}  // namespace
+
+std::string_view to_string(GemmPath path) {
+  switch (path) {
+    case GemmPath::Small: return "Small";
+    case GemmPath::OneDnn: return "oneDNN";
+    case GemmPath::OpenBlas: return "OpenBLAS";
+  }
+  return "?";
+}
+
+bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
+  switch (path) {
+    case GemmPath::Small: return !trans_a && trans_b;
+#ifdef QKV_HAVE_DNNL
+    case GemmPath::OneDnn: return true;
+#else
+    case GemmPath::OneDnn: return false;
+#endif
+    case GemmPath::OpenBlas: return true;
+  }
+  return false;
+}
+
+GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t /*n*/, int64_t /*k*/) {
+  if (!trans_a && trans_b && m <= kSmallMaxRows) return GemmPath::Small;
+  if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
+  return GemmPath::OpenBlas;
+}
+
+void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+              int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (!gemm_path_can_take(path, trans_a, trans_b))
+    throw Error(shape_text(trans_a, trans_b, m, n, k) + ": the " + std::string(to_string(path)) +
+                " path cannot take it in this build");
+  if (m < 0 || n < 0 || k < 0)
+    throw Error(shape_text(trans_a, trans_b, m, n, k) + ": negative size");
+  if (m == 0 || n == 0) return;
+  // Leading dimensions: at least the stored row length (BLAS's rule; all >= 1 from here on).
+  const int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
+  if (lda < a_cols || ldb < b_cols || ldc < n)
+    throw Error(shape_text(trans_a, trans_b, m, n, k) + ": lda " + std::to_string(lda) + ", ldb " +
+                std::to_string(ldb) + ", ldc " + std::to_string(ldc) + " shorter than the rows they separate");
+  if (k == 0) {  // C = beta C, with beta == 0 never reading C
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
+  switch (path) {
+    case GemmPath::Small:
+      small_rows_gemm(a, lda, m, k, b, ldb, n, alpha, beta, c, ldc);
+      return;
+    case GemmPath::OneDnn:
+#ifdef QKV_HAVE_DNNL
+      run_onednn(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+      return;
+    case GemmPath::OpenBlas:
+      run_openblas(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+  }
+}
+
+GemmPath sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  GemmPath path = choose_gemm_path(trans_a, trans_b, m, n, k);
+  const int forced = forced_path.load(std::memory_order_relaxed);
+  if (forced >= 0 && gemm_path_can_take(static_cast<GemmPath>(forced), trans_a, trans_b))
+    path = static_cast<GemmPath>(forced);
+  sgemm_on(path, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  return path;
+}
+
+void set_gemm_path_for_test(std::optional<GemmPath> path) {
+  forced_path.store(path ? static_cast<int>(*path) : -1, std::memory_order_relaxed);
+}
+
+}  // namespace qkv::detail

@@ -1,0 +1,21 @@
+// y = alpha x W^T + beta y for few rows (internal): the "small" path of qkv::detail::sgemm
+// (gemm.hpp), which picks it for A not transposed, B transposed and few rows of A.
+//
+// With few rows (W5: 20 rows of 512 through a 1536 x 512 weight) sgemm spends as much time
+// packing W as multiplying (OpenBLAS: sgemm_incopy ~ 1/4 of the call), and its kernels follow
+// OPENBLAS_CORETYPE (AVX2 when set to Haswell). This kernel reads W where it is, once: each output
+// is a dot product of an x row with a W row, a tile of rows x outputs at a time in SIMD registers
+// (Highway, dispatched to the best target of the CPU), threads over blocks of outputs.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::detail {
+
+// y (rows, n) = alpha x (rows, k) W^T + beta y: W (n, k) row-major with rows ldw floats apart,
+// x rows ldx apart, y rows ldy apart. beta == 0 does not read y (BLAS's rule: NaN there is
+// overwritten). y must not overlap x or W.
+void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
+                     float alpha, float beta, float* y, int64_t ldy);
+
+}  // namespace qkv::detail

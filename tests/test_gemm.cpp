@@ -1,0 +1,273 @@
+// qkv::detail::sgemm (src/gemm.hpp), the library's one GEMM entry point outside the fused kernels:
+// every path it can take (Small, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
+// shapes, every transpose the path takes, padded leading dimensions, alpha and beta, outputs
+// poisoned; then its callers (nn::Linear, the reference kernel forward and backward) run on each
+// path through the test hook.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gemm.hpp"
+#include "kernel_cases.hpp"
+#include "oracle.hpp"
+#include "qkv/qkv.hpp"
+
+namespace {
+
+using qkv::detail::GemmPath;
+using qkv_test::Random;
+
+constexpr GemmPath kAllPaths[] = {GemmPath::Small, GemmPath::OneDnn, GemmPath::OpenBlas};
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+// Written into C's padding (the columns between n and ldc): no path may touch it.
+constexpr float kPadding = -12345.0f;
+
+// The paths this build has (OneDnn only with QKV_HAVE_DNNL).
+std::vector<GemmPath> built_paths() {
+  std::vector<GemmPath> out;
+  for (GemmPath path : kAllPaths)
+    if (qkv::detail::gemm_path_can_take(path, false, true)) out.push_back(path);
+  return out;
+}
+
+// Sets the test override for its lifetime.
+class ForcedPath {
+ public:
+  explicit ForcedPath(std::optional<GemmPath> path) { qkv::detail::set_gemm_path_for_test(path); }
+  ~ForcedPath() { qkv::detail::set_gemm_path_for_test(std::nullopt); }
+  ForcedPath(const ForcedPath&) = delete;
+  ForcedPath& operator=(const ForcedPath&) = delete;
+};
+
+struct GemmCase {
+  bool trans_a, trans_b;
+  int64_t m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  std::vector<float> a, b, c;  // c: the initial C (NaN where beta == 0), padding included
+
+  std::string name() const {
+    return std::string(trans_a ? "T" : "N") + (trans_b ? "T" : "N") + " m=" + std::to_string(m) +
+           " n=" + std::to_string(n) + " k=" + std::to_string(k) + " lda=" + std::to_string(lda) +
+           " ldb=" + std::to_string(ldb) + " ldc=" + std::to_string(ldc) + " alpha=" + std::to_string(alpha) +
+           " beta=" + std::to_string(beta);
+  }
+};
+
+GemmCase make_gemm_case(Random& rng, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                        float beta) {
+  GemmCase g{trans_a, trans_b, m, n, k, 0, 0, 0, alpha, beta, {}, {}, {}};
+  const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+  const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+  g.lda = a_cols + rng.integer(0, 3);  // padded rows: strided views
+  g.ldb = b_cols + rng.integer(0, 3);
+  g.ldc = n + rng.integer(0, 3);
+  g.a = rng.normals(a_rows * g.lda);
+  g.b = rng.normals(b_rows * g.ldb);
+  g.c.assign(static_cast<size_t>(m * g.ldc), kPadding);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      g.c[static_cast<size_t>(i * g.ldc + j)] = beta == 0.0f ? kNaN : static_cast<float>(rng.normal());
+  return g;
+}
+
+// Checks `got` (C after the call) against the float64 product, and the padding untouched.
+void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
+  for (int64_t i = 0; i < g.m; ++i) {
+    for (int64_t j = 0; j < g.n; ++j) {
+      double sum = 0, magnitude = 0;
+      for (int64_t p = 0; p < g.k; ++p) {
+        const double a = g.a[static_cast<size_t>(g.trans_a ? p * g.lda + i : i * g.lda + p)];
+        const double b = g.b[static_cast<size_t>(g.trans_b ? j * g.ldb + p : p * g.ldb + j)];
+        sum += a * b;
+        magnitude += std::abs(a * b);
+      }
+      const double before = g.c[static_cast<size_t>(i * g.ldc + j)];
+      const double want = g.alpha * sum + (g.beta == 0.0f ? 0.0 : g.beta * before);
+      const double scale = std::abs(g.alpha) * magnitude + (g.beta == 0.0f ? 0.0 : std::abs(g.beta * before));
+      const double value = got[static_cast<size_t>(i * g.ldc + j)];
+      ASSERT_TRUE(std::isfinite(value)) << g.name() << " C[" << i << ", " << j << "] = " << value;
+      ASSERT_NEAR(value, want, 1e-6 * static_cast<double>(g.k + 4) * scale + 1e-30)
+          << g.name() << " C[" << i << ", " << j << "]";
+    }
+    for (int64_t j = g.n; j < g.ldc; ++j)
+      ASSERT_EQ(got[static_cast<size_t>(i * g.ldc + j)], kPadding) << g.name() << " wrote padding C[" << i << ", " << j << "]";
+  }
+}
+
+// Odd sizes around every tile and vector width, and some large enough for threads.
+const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
+    {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
+    {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0}};
+
+TEST(Gemm, EveryPathMatchesFloat64) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int threads_before = omp_get_max_threads();
+  for (GemmPath path : built_paths()) {
+    SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      for (bool trans_a : {false, true}) {
+        for (bool trans_b : {false, true}) {
+          if (!qkv::detail::gemm_path_can_take(path, trans_a, trans_b)) continue;
+          for (const auto& [m, n, k] : kShapes) {
+            const float alpha = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
+            const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[static_cast<size_t>(rng.integer(0, 2))];
+            const GemmCase g = make_gemm_case(rng, trans_a, trans_b, m, n, k, alpha, beta);
+            std::vector<float> c = g.c;
+            qkv::detail::sgemm_on(path, trans_a, trans_b, m, n, k, alpha, g.a.data(), g.lda, g.b.data(), g.ldb, beta,
+                                  c.data(), g.ldc);
+            expect_matches_float64(g, c);
+          }
+        }
+      }
+    }
+  }
+  omp_set_num_threads(threads_before);
+}
+
+// The Small path takes A not transposed and B transposed only; oneDNN exactly when built in.
+TEST(Gemm, PathsTakeWhatTheySay) {
+  EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::Small, false, true));
+  EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, false, false));
+  EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, true, false));
+  EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, true, true));
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OpenBlas, ta, tb));
+#ifdef QKV_HAVE_DNNL
+  EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OneDnn, true, false));
+#else
+  EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::OneDnn, true, false));
+#endif
+}
+
+// The choice: few rows of x W^T to Small, the rest to oneDNN when built in, else OpenBLAS; and the
+// test hook overrides it only where the forced path can take the call.
+TEST(Gemm, ChoiceAndTestHook) {
+  const GemmPath large = qkv::detail::gemm_path_can_take(GemmPath::OneDnn, false, false) ? GemmPath::OneDnn
+                                                                                           : GemmPath::OpenBlas;
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 20, 1536, 512), GemmPath::Small);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
+
+  Random rng;
+  const GemmCase g = make_gemm_case(rng, false, false, 9, 11, 13, 1.0f, 0.0f);
+  for (GemmPath path : built_paths()) {
+    ForcedPath forced(path);
+    std::vector<float> c = g.c;
+    const GemmPath took = qkv::detail::sgemm(false, false, g.m, g.n, g.k, 1.0f, g.a.data(), g.lda, g.b.data(), g.ldb,
+                                             0.0f, c.data(), g.ldc);
+    EXPECT_EQ(took, path == GemmPath::Small ? large : path);  // Small cannot take NN: the choice stands
+    expect_matches_float64(g, c);
+  }
+}
+
+TEST(Gemm, BadArgumentsThrowNamingTheShape) {
+  std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
+  try {
+    qkv::detail::sgemm_on(GemmPath::OpenBlas, false, false, 4, 4, 4, 1.0f, a.data(), 3, b.data(), 4, 0.0f, c.data(), 4);
+    FAIL() << "lda 3 < k 4 was accepted";
+  } catch (const qkv::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lda 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("m 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(qkv::detail::sgemm_on(GemmPath::Small, false, false, 4, 4, 4, 1.0f, a.data(), 4, b.data(), 4, 0.0f,
+                                     c.data(), 4),
+               qkv::Error);
+  EXPECT_THROW(qkv::detail::sgemm_on(GemmPath::OpenBlas, false, false, -1, 4, 4, 1.0f, a.data(), 4, b.data(), 4, 0.0f,
+                                     c.data(), 4),
+               qkv::Error);
+#ifndef QKV_HAVE_DNNL
+  EXPECT_THROW(qkv::detail::sgemm_on(GemmPath::OneDnn, false, false, 4, 4, 4, 1.0f, a.data(), 4, b.data(), 4, 0.0f,
+                                     c.data(), 4),
+               qkv::Error);
+#endif
+}
+
+// nn::Linear forward (x W^T + b) and backward (dx = g W, dW += g^T x, db) on every path, against
+// float64, with row counts on both sides of the Small path's limit.
+TEST(Gemm, LinearOnEveryPathMatchesFloat64) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (GemmPath path : built_paths()) {
+    ForcedPath forced(path);
+    SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
+    for (const auto& [rows, in, out] : std::vector<std::array<int64_t, 3>>{{3, 17, 5}, {20, 65, 33}, {131, 40, 70}}) {
+      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(in) + " -> " + std::to_string(out));
+      qkv::nn::Linear linear(in, out, true, rng.next_u64());
+      const qkv::Tensor x = rng.randn({rows, in});
+      const qkv::Tensor g = rng.randn({rows, out});
+      const qkv::Tensor y = linear.forward(x);
+      const qkv::Tensor dx = linear.backward(g);
+      const float* xs = x.data();
+      const float* gs = g.data();
+      const float* w = linear.weight.data();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < out; ++o) {
+          double want = linear.bias.data()[o];
+          for (int64_t i = 0; i < in; ++i) want += static_cast<double>(xs[r * in + i]) * w[o * in + i];
+          ASSERT_NEAR(y.data()[r * out + o], want, 1e-5 * std::sqrt(static_cast<double>(in))) << "y " << r << ", " << o;
+        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < in; ++i) {
+          double want = 0;
+          for (int64_t o = 0; o < out; ++o) want += static_cast<double>(gs[r * out + o]) * w[o * in + i];
+          ASSERT_NEAR(dx.data()[r * in + i], want, 1e-5 * std::sqrt(static_cast<double>(out))) << "dx " << r << ", " << i;
+        }
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          double want = 0;
+          for (int64_t r = 0; r < rows; ++r) want += static_cast<double>(gs[r * out + o]) * xs[r * in + i];
+          ASSERT_NEAR(linear.weight_grad.data()[o * in + i], want, 1e-5 * std::sqrt(static_cast<double>(rows)))
+              << "dW " << o << ", " << i;
+        }
+    }
+  }
+}
+
+// The reference kernel on every path: forward against the float64 oracle (NaN-poisoned outputs,
+// several masks and modifiers), backward against the flash backward (its own micro-GEMM, tested
+// against float64 in test_backward.cpp).
+TEST(Gemm, ReferenceKernelOnEveryPath) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  using qkv_test::MaskKind;
+  std::vector<qkv_test::Case> cases;
+  for (const qkv_test::Sizes& s : {qkv_test::Sizes{1, 2, 1, 7, 9, 5, 3}, qkv_test::Sizes{2, 3, 3, 70, 33, 17, 19},
+                                   qkv_test::Sizes{1, 2, 2, 3, 130, 64, 64}})
+    for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::KeyLengths, MaskKind::Additive4D})
+      cases.push_back(qkv_test::make_case(rng, s, kind, 1.0, 0.0f, qkv_test::Modifier::All));
+  std::vector<qkv_test::Expected> expected;
+  for (const qkv_test::Case& c : cases) expected.push_back(qkv_test::expect(c));
+  for (GemmPath path : built_paths()) {
+    ForcedPath forced(path);
+    SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
+    for (size_t n = 0; n < cases.size(); ++n) {
+      const qkv_test::Case& c = cases[n];
+      qkv_test::check_kernel(qkv::detail::reference_attention, c, expected[n]);
+      qkv::AttentionOptions reference = qkv_test::options_of(c, qkv::Backend::Reference);
+      qkv::AttentionOptions flash = qkv_test::options_of(c, qkv::Backend::Flash);
+      const qkv::AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, flash);
+      const qkv::Tensor grad_output = rng.randn(forward.output.shape());
+      const qkv::AttentionGrads want = qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, flash);
+      const qkv::AttentionGrads got =
+          qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, reference);
+      for (const auto& [name, a, b] : {std::tuple{"dq", got.dq, want.dq}, std::tuple{"dk", got.dk, want.dk},
+                                       std::tuple{"dv", got.dv, want.dv}}) {
+        const std::vector<float> x = a.to_vector(), y = b.to_vector();
+        ASSERT_EQ(x.size(), y.size());
+        for (size_t i = 0; i < x.size(); ++i)
+          ASSERT_NEAR(x[i], y[i], 1e-4 * (1.0 + std::abs(y[i]))) << c.name << " " << name << "[" << i << "]";
+      }
+    }
+  }
+}
+
+}  // namespace
