@@ -2,7 +2,8 @@
 # Runs every libFuzzer target of a QKV_FUZZ build for a bounded time each and prints its
 # figures (executions, coverage, corpus, crashes). Usage: fuzz/run.sh <build dir> <seconds each>
 # The working corpus (build dir/corpus/<target>) starts from the committed seeds (fuzz/corpus/)
-# and grows across runs; crashes land in <build dir>/artifacts/ and fail the run.
+# and grows across runs; a target with a dictionary (fuzz/<target>.dict) gets it; crashes land
+# in <build dir>/artifacts/ and fail the run.
 set -euo pipefail
 build=$1
 seconds=$2
@@ -11,12 +12,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 mkdir -p "$build/artifacts" "$build/logs"
 status=0
-for target in fuzz_attention fuzz_model_load; do
+for target in fuzz_attention fuzz_model_load fuzz_mask_expression fuzz_explorer_api; do
   corpus="$build/corpus/$target"
   mkdir -p "$corpus"
   log="$build/logs/$target.log"
+  # A target's dictionary (fuzz/<target>.dict: the grammar's words), when it has one.
+  dict=()
+  if [ -f "$here/$target.dict" ]; then dict=(-dict="$here/$target.dict"); fi
   set +e
-  "$build/fuzz/$target" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=3072 -print_final_stats=1 \
+  "$build/fuzz/$target" "${dict[@]}" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=3072 -print_final_stats=1 \
     -artifact_prefix="$build/artifacts/$target-" "$corpus" "$here/corpus/$target" >"$log" 2>&1
   result=$?
   set -e

@@ -149,6 +149,21 @@ TEST(ExplorerApi, BadInputIsA400NamingTheProblem) {
   EXPECT_NE(error_of("{\"text\": \"\xff\"}").find("malformed JSON"), std::string::npos);
 }
 
+// A mask may hide every key of a row (window(0) & padding(1): token i sees only itself and only
+// the first token). That row is zeros and its entropy 0, never NaN, which JSON would carry as
+// null; fuzz/fuzz_explorer_api checks this on every answer, this pins the case.
+TEST(ExplorerApi, ARowThatSeesNoKeyIsZerosNotNaN) {
+  const ExplorerApi api({}, ServeLimits{});
+  const auto [status, answer] = ask(api, {{"text", "a b c d"}, {"heads", 2}, {"embed", 8}, {"mask", "window(0) & padding(1)"}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  for (const auto& rows : {answer["weights"][0], answer["weights"][1], answer["average"]}) {
+    EXPECT_EQ(rows[0], json({1.0, 0.0, 0.0, 0.0}));
+    for (size_t i = 1; i < 4; ++i) EXPECT_EQ(rows[i], json({0.0, 0.0, 0.0, 0.0})) << i;
+  }
+  for (const auto& e : answer["entropy"]) EXPECT_EQ(e, json(0.0));
+  EXPECT_EQ(answer["average_entropy"], json(0.0));
+}
+
 TEST(ExplorerApi, LoopbackHosts) {
   for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"}) EXPECT_TRUE(is_loopback_host(host)) << host;
   for (const char* host : {"0.0.0.0", "192.168.1.10", "example.com", "::", "", "localhost.example.com"}) {

@@ -46,5 +46,6 @@ ${table}};
 
 }  // namespace qkv::cli::explorer
 ")
-file(COPY_FILE ${OUTPUT}.tmp ${OUTPUT} ONLY_IF_DIFFERENT)
+# copy_if_different, not file(COPY_FILE ... ONLY_IF_DIFFERENT), which needs CMake 3.21.
+execute_process(COMMAND ${CMAKE_COMMAND} -E copy_if_different ${OUTPUT}.tmp ${OUTPUT})
 file(REMOVE ${OUTPUT}.tmp)
