@@ -266,4 +266,191 @@ TEST(LinearAttention, BadArgumentsNameTheShapes) {
   EXPECT_EQ(qkv::feature_map_from_string("elu+1"), FeatureMap::EluPlusOne);
 }
 
+// ---- The backward.
+
+struct Grads {
+  std::vector<double> dq, dk, dv;
+};
+
+// The loss sum(grad_output * out) of the float64 formula.
+double loss(const Dims& d, const Operands& x, const std::vector<double>& grad_output, const LinearAttentionOptions& o) {
+  const Forward f = oracle(d, x, o);
+  double sum = 0;
+  for (size_t n = 0; n < f.out.size(); ++n) sum += f.out[n] * grad_output[n];
+  return sum;
+}
+
+// Central finite differences of that loss, every input element.
+Grads finite_differences(const Dims& d, Operands x, const std::vector<double>& grad_output,
+                         const LinearAttentionOptions& o) {
+  const double step = 1e-6;
+  auto derivative = [&](std::vector<double>& values, std::vector<double>& into) {
+    into.resize(values.size());
+    for (size_t n = 0; n < values.size(); ++n) {
+      const double keep = values[n];
+      values[n] = keep + step;
+      const double up = loss(d, x, grad_output, o);
+      values[n] = keep - step;
+      const double down = loss(d, x, grad_output, o);
+      values[n] = keep;
+      into[n] = (up - down) / (2 * step);
+    }
+  };
+  Grads g;
+  derivative(x.q, g.dq);
+  derivative(x.k, g.dk);
+  derivative(x.v, g.dv);
+  return g;
+}
+
+// The analytic backward in float64, pair by pair: with a_ij = phi(q_i).phi(k_j), den_i = sum a_ij
+// + eps, out_i = sum a_ij v_j / den_i: da_ij = (dO_i . v_j - dO_i . out_i) / den_i, then
+// dq_i = phi'(q_i) * sum_j da_ij phi(k_j), dk_j = phi'(k_j) * sum_i da_ij phi(q_i), dv_j = sum_i a_ij dO_i / den_i.
+Grads analytic(const Dims& d, const Operands& x, const std::vector<double>& grad_output,
+               const LinearAttentionOptions& o) {
+  const Forward f = oracle(d, x, o);
+  Grads g{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()), std::vector<double>(x.v.size())};
+  const FeatureMap map = o.feature_map;
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t h = 0; h < d.q_heads; ++h) {
+      const int64_t gh = h / (d.q_heads / d.kv_heads);
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        const size_t qi = static_cast<size_t>(((b * d.q_heads + h) * d.q_len + i) * d.dk);
+        const size_t oi = static_cast<size_t>(((b * d.q_heads + h) * d.q_len + i) * d.dv);
+        double den = o.eps, d_out_dot_out = 0;
+        for (int64_t c = 0; c < d.dv; ++c) d_out_dot_out += grad_output[oi + c] * f.out[oi + c];
+        auto a_of = [&](size_t kj) {
+          double a = 0;
+          for (int64_t e = 0; e < d.dk; ++e) a += phi(map, x.q[qi + e]) * phi(map, x.k[kj + e]);
+          return a;
+        };
+        for (int64_t j = 0; j < d.kv_len; ++j)
+          if (visible(o, i, j)) den += a_of(static_cast<size_t>(((b * d.kv_heads + gh) * d.kv_len + j) * d.dk));
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          if (!visible(o, i, j)) continue;
+          const size_t kj = static_cast<size_t>(((b * d.kv_heads + gh) * d.kv_len + j) * d.dk);
+          const size_t vj = static_cast<size_t>(((b * d.kv_heads + gh) * d.kv_len + j) * d.dv);
+          const double a = a_of(kj);
+          double d_out_dot_v = 0;
+          for (int64_t c = 0; c < d.dv; ++c) {
+            d_out_dot_v += grad_output[oi + c] * x.v[vj + c];
+            g.dv[vj + c] += a * grad_output[oi + c] / den;
+          }
+          const double da = (d_out_dot_v - d_out_dot_out) / den;
+          for (int64_t e = 0; e < d.dk; ++e) {
+            g.dq[qi + e] += da * phi(map, x.k[kj + e]) * phi_slope(map, x.q[qi + e]);
+            g.dk[kj + e] += da * phi(map, x.q[qi + e]) * phi_slope(map, x.k[kj + e]);
+          }
+        }
+      }
+    }
+  return g;
+}
+
+// |got - want| <= tolerance * max(1, max |want|) for every element.
+void expect_grad(const std::vector<float>& got, const std::vector<double>& want, double tolerance,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double largest = 1;
+  for (double w : want) largest = std::max(largest, std::abs(w));
+  size_t bad = 0;
+  for (size_t n = 0; n < got.size(); ++n)
+    if (!(std::abs(got[n] - want[n]) <= tolerance * largest) && bad++ < 5)
+      ADD_FAILURE() << what << ": element " << n << " is " << got[n] << ", expected " << want[n];
+  EXPECT_EQ(bad, 0u) << what;
+}
+void expect_grads(const Grads& got, const Grads& want, double tolerance, const std::string& what) {
+  expect_grad(std::vector<float>(got.dq.begin(), got.dq.end()), want.dq, tolerance, what + " dq");
+  expect_grad(std::vector<float>(got.dk.begin(), got.dk.end()), want.dk, tolerance, what + " dk");
+  expect_grad(std::vector<float>(got.dv.begin(), got.dv.end()), want.dv, tolerance, what + " dv");
+}
+
+// The library's backward into NaN-poisoned gradients.
+qkv::AttentionGrads poisoned_backward(const Inputs& in, const Tensor& grad_output, const LinearAttentionOptions& o) {
+  qkv::AttentionGrads grads{Tensor::full(in.q.shape(), kNaN), Tensor::full(in.k.shape(), kNaN),
+                            Tensor::full(in.v.shape(), kNaN), Tensor()};
+  qkv::linear_attention_backward_into(in.q, in.k, in.v, grad_output, grads, o);
+  return grads;
+}
+
+Grads as_grads(const qkv::AttentionGrads& g) {
+  return {qkv_test::to_doubles(g.dq), qkv_test::to_doubles(g.dk), qkv_test::to_doubles(g.dv)};
+}
+
+TEST(LinearAttentionBackward, MatchesFiniteDifferences) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const std::vector<Dims> shapes = {{1, 2, 1, 7, 9, 3, 2}, {2, 1, 1, 6, 4, 2, 3}, {1, 2, 2, 5, 5, 4, 4}};
+  for (const Dims& d : shapes) {
+    const Inputs in = random_inputs(rng, d);
+    const Tensor grad_output = rng.randn(Shape{d.batch, d.q_heads, d.q_len, d.dv});
+    const Operands x = doubles(in.q, in.k, in.v);
+    const std::vector<double> go = qkv_test::to_doubles(grad_output);
+    for (FeatureMap map : {FeatureMap::EluPlusOne, FeatureMap::Relu})
+      for (int64_t offset : {int64_t{-1}, int64_t{0}, int64_t{2}})
+        for (bool causal : {false, true}) {
+          if (!causal && offset != 0) continue;
+          const LinearAttentionOptions o = options(map, causal, offset, 1e-3f);
+          const Grads fd = finite_differences(d, x, go, o);
+          const std::string what = describe(d, o);
+          expect_grads(analytic(d, x, go, o), fd, 1e-6, what + " analytic vs finite differences");
+          expect_grads(as_grads(poisoned_backward(in, grad_output, o)), fd, 2e-5, what + " library vs finite differences");
+        }
+  }
+}
+
+TEST(LinearAttentionBackward, MatchesTheAnalyticBackwardOnLargerShapes) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const std::vector<Dims> shapes = {
+      {1, 2, 1, 130, 130, 16, 8}, {2, 2, 2, 65, 63, 7, 5}, {1, 4, 2, 100, 170, 33, 17}, {1, 1, 1, 190, 70, 64, 64},
+  };
+  const int threads_before = omp_get_max_threads();
+  for (const Dims& d : shapes) {
+    const Inputs in = random_inputs(rng, d);
+    const Tensor grad_output = rng.randn(Shape{d.batch, d.q_heads, d.q_len, d.dv});
+    const Operands x = doubles(in.q, in.k, in.v);
+    const std::vector<double> go = qkv_test::to_doubles(grad_output);
+    for (FeatureMap map : {FeatureMap::EluPlusOne, FeatureMap::Relu})
+      for (bool causal : {false, true}) {
+        const int64_t offset = causal ? rng.integer(-20, 20) : 0;
+        const LinearAttentionOptions o = options(map, causal, offset);
+        const Grads want = analytic(d, x, go, o);
+        for (int64_t target : qkv_test::runnable_targets()) {
+          qkv_test::ForcedTarget forced(target);
+          for (int threads : {1, 2}) {
+            omp_set_num_threads(threads);
+            qkv_test::ThreadEveryProblem threaded;
+            expect_grads(as_grads(poisoned_backward(in, grad_output, o)), want, 1e-4,
+                         describe(d, o) + " on " + hwy::TargetName(target) + ", " + std::to_string(threads) +
+                             " threads");
+          }
+        }
+      }
+  }
+  omp_set_num_threads(threads_before);
+}
+
+TEST(LinearAttentionBackward, BadArguments) {
+  Random rng;
+  const Tensor q = rng.randn(Shape{1, 2, 8, 4}), k = rng.randn(Shape{1, 2, 8, 4}), v = rng.randn(Shape{1, 2, 8, 3});
+  auto message = [](const std::function<void()>& call) -> std::string {
+    try {
+      call();
+    } catch (const qkv::Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  using testing::HasSubstr;
+  EXPECT_THAT(message([&] { qkv::linear_attention_backward(q, k, v, rng.randn(Shape{1, 2, 8, 4})); }),
+              HasSubstr("linear_attention_backward: grad_output is (1, 2, 8, 4) but should be (1, 2, 8, 3)"));
+  EXPECT_THAT(message([&] { qkv::linear_attention_backward(q, k, v, Tensor()); }), HasSubstr("grad_output is undefined"));
+  EXPECT_THAT(message([&] { qkv::linear_attention_backward(q, rng.randn(Shape{1, 2, 7, 4}), v, v); }),
+              HasSubstr("key and value lengths differ"));
+  qkv::AttentionGrads wrong{Tensor::empty(Shape{1, 2, 8, 5}), Tensor(), Tensor(), Tensor()};
+  EXPECT_THAT(message([&] { qkv::linear_attention_backward_into(q, k, v, rng.randn(Shape{1, 2, 8, 3}), wrong); }),
+              HasSubstr("grads.dq is (1, 2, 8, 5) but should be (1, 2, 8, 4)"));
+}
+
 }  // namespace

@@ -73,9 +73,9 @@ struct Problem {
   }
 };
 
-// One worker's scratch, in floats, every part on its own cache line.
+// One worker's scratch, in floats, every part on its own cache line. C = kChunk.
 struct ScratchLayout {
-  size_t state, z, qf, kft, scores, out, den, grad, total;
+  size_t state, z, qf, kft, kf, scores, out, den, row, vt, st, dqf, dv_rows, total;
   ScratchLayout(size_t dk, size_t dv) {
     size_t at = 0;
     auto take = [&](size_t floats) {
@@ -83,14 +83,19 @@ struct ScratchLayout {
       at += round_to_cache_line(floats);
       return start;
     };
-    state = take(dk * (dv + 1));     // S (Dk, Dv); backward: T^T (Dv + 1, Dk)
-    z = take(dk + 1);                // z (Dk)
+    state = take(dk * (dv + 1));     // S (Dk, Dv); backward keys: T' (Dv + 1, Dk)
+    z = take(dk);                    // z (Dk)
     qf = take(kChunk * dk);          // phi(Q chunk) (C, Dk)
-    kft = take(dk * kChunk);         // phi(K chunk)^T (Dk, C)
-    scores = take(kChunk * kChunk);  // A (C, C)
-    out = take(kChunk * std::max(dv + 1, dk));  // O (C, Dv); backward: dphi (C, Dk) and more
-    den = take(kChunk);              // den (C)
-    grad = take(kChunk * std::max(dv + 1, dk) + dk * (dv + 1));  // backward only
+    kft = take(dk * kChunk);         // phi(K chunk)^T (Dk, C); backward keys: phi(Q)^T
+    kf = take(kChunk * dk);          // backward: phi(K chunk) (C, Dk)
+    scores = take(kChunk * kChunk);  // A (C, C), then the backward's dA
+    out = take(kChunk * std::max(dv, dk));  // O (C, Dv); backward keys: dphi(K) (C, Dk)
+    den = take(kChunk);              // den (C); backward: c (C)
+    row = take(std::max(dk, dv));    // one row of phi
+    vt = take((dv + 1) * kChunk);    // backward: V^T (Dv, C); keys: G'^T (Dv + 1, C)
+    st = take(dv * dk);              // backward: S^T (Dv, Dk); keys: T (Dk, Dv)
+    dqf = take(kChunk * dk);         // backward: dphi(Q) (C, Dk)
+    dv_rows = take(kChunk * dv);     // backward keys: dV (C, Dv)
     total = at;
   }
 };
@@ -196,80 +201,249 @@ float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
 
 // One worker's view of its scratch (linear::ScratchLayout).
 struct Scratch {
-  float *state, *z, *qf, *kft, *scores, *out, *den, *grad;
+  float *state, *z, *qf, *kft, *kf, *scores, *out, *den, *row, *vt, *st, *dqf, *dv_rows;
   Scratch(float* base, const linear::ScratchLayout& l)
-      : state(base + l.state), z(base + l.z), qf(base + l.qf), kft(base + l.kft), scores(base + l.scores),
-        out(base + l.out), den(base + l.den), grad(base + l.grad) {}
+      : state(base + l.state), z(base + l.z), qf(base + l.qf), kft(base + l.kft), kf(base + l.kf),
+        scores(base + l.scores), out(base + l.out), den(base + l.den), row(base + l.row), vt(base + l.vt),
+        st(base + l.st), dqf(base + l.dqf), dv_rows(base + l.dv_rows) {}
 };
 
-// (S, z) += keys [from, to) of kv head g, kChunk at a time (phi(K) lands in w.kft, w.out is a row).
-void AddKeysToState(const Problem& p, int64_t b, int64_t g, int64_t from, int64_t to, const Scratch& w) {
+// dst (cols, rows) = src (rows, cols)^T; src row r at src + r * ld_src, dst row c at dst + c * ld_dst.
+void Transpose(const float* HWY_RESTRICT src, size_t rows, size_t cols, size_t ld_src, float* HWY_RESTRICT dst,
+               size_t ld_dst) {
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+}
+
+size_t Stride(const Rows<const float>& rows) { return static_cast<size_t>(rows.row_stride); }
+
+// (S, z) += the `count` keys from `from` of kv head g, whose phi(K)^T is in w.kft's first columns.
+void AddToState(const Problem& p, int64_t b, int64_t g, int64_t from, size_t count, const Scratch& w) {
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  MatMul(dk, dv, count, w.kft, kChunk, 1, p.v.row(b, g, from), Stride(p.v), w.state, dv, true);
+  for (size_t f = 0; f < dk; ++f)
+    for (size_t x = 0; x < count; ++x) w.z[f] += w.kft[f * kChunk + x];
+}
+
+// (S, z) += keys [from, to) of kv head g, kChunk at a time.
+void AddKeysToState(const Problem& p, int64_t b, int64_t g, int64_t from, int64_t to, const Scratch& w) {
   for (int64_t j = from; j < to; j += static_cast<int64_t>(kChunk)) {
     const size_t count = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kChunk), to - j));
-    PhiColumns(p.feature_map, p.k.row(b, g, j), p.k.row_stride, count, dk, w.out, w.kft);
-    MatMul(dk, dv, count, w.kft, kChunk, 1, p.v.row(b, g, j), static_cast<size_t>(p.v.row_stride), w.state, dv, true);
-    for (size_t f = 0; f < dk; ++f)
-      for (size_t x = 0; x < count; ++x) w.z[f] += w.kft[f * kChunk + x];
+    PhiColumns(p.feature_map, p.k.row(b, g, j), p.k.row_stride, count, static_cast<size_t>(p.head_dim), w.row, w.kft);
+    AddToState(p, b, g, j, count, w);
   }
 }
 
-// The intra block of query chunk [i0, i0 + rows) over keys [lo, lo + width) (phi(K)^T in w.kft):
-// A = phi(Q) phi(K)^T with the keys a query does not see zeroed, O += A V, den += rowsum(A).
-void IntraBlock(const Problem& p, int64_t b, int64_t g, int64_t i0, size_t rows, int64_t lo, size_t width,
-                const Scratch& w) {
-  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  MatMul(rows, RoundUpToLanes(width), dk, w.qf, dk, 1, w.kft, kChunk, w.scores, kChunk, false);
+// The keys of a query chunk ending at i_end, beyond the state's [0, lo): some query of the chunk
+// sees [lo, seen_end); the next chunk's first query sees [0, next).
+struct ChunkKeys {
+  int64_t lo, seen_end, next;
+};
+ChunkKeys KeysOfChunk(const Problem& p, int64_t lo, int64_t i_end) {
+  const int64_t seen_end = p.visible_keys(i_end - 1);
+  return {lo, seen_end, i_end < p.q_len ? p.visible_keys(i_end) : seen_end};
+}
+
+// Zeroes what query i0 + x does not see among keys [lo, lo + width) in row x of `a` (stride
+// kChunk), after adding `add[x]` (when given) to what it sees; den[x] (when given) += the row's sum.
+void MaskQueryRows(const Problem& p, int64_t i0, size_t rows, int64_t lo, size_t width, float* a, const float* add,
+                   float* den) {
   for (size_t x = 0; x < rows; ++x) {
-    float* a = w.scores + x * kChunk;
-    const size_t seen = static_cast<size_t>(std::clamp<int64_t>(p.visible_keys(i0 + static_cast<int64_t>(x)) - lo, 0,
-                                                                static_cast<int64_t>(width)));
-    std::fill(a + seen, a + width, 0.0f);
+    float* row = a + x * kChunk;
+    const int64_t seen = std::clamp<int64_t>(p.visible_keys(i0 + static_cast<int64_t>(x)) - lo, 0,
+                                             static_cast<int64_t>(width));
     float sum = 0.0f;
-    for (size_t j = 0; j < seen; ++j) sum += a[j];
-    w.den[x] += sum;
+    for (int64_t j = 0; j < seen; ++j) {
+      if (add) row[j] += add[x];
+      sum += row[j];
+    }
+    std::fill(row + seen, row + width, 0.0f);
+    if (den) den[x] += sum;
   }
-  MatMul(rows, dv, width, w.scores, kChunk, 1, p.v.row(b, g, lo), static_cast<size_t>(p.v.row_stride), w.out, dv,
-         true);
 }
 
-// One work item: query head h of batch b, every query. `scratch` is this worker's block.
-void LinearForwardHead(const Problem& p, int64_t b, int64_t h, float* HWY_RESTRICT scratch) {
+// Forward of query chunk [i0, i0 + rows) of head h: w.qf = phi(Q), w.out = O (not yet divided),
+// w.den = den (without eps), w.kft = phi(K[lo, max(seen_end, next)))^T, w.scores = the intra A.
+void ChunkForward(const Problem& p, int64_t b, int64_t h, int64_t i0, size_t rows, const ChunkKeys& keys,
+                  const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const int64_t g = p.kv_head_of(h);
+  PhiRows(p.feature_map, p.q.row(b, h, i0), p.q.row_stride, rows, dk, w.qf);
+  // Inter: the state's keys, seen by every query of the chunk.
+  MatMul(rows, dv, dk, w.qf, dk, 1, w.state, dv, w.out, dv, false);
+  for (size_t x = 0; x < rows; ++x) w.den[x] = Dot(w.qf + x * dk, w.z, dk);
+  // Intra: A = phi(Q) phi(K)^T, masked; O += A V. Width <= kChunk: n(i) grows by <= 1 per query.
+  const int64_t width = std::max(keys.seen_end, keys.next) - keys.lo;
+  if (width <= 0) return;
+  PhiColumns(p.feature_map, p.k.row(b, g, keys.lo), p.k.row_stride, static_cast<size_t>(width), dk, w.row, w.kft);
+  if (keys.seen_end <= keys.lo) return;
+  const size_t seen = static_cast<size_t>(keys.seen_end - keys.lo);
+  MatMul(rows, RoundUpToLanes(seen), dk, w.qf, dk, 1, w.kft, kChunk, w.scores, kChunk, false);
+  MaskQueryRows(p, i0, rows, keys.lo, seen, w.scores, nullptr, w.den);
+  MatMul(rows, dv, seen, w.scores, kChunk, 1, p.v.row(b, g, keys.lo), Stride(p.v), w.out, dv, true);
+}
+
+// Backward of a query chunk after ChunkForward (state not yet advanced): G' = [dO / den,
+// -dO.out / den] into p.g_ext; dphi(Q) = G S^T + c z^T + dA phi(K) with dA = G V^T + c masked
+// (c = G's last column); dq = dphi(Q) phi'(q).
+void ChunkQueryGrads(const Problem& p, int64_t b, int64_t h, int64_t i0, size_t rows, const ChunkKeys& keys,
+                     const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim), ldg = dv + 1;
+  const int64_t g = p.kv_head_of(h);
+  float* gext = p.g_ext + ((b * p.q_heads + h) * p.q_len + i0) * static_cast<int64_t>(ldg);
+  for (size_t x = 0; x < rows; ++x) {
+    const float* d_out = p.grad_output.row(b, h, i0 + static_cast<int64_t>(x));
+    const float inverse = 1.0f / (w.den[x] + p.eps);
+    float dot = 0.0f;
+    for (size_t c = 0; c < dv; ++c) {
+      dot += d_out[c] * w.out[x * dv + c] * inverse;
+      gext[x * ldg + c] = d_out[c] * inverse;
+    }
+    gext[x * ldg + dv] = -dot * inverse;
+    w.den[x] = gext[x * ldg + dv];  // c, for the intra block
+  }
+  Transpose(w.state, dk, dv, dv, w.st, dk);
+  MatMul(rows, dk, dv, gext, ldg, 1, w.st, dk, w.dqf, dk, false);
+  for (size_t x = 0; x < rows; ++x)
+    for (size_t f = 0; f < dk; ++f) w.dqf[x * dk + f] += w.den[x] * w.z[f];
+  if (keys.seen_end > keys.lo) {
+    const size_t seen = static_cast<size_t>(keys.seen_end - keys.lo);
+    Transpose(p.v.row(b, g, keys.lo), seen, dv, Stride(p.v), w.vt, kChunk);
+    MatMul(rows, RoundUpToLanes(seen), dv, gext, ldg, 1, w.vt, kChunk, w.scores, kChunk, false);
+    MaskQueryRows(p, i0, rows, keys.lo, seen, w.scores, w.den, nullptr);
+    Transpose(w.kft, dk, seen, kChunk, w.kf, dk);
+    MatMul(rows, dk, seen, w.scores, kChunk, 1, w.kf, dk, w.dqf, dk, true);
+  }
+  for (size_t x = 0; x < rows; ++x) {
+    const int64_t i = i0 + static_cast<int64_t>(x);
+    TimesPhiSlope(p.feature_map, p.q.row(b, h, i), dk, w.dqf + x * dk);
+    std::copy_n(w.dqf + x * dk, dk, p.grad_q.row(b, h, i));
+  }
+}
+
+// Every query chunk of head h of batch b in order, the state carried across: the forward
+// (writes the output), or the backward's query pass (writes g_ext and dq).
+void QueryPass(const Problem& p, int64_t b, int64_t h, float* HWY_RESTRICT scratch, bool backward) {
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const Scratch w(scratch, linear::ScratchLayout(dk, dv));
   const int64_t g = p.kv_head_of(h);
   std::fill_n(w.state, dk * dv, 0.0f);
   std::fill_n(w.z, dk, 0.0f);
   int64_t lo = p.q_len > 0 ? p.visible_keys(0) : 0;
-  AddKeysToState(p, b, g, 0, lo, w);
+  AddKeysToState(p, b, g, 0, lo, w);  // the keys every query sees (all of them when not causal)
   for (int64_t i0 = 0; i0 < p.q_len; i0 += static_cast<int64_t>(kChunk)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kChunk), p.q_len - i0));
-    const int64_t i_end = i0 + static_cast<int64_t>(rows);
-    PhiRows(p.feature_map, p.q.row(b, h, i0), p.q.row_stride, rows, dk, w.qf);
-    // Inter: the state's keys, seen by every query of the chunk.
-    MatMul(rows, dv, dk, w.qf, dk, 1, w.state, dv, w.out, dv, false);
-    for (size_t x = 0; x < rows; ++x) w.den[x] = Dot(w.qf + x * dk, w.z, dk);
-    // Intra: the keys some query of the chunk sees and the state does not hold yet, then those
-    // the next chunk's first query sees into the state.
-    const int64_t seen_last = p.visible_keys(i_end - 1);
-    const int64_t next = i_end < p.q_len ? p.visible_keys(i_end) : seen_last;
-    const int64_t width = std::max(seen_last, next) - lo;  // <= kChunk: n(i) grows by <= 1 per query
-    if (width > 0) {
-      PhiColumns(p.feature_map, p.k.row(b, g, lo), p.k.row_stride, static_cast<size_t>(width), dk, w.grad, w.kft);
-      if (seen_last > lo) IntraBlock(p, b, g, i0, rows, lo, static_cast<size_t>(seen_last - lo), w);
-      const size_t added = static_cast<size_t>(next - lo);
-      MatMul(dk, dv, added, w.kft, kChunk, 1, p.v.row(b, g, lo), static_cast<size_t>(p.v.row_stride), w.state, dv,
-             true);
-      for (size_t f = 0; f < dk; ++f)
-        for (size_t x = 0; x < added; ++x) w.z[f] += w.kft[f * kChunk + x];
-      lo = next;
+    const ChunkKeys keys = KeysOfChunk(p, lo, i0 + static_cast<int64_t>(rows));
+    ChunkForward(p, b, h, i0, rows, keys, w);
+    if (backward) {
+      ChunkQueryGrads(p, b, h, i0, rows, keys, w);
+    } else {
+      for (size_t x = 0; x < rows; ++x) {
+        float* out = p.output.row(b, h, i0 + static_cast<int64_t>(x));
+        const float inverse = 1.0f / (w.den[x] + p.eps);
+        for (size_t c = 0; c < dv; ++c) out[c] = w.out[x * dv + c] * inverse;
+      }
     }
-    for (size_t x = 0; x < rows; ++x) {
-      float* out = p.output.row(b, h, i0 + static_cast<int64_t>(x));
-      const float inverse = 1.0f / (w.den[x] + p.eps);
-      for (size_t c = 0; c < dv; ++c) out[c] = w.out[x * dv + c] * inverse;
-    }
+    AddToState(p, b, g, lo, static_cast<size_t>(keys.next - lo), w);
+    lo = keys.next;
   }
+}
+
+void LinearForwardHead(const Problem& p, int64_t b, int64_t h, float* HWY_RESTRICT scratch) {
+  QueryPass(p, b, h, scratch, false);
+}
+void LinearQueryGradsHead(const Problem& p, int64_t b, int64_t h, float* HWY_RESTRICT scratch) {
+  QueryPass(p, b, h, scratch, true);
+}
+
+// ---- The backward's key pass: key chunks from the last, a state T' = sum_i G'_i phi(q_i)^T
+// ((Dv + 1) x Dk) over the queries that see the whole chunk, carried backwards.
+
+// T' += G'^T phi(Q) for `count` queries of head h from `from`, phi(Q) rows at qf.
+void AddQueriesToState(const Problem& p, int64_t b, int64_t h, int64_t from, size_t count, const float* qf,
+                       const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), ldg = static_cast<size_t>(p.value_dim) + 1;
+  const float* gext = p.g_ext + ((b * p.q_heads + h) * p.q_len + from) * static_cast<int64_t>(ldg);
+  MatMul(ldg, dk, count, gext, 1, ldg, qf, dk, w.state, dk, true);
+}
+
+// Zeroes, in row j of `a` (keys j0 + j, stride kChunk), the queries from + x that do not see the
+// key, after adding add[x] (when given) to those that do.
+void MaskKeyRows(const Problem& p, int64_t j0, size_t width, int64_t from, size_t count, float* a, const float* add) {
+  for (size_t j = 0; j < width; ++j)
+    for (size_t x = 0; x < count; ++x) {
+      float& value = a[j * kChunk + x];
+      const bool seen = j0 + static_cast<int64_t>(j) < p.visible_keys(from + static_cast<int64_t>(x));
+      value = seen ? value + (add ? add[x] : 0.0f) : 0.0f;
+    }
+}
+
+// Keys [j0, j0 + width) of head h's kv head: dphi(K) = [V, 1] T' + dA^T phi(Q), dV = phi(K) T^T +
+// A^T G over the state's queries and the partial ones, [from, from + count) (phi(Q) at qf).
+// Written (first head of the group) or added to dk and dv.
+void KeyChunkGrads(const Problem& p, int64_t b, int64_t h, int64_t j0, size_t width, int64_t from, size_t count,
+                   const float* qf, bool first_head, const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim), ldg = dv + 1;
+  const int64_t g = p.kv_head_of(h);
+  const float* v_rows = p.v.row(b, g, j0);
+  PhiRows(p.feature_map, p.k.row(b, g, j0), p.k.row_stride, width, dk, w.kf);
+  MatMul(width, dk, dv, v_rows, Stride(p.v), 1, w.state, dk, w.out, dk, false);
+  for (size_t j = 0; j < width; ++j)
+    for (size_t f = 0; f < dk; ++f) w.out[j * dk + f] += w.state[dv * dk + f];
+  Transpose(w.state, dv, dk, dk, w.st, dv);
+  MatMul(width, dv, dk, w.kf, dk, 1, w.st, dv, w.dv_rows, dv, false);
+  if (count > 0) {
+    const float* gext = p.g_ext + ((b * p.q_heads + h) * p.q_len + from) * static_cast<int64_t>(ldg);
+    Transpose(qf, count, dk, dk, w.kft, kChunk);
+    MatMul(width, RoundUpToLanes(count), dk, w.kf, dk, 1, w.kft, kChunk, w.scores, kChunk, false);
+    MaskKeyRows(p, j0, width, from, count, w.scores, nullptr);
+    MatMul(width, dv, count, w.scores, kChunk, 1, gext, ldg, w.dv_rows, dv, true);
+    Transpose(gext, count, ldg, ldg, w.vt, kChunk);
+    MatMul(width, RoundUpToLanes(count), dv, v_rows, Stride(p.v), 1, w.vt, kChunk, w.scores, kChunk, false);
+    MaskKeyRows(p, j0, width, from, count, w.scores, w.vt + dv * kChunk);
+    MatMul(width, dk, count, w.scores, kChunk, 1, qf, dk, w.out, dk, true);
+  }
+  for (size_t j = 0; j < width; ++j) {
+    const int64_t key = j0 + static_cast<int64_t>(j);
+    TimesPhiSlope(p.feature_map, p.k.row(b, g, key), dk, w.out + j * dk);
+    float* grad_k = p.grad_k.row(b, g, key);
+    float* grad_v = p.grad_v.row(b, g, key);
+    for (size_t f = 0; f < dk; ++f) grad_k[f] = (first_head ? 0.0f : grad_k[f]) + w.out[j * dk + f];
+    for (size_t c = 0; c < dv; ++c) grad_v[c] = (first_head ? 0.0f : grad_v[c]) + w.dv_rows[j * dv + c];
+  }
+}
+
+// The key pass of query head h (after every head's query pass wrote g_ext).
+void KeyPass(const Problem& p, int64_t b, int64_t h, bool first_head, const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const int64_t chunk = static_cast<int64_t>(kChunk);
+  std::fill_n(w.state, (dv + 1) * dk, 0.0f);
+  if (p.kv_len == 0) return;
+  int64_t state_from = p.first_query(p.kv_len - 1);  // the queries that see the last key
+  for (int64_t i = state_from; i < p.q_len; i += chunk) {
+    const size_t count = static_cast<size_t>(std::min(chunk, p.q_len - i));
+    PhiRows(p.feature_map, p.q.row(b, h, i), p.q.row_stride, count, dk, w.qf);
+    AddQueriesToState(p, b, h, i, count, w.qf, w);
+  }
+  for (int64_t j0 = (p.kv_len - 1) / chunk * chunk; j0 >= 0; j0 -= chunk) {
+    const size_t width = static_cast<size_t>(std::min(chunk, p.kv_len - j0));
+    // Queries [first, state_from) see some keys of the chunk; [before, state_from) (a superset,
+    // <= kChunk of them) join the state for the previous chunk.
+    const int64_t first = p.first_query(j0);
+    const int64_t before = j0 > 0 ? p.first_query(j0 - 1) : first;
+    PhiRows(p.feature_map, p.q.row(b, h, before), p.q.row_stride, static_cast<size_t>(state_from - before), dk, w.qf);
+    const float* qf_first = w.qf + static_cast<size_t>(first - before) * dk;
+    KeyChunkGrads(p, b, h, j0, width, first, static_cast<size_t>(state_from - first), qf_first, first_head, w);
+    if (j0 > 0) AddQueriesToState(p, b, h, before, static_cast<size_t>(state_from - before), w.qf, w);
+    state_from = before;
+  }
+}
+
+// The key pass of every query head of kv head g: dk and dv of that kv head.
+void LinearKeyGradsGroup(const Problem& p, int64_t b, int64_t g, float* HWY_RESTRICT scratch) {
+  const Scratch w(scratch, linear::ScratchLayout(static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim)));
+  const int64_t group = p.q_heads / p.kv_heads;
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) KeyPass(p, b, h, h == g * group, w);
 }
 
 }  // namespace
@@ -291,6 +465,8 @@ namespace qkv {
 namespace detail {
 
 HWY_EXPORT(LinearForwardHead);
+HWY_EXPORT(LinearQueryGradsHead);
+HWY_EXPORT(LinearKeyGradsGroup);
 
 namespace {
 
@@ -392,6 +568,47 @@ void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Te
   detail::run_items(p, p.batch * p.q_heads, detail::head_flops(p), [&](int64_t item, float* scratch) {
     HWY_DYNAMIC_DISPATCH(detail::LinearForwardHead)(p, item / p.q_heads, item % p.q_heads, scratch);
   });
+}
+
+AttentionGrads linear_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_output,
+                                         const LinearAttentionOptions& options) {
+  AttentionGrads grads;
+  linear_attention_backward_into(q, k, v, grad_output, grads, options);
+  return grads;
+}
+
+void linear_attention_backward_into(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_output,
+                                    AttentionGrads& grads, const LinearAttentionOptions& options) {
+  const char* who = "linear_attention_backward: ";
+  detail::Built built = detail::build(who, q, k, v, options);
+  if (!grad_output.defined()) throw Error(std::string(who) + "grad_output is undefined");
+  if (grad_output.shape() != built.attention.output_shape)
+    throw Error(std::string(who) + "grad_output is " + grad_output.shape().str() + " but should be " +
+                built.attention.output_shape.str() + " (the forward's output)");
+  const auto inputs = {&q, &k, &v, &grad_output};
+  detail::prepare(who, grads.dq, "grads.dq", q.shape(), inputs);
+  detail::prepare(who, grads.dk, "grads.dk", k.shape(), inputs);
+  detail::prepare(who, grads.dv, "grads.dv", v.shape(), inputs);
+  grads.dsinks = Tensor();
+  detail::linear::Problem& p = built.problem;
+  const Tensor packed_grad_output = grad_output.contiguous();
+  p.grad_output = detail::rows_of<const float>(packed_grad_output);
+  p.grad_q = detail::rows_of<float>(grads.dq);
+  p.grad_k = detail::rows_of<float>(grads.dk);
+  p.grad_v = detail::rows_of<float>(grads.dv);
+  // G' = [dO / den, -dO.out / den] per query: the query pass writes it, the key pass reads it.
+  const int64_t g_ext_size = p.batch * p.q_heads * p.q_len * (p.value_dim + 1);
+  const Tensor g_ext = Tensor::empty(Shape{std::max<int64_t>(g_ext_size, 1)});
+  p.g_ext = g_ext.data();
+  const double flops = 2 * detail::head_flops(p);
+  detail::run_items(p, p.batch * p.q_heads, flops, [&](int64_t item, float* scratch) {
+    HWY_DYNAMIC_DISPATCH(detail::LinearQueryGradsHead)(p, item / p.q_heads, item % p.q_heads, scratch);
+  });
+  detail::run_items(p, p.batch * p.kv_heads, flops * static_cast<double>(p.q_heads / p.kv_heads),
+                    [&](int64_t item, float* scratch) {
+                      HWY_DYNAMIC_DISPATCH(detail::LinearKeyGradsGroup)(p, item / p.kv_heads, item % p.kv_heads,
+                                                                        scratch);
+                    });
 }
 
 }  // namespace qkv
