@@ -223,8 +223,23 @@ TEST(LinearAttention, RanksAndViewsGiveTheSameNumbers) {
   const Tensor qs = rng.randn(Shape{2, n, heads, dk}).transpose(1, 2);
   const Tensor ks = rng.randn(Shape{2, n, heads, dk}).transpose(1, 2);
   const Tensor vs = rng.randn(Shape{2, n, heads, dv}).transpose(1, 2);
-  EXPECT_EQ(qkv::linear_attention(qs, ks, vs, o).to_vector(),
-            qkv::linear_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), o).to_vector());
+  const Tensor packed = qkv::linear_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), o);
+  EXPECT_EQ(qkv::linear_attention(qs, ks, vs, o).to_vector(), packed.to_vector());
+  // An output view (the (B, N, H, Dv) layout multi-head attention concatenates) is written in place.
+  Tensor into = Tensor::full(Shape{2, n, heads, dv}, kNaN).transpose(1, 2);
+  qkv::linear_attention_into(qs, ks, vs, into, o);
+  EXPECT_EQ(into.contiguous().to_vector(), packed.to_vector());
+  // So are gradient views.
+  const Tensor grad_output = rng.randn(Shape{2, heads, n, dv});
+  const qkv::AttentionGrads want = qkv::linear_attention_backward(qs.contiguous(), ks.contiguous(), vs.contiguous(),
+                                                                  grad_output, o);
+  qkv::AttentionGrads views{Tensor::full(Shape{2, n, heads, dk}, kNaN).transpose(1, 2),
+                            Tensor::full(Shape{2, n, heads, dk}, kNaN).transpose(1, 2),
+                            Tensor::full(Shape{2, n, heads, dv}, kNaN).transpose(1, 2), Tensor()};
+  qkv::linear_attention_backward_into(qs, ks, vs, grad_output.transpose(2, 3).contiguous().transpose(2, 3), views, o);
+  EXPECT_EQ(views.dq.contiguous().to_vector(), want.dq.to_vector());
+  EXPECT_EQ(views.dk.contiguous().to_vector(), want.dk.to_vector());
+  EXPECT_EQ(views.dv.contiguous().to_vector(), want.dv.to_vector());
 }
 
 TEST(LinearAttention, BadArgumentsNameTheShapes) {
@@ -260,7 +275,8 @@ TEST(LinearAttention, BadArgumentsNameTheShapes) {
   EXPECT_THAT(message([&] { qkv::linear_attention_into(q, k, v, wrong); }),
               HasSubstr("output is (1, 4, 8, 9) but should be (1, 4, 8, 8)"));
   Tensor aliased = q.narrow(3, 0, 8);
-  EXPECT_THAT(message([&] { qkv::linear_attention_into(q, k, v, aliased); }), HasSubstr("output"));
+  EXPECT_THAT(message([&] { qkv::linear_attention_into(q, k, v, aliased); }),
+              HasSubstr("output shares storage with an input"));
   EXPECT_THAT(message([] { qkv::feature_map_from_string("softmax"); }), HasSubstr("choose elu+1 or relu"));
   EXPECT_EQ(qkv::feature_map_from_string("relu"), FeatureMap::Relu);
   EXPECT_EQ(qkv::feature_map_from_string("elu+1"), FeatureMap::EluPlusOne);

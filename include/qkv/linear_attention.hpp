@@ -41,8 +41,9 @@ struct LinearAttentionOptions {
 // scaled_dot_product_attention, whose shape checks and messages these are. Returns q's leading
 // dims + (Nq, Dv). A query that sees no key gets zeros.
 Tensor linear_attention(const Tensor& q, const Tensor& k, const Tensor& v, const LinearAttentionOptions& options = {});
-// The same, writing into `output`: when defined it must be contiguous with the shape above and
-// share no storage with q, k, v, and is overwritten; when undefined it is allocated.
+// The same, writing into `output`: when defined it must have the shape above, a contiguous last
+// dim and no overlapping elements (a transposed view is written in place), and share no storage
+// with q, k, v; it is overwritten. When undefined it is allocated.
 void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& output,
                            const LinearAttentionOptions& options = {});
 
@@ -51,8 +52,9 @@ void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Te
 // recomputed, so nothing from it needs to be kept.
 AttentionGrads linear_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_output,
                                          const LinearAttentionOptions& options = {});
-// The same, writing into `grads` (dq, dk, dv): each defined tensor must be contiguous with the
-// shape of q, k or v and is overwritten; undefined ones are allocated.
+// The same, writing into `grads` (dq, dk, dv): each defined tensor must have the shape of q, k or
+// v and a contiguous last dim (views are written in place) and is overwritten; undefined ones
+// are allocated.
 void linear_attention_backward_into(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& grad_output,
                                     AttentionGrads& grads, const LinearAttentionOptions& options = {});
 

@@ -498,21 +498,6 @@ Built build(const char* who, const Tensor& q, const Tensor& k, const Tensor& v, 
   return built;
 }
 
-// A result tensor: allocated when undefined, else checked (shape, contiguous, not an input's storage).
-void prepare(const char* who, Tensor& t, const char* name, const Shape& shape,
-             std::initializer_list<const Tensor*> inputs) {
-  if (!t.defined()) {
-    t = Tensor::empty(shape);
-    return;
-  }
-  if (t.shape() != shape)
-    throw Error(std::string(who) + name + " is " + t.shape().str() + " but should be " + shape.str());
-  if (!t.is_contiguous()) throw Error(std::string(who) + name + " " + t.shape().str() + " is not contiguous");
-  for (const Tensor* input : inputs)
-    if (input->defined() && t.shares_storage_with(*input))
-      throw Error(std::string(who) + name + " shares storage with an input");
-}
-
 // Arithmetic of one (batch, head) pass, for the threading threshold.
 double head_flops(const linear::Problem& p) {
   const double d = static_cast<double>(p.head_dim), dv = static_cast<double>(p.value_dim);
@@ -562,7 +547,7 @@ void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Te
                            const LinearAttentionOptions& options) {
   const char* who = "linear_attention: ";
   detail::Built built = detail::build(who, q, k, v, options);
-  detail::prepare(who, output, "output", built.attention.output_shape, {&q, &k, &v});
+  detail::prepare_result(who, output, "output", built.attention.output_shape, {&q, &k, &v}, false);
   detail::linear::Problem& p = built.problem;
   p.output = detail::rows_of<float>(output);
   detail::run_items(p, p.batch * p.q_heads, detail::head_flops(p), [&](int64_t item, float* scratch) {
@@ -586,9 +571,9 @@ void linear_attention_backward_into(const Tensor& q, const Tensor& k, const Tens
     throw Error(std::string(who) + "grad_output is " + grad_output.shape().str() + " but should be " +
                 built.attention.output_shape.str() + " (the forward's output)");
   const auto inputs = {&q, &k, &v, &grad_output};
-  detail::prepare(who, grads.dq, "grads.dq", q.shape(), inputs);
-  detail::prepare(who, grads.dk, "grads.dk", k.shape(), inputs);
-  detail::prepare(who, grads.dv, "grads.dv", v.shape(), inputs);
+  detail::prepare_result(who, grads.dq, "grads.dq", q.shape(), inputs, false);
+  detail::prepare_result(who, grads.dk, "grads.dk", k.shape(), inputs, false);
+  detail::prepare_result(who, grads.dv, "grads.dv", v.shape(), inputs, false);
   grads.dsinks = Tensor();
   detail::linear::Problem& p = built.problem;
   const Tensor packed_grad_output = grad_output.contiguous();
