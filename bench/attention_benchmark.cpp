@@ -69,6 +69,19 @@ void BM_AttentionBackward(benchmark::State& state, const Workload* w, qkv::Backe
   state.counters["GFLOP/s"] = flops_rate(qkv::bench::backward_flops(*w));
 }
 
+void BM_Linear(benchmark::State& state, const Workload* w) {
+  const qkv::bench::AttentionInputs in = qkv::bench::make_attention_inputs(*w);
+  const qkv::LinearAttentionOptions options = qkv::bench::make_linear_options(*w);
+  qkv::Tensor output;
+  qkv::linear_attention_into(in.q, in.k, in.v, output, options);  // warm-up: allocates the output
+  for (auto _ : state) {
+    qkv::linear_attention_into(in.q, in.k, in.v, output, options);
+    benchmark::DoNotOptimize(output.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
+}
+
 void BM_Module(benchmark::State& state, const Workload* w) {
   const qkv::bench::ModuleInputs in = qkv::bench::make_module_inputs(*w);
   (void)in.layer.forward(in.x);  // warm-up
@@ -112,7 +125,14 @@ void register_benchmarks() {
           ->UseRealTime();
       continue;
     }
+    if (w.is_linear()) {
+      benchmark::RegisterBenchmark(("BM_Linear/" + id).c_str(), BM_Linear, &w)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      continue;
+    }
     for (const qkv::Backend backend : {qkv::Backend::Auto, qkv::Backend::Reference}) {
+      if (backend == qkv::Backend::Reference && !w.has_reference) continue;
       const std::string name = "BM_Attention/" + id + "/" + std::string(qkv::to_string(backend));
       benchmark::RegisterBenchmark(name.c_str(), BM_Attention, &w, backend)
           ->Unit(benchmark::kMillisecond)

@@ -13,11 +13,17 @@
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
 //   W4       B=1 H=32 d=128, 1 query vs 8192 keys        decode (reported in GB/s of K and V)
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
+//   W7       B=1 H=8 N=16384 d=64, causal linear attention (qkv::linear_attention, elu+1)
+//   W7-flash W7's shape and causal mask, softmax attention (Auto = flash; no Reference row: its
+//            N x N scores would be 8 GiB): the target is W7 >= 20 x faster; `qkv bench`
+//            also fits W7's time slope from N = 4096 to 65536 (target <= 1.1)
 //
 // Attention FLOPs = 4 * B * Hq * Nq * Nk * d (Q K^T and P V, a multiply-add each), half of it
 // for causal. W1 and W2 are also timed backward (scaled_dot_product_attention_backward, rows
 // "W1-bwd", "W2-bwd"), counted as 2.5 x the forward FLOPs (the FlashAttention-2 convention: five
-// matrix products instead of two, the recomputed Q K^T included). Header-only, public API alone.
+// matrix products instead of two, the recomputed Q K^T included). Linear attention's FLOPs are
+// its two N x d x d products, 4 * B * Hq * N * d * Dv, whatever the mask (the causal form's
+// intra-chunk block is extra work, not counted). Header-only, public API alone.
 #pragma once
 
 #include <array>
@@ -33,6 +39,7 @@ namespace qkv::bench {
 enum class WorkloadKind {
   Attention,  // one scaled_dot_product_attention call
   Module,     // one nn::MultiHeadAttention forward (projections + attention)
+  Linear,     // one linear_attention call (causal when `causal`)
 };
 
 // The score modifier an attention workload turns on (AttentionOptions), if any.
@@ -58,15 +65,18 @@ struct Workload {
   bool decode;       // few queries against a long cache: memory-bound, reported in GB/s
   bool backward = false;  // also timed backward (scaled_dot_product_attention_backward)
   Modifier modifier = Modifier::None;
+  bool has_reference = true;  // false: no Reference row (its N x N scores would not fit)
 
   // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
   int64_t embed_dim() const { return q_heads * head_dim; }
   bool is_module() const { return kind == WorkloadKind::Module; }
+  bool is_linear() const { return kind == WorkloadKind::Linear; }
 };
 
 // W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
 // W1-<modifier> rows follow W1 for the same reason.
-inline constexpr std::array<Workload, 10> kWorkloads = {{
+// W7-flash follows W7 for the same reason.
+inline constexpr std::array<Workload, 12> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -78,6 +88,10 @@ inline constexpr std::array<Workload, 10> kWorkloads = {{
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
     {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
+    {"W7", "linear attention, causal", WorkloadKind::Linear, 1, 8, 8, 16384, 16384, 64, true, false, false,
+     Modifier::None, false},
+    {"W7-flash", "W7's shape, softmax", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false,
+     Modifier::None, false},
 }};
 
 // A workload by id ("W2", case-insensitive), or nullptr.
@@ -109,6 +123,9 @@ inline std::string shape_string(const Workload& w) {
 // include/qkv/analysis.hpp). The modifiers' few operations per score are not counted. Module:
 // the four projections (2 B N E^2 each) plus its attention.
 inline double forward_flops(const Workload& w) {
+  if (w.is_linear())
+    return 4.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_heads) * static_cast<double>(w.q_len) *
+           static_cast<double>(w.head_dim) * static_cast<double>(w.head_dim);
   const double attention = analysis::forward_flops(
       {w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim, w.head_dim, w.causal});
   if (!w.is_module()) return attention;
@@ -138,6 +155,12 @@ inline AttentionInputs make_attention_inputs(const Workload& w) {
   return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1),
           Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2),
           Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3)};
+}
+
+inline LinearAttentionOptions make_linear_options(const Workload& w) {
+  LinearAttentionOptions options;
+  options.causal = w.causal;
+  return options;
 }
 
 inline AttentionOptions make_attention_options(const Workload& w, Backend backend) {

@@ -72,6 +72,9 @@ cli_test(cli_memory_bad_dtype ARGS "memory|--dtype|f8" FAIL EXPECT "unknown --dt
 # qkv scaling: three tiny sizes, one timed call each.
 cli_test(cli_scaling ARGS "scaling|--min-seq|64|--max-seq|256|--heads|2|--head-dim|16|--repeats|1|-o|${cli_out}/scaling.svg"
   FILE ${cli_out}/scaling.svg KIND svg EXPECT "log-log slopes.*scratch reference 2.00")
+# --linear: linear attention's row and slope beside flash.
+cli_test(cli_scaling_linear ARGS "scaling|--min-seq|64|--max-seq|256|--heads|2|--head-dim|16|--repeats|1|--linear|-o|${cli_out}/scaling_linear.svg"
+  FILE ${cli_out}/scaling_linear.svg KIND svg EXPECT "linear attention.*log-log time slope: linear [0-9.]+")
 cli_test(cli_scaling_budget ARGS "scaling|--min-seq|64|--max-seq|256|--max-mem|1K" FAIL
   EXPECT "stopped before N = 64: it would need about .* over the 1 KiB budget")
 cli_test(cli_scaling_bad_range ARGS "scaling|--min-seq|512|--max-seq|256" FAIL EXPECT "--max-seq \\(256\\) must be at least --min-seq \\(512\\)")

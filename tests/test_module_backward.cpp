@@ -333,6 +333,51 @@ TEST(MultiHeadAttentionBackward, ReplacedProjectionLeavesTheFusedPath) {
   EXPECT_NE(mha.forward(x).output.to_vector(), separate);
 }
 
+// AttentionKind::Linear: the heads run linear_attention (causal, GQA, cross with Nq != Nk), the
+// fused self-attention path and the separate projections. elu+1 only: relu's kink at 0 is within
+// this file's step (1e-2) of some projection, which breaks the finite differences, not the
+// backward (relu is checked with a 1e-6 step in float64 in test_linear_attention.cpp).
+TEST(MultiHeadAttentionBackward, LinearAttentionKind) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  using qkv::nn::AttentionKind;
+  qkv::nn::MultiHeadAttention self(8, 2, {.causal = true, .seed = rng.next_u64(), .attention = AttentionKind::Linear});
+  randomise(self.parameters(), rng);
+  const Tensor x = rng.randn({2, 5, 8}), r = rng.randn({2, 5, 8});
+  const auto self_loss = [&] { return dot(self.forward(x).output, r); };
+  self.zero_grad();
+  (void)self.forward(x);
+  expect_gradient("MHA linear self causal x", x, self.backward(r), self_loss);
+  expect_parameter_gradients("MHA linear self causal", self.parameters(), self_loss);
+
+  qkv::nn::MultiHeadAttention cross(8, 4, {.num_kv_heads = 2, .kdim = 5, .vdim = 3, .seed = rng.next_u64(),
+                                           .attention = AttentionKind::Linear});
+  randomise(cross.parameters(), rng);
+  const Tensor query = rng.randn({2, 3, 8}), key = rng.randn({2, 7, 5}), value = rng.randn({2, 7, 3});
+  const auto cross_loss = [&] { return dot(cross.forward(query, key, value).output, r.narrow(1, 0, 3)); };
+  cross.zero_grad();
+  (void)cross.forward(query, key, value);
+  const qkv::nn::MultiHeadAttentionGrads grads = cross.backward_cross(r.narrow(1, 0, 3).contiguous());
+  expect_gradient("MHA linear cross query", query, grads.query, cross_loss);
+  expect_gradient("MHA linear cross key", key, grads.key, cross_loss);
+  expect_gradient("MHA linear cross value", value, grads.value, cross_loss);
+  expect_parameter_gradients("MHA linear cross", cross.parameters(), cross_loss);
+
+  // Its forward is linear_attention over the projections' heads.
+  self.eval();
+  const Tensor q = self.q_proj.apply(x).reshape({2, 5, 2, 4}).transpose(1, 2);
+  const Tensor k = self.k_proj.apply(x).reshape({2, 5, 2, 4}).transpose(1, 2);
+  const Tensor v = self.v_proj.apply(x).reshape({2, 5, 2, 4}).transpose(1, 2);
+  qkv::LinearAttentionOptions options;
+  options.causal = true;
+  const Tensor heads = qkv::linear_attention(q, k, v, options).transpose(1, 2).contiguous().reshape({2, 5, 8});
+  EXPECT_EQ(self.forward(x).output.to_vector(), self.out_proj.apply(heads).to_vector());
+  // What only softmax attention has is refused with a reason.
+  EXPECT_THROW(self.forward(x, Mask::key_lengths({5, 3})), qkv::Error);
+  EXPECT_THROW(self.forward(x, {}, qkv::nn::Weights::PerHead), qkv::Error);
+  EXPECT_THROW(qkv::nn::MultiHeadAttention(8, 2, {.dropout = 0.1f, .attention = AttentionKind::Linear}), qkv::Error);
+}
+
 TEST(MultiHeadAttentionBackward, Errors) {
   qkv::nn::MultiHeadAttention mha(4, 2, {.seed = 1});
   EXPECT_THAT([&] { (void)mha.backward(Tensor::zeros({1, 2, 4})); },

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/linear_attention.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/tensor.hpp"
 
@@ -73,6 +74,11 @@ enum class Weights {
   Averaged,  // (B, Nq, Nk), the mean over heads (torch's average_attn_weights=True)
 };
 
+// What each head computes: softmax attention (scaled_dot_product_attention), or linear attention
+// (linear_attention: O(N), no weights; with linear, the only mask is the causal option, and
+// dropout, softcap, alibi and sinks must stay off).
+enum class AttentionKind { Softmax, Linear };
+
 struct MultiHeadAttentionOptions {
   int64_t num_kv_heads = 0;  // 0: num_heads. Fewer gives grouped-query attention.
   int64_t kdim = 0;          // features of the key input; 0: embed_dim
@@ -84,6 +90,8 @@ struct MultiHeadAttentionOptions {
   bool alibi = false;        // ALiBi: head h's scores get -2^(-8 (h + 1) / num_heads) * distance
   bool sinks = false;        // a learned attention-sink logit per head (parameter `sinks`, zeros at first)
   std::optional<uint64_t> seed;  // initial weights and dropout decisions; none: see manual_seed
+  AttentionKind attention = AttentionKind::Softmax;
+  FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's phi
 };
 
 struct MultiHeadAttentionOutput {
@@ -186,6 +194,7 @@ class MultiHeadAttention {
 
   bool fused() const;  // in_proj_ exists and q_proj, k_proj, v_proj still view its row blocks
   // Steps 3-5 of forward: attend over the (B, H, N, hd) head views, concatenate, project.
+  LinearAttentionOptions linear_options() const;  // for AttentionKind::Linear
   MultiHeadAttentionOutput attend(const Tensor& q, const Tensor& k, const Tensor& v, const Mask& mask,
                                   Weights weights, bool unbatched, bool fused) const;
   // Steps 5-3 of backward: the gradients of the projections' outputs, as the projections wrote

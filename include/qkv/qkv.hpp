@@ -4,6 +4,7 @@
 #include "qkv/analysis.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
+#include "qkv/linear_attention.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/memory.hpp"
 #include "qkv/nn.hpp"

@@ -53,6 +53,9 @@ struct ModelConfig {
   int64_t d_model = 64;
   int64_t num_heads = 4;
   int64_t num_layers = 2;
+  // Softmax, or Linear (linear_attention, elu+1, causal): such a model has no head weights to
+  // draw, and the .qkv format has no field for it yet, so save() refuses it.
+  nn::AttentionKind attention = nn::AttentionKind::Softmax;
 };
 
 class AttentionModel {

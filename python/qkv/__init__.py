@@ -8,6 +8,9 @@ The functions here follow PyTorch's conventions so that code moves between the t
   MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True)
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
                                                only when torch is installed)
+  linear_attention(q, k, v, ...)               linear attention (Katharopoulos et al. 2020), O(N);
+                                               its backward: linear_attention_backward; on torch
+                                               tensors: qkv.torch.linear_attention
 
 Inputs are numpy arrays (or anything np.asarray accepts, torch tensors included). dtypes follow
 PyTorch: query, key, value (and gradients, parameters) must be float32; float64 (and float16) is
@@ -35,7 +38,8 @@ for _name in ("Backend", "Error", "Mask"):
 
 __all__ = [
     "Backend", "Error", "Mask", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
-    "dropout_keeps", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "dropout_keeps", "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
 ]
 
 _BACKENDS = {"auto": Backend.Auto, "reference": Backend.Reference, "flash": Backend.Flash,
@@ -219,6 +223,41 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
         None if scale is None else float(scale), float(dropout_p), int(seed), _backend(backend), float(softcap),
         _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
+
+
+def _linear_args(query, key, value, enable_gqa, allow_cast, who):
+    query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
+                         _as_float32(value, "value", allow_cast))
+    if not enable_gqa and query.ndim == 4 and key.ndim == 4 and query.shape[1] != key.shape[1]:
+        raise Error(f"{who}: query has {query.shape[1]} heads but key has {key.shape[1]}: pass enable_gqa=True "
+                    "for grouped-query attention")
+    return query, key, value
+
+
+def linear_attention(query, key, value, feature_map="elu+1", is_causal=False, eps=1e-6, causal_offset=0,
+                     enable_gqa=False, allow_cast=False):
+    """Linear attention (Katharopoulos et al. 2020), O(N) in the sequence length:
+
+        out_i = sum_j phi(q_i).phi(k_j) v_j / (sum_j phi(q_i).phi(k_j) + eps)
+
+    over every key j, or j <= i + causal_offset when is_causal (the rule of qkv.Mask.causal: with
+    the default 0, query i sees keys 0..i). No scale. feature_map: "elu+1" (phi(x) = elu(x) + 1,
+    the paper's) or "relu". Shapes, GQA and allow_cast as scaled_dot_product_attention; returns
+    the float32 output, shaped as query's leading dims + (Nq, Dv).
+    """
+    query, key, value = _linear_args(query, key, value, enable_gqa, allow_cast, "linear_attention")
+    return _core.linear_attention(query, key, value, str(feature_map), bool(is_causal), float(eps),
+                                  int(causal_offset))
+
+
+def linear_attention_backward(grad_output, query, key, value, feature_map="elu+1", is_causal=False, eps=1e-6,
+                              causal_offset=0, enable_gqa=False, allow_cast=False):
+    """Gradients (dq, dk, dv) of linear_attention with the same arguments (the forward is
+    recomputed; nothing of it is needed). With GQA, dk and dv sum over the heads sharing them."""
+    query, key, value = _linear_args(query, key, value, enable_gqa, allow_cast, "linear_attention_backward")
+    grad_output = _as_float32(grad_output, "grad_output", allow_cast)
+    return _core.linear_attention_backward(query, key, value, grad_output, str(feature_map), bool(is_causal),
+                                           float(eps), int(causal_offset))
 
 
 def create_causal_mask(n):

@@ -20,7 +20,7 @@ import torch
 
 from . import Backend, Error, _check_gqa, _core, _mask_from, _per_head
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["linear_attention", "scaled_dot_product_attention"]
 
 
 def _check_tensor(t, name):
@@ -86,3 +86,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return ScaledDotProductAttention.apply(query, key, value, sinks, mask, None if scale is None else float(scale),
                                            float(dropout_p), int(seed), float(softcap),
                                            _per_head(alibi_slopes, "alibi_slopes"))
+
+
+class LinearAttention(torch.autograd.Function):
+    """qkv::linear_attention and its backward (which recomputes the forward: only q, k, v are kept)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, feature_map, causal, eps, causal_offset):
+        output = _core.linear_attention(_numpy(query), _numpy(key), _numpy(value), feature_map, causal, eps,
+                                        causal_offset)
+        ctx.save_for_backward(query, key, value)
+        ctx.options = (feature_map, causal, eps, causal_offset)
+        return torch.from_numpy(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value = ctx.saved_tensors
+        grad_output = grad_output.detach().to(torch.float32).contiguous()
+        grads = _core.linear_attention_backward(_numpy(query), _numpy(key), _numpy(value), grad_output.numpy(),
+                                                *ctx.options)
+        return (*(torch.from_numpy(g) if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])),
+                None, None, None, None)
+
+
+def linear_attention(query, key, value, feature_map="elu+1", is_causal=False, eps=1e-6, causal_offset=0,
+                     enable_gqa=False):
+    """qkv.linear_attention on CPU float32 torch tensors, differentiable in query, key and value."""
+    for t, name in ((query, "query"), (key, "key"), (value, "value")):
+        _check_tensor(t, name)
+    if not enable_gqa and query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1]:
+        raise Error(f"linear_attention: query has {query.shape[1]} heads but key has {key.shape[1]}: "
+                    "pass enable_gqa=True for grouped-query attention")
+    return LinearAttention.apply(query, key, value, str(feature_map), bool(is_causal), float(eps), int(causal_offset))

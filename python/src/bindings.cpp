@@ -157,6 +157,43 @@ py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q,
   return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv), to_numpy(grads.dsinks));
 }
 
+// ---- linear attention (qkv/linear_attention.hpp)
+
+qkv::LinearAttentionOptions linear_options(const std::string& feature_map, bool causal, float eps,
+                                           int64_t causal_offset) {
+  qkv::LinearAttentionOptions options;
+  options.feature_map = qkv::feature_map_from_string(feature_map);
+  options.causal = causal;
+  options.eps = eps;
+  options.causal_offset = causal_offset;
+  return options;
+}
+
+py::object linear_attention(const FloatArray& q, const FloatArray& k, const FloatArray& v,
+                            const std::string& feature_map, bool causal, float eps, int64_t causal_offset) {
+  const qkv::LinearAttentionOptions options = linear_options(feature_map, causal, eps, causal_offset);
+  const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
+  qkv::Tensor output;
+  {
+    py::gil_scoped_release release;
+    output = qkv::linear_attention(qt, kt, vt, options);
+  }
+  return to_numpy(output);
+}
+
+py::tuple linear_attention_backward(const FloatArray& q, const FloatArray& k, const FloatArray& v,
+                                    const FloatArray& grad_output, const std::string& feature_map, bool causal,
+                                    float eps, int64_t causal_offset) {
+  const qkv::LinearAttentionOptions options = linear_options(feature_map, causal, eps, causal_offset);
+  const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v), gt = to_tensor(grad_output);
+  qkv::AttentionGrads grads;
+  {
+    py::gil_scoped_release release;
+    grads = qkv::linear_attention_backward(qt, kt, vt, gt, options);
+  }
+  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv));
+}
+
 // ---- nn::MultiHeadAttention
 
 qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
@@ -277,6 +314,11 @@ Combine with `&`: a key is visible only where every part allows it.
         py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("backend"), py::arg("softcap") = 0.0f,
         py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
         "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None).");
+  m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("feature_map"),
+        py::arg("causal"), py::arg("eps"), py::arg("causal_offset"), "qkv::linear_attention.");
+  m.def("linear_attention_backward", &linear_attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("grad_output"), py::arg("feature_map"), py::arg("causal"), py::arg("eps"), py::arg("causal_offset"),
+        "qkv::linear_attention_backward: returns (dq, dk, dv).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
         [](const std::vector<int64_t>& lengths, int64_t max_len) {

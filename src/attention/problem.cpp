@@ -342,3 +342,10 @@ void sink_gradients(const AttentionBackwardProblem& bp) {
 }
 
 }  // namespace qkv::detail
+
+namespace qkv::detail {
+void prepare_result(const char* who, Tensor& t, const char* name, const Shape& shape,
+                    std::initializer_list<const Tensor*> inputs, bool packed) {
+  prepare_output(who, t, name, shape, inputs, packed);
+}
+}  // namespace qkv::detail

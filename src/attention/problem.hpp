@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -148,5 +149,11 @@ Rows<T> rows_of(const Tensor& t);
 // scale and D = dO . O: the sink is a logit with no value, so dP_sink = 0 and dS_sink = -P_sink D.
 // Every backward kernel shares it; it reads only O, dO and the row stats (O(B Hq Nq Dv)).
 void sink_gradients(const AttentionBackwardProblem& problem);
+
+// A caller-provided result tensor (problem.cpp's check, shared with linear_attention.cpp):
+// allocated when undefined, else checked to have `shape`, be contiguous (packed) or have a
+// contiguous last dim and no overlapping elements, and share no storage with the inputs.
+void prepare_result(const char* who, Tensor& t, const char* name, const Shape& shape,
+                    std::initializer_list<const Tensor*> inputs, bool packed);
 
 }  // namespace qkv::detail

@@ -37,6 +37,9 @@ MultiHeadAttentionOptions resolved(int64_t embed_dim, int64_t num_heads, MultiHe
     throw Error(std::string(kWho) + "dropout must be in [0, 1), got " + std::to_string(o.dropout));
   if (!(o.softcap >= 0 && std::isfinite(o.softcap)))
     throw Error(std::string(kWho) + "softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
+  if (o.attention == AttentionKind::Linear && (o.dropout > 0 || o.softcap > 0 || o.alibi || o.sinks))
+    throw Error(std::string(kWho) + "linear attention takes no dropout, softcap, alibi or sinks (they act on softmax "
+                "scores it never forms)");
   if (!o.seed) o.seed = detail::next_seed();
   return o;
 }
@@ -170,6 +173,13 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask
   return out;
 }
 
+LinearAttentionOptions MultiHeadAttention::linear_options() const {
+  LinearAttentionOptions linear;
+  linear.feature_map = options_.feature_map;
+  linear.causal = options_.causal;
+  return linear;
+}
+
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                                      const Mask& mask, Weights weights) const {
   // ---- check: batch-first (B, N, features) or unbatched (N, features), all three alike
@@ -220,7 +230,14 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   const Tensor concatenated = Tensor::empty({batch, q_len, num_heads_, hd});
   AttentionResult attended;
   attended.output = concatenated.transpose(1, 2);
-  scaled_dot_product_attention_into(q, k, v, attended, attention);
+  if (options_.attention == AttentionKind::Linear) {
+    if (!mask.is_none() || weights != Weights::None)
+      throw Error(std::string(kWho) + "linear attention takes no mask (only the causal option) and has no weights; got "
+                  "mask " + mask.str() + (weights != Weights::None ? " and a request for weights" : ""));
+    linear_attention_into(q, k, v, attended.output, linear_options());
+  } else {
+    scaled_dot_product_attention_into(q, k, v, attended, attention);
+  }
   // Training keeps what backward needs; eval() keeps nothing, so concurrent inference on one
   // module only reads it (include/qkv/nn.hpp).
   if (training_)
@@ -286,7 +303,11 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     projected = {dq.reshape({batch, q_len, embed_dim_}), dk.reshape({batch, kv_len, num_kv_heads_ * hd}),
                  dv.reshape({batch, kv_len, num_kv_heads_ * hd})};
   }
-  scaled_dot_product_attention_backward_into(d_attended, s.q, s.k, s.v, s.attended, d, s.attention);
+  if (options_.attention == AttentionKind::Linear) {
+    linear_attention_backward_into(s.q, s.k, s.v, d_attended, d, linear_options());
+  } else {
+    scaled_dot_product_attention_backward_into(d_attended, s.q, s.k, s.v, s.attended, d, s.attention);
+  }
   if (sinks_grad.defined() && d.dsinks.defined()) {
     float* total = sinks_grad.data();
     const Tensor dsinks = d.dsinks.contiguous();

@@ -71,7 +71,9 @@ AttentionModel::AttentionModel(const ModelConfig& config, uint64_t seed)
   for (int64_t l = 0; l < config.num_layers; ++l)
     layers.push_back({nn::LayerNorm(config.d_model),
                       nn::MultiHeadAttention(config.d_model, config.num_heads,
-                                             {.causal = true, .seed = module_seed(seed, 2 + static_cast<uint64_t>(l))})});
+                                             {.causal = true,
+                                              .seed = module_seed(seed, 2 + static_cast<uint64_t>(l)),
+                                              .attention = config.attention})});
 }
 
 Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, const Mask& mask,
@@ -290,6 +292,8 @@ int64_t parameter_floats(const ModelConfig& c) {
 }  // namespace
 
 void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint) const {
+  if (config_.attention != nn::AttentionKind::Softmax)
+    throw Error("AttentionModel::save: '" + path + "': the .qkv format has no field for linear attention yet");
   const int save_number = ++saves_started;
   const auto params = parameters();
   if (checkpoint) {

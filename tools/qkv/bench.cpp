@@ -8,8 +8,10 @@
 // W1 and W2 are also timed backward (rows "W1-bwd", "W2-bwd": scaled_dot_product_attention_backward,
 // Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
 // time the same call; FLOPs = 2.5 x forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
-// score modifier each (forward; the target: within 15% of W1's time).
-// and the rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
+// score modifier each (forward; the target: within 15% of W1's time). W7 is causal linear attention
+// (linear_attention) and W7-flash softmax attention on its shape (no Reference row); W7 also times
+// N = 4096 and 65536 for its scaling slope.
+// It reports rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
 // workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to ceilings
 // measured in the same run, so a loaded or slower machine shifts both sides alike:
 //   FMA peak  independent FMA chains on the widest vector, on every thread used (fma_peak.cpp)
@@ -427,6 +429,38 @@ Row measure_backward(const Workload& w, const bench::AttentionInputs& in, Backen
           t.min_ms, t.peak_extra_mib, std::nullopt};
 }
 
+// linear_attention: a fresh output on the first call, then into the same output.
+Row measure_linear(const Workload& w, const bench::AttentionInputs& in, int runs, Progress& progress) {
+  const LinearAttentionOptions options = bench::make_linear_options(w);
+  Tensor reused;
+  const Timings t = measure([&] { (void)linear_attention(in.q, in.k, in.v, options); },
+                            [&] { linear_attention_into(in.q, in.k, in.v, reused, options); }, runs, nullptr, w.id,
+                            "Auto", progress);
+  return {&w, false, "Auto", "Linear", t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
+}
+
+// The log-log slope of a linear workload's time from N = 4096 to 65536 (its shape otherwise),
+// each the median of a few calls after a warm-up.
+double linear_slope(const Workload& w, Progress& progress) {
+  double ms[2];
+  const int64_t lengths[2] = {4096, 65536};
+  for (int n = 0; n < 2; ++n) {
+    Workload sized = w;
+    sized.q_len = sized.kv_len = lengths[n];
+    const bench::AttentionInputs in = bench::make_attention_inputs(sized);
+    const LinearAttentionOptions options = bench::make_linear_options(sized);
+    Tensor out;
+    linear_attention_into(in.q, in.k, in.v, out, options);
+    std::vector<double> times;
+    for (int run = 1; run <= 5; ++run) {
+      progress.show(w.id, fmt::format("N={}", lengths[n]), "run", run, 5);
+      times.push_back(time_ms([&] { linear_attention_into(in.q, in.k, in.v, out, options); }));
+    }
+    ms[n] = median(times);
+  }
+  return std::log(ms[1] / ms[0]) / std::log(static_cast<double>(lengths[1]) / static_cast<double>(lengths[0]));
+}
+
 // The module allocates its outputs on every forward: both phases call the same forward.
 Row measure_module(const Workload& w, int runs, Progress& progress) {
   const bench::ModuleInputs in = bench::make_module_inputs(w);
@@ -446,6 +480,7 @@ struct Environment {
   std::string openblas_config;
   DecodeProbe decode;
   FmaPeak fma;
+  std::optional<double> linear_slope;  // W7's time slope, N = 4096 .. 65536, when W7 ran
   Baselines start, end;  // the baselines before and after the workloads
   std::vector<GemmRow> gemm;
   std::vector<std::string> warnings;
@@ -512,6 +547,13 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
         out.push_back({fmt::format("{} vs W1", id), fmt::format("{} ms / W1 ms", id), row->median_ms / plain->median_ms,
                        1.15, false});
   }
+  const Row* linear = find_row(rows, "W7", "Auto");
+  const Row* softmax = find_row(rows, "W7-flash", "Auto");
+  if (linear && softmax)
+    out.push_back({"W7 linear vs causal flash", "W7-flash ms / W7 ms", softmax->median_ms / linear->median_ms, 20,
+                   true});
+  if (env.linear_slope)
+    out.push_back({"W7 linear scaling, N = 4096..65536", "log-log time slope", *env.linear_slope, 1.1, false});
   const Row* causal = find_row(rows, "W2", "Auto");
   const Row* full = find_row(rows, "W2-full", "Auto");
   if (causal && full)
@@ -679,7 +721,7 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3, 4, 9 and 15), from this run:\n");
+    fmt::print("\nTargets (issues 3, 4, 9, 10 and 15), from this run:\n");
     for (const Target& target : measured) {
       fmt::print("  {:<42} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
@@ -698,7 +740,8 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
       const Workload* named = bench::find_workload(id);
       // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
-               (named && named->id == "W1" && w.modifier != bench::Modifier::None);
+               (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
+               (named && named->id == "W7" && w.id == "W7-flash");
     }
     if (wanted) selected.push_back(&w);
   }
@@ -755,8 +798,17 @@ void run_bench(const BenchOptions& options) {
       continue;
     }
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
+    if (w->is_linear()) {
+      rows.push_back(measure_linear(*w, inputs, options.runs, progress));
+      env.linear_slope = linear_slope(*w, progress);
+      continue;
+    }
     progress.show(w->id, "Auto", "which kernel");
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
+    if (!w->has_reference) {
+      rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
+      continue;
+    }
     add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
       return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
     });
@@ -783,7 +835,7 @@ void add_bench_command(CLI::App& app) {
   auto options = std::make_shared<BenchOptions>();
   CLI::App* bench = app.add_subcommand(
       "bench",
-      "Time the standard workloads W0-W5 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
+      "Time the standard workloads W0-W7 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
   bench->add_flag("--json", options->json, "Print JSON Lines (one object per row) instead of the table");
   bench->add_option("--threads", options->threads, "Threads for OpenMP and OpenBLAS (default: as set up)")
       ->check(CLI::PositiveNumber);

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@ struct ScalingOptions {
   int repeats = 5;
   std::string max_mem;  // empty: half the machine's RAM
   std::string output = "scaling.png";
+  bool linear = false;  // also linear attention (qkv::linear_attention, elu+1, no mask)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -94,6 +96,7 @@ struct Row {
   int64_t n = 0;
   int64_t output_bytes = 0;  // the output and log-sum-exp both kernels write
   Measurement reference, flash;
+  Measurement linear;  // with --linear
 };
 
 double flops(const ScalingOptions& o, int64_t n) {
@@ -116,21 +119,19 @@ void end_progress() {
   if (stderr_is_terminal()) fmt::print(stderr, "\r\033[K");
 }
 
-Measurement measure(const Tensor& q, const Tensor& k, const Tensor& v, Backend backend, int repeats,
-                    const std::string& label, AttentionResult& result) {
+// `call` writes into an output it keeps (allocated by its first call).
+Measurement measure_calls(const std::function<void()>& call, int repeats, const std::string& label) {
   using Clock = std::chrono::steady_clock;
-  AttentionOptions options;
-  options.backend = backend;
   Measurement m;
   progress(fmt::format("{} ...", label), true);
 
   // Scratch: a call into a ready output from fresh workspaces allocates only what the kernel
   // needs beyond its inputs and output. (The first call, allocating the output, warms up.)
-  scaled_dot_product_attention_into(q, k, v, result, options);
+  call();
   release_workspaces();
   const int64_t before = memory_stats().current_bytes;
   reset_peak_memory();
-  scaled_dot_product_attention_into(q, k, v, result, options);
+  call();
   m.extra_bytes = memory_stats().peak_bytes - before;
 
   // Time: repeated calls into the same output, the median.
@@ -138,7 +139,7 @@ Measurement measure(const Tensor& q, const Tensor& k, const Tensor& v, Backend b
   for (int r = 0; r < repeats; ++r) {
     progress(fmt::format("{} run {}/{}", label, r + 1, repeats), false);
     const auto start = Clock::now();
-    scaled_dot_product_attention_into(q, k, v, result, options);
+    call();
     times_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     // A slow size gets 3 runs, enough for a median, instead of minutes more.
     if (r + 1 >= 3 && times_ms.front() > 2000) break;
@@ -147,6 +148,13 @@ Measurement measure(const Tensor& q, const Tensor& k, const Tensor& v, Backend b
   m.median_ms = times_ms[times_ms.size() / 2];
   release_workspaces();
   return m;
+}
+
+Measurement measure(const Tensor& q, const Tensor& k, const Tensor& v, Backend backend, int repeats,
+                    const std::string& label, AttentionResult& result) {
+  AttentionOptions options;
+  options.backend = backend;
+  return measure_calls([&] { scaled_dot_product_attention_into(q, k, v, result, options); }, repeats, label);
 }
 
 void check_options(const ScalingOptions& o) {
@@ -200,6 +208,10 @@ void run_scaling(const ScalingOptions& o) {
     row.reference = measure(q, k, v, Backend::Reference, o.repeats, fmt::format("N = {}: reference", n), result);
     row.flash = measure(q, k, v, Backend::Flash, o.repeats, fmt::format("N = {}: flash", n), result);
     row.output_bytes = static_cast<int64_t>(sizeof(float)) * (result.output.numel() + result.lse.numel());
+    Tensor linear_output;
+    if (o.linear)
+      row.linear = measure_calls([&] { linear_attention_into(q, k, v, linear_output); }, o.repeats,
+                                 fmt::format("N = {}: linear", n));
     rows.push_back(row);
     if (n > o.max_seq / 2) break;  // the next doubling would pass --max-seq (and could overflow)
   }
@@ -230,6 +242,24 @@ void run_scaling(const ScalingOptions& o) {
              slope_text(flash_mem.slope));
   fmt::print("expected: time ~2 for both (N^2 work either way); scratch 2 for reference (an N x N score\n"
              "matrix), ~0 for flash (fixed-size tiles); the output both write grows as N (slope 1)\n");
+  std::vector<double> linear_ms, linear_mib;
+  for (const Row& r : rows) {
+    linear_ms.push_back(r.linear.median_ms);
+    linear_mib.push_back(static_cast<double>(r.linear.extra_bytes) / (1024.0 * 1024.0));
+  }
+  const PowerLawFit linear_time = fit_power_law(ns, linear_ms);
+  if (o.linear) {
+    fmt::print("\nlinear attention (qkv::linear_attention, elu+1, no mask):\n{:>6}  {:>10} {:>17} {:>15}\n", "N",
+               "linear ms", "flash / linear", "linear scratch");
+    for (const Row& r : rows)
+      fmt::print("{:>6}  {:>10.2f} {:>16.1f}x {:>15}\n", r.n, r.linear.median_ms, r.flash.median_ms / r.linear.median_ms,
+                 human_bytes(static_cast<double>(r.linear.extra_bytes)));
+    const Row* crossover = nullptr;
+    for (const Row& r : rows)
+      if (!crossover && r.linear.median_ms < r.flash.median_ms) crossover = &r;
+    fmt::print("log-log time slope: linear {} (expected ~1: O(N d^2)); linear is faster than flash from N = {}\n",
+               slope_text(linear_time.slope), crossover ? std::to_string(crossover->n) : "(not in this range)");
+  }
   if (rows.size() < 3) fmt::print("(fewer than 3 sizes: the slopes are rough; raise --max-seq)\n");
   if (!stopped.empty()) fmt::print("{}\n", stopped);
 
@@ -252,6 +282,9 @@ void run_scaling(const ScalingOptions& o) {
   plot::LinePlot time_plot{"Time per call", "sequence length N", "milliseconds", {}, true};
   time_plot.series.push_back({fmt::format("reference (slope {})", slope_text(ref_time.slope)), plot::kReferenceColour, ns, ref_ms});
   time_plot.series.push_back({fmt::format("flash (slope {})", slope_text(flash_time.slope)), plot::kFlashColour, ns, flash_ms});
+  if (o.linear)
+    time_plot.series.push_back({fmt::format("linear (slope {})", slope_text(linear_time.slope)), {0.2, 0.6, 0.3}, ns,
+                                linear_ms});
   time_plot.series.push_back(guide(ref_ms, 2, grey, "\u221d N\u00b2 (slope 2)"));
   plot::LinePlot memory_plot{"Scratch memory per call", "sequence length N", "MiB", {}, true};
   memory_plot.series.push_back({fmt::format("reference scratch (slope {})", slope_text(ref_mem.slope)), plot::kReferenceColour, ns, ref_mib});
@@ -275,6 +308,8 @@ void add_scaling_command(CLI::App& app) {
   scaling->add_option("--head-dim", options->head_dim, "Features per head")->capture_default_str();
   scaling->add_option("--repeats", options->repeats, "Timed calls per point (the median is reported)")->capture_default_str();
   scaling->add_option("--max-mem", options->max_mem, "Memory budget, e.g. 8G or 512M (default: half the RAM)");
+  scaling->add_flag("--linear", options->linear,
+                    "Also time linear attention (qkv::linear_attention, O(N)): its slope and where it overtakes flash");
   scaling->add_option("-o,--output", options->output, "The plot to write: .png, .svg or .pdf")->capture_default_str();
   scaling->callback([options] { run_scaling(*options); });
 }

@@ -36,6 +36,7 @@ struct TrainCommandOptions {
   int64_t warmup = 100;
   int64_t symbols = 16, pairs = 8, length = 8;
   int64_t d_model = 64, heads = 4, layers = 2;
+  std::string attention = "softmax";  // or "linear"
   int64_t eval_sequences = 2000;
   int64_t eval_every = 0;  // 0: ten times over the run
   // One thread: at this model's size (B=64, H=4, N=17, head dim 16) the kernels' thread fork/join
@@ -197,12 +198,17 @@ void run_train(const TrainCommandOptions& o) {
   options.seed = o.seed;
   options.adamw.lr = o.lr;
   options.warmup_steps = o.warmup;
+  const bool linear = o.attention == "linear";
+  if (linear && (!o.save.empty() || o.resume || o.checkpoint_every > 0 || !o.plot.empty()))
+    throw Error("--attention linear: --save, --resume, --checkpoint-every and --plot need softmax attention (the "
+                ".qkv format has no field for linear attention yet, and linear heads have no weights to draw)");
 
   const train::ModelConfig config{.vocab_size = train::vocab_size(options.task),
                                   .max_len = train::sequence_length(options.task),
                                   .d_model = o.d_model,
                                   .num_heads = o.heads,
-                                  .num_layers = o.layers};
+                                  .num_layers = o.layers,
+                                  .attention = linear ? nn::AttentionKind::Linear : nn::AttentionKind::Softmax};
   train::Checkpoint resumed;
   train::AttentionModel model = o.resume ? train::AttentionModel::load(o.checkpoint, &resumed)
                                          : train::AttentionModel(config, o.seed);
@@ -224,9 +230,9 @@ void run_train(const TrainCommandOptions& o) {
   std::signal(SIGINT, on_sigint);
   const int64_t eval_every = o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 10);
   constexpr int64_t kCurveSequences = 500;  // held-out sequences at each report (the final one uses --eval)
-  fmt::print("qkv train: task {}, {} steps of batch {}, seed {}; model d_model {}, {} heads, {} layers, {} parameters; "
+  fmt::print("qkv train: task {}, {} steps of batch {}, seed {}; model d_model {}, {} {} heads, {} layers, {} parameters; "
              "sequence length {}, vocabulary {}\n",
-             o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, o.layers, model.parameter_count(),
+             o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, o.attention, o.layers, model.parameter_count(),
              train::sequence_length(options.task), config.vocab_size);
   fmt::print("{:>8} {:>10} {:>10} {:>14} {:>9}\n", "step", "loss", "held-out", "accuracy", "seconds");
   std::fflush(stdout);  // Ctrl-C is handled from here on: say so at once, even into a pipe
@@ -261,7 +267,7 @@ void run_train(const TrainCommandOptions& o) {
              "(loss {:.4f}; chance {:.2f}%). Trained in {:.1f} s.\n",
              o.eval_sequences, 100 * final_eval.accuracy, 100 * final_eval.sequence_accuracy, final_eval.loss,
              100.0 / static_cast<double>(o.symbols), last_seconds);
-  draw_heads(model, options.task, held_out + 2, o.task, o.plot);
+  if (!linear) draw_heads(model, options.task, held_out + 2, o.task, o.plot);
   if (!o.save.empty()) {
     model.save(o.save);
     fmt::print("\nSaved the model to {}\n", o.save);
@@ -276,6 +282,10 @@ void add_train_command(CLI::App& app) {
       "train", "Train a small causal attention model on a task only attention can solve (copy, recall, reverse)");
   cmd->add_option("--task", options->task, "copy: a b c | a b c; reverse: a b c | c b a; recall: k1 v1 ... kP vP k -> v")
       ->check(CLI::IsMember({"copy", "recall", "reverse"}))
+      ->capture_default_str();
+  cmd->add_option("--attention", options->attention,
+                  "softmax, or linear: linear attention (elu+1 features, causal), O(N) per layer")
+      ->check(CLI::IsMember({"softmax", "linear"}))
       ->capture_default_str();
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--seed", options->seed, "Seed of the weights and of every batch")->capture_default_str();
