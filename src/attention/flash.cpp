@@ -172,7 +172,7 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   const int64_t kv_end = p.last_visible_key(b, i_last);
   for (int64_t j0 = kv_begin; j0 < kv_end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
-    const step::TileClass tile = step::ClassifyTile(p, b, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
+    const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
     if (tile == step::TileClass::Hidden) continue;
     FlashKeyTile(p, b, h, i0, rows, j0, cols, tile == step::TileClass::Full, w);
   }
