@@ -357,6 +357,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
                        1.15, false});
   }
   const Row* causal = find_row(rows, "W2", "Auto");
+  if (const Row* sparse = find_row(rows, "W6", "Auto"); sparse && causal)
+    out.push_back({"W6 sparse vs W2 dense causal", "W6 GFLOP/s (visible pairs) / W2 GFLOP/s", gflops(*sparse) / gflops(*causal),
+                   0.5, true});
   const Row* full = find_row(rows, "W2-full", "Auto");
   if (causal && full)
     out.push_back({"W2 causal vs unmasked", "W2 ms / W2-full ms", causal->median_ms / full->median_ms, 0.6, false});
@@ -407,7 +410,7 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
         "\"median_ms\": {}, \"min_ms\": {}, \"calls_per_s\": {}, \"gflops\": {}, \"gbs\": {}, "
         "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
         json_string(row_id(row)), json_string(row.backward ? "backward" : "forward"), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
-        json_string(w.causal ? "causal" : "none"), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
+        json_string(w.mask_expression()), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
         number(row_flops(row)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
         number(row.median_ms), number(row.min_ms), number(1e3 / row.median_ms), number(gflops(row)),
         decode ? number(kv_gbs(row)) : "null", number(row.vs_reference),
@@ -447,7 +450,7 @@ void print_table(const std::vector<Row>& rows, const Environment& env) {
                row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
                fixed(gflops(row) / env.best().sgemm_gflops, 2), gbs, vs_memcpy, vs_reference,
-               fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.causal ? " causal" : "");
+               fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.is_sparse() ? " " + w.mask_expression() : (w.causal ? " causal" : ""));
   }
 }
 
@@ -491,6 +494,7 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
       const Workload* named = bench::find_workload(id);
       // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
+               (named && named->id == "W6" && w.id == "W2") ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None);
     }
     if (wanted) selected.push_back(&w);
@@ -538,6 +542,10 @@ void run_bench(const BenchOptions& options) {
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
     progress.show(w->id, "Auto", "which kernel");
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
+    if (w->is_sparse()) {  // the reference would hold Nq x Nk = 1 GiB of scores per head: flash alone
+      rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
+      continue;
+    }
     add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
       return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
     });
@@ -561,7 +569,7 @@ void add_bench_command(CLI::App& app) {
   auto options = std::make_shared<BenchOptions>();
   CLI::App* bench = app.add_subcommand(
       "bench",
-      "Time the standard workloads W0-W5 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
+      "Time the standard workloads W0-W6 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
   bench->add_flag("--json", options->json, "Print JSON Lines (one object per row) instead of the table");
   bench->add_option("--threads", options->threads, "Threads for OpenMP and OpenBLAS (default: as set up)")
       ->check(CLI::PositiveNumber);
