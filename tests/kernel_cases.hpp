@@ -113,7 +113,7 @@ enum class MaskKind {
   None, Causal, CausalOffset, CausalNegative, Window, WindowRight, KeyLengths, Keep2D, Keep2DRow,
   Keep3D, Keep4D, Keep4DHeads, Additive2D, Additive4D, EmptyRows, Combined, BandAndTerms,
   // The symbolic patterns (issue 10): alone, in unions and intersections with the rest.
-  Strided, SparseTransformer, GlobalWindow, BlockSparse, UnionTerms, BigBird,
+  Strided, SparseTransformer, GlobalWindow, BlockSparse, UnionTerms, BigBird, StridedGather,
 };
 inline constexpr MaskKind kAllMasks[] = {
     MaskKind::None, MaskKind::Causal, MaskKind::CausalOffset, MaskKind::CausalNegative, MaskKind::Window,
@@ -121,7 +121,7 @@ inline constexpr MaskKind kAllMasks[] = {
     MaskKind::Keep4D, MaskKind::Keep4DHeads, MaskKind::Additive2D, MaskKind::Additive4D,
     MaskKind::EmptyRows, MaskKind::Combined, MaskKind::BandAndTerms,
     MaskKind::Strided, MaskKind::SparseTransformer, MaskKind::GlobalWindow, MaskKind::BlockSparse,
-    MaskKind::UnionTerms, MaskKind::BigBird,
+    MaskKind::UnionTerms, MaskKind::BigBird, MaskKind::StridedGather,
 };
 
 inline std::string to_string(MaskKind kind) {
@@ -149,6 +149,7 @@ inline std::string to_string(MaskKind kind) {
     case MaskKind::BlockSparse: return "block_sparse";
     case MaskKind::UnionTerms: return "(strided&key_lengths)|(keep&causal),&additive";
     case MaskKind::BigBird: return "window|global|block_sparse";
+    case MaskKind::StridedGather: return "causal(o)&(rest|strided(S>=64,O))&key_lengths&additive";
   }
   return "?";
 }
@@ -242,6 +243,32 @@ inline void set_sparse_mask(Case& c, MaskKind kind, Random& rng) {
       const int64_t left = rng.integer(0, 10), right = rng.integer(0, 10), count = rng.integer(0, 5);
       c.mask = Mask::window(left, right) | Mask::global_tokens(count) | Mask::block_sparse(layout, bq, bk);
       c.bias = t::any_of({t::window_bias(left, right), t::global_bias(count), t::block_sparse_bias(layout, bq, bk)});
+      return;
+    }
+    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by diagonals
+      const int64_t stride = rng.integer(64, 130), offset = rng.integer(-200, 200), causal = rng.integer(-3, 40);
+      const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
+      const Tensor add = random_additive(rng, Shape{batch, nq, nk});
+      Mask rest;
+      t::Bias rest_bias;
+      const int64_t pick = rng.integer(0, 2);
+      if (pick == 0) {
+        const int64_t left = rng.integer(0, 80), right = rng.integer(0, 3);
+        rest = Mask::window(left, right);
+        rest_bias = t::window_bias(left, right);
+      } else if (pick == 1) {
+        const Tensor keep = random_keep(rng, Shape{batch, heads, nq, nk}, 0.2);
+        rest = Mask::keep(keep);
+        rest_bias = t::keep_bias(keep);
+      } else {
+        const int64_t count = rng.integer(0, 10);
+        rest = Mask::global_tokens(count);
+        rest_bias = t::global_bias(count);
+      }
+      c.mask = Mask::causal(causal) & (rest | Mask::strided(stride, offset)) & Mask::key_lengths(lengths) &
+               Mask::additive(add);
+      c.bias = t::all_of({t::causal_bias(causal), t::any_of({rest_bias, t::strided_bias(stride, offset)}),
+                          t::key_lengths_bias(lengths), t::additive_bias(add)});
       return;
     }
     default:

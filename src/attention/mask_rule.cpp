@@ -84,6 +84,17 @@ TileVisibility MaskRule::classify(int64_t b, int64_t h, int64_t i0, int64_t i1, 
   return leaf_tile(n, b, h, i0, i1, j0, j1);
 }
 
+StridedSplit strided_split(const MaskRule& rule, int64_t min_stride) {
+  if (rule.empty()) return {};
+  const RuleNode& root = rule.nodes[static_cast<size_t>(rule.root())];
+  if (root.kind != Kind::Or) return {};
+  for (const auto& [strided, rest] : {std::pair{root.left, root.right}, std::pair{root.right, root.left}}) {
+    const RuleNode& n = rule.nodes[static_cast<size_t>(strided)];
+    if (n.kind == Kind::Strided && n.stride >= min_stride) return {rest, n.stride, n.offset};
+  }
+  return {};
+}
+
 namespace {
 struct Compiler {
   const char* who;

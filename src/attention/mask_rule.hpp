@@ -49,14 +49,24 @@ struct RuleNode {
 
 struct MaskRule {
   std::vector<RuleNode> nodes;  // children before their parents; the root is the last
+  int root_node = -1;           // >= 0: evaluate this node as the root instead (a kernel's part)
 
   bool empty() const { return nodes.empty(); }
-  int root() const { return static_cast<int>(nodes.size()) - 1; }
+  int root() const { return root_node >= 0 ? root_node : static_cast<int>(nodes.size()) - 1; }
   // Whether key j is visible to query i of head h, batch b, under node `node` (the root by default).
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j, int node = -2) const;
   // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b.
   TileVisibility classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int node = -2) const;
 };
+
+// A rule `rest | strided(stride, offset)` (either order) at the root: the strided keys are a few
+// diagonals j - i = offset (mod stride) that a fused kernel can gather instead of scanning tiles,
+// leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
+struct StridedSplit {
+  int rest = -1;
+  int64_t stride = 0, offset = 0;
+};
+StridedSplit strided_split(const MaskRule& rule, int64_t min_stride);
 
 // The rule of `mask` for a problem (B, Hq, Nq, Nk): each node checked (key lengths one per batch
 // in [0, Nk], a block layout of (ceil(Nq/bq), ceil(Nk/bk)) or (Hq or 1, ...)); keep tensors

@@ -286,6 +286,18 @@ HWY_INLINE void MaskRuleStep(const AttentionProblem& p, const Line& line, float*
   }
 }
 
+// The complement: -inf where node `node` of the rule shows the key, over the `count` real
+// elements of a line (at most kRuleLine). A kernel that visits some pairs apart (the strided
+// diagonals) hides there what its tiles already visit.
+HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& line, float* HWY_RESTRICT s,
+                                   size_t count) {
+  const size_t lanes = hn::Lanes(DF());
+  alignas(64) float visible[kRuleLine];
+  RuleLine(rule, node, line, (count + lanes - 1) / lanes * lanes, count, visible);
+  for (size_t x = 0; x < count; ++x)
+    if (visible[x] != 0.0f) s[x] = kMinusInf;
+}
+
 // Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
 // `band` false skips the structured mask and the rule (a tile every query of it fully sees).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
