@@ -51,6 +51,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -166,19 +167,23 @@ void FlashKeyTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, s
 // its own online softmax and a row-major O, merged with the tiles' at the end (as decode merges
 // chunks). The tiles evaluate `rest`; the diagonals hide what `rest` shows, so no pair counts twice.
 
-float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
+HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
-  auto acc = hn::Zero(df);
+  auto acc0 = hn::Zero(df), acc1 = hn::Zero(df);  // two chains of FMAs, not one
   size_t c = 0;
-  for (; c + lanes <= n; c += lanes) acc = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc);
-  float sum = hn::GetLane(hn::SumOfLanes(df, acc));
+  for (; c + 2 * lanes <= n; c += 2 * lanes) {
+    acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
+    acc1 = hn::MulAdd(hn::LoadU(df, a + c + lanes), hn::LoadU(df, b + c + lanes), acc1);
+  }
+  for (; c + lanes <= n; c += lanes) acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
+  float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
   for (; c < n; ++c) sum += a[c] * b[c];
   return sum;
 }
 
 // out[c] += weight * v[c], c < n.
-void Axpy(float weight, const float* HWY_RESTRICT v, float* HWY_RESTRICT out, size_t n) {
+HWY_INLINE void Axpy(float weight, const float* HWY_RESTRICT v, float* HWY_RESTRICT out, size_t n) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const auto w = hn::Set(df, weight);
@@ -315,6 +320,22 @@ HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(CompiledTarget);
 
+namespace {
+// The order a head's query tiles run in: the last first (under a causal mask they see the most
+// keys, and dynamic scheduling balances best when the longest items start first). With strided
+// keys gathered (stride > 0), tiles whose diagonals meet the same key rows run one after the
+// other: tile t's diagonal d reads rows br t + d.., as does tile t + P's diagonal d - P br when
+// P br is a multiple of the stride, so K and V stay in cache from one tile to the next.
+std::vector<int64_t> tile_order(int64_t tiles, int64_t br, int64_t stride) {
+  const int64_t period = stride > 0 ? stride / std::gcd(br, stride) : 1;  // lcm(br, stride) / br
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(tiles));
+  for (int64_t r = 0; r < std::min(period, tiles); ++r)
+    for (int64_t t = tiles - 1 - r; t >= 0; t -= period) order.push_back(t);
+  return order;
+}
+}  // namespace
+
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
@@ -343,6 +364,7 @@ void flash_attention(const AttentionProblem& problem) {
   }
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
   const StridedSplit* gather = tiles_problem ? &split : nullptr;
+  const std::vector<int64_t> order = tile_order(query_tiles, static_cast<int64_t>(br), gather ? split.stride : 0);
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache;
   // within a head the last query tiles come first: under a causal mask they see the most keys,
@@ -350,7 +372,7 @@ void flash_attention(const AttentionProblem& problem) {
 #pragma omp parallel for schedule(dynamic) num_threads(workers)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t bh = item / query_tiles;
-    const int64_t tile = query_tiles - 1 - item % query_tiles;
+    const int64_t tile = order[static_cast<size_t>(item % query_tiles)];
     float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, gather, bh / problem.q_heads, bh % problem.q_heads,
                                          tile * static_cast<int64_t>(br), block_start);
