@@ -17,7 +17,12 @@
 //   W7-flash W7's shape and causal mask, softmax attention (Auto = flash; no Reference row: its
 //            N x N scores would be 8 GiB): the issue's target is W7 >= 20 x faster; `qkv bench`
 //            also fits W7's time slope from N = 4096 to 65536 (target <= 1.1)
+//   W6       B=1 H=8 N=16384 d=64                        causal & (window(255) | strided(256))
+//            (Sparse Transformer's strided head; issue 10's target: GFLOP/s on the visible pairs
+//            >= 0.5 x W2's dense-causal GFLOP/s in the same run; `--workload W6` brings W2)
 //
+// A sparse workload counts 4 d FLOPs per visible (query, key) pair (sparse_visible_pairs), not
+// per pair of the n x n matrix.
 // Attention FLOPs = 4 * B * Hq * Nq * Nk * d (Q K^T and P V, a multiply-add each), half of it
 // for causal. W1 and W2 are also timed backward (scaled_dot_product_attention_backward, rows
 // "W1-bwd", "W2-bwd"), counted as 2.5 x the forward FLOPs (the FlashAttention-2 convention: five
@@ -26,6 +31,7 @@
 // intra-chunk block is extra work, not counted). Header-only, public API alone.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -66,6 +72,16 @@ struct Workload {
   bool backward = false;  // also timed backward (scaled_dot_product_attention_backward)
   Modifier modifier = Modifier::None;
   bool has_reference = true;  // false: no Reference row (its N x N scores would not fit)
+  // Sparse workloads (sparse_stride > 0): the mask is causal & (window(sparse_window) | strided(sparse_stride)).
+  int64_t sparse_window = 0, sparse_stride = 0;
+
+  bool is_sparse() const { return sparse_stride > 0; }
+  // The mask in Mask::parse's syntax: "causal & (window(255) | strided(256))", "causal" or "none".
+  std::string mask_expression() const {
+    if (is_sparse())
+      return "causal & (window(" + std::to_string(sparse_window) + ") | strided(" + std::to_string(sparse_stride) + "))";
+    return causal ? "causal" : "none";
+  }
 
   // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
   int64_t embed_dim() const { return q_heads * head_dim; }
@@ -76,7 +92,7 @@ struct Workload {
 // W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
 // W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 12> kWorkloads = {{
+inline constexpr std::array<Workload, 13> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -88,11 +104,26 @@ inline constexpr std::array<Workload, 12> kWorkloads = {{
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
     {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
+    {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false, Modifier::None,
+     false, 255, 256},
     {"W7", "linear attention, causal", WorkloadKind::Linear, 1, 8, 8, 16384, 16384, 64, true, false, false,
      Modifier::None, false},
     {"W7-flash", "W7's shape, softmax", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false,
      Modifier::None, false},
 }};
+
+// The (query, key) pairs a sparse workload's mask lets through, over every batch and head:
+// query i (Nq = Nk, causal) sees min(i, W) + 1 keys of its window and the multiples of S
+// behind it beyond the window.
+inline double sparse_visible_pairs(const Workload& w) {
+  double pairs = 0;
+  for (int64_t i = 0; i < w.q_len; ++i) {
+    const int64_t window = std::min(i, w.sparse_window) + 1;
+    const int64_t strided = i > w.sparse_window ? i / w.sparse_stride - w.sparse_window / w.sparse_stride : 0;
+    pairs += static_cast<double>(window + strided);
+  }
+  return pairs * static_cast<double>(w.batch * w.q_heads);
+}
 
 // A workload by id ("W2", case-insensitive), or nullptr.
 inline const Workload* find_workload(std::string_view id) {
@@ -126,6 +157,7 @@ inline double forward_flops(const Workload& w) {
   if (w.is_linear())
     return 4.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_heads) * static_cast<double>(w.q_len) *
            static_cast<double>(w.head_dim) * static_cast<double>(w.head_dim);
+  if (w.is_sparse()) return 4.0 * static_cast<double>(w.head_dim) * sparse_visible_pairs(w);
   const double attention = analysis::forward_flops(
       {w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim, w.head_dim, w.causal});
   if (!w.is_module()) return attention;
@@ -166,6 +198,7 @@ inline LinearAttentionOptions make_linear_options(const Workload& w) {
 inline AttentionOptions make_attention_options(const Workload& w, Backend backend) {
   AttentionOptions options;
   if (w.causal) options.mask = Mask::causal();
+  if (w.is_sparse()) options.mask = Mask::parse(w.mask_expression());
   options.backend = backend;
   switch (w.modifier) {
     case Modifier::None:

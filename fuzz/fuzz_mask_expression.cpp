@@ -1,37 +1,63 @@
-// libFuzzer target: the mask-expression parser of `qkv serve` (the explorer's "mask" field; the
-// grammar is in tools/qkv/mask_expr.hpp). The input is the expression, any bytes. Every outcome
+// libFuzzer target: the library's mask-expression parser, qkv::Mask::parse (the grammar is in
+// include/qkv/mask.hpp), which the explorer's "mask" field, the CLI and Python use. The input is the expression, any bytes. Every outcome
 // must be a Mask or the parser's error (a qkv::Error) whose column lies within the input
 // (1 .. size + 1, the end); anything else escaping, or a sanitizer report, is a failure. A parsed
 // Mask must then be usable: scaled_dot_product_attention under it, on a few tiny shapes, either
 // refuses it with a qkv::Error (a padding longer than the keys, and only that) or returns weights
 // that are finite, in [0, 1], positive exactly where the mask's normalised rule (mask.hpp) lets a
 // query see a key, summing to 1 on every row that sees a key (0 on a row that sees none), and
-// outputs that are finite and agree between the Reference and Flash backends.
+// outputs that are finite and agree between the Reference and Flash backends. Mask::str() of a
+// parsed mask parses back to a mask that prints the same.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-#include "mask_expr.hpp"
 #include "qkv/qkv.hpp"
 
 namespace {
 
-// ---- The parser under test: when it moves (qkv::Mask::parse), re-point these two lines.
-using ParseError = qkv::cli::MaskExpressionError;  // has column(), 1-based
-qkv::Mask parse(const std::string& expression) { return qkv::cli::parse_mask_expression(expression); }
-// ----
+using ParseError = qkv::MaskParseError;  // has column(), 1-based
+qkv::Mask parse(const std::string& expression) { return qkv::Mask::parse(expression); }
 
 [[noreturn]] void fail(const std::string& expression, const std::string& what) {
   std::fprintf(stderr, "fuzz_mask_expression: '%s': %s\n", expression.c_str(), what.c_str());
   std::abort();
 }
 
-// Key j visible to query i of batch 0 under the mask's normalised rule (mask.hpp).
+using Rule = qkv::Mask::Rule;
+
+// Key j visible to query i of batch 0 under one node of the symbolic rule (mask.hpp), evaluated
+// here from its definition, apart from the library's own evaluation (src/attention/mask_rule.cpp).
+bool rule_allows(const Rule& r, int64_t i, int64_t j) {
+  switch (r.kind) {
+    case Rule::Kind::Band: return j >= i + r.lo && j <= i + r.hi;
+    case Rule::Kind::KeyLengths: return j < r.lengths.front();
+    case Rule::Kind::Strided: return (((r.offset + i - j) % r.stride) + r.stride) % r.stride == 0;
+    case Rule::Kind::Global: return j < r.count || i < r.count;
+    case Rule::Kind::And: return rule_allows(*r.left, i, j) && rule_allows(*r.right, i, j);
+    case Rule::Kind::Or: return rule_allows(*r.left, i, j) || rule_allows(*r.right, i, j);
+    case Rule::Kind::BlockSparse:
+    case Rule::Kind::Keep: break;  // tensors: no expression makes them
+  }
+  std::fprintf(stderr, "fuzz_mask_expression: a parsed mask holds a tensor rule\n");
+  std::abort();
+}
+
+// Key j visible to query i of batch 0: the normalised band and lengths, and the rule.
 bool visible(const qkv::Mask& mask, int64_t i, int64_t j) {
   if (j < i + mask.band_lo() || j > i + mask.band_hi()) return false;
-  return !mask.has_key_lengths() || j < mask.lengths().front();
+  if (mask.has_key_lengths() && j >= mask.lengths().front()) return false;
+  return !mask.rule() || rule_allows(*mask.rule(), i, j);
+}
+
+// Key lengths that do not fit a batch of 1 with nk keys, anywhere in the mask: the library must refuse them.
+bool lengths_misfit(const std::vector<int64_t>& lengths, int64_t nk) { return lengths.size() != 1 || lengths.front() > nk; }
+bool rule_misfits(const Rule& r, int64_t nk) {
+  if (r.kind == Rule::Kind::KeyLengths) return lengths_misfit(r.lengths, nk);
+  if (r.kind == Rule::Kind::And || r.kind == Rule::Kind::Or) return rule_misfits(*r.left, nk) || rule_misfits(*r.right, nk);
+  return false;
 }
 
 // The mask applied to one (1, 1, nq, d) x (1, 1, nk, d) problem.
@@ -43,7 +69,8 @@ void check_usable(const std::string& expression, const qkv::Mask& mask, int64_t 
   options.mask = mask;
   options.need_weights = true;
   options.backend = qkv::Backend::Reference;
-  const bool too_long = mask.has_key_lengths() && mask.lengths().front() > nk;
+  const bool too_long = (mask.has_key_lengths() && lengths_misfit(mask.lengths(), nk)) ||
+                        (mask.rule() && rule_misfits(*mask.rule(), nk));
   qkv::AttentionResult reference;
   try {
     reference = qkv::scaled_dot_product_attention(q, k, v, options);
@@ -51,7 +78,7 @@ void check_usable(const std::string& expression, const qkv::Mask& mask, int64_t 
     if (!too_long) fail(expression, std::string("refused on a shape it fits: ") + e.what());
     return;
   }
-  if (too_long) fail(expression, "a padding longer than the keys was accepted");
+  if (too_long) fail(expression, "key lengths that do not fit the batch or the keys were accepted");
   for (int64_t i = 0; i < nq; ++i) {
     double sum = 0;
     bool any = false;
@@ -90,7 +117,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // Anything else thrown (even another qkv::Error) escapes and fails the run: the parser's
   // errors are its own kind, with a column.
-  (void)mask.str();
+  const std::string text = mask.str();
+  qkv::Mask again;
+  try {
+    again = parse(text);
+  } catch (const ParseError& e) {
+    fail(expression, "str() gives '" + text + "', which does not parse: " + e.what());
+  }
+  if (again.str() != text) fail(expression, "str() '" + text + "' parses back to '" + again.str() + "'");
   for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {6, 6}, {5, 2}}) check_usable(expression, mask, nq, nk);
   return 0;
 }

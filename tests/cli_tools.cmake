@@ -38,6 +38,10 @@ cli_test(cli_viz_temperature ARGS "viz|--temperature|0.5,1,2|-o|${cli_out}/tempe
 cli_test(cli_viz_compare_heads ARGS "viz|--compare-heads|1,8|--chars|--text|attend|-o|${cli_out}/compare.png"
   FILE ${cli_out}/compare.png KIND png EXPECT "10 panels, 6 tokens")
 # Bad options: a clear message and a nonzero exit.
+cli_test(cli_viz_sparse_mask ARGS "viz|--chars|--text|abcdefghijklmnopqrstuvwxyz|--heads|2|--embed|16|--mask|causal & strided(3)|-o|${cli_out}/sparse.png"
+  FILE ${cli_out}/sparse.png KIND png EXPECT "4 panels, 26 tokens")
+cli_test(cli_viz_bad_mask ARGS "viz|--mask|causal & strided(0)|-o|${cli_out}/x.png" FAIL
+  EXPECT "mask 'causal & strided\\(0\\)': column 18, found '0': strided's stride must be at least 1")
 cli_test(cli_viz_empty_text ARGS "viz|--text|   |-o|${cli_out}/x.png" FAIL EXPECT "--text is empty")
 cli_test(cli_viz_negative_heads ARGS "viz|--heads|-2|-o|${cli_out}/x.png" FAIL EXPECT "--heads must be positive, got -2")
 cli_test(cli_viz_bad_extension ARGS "viz|-o|${cli_out}/x.jpg" FAIL EXPECT "unknown extension '.jpg'; use .png, .svg or .pdf")

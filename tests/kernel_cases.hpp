@@ -112,12 +112,16 @@ inline AttentionProblem problem_of(const Case& c, KernelOutputs& out,
 enum class MaskKind {
   None, Causal, CausalOffset, CausalNegative, Window, WindowRight, KeyLengths, Keep2D, Keep2DRow,
   Keep3D, Keep4D, Keep4DHeads, Additive2D, Additive4D, EmptyRows, Combined, BandAndTerms,
+  // The symbolic patterns (issue 10): alone, in unions and intersections with the rest.
+  Strided, SparseTransformer, GlobalWindow, BlockSparse, UnionTerms, BigBird, StridedGather,
 };
 inline constexpr MaskKind kAllMasks[] = {
     MaskKind::None, MaskKind::Causal, MaskKind::CausalOffset, MaskKind::CausalNegative, MaskKind::Window,
     MaskKind::WindowRight, MaskKind::KeyLengths, MaskKind::Keep2D, MaskKind::Keep2DRow, MaskKind::Keep3D,
     MaskKind::Keep4D, MaskKind::Keep4DHeads, MaskKind::Additive2D, MaskKind::Additive4D,
     MaskKind::EmptyRows, MaskKind::Combined, MaskKind::BandAndTerms,
+    MaskKind::Strided, MaskKind::SparseTransformer, MaskKind::GlobalWindow, MaskKind::BlockSparse,
+    MaskKind::UnionTerms, MaskKind::BigBird, MaskKind::StridedGather,
 };
 
 inline std::string to_string(MaskKind kind) {
@@ -139,6 +143,13 @@ inline std::string to_string(MaskKind kind) {
     case MaskKind::EmptyRows: return "empty_rows";
     case MaskKind::Combined: return "combined";
     case MaskKind::BandAndTerms: return "band_and_terms";
+    case MaskKind::Strided: return "strided";
+    case MaskKind::SparseTransformer: return "causal&(window|strided)";
+    case MaskKind::GlobalWindow: return "window|global";
+    case MaskKind::BlockSparse: return "block_sparse";
+    case MaskKind::UnionTerms: return "(strided&key_lengths)|(keep&causal),&additive";
+    case MaskKind::BigBird: return "window|global|block_sparse";
+    case MaskKind::StridedGather: return "causal(o)&(rest|strided(S>=64,O))&key_lengths&additive";
   }
   return "?";
 }
@@ -161,6 +172,108 @@ inline std::vector<int64_t> random_lengths(Random& rng, int64_t batch, int64_t n
   std::vector<int64_t> lengths(static_cast<size_t>(batch));
   for (int64_t& n : lengths) n = rng.chance(0.2) ? (rng.chance(0.5) ? 0 : nk) : rng.integer(0, nk);
   return lengths;
+}
+
+// A random block layout for Nq x Nk: (QB, KB), (1, QB, KB) or (Hq, QB, KB), blocks of a random size.
+inline void random_blocks(Random& rng, int64_t heads, int64_t nq, int64_t nk, Tensor& layout, int64_t& bq,
+                          int64_t& bk) {
+  bq = rng.chance(0.3) ? rng.integer(1, 4) : rng.integer(1, 80);
+  bk = rng.chance(0.3) ? rng.integer(1, 4) : rng.integer(1, 80);
+  const int64_t rows = (nq + bq - 1) / bq, cols = (nk + bk - 1) / bk;
+  const int64_t pick = rng.integer(0, 2);
+  const Shape shape = pick == 0 ? Shape{rows, cols} : Shape{pick == 1 ? 1 : heads, rows, cols};
+  layout = random_keep(rng, shape, 0.4);
+}
+
+// The symbolic patterns: strided, global tokens, block-sparse, unions (set_mask's other kinds).
+inline void set_sparse_mask(Case& c, MaskKind kind, Random& rng) {
+  namespace t = qkv_test;
+  const int64_t batch = c.q.size(0), heads = c.q.size(1), nq = c.q.size(2), nk = c.k.size(2);
+  switch (kind) {
+    case MaskKind::Strided: {  // small strides (the scalar path) and large ones (SIMD), any offset
+      const int64_t stride = rng.chance(0.5) ? rng.integer(1, 9) : rng.integer(10, 90);
+      const int64_t offset = rng.integer(-100, 100);
+      c.mask = Mask::strided(stride, offset);
+      c.bias = t::strided_bias(stride, offset);
+      return;
+    }
+    case MaskKind::SparseTransformer: {  // causal & (window(S - 1) | strided(S)), with key lengths
+      const int64_t stride = rng.integer(1, 70);
+      const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
+      c.mask = Mask::causal() & (Mask::window(stride - 1) | Mask::strided(stride)) & Mask::key_lengths(lengths);
+      c.bias = t::all_of({t::causal_bias(), t::any_of({t::window_bias(stride - 1), t::strided_bias(stride)}),
+                          t::key_lengths_bias(lengths)});
+      return;
+    }
+    case MaskKind::GlobalWindow: {  // window(L, R) | global(G), under causal half the time
+      const int64_t left = rng.integer(0, 40), right = rng.integer(0, 5), count = rng.integer(0, 20);
+      const bool causal = rng.chance(0.5);
+      c.mask = Mask::window(left, right) | Mask::global_tokens(count);
+      c.bias = t::any_of({t::window_bias(left, right), t::global_bias(count)});
+      if (causal) {
+        c.mask = Mask::causal() & c.mask;
+        c.bias = t::all_of({t::causal_bias(), c.bias});
+      }
+      return;
+    }
+    case MaskKind::BlockSparse: {
+      Tensor layout;
+      int64_t bq = 1, bk = 1;
+      random_blocks(rng, heads, nq, nk, layout, bq, bk);
+      c.mask = Mask::block_sparse(layout, bq, bk);
+      c.bias = t::block_sparse_bias(layout, bq, bk);
+      return;
+    }
+    case MaskKind::UnionTerms: {  // (strided & key_lengths) | (keep & causal(offset)), & additive
+      const int64_t stride = rng.integer(1, 40), offset = rng.integer(-3, 3);
+      const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
+      const Tensor keep = random_keep(rng, Shape{batch, 1, nq, nk}, 0.3);
+      const Tensor add = random_additive(rng, Shape{nq, nk});
+      c.mask = ((Mask::strided(stride) & Mask::key_lengths(lengths)) | (Mask::keep(keep) & Mask::causal(offset))) &
+               Mask::additive(add);
+      c.bias = t::all_of({t::any_of({t::all_of({t::strided_bias(stride), t::key_lengths_bias(lengths)}),
+                                      t::all_of({t::keep_bias(keep), t::causal_bias(offset)})}),
+                          t::additive_bias(add)});
+      return;
+    }
+    case MaskKind::BigBird: {  // window | global | block_sparse
+      Tensor layout;
+      int64_t bq = 1, bk = 1;
+      random_blocks(rng, heads, nq, nk, layout, bq, bk);
+      const int64_t left = rng.integer(0, 10), right = rng.integer(0, 10), count = rng.integer(0, 5);
+      c.mask = Mask::window(left, right) | Mask::global_tokens(count) | Mask::block_sparse(layout, bq, bk);
+      c.bias = t::any_of({t::window_bias(left, right), t::global_bias(count), t::block_sparse_bias(layout, bq, bk)});
+      return;
+    }
+    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by diagonals
+      const int64_t stride = rng.integer(64, 130), offset = rng.integer(-200, 200), causal = rng.integer(-3, 40);
+      const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
+      const Tensor add = random_additive(rng, Shape{batch, nq, nk});
+      Mask rest;
+      t::Bias rest_bias;
+      const int64_t pick = rng.integer(0, 2);
+      if (pick == 0) {
+        const int64_t left = rng.integer(0, 80), right = rng.integer(0, 3);
+        rest = Mask::window(left, right);
+        rest_bias = t::window_bias(left, right);
+      } else if (pick == 1) {
+        const Tensor keep = random_keep(rng, Shape{batch, heads, nq, nk}, 0.2);
+        rest = Mask::keep(keep);
+        rest_bias = t::keep_bias(keep);
+      } else {
+        const int64_t count = rng.integer(0, 10);
+        rest = Mask::global_tokens(count);
+        rest_bias = t::global_bias(count);
+      }
+      c.mask = Mask::causal(causal) & (rest | Mask::strided(stride, offset)) & Mask::key_lengths(lengths) &
+               Mask::additive(add);
+      c.bias = t::all_of({t::causal_bias(causal), t::any_of({rest_bias, t::strided_bias(stride, offset)}),
+                          t::key_lengths_bias(lengths), t::additive_bias(add)});
+      return;
+    }
+    default:
+      throw std::logic_error("set_sparse_mask: not a sparse kind");
+  }
 }
 
 inline void set_mask(Case& c, MaskKind kind, Random& rng) {
@@ -276,6 +389,9 @@ inline void set_mask(Case& c, MaskKind kind, Random& rng) {
                                  qkv_test::keep_bias(keep)});
       return;
     }
+    default:
+      set_sparse_mask(c, kind, rng);
+      return;
   }
 }
 

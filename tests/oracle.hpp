@@ -166,11 +166,47 @@ inline Bias additive_bias(const qkv::Tensor& scores) {
   };
 }
 
+// Mask::strided(stride, offset): visible when offset + i - j is a multiple of stride (true modulo).
+inline Bias strided_bias(int64_t stride, int64_t offset = 0) {
+  return [=](int64_t, int64_t, int64_t i, int64_t j) {
+    int64_t r = (offset + i - j) % stride;
+    if (r < 0) r += stride;
+    return r == 0 ? 0.0 : -kInf;
+  };
+}
+
+// Mask::global_tokens(count): the first count keys and the first count queries see everything.
+inline Bias global_bias(int64_t count) {
+  return [=](int64_t, int64_t, int64_t i, int64_t j) { return j < count || i < count ? 0.0 : -kInf; };
+}
+
+// Mask::block_sparse(layout, bq, bk): layout (QB, KB) or (H, QB, KB), H = Hq or 1.
+inline Bias block_sparse_bias(const qkv::Tensor& layout, int64_t block_q, int64_t block_k) {
+  const std::vector<int64_t> dims = layout.shape().dims();
+  return [values = to_doubles(layout), dims, block_q, block_k](int64_t, int64_t h, int64_t i, int64_t j) {
+    const int64_t rows = dims[dims.size() - 2], cols = dims.back();
+    const int64_t head = dims.size() == 3 && dims[0] > 1 ? h : 0;
+    const int64_t a = i / block_q, c = j / block_k;
+    if (a >= rows || c >= cols) throw std::logic_error("oracle: block layout does not cover the scores");
+    return values[static_cast<size_t>((head * rows + a) * cols + c)] != 0.0 ? 0.0 : -kInf;
+  };
+}
+
+// A union (Mask's |) of parts that each say visible (not -inf) or hidden (-inf).
+inline Bias any_of(std::vector<Bias> parts) {
+  return [parts = std::move(parts)](int64_t b, int64_t h, int64_t i, int64_t j) {
+    for (const Bias& part : parts)
+      if (!part || part(b, h, i, j) != -kInf) return 0.0;
+    return -kInf;
+  };
+}
+
 // A score is visible only where every part allows it; additive values add up.
 inline Bias all_of(std::vector<Bias> parts) {
   return [parts = std::move(parts)](int64_t b, int64_t h, int64_t i, int64_t j) {
     double total = 0;
     for (const Bias& part : parts) {
+      if (!part) continue;  // none
       const double value = part(b, h, i, j);
       if (value == -kInf) return -kInf;
       total += value;

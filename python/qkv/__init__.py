@@ -30,14 +30,14 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._core import Backend, Error, Mask, dropout_keeps, manual_seed
+from ._core import Backend, Error, Mask, MaskParseError, dropout_keeps, manual_seed
 
 __version__ = _core.__version__
-for _name in ("Backend", "Error", "Mask"):
+for _name in ("Backend", "Error", "Mask", "MaskParseError"):
     getattr(_core, _name).__module__ = __name__  # shown as qkv.Error, not qkv._core.Error
 
 __all__ = [
-    "Backend", "Error", "Mask", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
+    "Backend", "Error", "Mask", "MaskParseError", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
     "dropout_keeps", "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
 ]
@@ -107,6 +107,8 @@ def _mask_from(query, attn_mask=None, is_causal=False, key_lengths=None, window=
     """The qkv.Mask that scaled_dot_product_attention's mask arguments describe."""
     mask = Mask()
     if attn_mask is not None:
+        if isinstance(attn_mask, str):  # a mask expression, "causal & (window(127) | strided(128))"
+            attn_mask = Mask.parse(attn_mask)
         mask = mask & (attn_mask if isinstance(attn_mask, Mask)
                        else _tensor_mask(attn_mask, query.ndim, "attn_mask", true_means_attend=True))
     if is_causal:
@@ -140,7 +142,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query head h reads key/value head h // (Hq // Hkv), nothing is copied).
 
     attn_mask: bool, True = attend (PyTorch SDPA's convention); float, added to the scaled
-      scores (0 = attend, -inf = masked); or a qkv.Mask. It broadcasts numpy-style over the
+      scores (0 = attend, -inf = masked); or a qkv.Mask, or a mask expression such as
+      "causal & (window(127) | strided(128))" (qkv.Mask.parse). It broadcasts numpy-style over the
       scores (B, Hq, Nq, Nk). Unlike PyTorch, it may be combined with is_causal.
     is_causal: query i sees keys j <= i (top-left aligned, as PyTorch).
     scale: defaults to 1 / sqrt(Dk).

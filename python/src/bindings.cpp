@@ -276,7 +276,9 @@ PYBIND11_MODULE(_core, m) {
 
   // qkv::Error is a std::invalid_argument: it arrives as qkv.Error, a ValueError subclass that
   // carries the library's message unchanged.
-  py::register_exception<qkv::Error>(m, "Error", PyExc_ValueError);
+  const auto& error = py::register_exception<qkv::Error>(m, "Error", PyExc_ValueError);
+  // Mask.parse's errors: a qkv.Error whose message quotes the expression and points at the column.
+  py::register_exception<qkv::MaskParseError>(m, "MaskParseError", error.ptr());
 
   py::enum_<qkv::Backend>(m, "Backend")
       .value("Auto", qkv::Backend::Auto)
@@ -286,13 +288,19 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<qkv::Mask>(m, "Mask", R"doc(
 Which keys each query may attend to, kept symbolic (no n x n matrix for structured parts).
-Combine with `&`: a key is visible only where every part allows it.
+Combine with `&` (a key is visible only where every part allows it) and `|` (where either
+does; `&` binds tighter). A union with an additive array is an error.
 
   Mask.causal(offset=0)           query i sees keys j <= offset + i
   Mask.window(left, right=0)      query i sees keys i - left <= j <= i + right
   Mask.key_lengths([5, 3])        batch b sees its first lengths[b] keys (padding)
   Mask.keep(array)                nonzero / True = attend (PyTorch SDPA's bool convention)
   Mask.additive(array)            added to the scaled scores; -inf = masked (PyTorch float)
+  Mask.strided(stride, offset=0)  query i sees keys j with (offset + i - j) % stride == 0
+  Mask.global_tokens(count)       the first count keys are seen by all, the first count queries see all
+  Mask.block_sparse(layout, block_q, block_k)  block (a, c) of layout (nonzero = visible) lets
+                                  queries a*block_q.. see keys c*block_k..
+  Mask.parse("causal & (window(127) | strided(128)) | global(16)")  the same in text; str() prints it
 )doc")
       .def(py::init<>(), "A mask that hides nothing.")
       .def_static("causal", &qkv::Mask::causal, py::arg("offset") = 0)
@@ -302,6 +310,16 @@ Combine with `&`: a key is visible only where every part allows it.
       .def_static("additive", [](const FloatArray& scores) { return qkv::Mask::additive(to_tensor(scores)); },
                   py::arg("scores"))
       .def("__and__", [](const qkv::Mask& a, const qkv::Mask& b) { return a & b; }, py::is_operator())
+      .def("__or__", [](const qkv::Mask& a, const qkv::Mask& b) { return a | b; }, py::is_operator())
+      .def_static("strided", &qkv::Mask::strided, py::arg("stride"), py::arg("offset") = 0)
+      .def_static("global_tokens", &qkv::Mask::global_tokens, py::arg("count"))
+      .def_static("block_sparse",
+                  [](const FloatArray& layout, int64_t block_q, int64_t block_k) {
+                    return qkv::Mask::block_sparse(to_tensor(layout), block_q, block_k);
+                  },
+                  py::arg("layout"), py::arg("block_q"), py::arg("block_k"))
+      .def_static("parse", &qkv::Mask::parse, py::arg("expression"))
+      .def("__str__", &qkv::Mask::str)
       .def("is_none", &qkv::Mask::is_none)
       .def("__repr__", [](const qkv::Mask& mask) { return "Mask(" + mask.str() + ")"; });
 

@@ -361,6 +361,20 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   }
 }
 
+// How the mask's rule treats keys [j0, j0 + cols) for rows [r0, r0 + rows) of group (b, g):
+// hidden from every row, fully visible to every row, or partial.
+TileVisibility RuleTileOfRows(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0,
+                              size_t rows, int64_t j0, size_t cols) {
+  bool any = false, all = true;
+  for (size_t r = 0; r < rows; ++r) {
+    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    const TileVisibility v = p.rule.classify(b, row.h, row.i, row.i, j0, j0 + static_cast<int64_t>(cols) - 1);
+    any = any || v != TileVisibility::Hidden;
+    all = all && v == TileVisibility::Full;
+  }
+  return !any ? TileVisibility::Hidden : (all ? TileVisibility::Full : TileVisibility::Partial);
+}
+
 // One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys
 // [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`; the first
 // chunk starts each row's softmax with its sink, if any.
@@ -394,7 +408,12 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
   }
   for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
-    const bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
+    bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
+    if (!p.rule.empty()) {  // the rule's view of the tile: skipped when it hides it from every row
+      const TileVisibility rule = RuleTileOfRows(p, plan, b, g, r0, rows, j0, cols);
+      if (rule == TileVisibility::Hidden) continue;
+      band = band || rule == TileVisibility::Partial;
+    }
     DecodeKeyTile(p, plan, b, g, r0, rows, j0, cols, end, band, w);
   }
 }

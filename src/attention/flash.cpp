@@ -51,6 +51,8 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <numeric>
+#include <optional>
 #include <vector>
 
 #include "attention/flash.hpp"
@@ -66,7 +68,9 @@ constexpr size_t kKeyTile = 64;
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, total;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen;
+  size_t gather_out, gather_max, gather_sum, gather_correction;  // the strided diagonals' softmax
+  size_t total;
 
   ScratchLayout(size_t br, size_t dk, size_t dv) {
     size_t at = 0;
@@ -82,6 +86,10 @@ struct ScratchLayout {
     row_sum = take(br);                // per query
     correction = take(br);             // per query: exp(old max - new max), then 1 / l
     nan_seen = take(br);               // per query: 1 once a visible score was NaN
+    gather_out = take(br * dv);        // O of the gathered diagonals, row-major (Br, Dv)
+    gather_max = take(br);
+    gather_sum = take(br);
+    gather_correction = take(br);
     total = at;
   }
 };
@@ -110,9 +118,12 @@ int64_t CompiledTarget() { return HWY_TARGET; }
 // One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
   float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen;
+  float *gather_out, *gather_max, *gather_sum, *gather_correction;
   Scratch(float* base, const flash::ScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
-        row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen) {}
+        row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen),
+        gather_out(base + l.gather_out), gather_max(base + l.gather_max), gather_sum(base + l.gather_sum),
+        gather_correction(base + l.gather_correction) {}
 };
 
 // One key tile [j0, j0 + cols) of work item (b, h, i0): scores, modifiers and mask, the online
@@ -150,9 +161,116 @@ void FlashKeyTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, s
   }
 }
 
+// ---- The strided part of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp), gathered
+// by diagonals: on j - i = d (d = O mod S) query i0 + x meets key i0 + x + d, a line with query
+// and key steps (1, 1) that every pipeline step reads. Up to Bc diagonals make one St tile with
+// its own online softmax and a row-major O, merged with the tiles' at the end (as decode merges
+// chunks). The tiles evaluate `rest`; the diagonals hide what `rest` shows, so no pair counts twice.
+
+HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  auto acc0 = hn::Zero(df), acc1 = hn::Zero(df);  // two chains of FMAs, not one
+  size_t c = 0;
+  for (; c + 2 * lanes <= n; c += 2 * lanes) {
+    acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
+    acc1 = hn::MulAdd(hn::LoadU(df, a + c + lanes), hn::LoadU(df, b + c + lanes), acc1);
+  }
+  for (; c + lanes <= n; c += lanes) acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
+  float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
+  for (; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// out[c] += weight * v[c], c < n.
+HWY_INLINE void Axpy(float weight, const float* HWY_RESTRICT v, float* HWY_RESTRICT out, size_t n) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const auto w = hn::Set(df, weight);
+  size_t c = 0;
+  for (; c + lanes <= n; c += lanes) hn::StoreU(hn::MulAdd(w, hn::LoadU(df, v + c), hn::LoadU(df, out + c)), df, out + c);
+  for (; c < n; ++c) out[c] += weight * v[c];
+}
+
+// Scores, modifiers and mask of diagonal d for the tile's queries into s (Br floats): -inf where
+// the key is outside [0, Nk), or the band, key lengths, tensor terms hide it, or `rest` shows it.
+void DiagonalLogits(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                    size_t rows, int64_t d, float* HWY_RESTRICT s) {
+  const size_t br = QueryTileRows(), dk = static_cast<size_t>(p.head_dim);
+  const int64_t g = p.kv_head_of(h), j_of_x0 = i0 + d;
+  const size_t x_lo = static_cast<size_t>(std::clamp<int64_t>(-j_of_x0, 0, static_cast<int64_t>(rows)));
+  const size_t x_hi = static_cast<size_t>(std::clamp<int64_t>(p.kv_len - j_of_x0, static_cast<int64_t>(x_lo),
+                                                              static_cast<int64_t>(rows)));
+  for (size_t x = 0; x < br; ++x) {
+    const int64_t i = i0 + static_cast<int64_t>(x);
+    s[x] = x >= x_lo && x < x_hi ? p.scale * Dot(p.q.row(b, h, i), p.k.row(b, g, i + d), dk) : 0.0f;
+  }
+  const step::Line line{b, h, i0, j_of_x0, 1, 1};
+  step::ModifyScores(p, line, s, br);
+  step::MaskBand(p, line, s, br);
+  if (x_hi > x_lo) {  // the rule and the terms read only real (query, key) pairs
+    const int64_t at = static_cast<int64_t>(x_lo);
+    const step::Line real{b, h, i0 + at, j_of_x0 + at, 1, 1};
+    step::MaskWhereRuleShows(p.rule, split.rest, real, s + x_lo, x_hi - x_lo);
+    step::MaskTerms(p, real, s + x_lo, x_hi - x_lo);
+  }
+  std::fill(s, s + x_lo, step::kMinusInf);
+  std::fill(s + x_hi, s + br, step::kMinusInf);
+}
+
+// The diagonals d0, d0 + S, ... (cols of them) of work item (b, h, i0): one St tile, its online
+// softmax into gather_max / gather_sum, dropout, gather_out += P V.
+void GatherDiagonals(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                     size_t rows, int64_t d0, size_t cols, const Scratch& w) {
+  const size_t br = QueryTileRows(), dv = static_cast<size_t>(p.value_dim);
+  const int64_t g = p.kv_head_of(h);
+  for (size_t c = 0; c < cols; ++c)
+    DiagonalLogits(p, split, b, h, i0, rows, d0 + static_cast<int64_t>(c) * split.stride, w.scores + c * br);
+  if (step::SoftmaxColumnsUpdate(w.scores, cols, br, w.gather_max, w.gather_sum, w.gather_correction, w.nan_seen))
+    for (size_t x = 0; x < rows; ++x)
+      for (size_t c = 0; c < dv; ++c) w.gather_out[x * dv + c] *= w.gather_correction[x];
+  for (size_t c = 0; c < cols; ++c) {
+    const int64_t d = d0 + static_cast<int64_t>(c) * split.stride;
+    float* s = w.scores + c * br;
+    if (p.dropout_p > 0) step::Dropout(p, {b, h, i0, i0 + d, 1, 1}, s, rows);
+    for (size_t x = 0; x < rows; ++x)  // a zero weight (a hidden or outside key) is skipped
+      if (s[x] != 0.0f) Axpy(s[x], p.v.row(b, g, i0 + static_cast<int64_t>(x) + d), w.gather_out + x * dv, dv);
+  }
+}
+
+// Every strided diagonal a query of the item may see, by tiles of Bc diagonals, then merged into
+// the tiles' running max, sum and Ot: m = max(m1, m2), O = O1 e^(m1 - m) + O2 e^(m2 - m), likewise l.
+void GatherStrided(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0, size_t rows,
+                   const Scratch& w) {
+  const size_t br = QueryTileRows(), dv = static_cast<size_t>(p.value_dim);
+  std::fill_n(w.gather_out, br * dv, 0.0f);
+  std::fill_n(w.gather_max, br, step::kMinusInf);
+  std::fill_n(w.gather_sum, br, 0.0f);
+  const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
+  const int64_t d_min = std::max(p.band_lo, -i_last);  // a key >= 0 for the last query
+  const int64_t d_max = std::min(p.band_hi, p.key_lengths[static_cast<size_t>(b)] - 1 - i0);
+  if (d_min > d_max) return;
+  const int64_t tile = static_cast<int64_t>(kKeyTile) * split.stride;
+  for (int64_t d0 = d_min + floor_mod(split.offset - d_min, split.stride); d0 <= d_max; d0 += tile) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), (d_max - d0) / split.stride + 1));
+    GatherDiagonals(p, split, b, h, i0, rows, d0, cols, w);
+  }
+  for (size_t x = 0; x < rows; ++x) {
+    const float m1 = w.running_max[x], m2 = w.gather_max[x];
+    if (m2 == step::kMinusInf) continue;  // no diagonal key visible to this query
+    const float m = std::max(m1, m2);
+    const float f1 = m1 == step::kMinusInf ? 0.0f : std::exp(m1 - m), f2 = std::exp(m2 - m);
+    for (size_t c = 0; c < dv; ++c) w.out_t[c * br + x] = w.out_t[c * br + x] * f1 + w.gather_out[x * dv + c] * f2;
+    w.row_sum[x] = w.row_sum[x] * f1 + w.gather_sum[x] * f2;
+    w.running_max[x] = m;
+  }
+}
+
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
 // `scratch` is this worker's block, laid out by flash::ScratchLayout.
-void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, float* HWY_RESTRICT scratch) {
+// `split`: the strided keys to gather by diagonals (p.rule's root is then `rest`), or nullptr.
+void FlashQueryTile(const AttentionProblem& p, const StridedSplit* split, int64_t b, int64_t h, int64_t i0,
+                    float* HWY_RESTRICT scratch) {
   const size_t br = QueryTileRows();
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t nk = p.kv_len;
@@ -172,10 +290,11 @@ void FlashQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   const int64_t kv_end = p.last_visible_key(b, i_last);
   for (int64_t j0 = kv_begin; j0 < kv_end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
-    const step::TileClass tile = step::ClassifyTile(p, b, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
+    const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
     if (tile == step::TileClass::Hidden) continue;
     FlashKeyTile(p, b, h, i0, rows, j0, cols, tile == step::TileClass::Full, w);
   }
+  if (split) GatherStrided(p, *split, b, h, i0, rows, w);
 
   // ---- Finish each query: O = Ot^T / l, lse and the row stats.
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
@@ -201,6 +320,22 @@ HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(CompiledTarget);
 
+namespace {
+// The order a head's query tiles run in: the last first (under a causal mask they see the most
+// keys, and dynamic scheduling balances best when the longest items start first). With strided
+// keys gathered (stride > 0), tiles whose diagonals meet the same key rows run one after the
+// other: tile t's diagonal d reads rows br t + d.., as does tile t + P's diagonal d - P br when
+// P br is a multiple of the stride, so K and V stay in cache from one tile to the next.
+std::vector<int64_t> tile_order(int64_t tiles, int64_t br, int64_t stride) {
+  const int64_t period = stride > 0 ? stride / std::gcd(br, stride) : 1;  // lcm(br, stride) / br
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(tiles));
+  for (int64_t r = 0; r < std::min(period, tiles); ++r)
+    for (int64_t t = tiles - 1 - r; t >= 0; t -= period) order.push_back(t);
+  return order;
+}
+}  // namespace
+
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
@@ -220,6 +355,16 @@ void flash_attention(const AttentionProblem& problem) {
       flash::ScratchLayout(br, static_cast<size_t>(problem.head_dim), static_cast<size_t>(problem.value_dim)).total;
   // The calling thread's workspace holds every worker's block and is kept for the next call.
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
+  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest`, the strided keys are gathered.
+  const StridedSplit split = strided_split(problem.rule, static_cast<int64_t>(flash::kKeyTile));
+  std::optional<AttentionProblem> tiles_problem;
+  if (split.rest >= 0) {
+    tiles_problem = problem;
+    tiles_problem->rule.root_node = split.rest;
+  }
+  const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
+  const StridedSplit* gather = tiles_problem ? &split : nullptr;
+  const std::vector<int64_t> order = tile_order(query_tiles, static_cast<int64_t>(br), gather ? split.stride : 0);
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache;
   // within a head the last query tiles come first: under a causal mask they see the most keys,
@@ -227,9 +372,9 @@ void flash_attention(const AttentionProblem& problem) {
 #pragma omp parallel for schedule(dynamic) num_threads(workers)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t bh = item / query_tiles;
-    const int64_t tile = query_tiles - 1 - item % query_tiles;
+    const int64_t tile = order[static_cast<size_t>(item % query_tiles)];
     float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
-    HWY_DYNAMIC_DISPATCH(FlashQueryTile)(problem, bh / problem.q_heads, bh % problem.q_heads,
+    HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, gather, bh / problem.q_heads, bh % problem.q_heads,
                                          tile * static_cast<int64_t>(br), block_start);
   }
 }

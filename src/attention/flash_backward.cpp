@@ -230,7 +230,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
       for (int64_t i0 = 0; i0 < nq; i0 += static_cast<int64_t>(br)) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), nq - i0));
-        const step::TileClass tile = step::ClassifyTile(p, b, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
+        const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
                                                         j0 + static_cast<int64_t>(cols));
         if (tile == step::TileClass::Hidden) continue;
         PackQueryTile(bp, b, h, i0, rows, row_dot_all, w);

@@ -6,7 +6,9 @@
 //   load a K/V tile      read in place through row strides  the same
 //   scores               S = K Qt (flash) / Qs K^T (decode)  S^T = K Qt
 //   modifiers            ModifyScores: softcap, then ALiBi   the same, keeping softcap's slope
-//   mask                 MaskBand, MaskTerms                 the same
+//   classify a tile      ClassifyMaskTile: hidden, partial,  the same
+//                        fully visible (band and rule)
+//   mask                 MaskBand, MaskRuleStep, MaskTerms   the same
 //   softmax              online: *SoftmaxUpdate*             RecomputeWeights from row stats
 //   dropout              Dropout on P                        Dropout on P and on dP
 //   accumulate           O += P V (GEMM, or skipping zeros   dV, dS, dK, dQ
@@ -86,6 +88,17 @@ HWY_INLINE TileClass ClassifyTile(const AttentionProblem& p, int64_t b, int64_t 
   if (p.last_visible_key(b, i_last) <= j0 || p.first_visible_key(i0) >= j_end) return TileClass::Hidden;
   if (p.first_visible_key(i_last) <= j0 && p.last_visible_key(b, i0) >= j_end) return TileClass::Full;
   return TileClass::Partial;
+}
+
+// The same for the whole mask, the symbolic rule (mask_rule.hpp) of query head h included: a tile
+// the band or the rule hides is skipped; one both fully show needs no per-element mask work.
+HWY_INLINE TileClass ClassifyMaskTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t i_last,
+                                      int64_t j0, int64_t j_end) {
+  const TileClass band = ClassifyTile(p, b, i0, i_last, j0, j_end);
+  if (band == TileClass::Hidden || p.rule.empty()) return band;
+  const TileVisibility rule = p.rule.classify(b, h, i0, i_last, j0, j_end - 1);
+  if (rule == TileVisibility::Hidden) return TileClass::Hidden;
+  return band == TileClass::Full && rule == TileVisibility::Full ? TileClass::Full : TileClass::Partial;
 }
 
 // tanh for softcap's hot loop: x P(x^2) / Q(x^2) on [-9, 9] (past 9, tanh is 1 to within 3e-8),
@@ -182,12 +195,116 @@ HWY_INLINE void MaskTerms(const AttentionProblem& p, const Line& line, float* HW
   }
 }
 
+// ---- Step "mask", the symbolic rule (mask_rule.hpp): visible[x] = 1 where node `node` lets
+// element x of the line through, else 0, over n floats (whole vectors, at most kRuleLine). Band,
+// key lengths, global and strided rules run in SIMD from the line's coordinates; block layouts
+// and keep tensors are read for the `count` real elements only (the rest get 0).
+constexpr size_t kRuleLine = 256;
+inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n, size_t count,
+                     float* HWY_RESTRICT visible) {
+  using Kind = Mask::Rule::Kind;
+  const DF df;
+  const DI di;
+  const size_t lanes = hn::Lanes(df);
+  const RuleNode& r = rule.nodes[static_cast<size_t>(node)];
+  const auto iota = hn::Iota(di, 0);
+  const VF one = hn::Set(df, 1.0f);
+  auto store = [&](size_t x, auto mask) HWY_ATTR { hn::Store(hn::IfThenElseZero(hn::RebindMask(df, mask), one), df, visible + x); };
+  // Along a line, i - j moves by query_step - key_step per element, j by key_step, i by query_step.
+  const int32_t diff_step = static_cast<int32_t>(line.query_step - line.key_step);
+  auto lane_values = [&](int64_t base, int32_t step) HWY_ATTR { return hn::Add(hn::Set(di, ClampEdge(base)), hn::Mul(iota, hn::Set(di, step))); };
+  switch (r.kind) {
+    case Kind::And:
+    case Kind::Or: {
+      alignas(64) float right[kRuleLine];
+      RuleLine(rule, r.left, line, n, count, visible);
+      RuleLine(rule, r.right, line, n, count, right);
+      for (size_t x = 0; x < n; x += lanes) {
+        const VF a = hn::Load(df, visible + x), c = hn::Load(df, right + x);
+        hn::Store(r.kind == Kind::And ? hn::Min(a, c) : hn::Max(a, c), df, visible + x);
+      }
+      return;
+    }
+    case Kind::Band:
+      for (size_t x = 0; x < n; x += lanes) {
+        const auto d = lane_values(line.key(x) - line.query(x), -diff_step);  // j - i
+        store(x, hn::And(hn::Not(hn::Lt(d, hn::Set(di, ClampEdge(r.lo)))), hn::Not(hn::Gt(d, hn::Set(di, ClampEdge(r.hi))))));
+      }
+      return;
+    case Kind::KeyLengths: {
+      const auto length = hn::Set(di, ClampEdge(r.lengths[static_cast<size_t>(line.b)]));
+      for (size_t x = 0; x < n; x += lanes)
+        store(x, hn::Lt(lane_values(line.key(x), static_cast<int32_t>(line.key_step)), length));
+      return;
+    }
+    case Kind::Global: {
+      const auto global = hn::Set(di, ClampEdge(r.count));
+      for (size_t x = 0; x < n; x += lanes)
+        store(x, hn::Or(hn::Lt(lane_values(line.key(x), static_cast<int32_t>(line.key_step)), global),
+                        hn::Lt(lane_values(line.query(x), static_cast<int32_t>(line.query_step)), global)));
+      return;
+    }
+    case Kind::Strided:
+      if (r.stride >= 2 * static_cast<int64_t>(lanes)) {
+        // e = (offset + i - j) mod stride moved into (-stride/2, stride/2]: within a vector it
+        // moves by less than stride/2, so a lane is visible exactly when it reaches 0.
+        for (size_t x = 0; x < n; x += lanes) {
+          int64_t e = floor_mod(r.offset + line.query(x) - line.key(x), r.stride);
+          if (e > r.stride / 2) e -= r.stride;
+          store(x, hn::Eq(lane_values(e, diff_step), hn::Zero(di)));
+        }
+        return;
+      }
+      for (size_t x = 0; x < n; ++x)
+        visible[x] = floor_mod(r.offset + line.query(x) - line.key(x), r.stride) == 0 ? 1.0f : 0.0f;
+      return;
+    case Kind::BlockSparse:
+    case Kind::Keep:
+      for (size_t x = 0; x < n; ++x)
+        visible[x] = x < count && rule.visible(line.b, line.h, line.query(x), line.key(x), node) ? 1.0f : 0.0f;
+      return;
+  }
+}
+
+// -inf where the rule hides the key, over n floats (whole vectors), `count` of them real.
+HWY_INLINE void MaskRuleStep(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
+                             size_t count) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const VF minus_inf = hn::Set(df, kMinusInf), zero = hn::Zero(df);
+  alignas(64) float visible[kRuleLine];
+  for (size_t x0 = 0; x0 < n; x0 += kRuleLine) {
+    const size_t m = std::min(kRuleLine, n - x0);
+    const int64_t at = static_cast<int64_t>(x0);
+    const Line part{line.b, line.h, line.i0 + at * line.query_step, line.j0 + at * line.key_step, line.query_step,
+                    line.key_step};
+    RuleLine(p.rule, p.rule.root(), part, m, count > x0 ? count - x0 : 0, visible);
+    for (size_t x = 0; x < m; x += lanes) {
+      const VF shown = hn::Load(df, visible + x);
+      hn::Store(hn::IfThenElse(hn::Eq(shown, zero), minus_inf, hn::Load(df, s + x0 + x)), df, s + x0 + x);
+    }
+  }
+}
+
+// The complement: -inf where node `node` of the rule shows the key, over the `count` real
+// elements of a line (at most kRuleLine). A kernel that visits some pairs apart (the strided
+// diagonals) hides there what its tiles already visit.
+HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& line, float* HWY_RESTRICT s,
+                                   size_t count) {
+  const size_t lanes = hn::Lanes(DF());
+  alignas(64) float visible[kRuleLine];
+  RuleLine(rule, node, line, (count + lanes - 1) / lanes * lanes, count, visible);
+  for (size_t x = 0; x < count; ++x)
+    if (visible[x] != 0.0f) s[x] = kMinusInf;
+}
+
 // Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
-// `band` false skips the structured mask (a tile every query of it fully sees).
+// `band` false skips the structured mask and the rule (a tile every query of it fully sees).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
                                size_t count, bool band, float* HWY_RESTRICT softcap_slope = nullptr) {
   ModifyScores(p, line, s, n, softcap_slope);
   if (band) MaskBand(p, line, s, n);
+  if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
   MaskTerms(p, line, s, count);
 }
 

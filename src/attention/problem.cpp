@@ -213,6 +213,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   std::vector<MaskTermView> terms;
   for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
   for (const Mask::Term& term : mask.terms()) built.held.push_back(term.values);
+  MaskRule rule = compile_mask_rule(
+      who, mask, qd.batch, qd.heads, qd.len, kd.len,
+      [&](const Tensor& keep) { return term_view(who, {keep, false}, qd, kd.len, built.scores_shape); }, built.held);
 
   // ---- operands, read in place when their last dim is contiguous
   built.held.push_back(readable(q));
@@ -229,6 +232,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .softcap = options.softcap, .alibi_slopes = alibi, .alibi_shift = 0, .sinks = sinks,
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
+      .rule = std::move(rule),
       .dropout_p = options.dropout_p, .seed = options.seed,
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
   };

@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention/mask_rule.hpp"  // MaskTermView, MaskRule
 #include "qkv/attention.hpp"
 
 namespace qkv::detail {
@@ -22,19 +23,6 @@ struct Rows {
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0;
 
   T* row(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
-};
-
-// A tensor mask as a kernel reads it: the value for scores element (b, h, i, j) is
-//   data[b * stride_b + h * stride_h + i * stride_q + j * stride_k],
-// with stride 0 on every broadcast dim.
-struct MaskTermView {
-  const float* data;
-  int64_t stride_b, stride_h, stride_q, stride_k;
-  bool additive;  // false: keep (0 = masked); true: added to the scaled score
-
-  float at(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return data[b * stride_b + h * stride_h + i * stride_q + j * stride_k];
-  }
 };
 
 struct AttentionProblem {
@@ -53,10 +41,12 @@ struct AttentionProblem {
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
-  // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], and every term allows it.
+  // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], every term allows it and
+  // the rule does (mask_rule.hpp).
   int64_t band_lo, band_hi;
   std::vector<int64_t> key_lengths;  // one per batch; kv_len where no padding mask was given
   std::vector<MaskTermView> terms;
+  MaskRule rule;  // the symbolic rule (unions, strided, global, block-sparse), ANDed; empty: none
 
   float dropout_p;  // 0: no dropout
   uint64_t seed;

@@ -5,7 +5,8 @@
 // Per (b, h), with g = the key/value head of h:
 //   1. S = scale * Q[b,h] K[b,g]^T                       (sgemm, Nq x Nk)
 //   2. modifiers: S = softcap tanh(S / softcap); S[i,j] -= slope[h] |i + Nk - Nq - j| (ALiBi)
-//   3. S[i,j] = -inf where the mask hides key j from query i; additive terms are added
+//   3. S[i,j] = -inf where the mask (band, key lengths, rule, keep terms) hides key j from query i;
+//      additive terms are added
 //   4. P = softmax(S) row by row, the sink (if any) in the denominator; lse[i] = log(exp(sink) +
 //      sum_j exp(S[i,j])), and the row's max and sum kept for the backward; a row that sees no
 //      key gets P = 0 and lse = -inf (or the sink), never the NaN of exp(-inf - -inf)
@@ -46,6 +47,9 @@ void reference_logits_row(const AttentionProblem& p, int64_t b, int64_t h, int64
   const int64_t last = p.last_visible_key(b, i);
   for (int64_t j = 0; j < p.kv_len; ++j)
     if (j < first || j >= last) scores[j] = kMinusInf;
+  if (!p.rule.empty())
+    for (int64_t j = std::max<int64_t>(first, 0); j < std::min(last, p.kv_len); ++j)
+      if (!p.rule.visible(b, h, i, j)) scores[j] = kMinusInf;
   for (const MaskTermView& term : p.terms) {
     for (int64_t j = 0; j < p.kv_len; ++j) {
       const float value = term.at(b, h, i, j);

@@ -555,6 +555,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   if (env.linear_slope)
     out.push_back({"W7 linear scaling, N = 4096..65536", "log-log time slope", *env.linear_slope, 1.1, false});
   const Row* causal = find_row(rows, "W2", "Auto");
+  if (const Row* sparse = find_row(rows, "W6", "Auto"); sparse && causal)
+    out.push_back({"W6 sparse vs W2 dense causal", "W6 GFLOP/s (visible pairs) / W2 GFLOP/s", gflops(*sparse) / gflops(*causal),
+                   0.5, true});
   const Row* full = find_row(rows, "W2-full", "Auto");
   if (causal && full)
     out.push_back({"W2 causal vs unmasked", "W2 ms / W2-full ms", causal->median_ms / full->median_ms, 0.6, false});
@@ -630,7 +633,7 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
         "\"median_ms\": {}, \"min_ms\": {}, \"calls_per_s\": {}, \"gflops\": {}, \"gbs\": {}, "
         "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_peak\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
         json_string(row_id(row)), json_string(row.backward ? "backward" : "forward"), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
-        json_string(w.causal ? "causal" : "none"), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
+        json_string(w.mask_expression()), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
         number(row_flops(row)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
         number(row.median_ms), number(row.min_ms), number(1e3 / row.median_ms), number(gflops(row)),
         decode ? number(kv_gbs(row)) : "null", number(row.vs_reference),
@@ -670,7 +673,7 @@ void print_table(const std::vector<Row>& rows, const Environment& env) {
                row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
                fixed(gflops(row) / env.sgemm(), 2), fixed(gflops(row) / env.peak(), 2), gbs, vs_memcpy, vs_reference,
-               fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.causal ? " causal" : "");
+               fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.is_sparse() ? " " + w.mask_expression() : (w.causal ? " causal" : ""));
   }
 }
 
@@ -741,6 +744,7 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
       // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
+               (named && named->id == "W6" && w.id == "W2") ||
                (named && named->id == "W7" && w.id == "W7-flash");
     }
     if (wanted) selected.push_back(&w);

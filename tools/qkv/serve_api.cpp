@@ -12,7 +12,6 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "mask_expr.hpp"
 #include "qkv/analysis.hpp"
 #include "qkv/error.hpp"
 
@@ -174,13 +173,18 @@ double temperature_field(const json& request, const ServeLimits& limits) {
   return t;
 }
 
-// The request's mask for n tokens: its expression parsed, padding no longer than the text.
-Mask mask_field(const json& request, int64_t n) {
+// The request's mask for n tokens: its expression parsed by the library (qkv::Mask::parse, whose
+// errors quote the expression and point at the bad token), padding no longer than the text.
+Mask mask_field(const json& request, int64_t n, const ServeLimits& limits) {
   const std::string expression = string_field(request, "mask");
+  if (expression.size() > limits.max_mask_chars) {
+    throw BadRequest(fmt::format("mask expression has {} characters; the limit is {}", expression.size(),
+                                 limits.max_mask_chars));
+  }
   Mask mask;
   try {
-    mask = parse_mask_expression(expression);
-  } catch (const MaskExpressionError& e) {
+    mask = Mask::parse(expression);
+  } catch (const MaskParseError& e) {
     throw BadRequest(e.what());
   }
   if (mask.has_key_lengths() && mask.lengths().front() > n) {
@@ -198,7 +202,7 @@ json untrained_attention(const json& request, const ServeLimits& limits) {
   const auto seed = static_cast<uint64_t>(integer_field(request, "seed", 42, 0, int64_t{1} << 53));
   const double temperature = temperature_field(request, limits);
   const auto n = static_cast<int64_t>(tokens.size());
-  const Mask mask = mask_field(request, n);
+  const Mask mask = mask_field(request, n, limits);
   if (embed % heads != 0) {
     throw BadRequest(fmt::format("\"embed\" ({}) must be divisible by \"heads\" ({}): each head gets embed / heads dims",
                                  embed, heads));
@@ -247,7 +251,7 @@ json model_attention(const json& request, const LoadedModel& loaded, const Serve
     note = fmt::format("on one {} example, not your text: {}", loaded.task.name, why_not);
   }
   const auto n = static_cast<int64_t>(ids.size());
-  const Mask mask = mask_field(request, n);
+  const Mask mask = mask_field(request, n, limits);
   std::vector<Tensor> weights;  // per layer (1, H, n, n)
   {
     const std::lock_guard<std::mutex> lock(*loaded.busy);
@@ -269,7 +273,7 @@ json model_attention(const json& request, const LoadedModel& loaded, const Serve
           {"layers", std::move(layers)},
           {"uniform_entropy", std::log(static_cast<double>(n))},
           {"seed", seed},
-          {"mask", mask.is_none() ? std::string("causal") : "causal & " + mask.str()}};
+          {"mask", mask.is_none() ? std::string("causal") : (Mask::causal() & mask).str()}};
 }
 
 }  // namespace

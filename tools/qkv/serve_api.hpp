@@ -35,6 +35,7 @@ struct ServeLimits {
   int64_t max_heads = 16;
   int64_t max_embed = 512;
   double max_temperature = 100;
+  size_t max_mask_chars = 200;        // the "mask" field, a qkv::Mask::parse expression
 };
 
 struct ApiResponse {

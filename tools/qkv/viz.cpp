@@ -6,6 +6,9 @@
 //   qkv viz --temperature 0.5,1,2 -o temperature.png    # sharper and softer softmax, side by side
 //   qkv viz --compare-heads 1,8 -o compare.png          # one head of 64 dims beside eight of 8
 //   qkv viz --model model.qkv -o trained.png            # a trained model's heads, every layer
+//   qkv viz --chars --text "$(printf 'x%.0s' {1..64})" --mask "causal & (window(3) | strided(8))" -o sparse.png
+//                                                       # the pattern (which keys each query sees),
+//                                                       # then the heads under it
 //
 // The text becomes vectors as in `qkv demo`: a word (or character) embedding plus the
 // sinusoidal position code, fed to one untrained nn::MultiHeadAttention layer. Its weights
@@ -46,6 +49,7 @@ struct VizOptions {
   int64_t heads = 8;
   int64_t embed = 64;
   bool causal = false;
+  std::string mask;                  // a Mask::parse expression, ANDed with --causal
   std::vector<double> temperatures;  // empty: 1, all heads
   int64_t head = 0;                  // the head the temperature panels show
   std::vector<int64_t> compare_heads;
@@ -196,6 +200,28 @@ void run_model_viz(const VizOptions& o) {
              c.num_heads == 1 ? "" : "s", n, task.name);
 }
 
+// The pattern of `mask` over n tokens: 1 where a query sees a key, else 0. Read from the
+// library's own weights for uniform scores (q = k = 0), so it is exactly what attention applies.
+plot::HeatmapPanel mask_panel(const Mask& mask, int64_t n) {
+  AttentionOptions options;
+  options.mask = mask;
+  options.need_weights = true;
+  const Tensor zeros = Tensor::zeros({1, 1, n, 1});
+  const AttentionResult result = scaled_dot_product_attention(zeros, zeros, zeros, options);
+  std::vector<float> pattern(static_cast<size_t>(n * n));
+  int64_t visible = 0;
+  for (int64_t r = 0; r < n * n; ++r) {
+    pattern[static_cast<size_t>(r)] = result.weights.data()[r] > 0.0f ? 1.0f : 0.0f;
+    visible += result.weights.data()[r] > 0.0f;
+  }
+  plot::HeatmapPanel panel;
+  panel.title = mask.str();
+  panel.subtitle = fmt::format("{} of {} pairs visible ({:.0f}%)", visible, n * n, 100.0 * visible / (n * n));
+  panel.rows = panel.cols = n;
+  panel.values = std::move(pattern);
+  return panel;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void run_viz(const VizOptions& o) {
@@ -207,13 +233,22 @@ void run_viz(const VizOptions& o) {
   check_options(o, tokens);
   const auto n = static_cast<int64_t>(tokens.size());
   const Tensor x = embed_tokens(tokens, o.embed, o.seed);
-  const Mask mask = o.causal ? Mask::causal() : Mask();
+  Mask mask = o.causal ? Mask::causal() : Mask();
+  if (!o.mask.empty()) mask &= Mask::parse(o.mask);
 
   plot::HeatmapFigure figure;
   figure.row_labels = figure.col_labels = tokens;
   const std::string shown_text = o.text.size() > 60 ? o.text.substr(0, 57) + "..." : o.text;
   figure.title = fmt::format("Attention weights on \"{}\"", shown_text);
-  const std::string mask_note = o.causal ? "causal (token i sees tokens 0..i)" : "bidirectional (every token sees all)";
+  const std::string mask_note = !o.mask.empty() ? "mask " + mask.str()
+                                : o.causal     ? "causal (token i sees tokens 0..i)"
+                                               : "bidirectional (every token sees all)";
+  if (!o.mask.empty()) {
+    plot::HeatmapSection section;
+    section.heading = "the mask: 1 where query i (row) sees key j (column)";
+    section.panels.push_back(mask_panel(mask, n));
+    figure.sections.push_back(std::move(section));
+  }
   std::string entropy_note = fmt::format("uniform over all {} keys = {:.2f} nats", n, std::log(static_cast<double>(n)));
 
   if (!o.temperatures.empty()) {
@@ -275,6 +310,9 @@ void add_viz_command(CLI::App& app) {
   viz->add_option("--embed", options->embed, "Model width (embed_dim), split evenly across the heads")
       ->capture_default_str();
   viz->add_flag("--causal", options->causal, "Causal mask: each token sees only itself and earlier tokens");
+  viz->add_option("--mask", options->mask,
+                  "A mask expression, drawn as a pattern and applied to the heads, e.g. "
+                  "\"causal & (window(3) | strided(8)) | global(1)\" (see docs/sparse.md)");
   viz->add_option("--temperature", options->temperatures,
                   "Softmax temperatures drawn side by side for one head, e.g. 0.5,1,2")
       ->delimiter(',');
@@ -294,7 +332,7 @@ void add_viz_command(CLI::App& app) {
   viz->callback([options, viz] {
     options->text_given = viz->count("--text") > 0;
     options->layer_options_given.clear();
-    for (const char* name : {"--heads", "--embed", "--temperature", "--head", "--compare-heads"}) {
+    for (const char* name : {"--heads", "--embed", "--temperature", "--head", "--compare-heads", "--mask"}) {
       if (viz->count(name) > 0) options->layer_options_given.emplace_back(name);
     }
     run_viz(*options);

@@ -1,0 +1,78 @@
+// The symbolic part of a mask as a kernel reads it (Mask::rule(), normalised by build_problem):
+// a boolean expression of rules (band, key lengths, strided, global tokens, block-sparse layout,
+// keep tensor) joined by & and |, that a kernel evaluates per element (visible) and per tile
+// (classify: hidden, partial or fully visible). It is ANDed with the problem's band, key
+// lengths and tensor terms.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "qkv/mask.hpp"
+
+namespace qkv::detail {
+
+// A tensor mask as a kernel reads it: the value for scores element (b, h, i, j) is
+//   data[b * stride_b + h * stride_h + i * stride_q + j * stride_k],
+// with stride 0 on every broadcast dim.
+struct MaskTermView {
+  const float* data;
+  int64_t stride_b, stride_h, stride_q, stride_k;
+  bool additive;  // false: keep (0 = masked); true: added to the scaled score
+
+  float at(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return data[b * stride_b + h * stride_h + i * stride_q + j * stride_k];
+  }
+};
+
+// How a mask treats a tile of queries x keys: no pair visible, some, or every pair.
+enum class TileVisibility { Hidden, Partial, Full };
+
+// The true modulo, in [0, m) for m >= 1 (-1 mod 4 = 3).
+inline int64_t floor_mod(int64_t a, int64_t m) {
+  const int64_t r = a % m;
+  return r < 0 ? r + m : r;
+}
+
+struct RuleNode {
+  using Kind = Mask::Rule::Kind;
+  Kind kind = Kind::Band;
+  int64_t lo = 0, hi = 0;            // Band: i + lo <= j <= i + hi
+  int64_t stride = 1, offset = 0;    // Strided: (offset + i - j) mod stride == 0
+  int64_t count = 0;                 // Global: j < count or i < count
+  int64_t block_q = 1, block_k = 1;  // BlockSparse: view.at(0, h, i / block_q, j / block_k) != 0
+  std::vector<int64_t> lengths;      // KeyLengths: j < lengths[b]
+  MaskTermView view{};               // Keep (per element) or BlockSparse (per block)
+  int left = -1, right = -1;         // And, Or: indices of the children in MaskRule::nodes
+};
+
+struct MaskRule {
+  std::vector<RuleNode> nodes;  // children before their parents; the root is the last
+  int root_node = -1;           // >= 0: evaluate this node as the root instead (a kernel's part)
+
+  bool empty() const { return nodes.empty(); }
+  int root() const { return root_node >= 0 ? root_node : static_cast<int>(nodes.size()) - 1; }
+  // Whether key j is visible to query i of head h, batch b, under node `node` (the root by default).
+  bool visible(int64_t b, int64_t h, int64_t i, int64_t j, int node = -2) const;
+  // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b.
+  TileVisibility classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int node = -2) const;
+};
+
+// A rule `rest | strided(stride, offset)` (either order) at the root: the strided keys are a few
+// diagonals j - i = offset (mod stride) that a fused kernel can gather instead of scanning tiles,
+// leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
+struct StridedSplit {
+  int rest = -1;
+  int64_t stride = 0, offset = 0;
+};
+StridedSplit strided_split(const MaskRule& rule, int64_t min_stride);
+
+// The rule of `mask` for a problem (B, Hq, Nq, Nk): each node checked (key lengths one per batch
+// in [0, Nk], a block layout of (ceil(Nq/bq), ceil(Nk/bk)) or (Hq or 1, ...)); keep tensors
+// read through `keep_view`, which checks their broadcast and keeps them alive. Errors start with `who`.
+MaskRule compile_mask_rule(const char* who, const Mask& mask, int64_t batch, int64_t q_heads, int64_t q_len,
+                           int64_t kv_len, const std::function<MaskTermView(const Tensor&)>& keep_view,
+                           std::vector<Tensor>& held);
+
+}  // namespace qkv::detail
