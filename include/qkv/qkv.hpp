@@ -3,7 +3,9 @@
 
 #include "qkv/analysis.hpp"
 #include "qkv/attention.hpp"
+#include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
+#include "qkv/inference.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/memory.hpp"
 #include "qkv/nn.hpp"

@@ -350,6 +350,12 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   }
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
+  if (const Row* w4 = find_row(rows, "W4", "Auto")) {
+    for (std::string_view id : {"W4-bf16", "W4-f16"})  // 16-bit K/V: half the bytes, so about half the time
+      if (const Row* row = find_row(rows, id, "Auto"))
+        out.push_back({fmt::format("{} vs W4", id), fmt::format("{} ms / W4 ms", id), row->median_ms / w4->median_ms,
+                       0.55, false});
+  }
   if (const Row* plain = find_row(rows, "W1", "Auto")) {
     for (std::string_view id : {"W1-softcap", "W1-alibi", "W1-sinks"})
       if (const Row* row = find_row(rows, id, "Auto"))
@@ -489,10 +495,13 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
+      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows: the targets compare
+      // them. "decode-sweep" names every sweep row.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
-               (named && named->id == "W1" && w.modifier != bench::Modifier::None);
+               (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
+               (named && named->id == "W4" && w.id.substr(0, 3) == "W4-") || (id == "decode-sweep" && w.sweep);
     }
+    if (ids.empty() && w.sweep) wanted = false;  // the sweep's 1 GB of K/V only when asked for
     if (wanted) selected.push_back(&w);
   }
   return selected;
@@ -538,6 +547,10 @@ void run_bench(const BenchOptions& options) {
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
     progress.show(w->id, "Auto", "which kernel");
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
+    if (w->sweep) {  // the sweep reports GB/s of the fast path only
+      rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
+      continue;
+    }
     add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
       return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
     });
@@ -567,7 +580,10 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   std::vector<std::string> ids;
   for (const Workload& w : bench::kWorkloads) ids.emplace_back(w.id);
-  bench->add_option("--workload", options->workloads, "Workloads to run, repeatable or a comma list (default: all)")
+  ids.emplace_back("decode-sweep");
+  bench->add_option("--workload", options->workloads,
+                    "Workloads to run, repeatable or a comma list (default: all but the decode sweep; "
+                    "decode-sweep: 1 query vs 1k-32k keys, f32 and bf16 K/V, in GB/s)")
       ->delimiter(',')
       ->check(CLI::IsMember(ids, CLI::ignore_case));
   bench->add_option("--runs", options->runs, "Steady-state runs of the fast path (the median is reported)")
