@@ -317,7 +317,8 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
-    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys;
+    // The same distance in bytes whatever the element type: twice the keys for 16-bit K/V.
+    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
     if (ahead < end) PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end));
     const T* keys[kScoreKeys];
     for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)));
