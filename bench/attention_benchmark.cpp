@@ -119,6 +119,7 @@ void BM_Memcpy(benchmark::State& state) {
 void register_benchmarks() {
   for (const Workload& w : qkv::bench::kWorkloads) {
     const std::string id(w.id);
+    if (w.sweep) continue;  // the decode sweep (1 GB of K/V) is `qkv bench --workload decode-sweep`
     if (w.is_module()) {
       benchmark::RegisterBenchmark(("BM_Module/" + id).c_str(), BM_Module, &w)
           ->Unit(benchmark::kMillisecond)

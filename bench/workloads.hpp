@@ -12,6 +12,10 @@
 //   W2-full  W2 without the mask: the issue's target is causal <= 0.6 x the time of full
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
 //   W4       B=1 H=32 d=128, 1 query vs 8192 keys        decode (reported in GB/s of K and V)
+//   W4-bf16  W4 with K and V in bfloat16                  (issue 11's target: each <= 0.55 x W4's
+//   W4-f16   W4 with K and V in float16                    time; `--workload W4` runs all three)
+//   decode-<N>k[-bf16]  W4's heads, 1 query vs N = 1, 4, 16, 32 thousand keys, K/V f32 or bf16:
+//            the decode sweep in GB/s, only on request (`--workload decode-sweep`: 1 GB of K/V)
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
 //   W7       B=1 H=8 N=16384 d=64, causal linear attention (qkv::linear_attention, elu+1)
 //   W7-flash W7's shape and causal mask, softmax attention (Auto = flash; no Reference row: its
@@ -82,6 +86,8 @@ struct Workload {
       return "causal & (window(" + std::to_string(sparse_window) + ") | strided(" + std::to_string(sparse_stride) + "))";
     return causal ? "causal" : "none";
   }
+  DType kv_dtype = DType::F32;  // the element type of K and V
+  bool sweep = false;           // a decode-sweep row: run only when asked for
 
   // Module workloads only: the layer's width; head_dim = embed_dim / q_heads.
   int64_t embed_dim() const { return q_heads * head_dim; }
@@ -92,7 +98,7 @@ struct Workload {
 // W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
 // W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 13> kWorkloads = {{
+inline constexpr std::array<Workload, 23> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -103,6 +109,10 @@ inline constexpr std::array<Workload, 13> kWorkloads = {{
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
     {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
+    {"W4-bf16", "W4, bf16 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
+     Modifier::None, true, 0, 0, DType::BF16},
+    {"W4-f16", "W4, f16 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
+     Modifier::None, true, 0, 0, DType::F16},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
     {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false, Modifier::None,
      false, 255, 256},
@@ -110,6 +120,17 @@ inline constexpr std::array<Workload, 13> kWorkloads = {{
      Modifier::None, false},
     {"W7-flash", "W7's shape, softmax", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false,
      Modifier::None, false},
+#define QKV_DECODE_SWEEP_ROW(id, keys, dtype) \
+  {id, "decode sweep", WorkloadKind::Attention, 1, 32, 32, 1, keys, 128, false, true, false, Modifier::None, false, 0, 0, dtype, true}
+    QKV_DECODE_SWEEP_ROW("decode-1k", 1024, DType::F32),
+    QKV_DECODE_SWEEP_ROW("decode-1k-bf16", 1024, DType::BF16),
+    QKV_DECODE_SWEEP_ROW("decode-4k", 4096, DType::F32),
+    QKV_DECODE_SWEEP_ROW("decode-4k-bf16", 4096, DType::BF16),
+    QKV_DECODE_SWEEP_ROW("decode-16k", 16384, DType::F32),
+    QKV_DECODE_SWEEP_ROW("decode-16k-bf16", 16384, DType::BF16),
+    QKV_DECODE_SWEEP_ROW("decode-32k", 32768, DType::F32),
+    QKV_DECODE_SWEEP_ROW("decode-32k-bf16", 32768, DType::BF16),
+#undef QKV_DECODE_SWEEP_ROW
 }};
 
 // The (query, key) pairs a sparse workload's mask lets through, over every batch and head:
@@ -170,10 +191,10 @@ inline double forward_flops(const Workload& w) {
 inline constexpr double kBackwardFlopsFactor = 2.5;
 inline double backward_flops(const Workload& w) { return kBackwardFlopsFactor * forward_flops(w); }
 
-// Bytes of K and V one call must read (float32): what bounds a decode step.
+// Bytes of K and V one call must read (in their dtype): what bounds a decode step.
 inline double kv_bytes(const Workload& w) {
   return 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.kv_heads) * static_cast<double>(w.kv_len) *
-         static_cast<double>(w.head_dim) * sizeof(float);
+         static_cast<double>(w.head_dim) * static_cast<double>(element_size(w.kv_dtype));
 }
 
 // The inputs of an attention workload, from fixed seeds.
@@ -185,8 +206,8 @@ struct AttentionInputs {
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {
   return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1),
-          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2),
-          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3)};
+          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2).to(w.kv_dtype),
+          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3).to(w.kv_dtype)};
 }
 
 inline LinearAttentionOptions make_linear_options(const Workload& w) {

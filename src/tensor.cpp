@@ -1,5 +1,5 @@
-// qkv::Tensor: a handle on shared, 64-byte aligned float storage plus a view (offset, shape,
-// strides in elements).
+// qkv::Tensor: a handle on shared, 64-byte aligned storage plus a view (offset, shape, strides
+// in elements) and the element type (F32, or BF16 / F16 for keys and values).
 #include "qkv/tensor.hpp"
 
 #include <algorithm>
@@ -87,11 +87,12 @@ std::vector<int64_t> row_major_strides(const Shape& shape) {
 // ---------------------------------------------------------------------------------------------
 // Factories
 
-Tensor Tensor::empty(const Shape& shape) {
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
   Tensor t;
   // Allocation failures name the shape that asked (qkv/memory.hpp: no std::bad_alloc escapes).
+  // Storage is counted in floats: a 16-bit tensor takes half as many, rounded up.
   try {
-    t.storage_ = std::make_shared<Storage>(shape.numel());
+    t.storage_ = std::make_shared<Storage>(dtype == DType::F32 ? shape.numel() : (shape.numel() + 1) / 2);
   } catch (const Error& e) {
     std::string what = e.what();  // "qkv: cannot allocate ..." (src/memory.cpp)
     if (what.rfind("qkv: ", 0) == 0) what.erase(0, 5);
@@ -102,10 +103,16 @@ Tensor Tensor::empty(const Shape& shape) {
   }
   t.shape_ = shape;
   t.strides_ = row_major_strides(shape);
+  t.dtype_ = dtype;
   return t;
 }
 
-Tensor Tensor::zeros(const Shape& shape) { return full(shape, 0.0f); }
+Tensor Tensor::zeros(const Shape& shape, DType dtype) {
+  if (dtype == DType::F32) return full(shape, 0.0f);
+  Tensor t = empty(shape, dtype);  // +0 is all zero bits in every dtype
+  std::memset(t.storage_->data, 0, static_cast<size_t>(t.numel()) * element_size(dtype));
+  return t;
+}
 
 Tensor Tensor::full(const Shape& shape, float value) {
   Tensor t = empty(shape);
@@ -129,6 +136,18 @@ Tensor Tensor::from_blob(float* data, const Shape& shape, std::shared_ptr<void> 
   t.storage_ = std::make_shared<Storage>(data, shape.numel(), std::move(owner));
   t.shape_ = shape;
   t.strides_ = row_major_strides(shape);
+  return t;
+}
+
+Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, std::shared_ptr<void> owner) {
+  if (dtype == DType::F32) return from_blob(static_cast<float*>(data), shape, std::move(owner));
+  if (data == nullptr && shape.numel() > 0) throw Error("Tensor::from_blob: null data for shape " + shape.str());
+  if (!owner) throw Error("Tensor::from_blob: an owner must keep the memory of " + shape.str() + " alive");
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(static_cast<float*>(data), (shape.numel() + 1) / 2, std::move(owner));
+  t.shape_ = shape;
+  t.strides_ = row_major_strides(shape);
+  t.dtype_ = dtype;
   return t;
 }
 
@@ -168,8 +187,19 @@ int64_t Tensor::size(int64_t i) const { return shape_[normalise_dim(i, dim(), "T
 
 bool Tensor::is_contiguous() const { return strides_ == row_major_strides(shape_); }
 
+void Tensor::expect_f32(const char* who) const {
+  if (dtype_ != DType::F32)
+    throw Error(std::string(who) + ": this operation needs an f32 tensor, got " + std::string(to_string(dtype_)) +
+                " " + shape_.str() + " (only attention's k and v may be bf16 or f16; convert with to(DType::F32))");
+}
+
+std::byte* Tensor::element_bytes() const {
+  return reinterpret_cast<std::byte*>(storage_->data) + offset_ * static_cast<int64_t>(element_size(dtype_));
+}
+
 float* Tensor::data() const {
   if (!defined()) throw Error("Tensor::data: the tensor is undefined");
+  expect_f32("Tensor::data");
   if (!is_contiguous())
     throw Error("Tensor::data: tensor " + shape_.str() + " with strides " + strides_str(strides_) +
                 " is not contiguous; call contiguous()");
@@ -178,11 +208,34 @@ float* Tensor::data() const {
 
 float* Tensor::view_data() const {
   if (!defined()) throw Error("Tensor::view_data: the tensor is undefined");
+  expect_f32("Tensor::view_data");
   return storage_->data + offset_;
+}
+
+void* Tensor::raw_data() const {
+  if (!defined()) throw Error("Tensor::raw_data: the tensor is undefined");
+  if (!is_contiguous())
+    throw Error("Tensor::raw_data: tensor " + shape_.str() + " with strides " + strides_str(strides_) +
+                " is not contiguous; call contiguous()");
+  return element_bytes();
+}
+
+void* Tensor::raw_view_data() const {
+  if (!defined()) throw Error("Tensor::raw_view_data: the tensor is undefined");
+  return element_bytes();
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (!defined() || dtype == dtype_) return *this;
+  const Tensor packed = contiguous();
+  Tensor t = empty(shape_, dtype);
+  convert(packed.element_bytes(), dtype_, t.element_bytes(), dtype, static_cast<size_t>(numel()));
+  return t;
 }
 
 float& Tensor::at(std::initializer_list<int64_t> index) const {
   if (!defined()) throw Error("Tensor::at: the tensor is undefined");
+  expect_f32("Tensor::at");
   if (static_cast<int64_t>(index.size()) != dim())
     throw Error("Tensor::at: " + std::to_string(index.size()) + " indices for a tensor of shape " + shape_.str());
   int64_t offset = offset_;
@@ -264,7 +317,7 @@ Tensor Tensor::contiguous() const {
 
 Tensor Tensor::clone() const {
   if (!defined()) return *this;
-  Tensor t = empty(shape_);
+  Tensor t = empty(shape_, dtype_);
   copy_to(t.storage_->data);
   return t;
 }
@@ -273,15 +326,30 @@ std::vector<float> Tensor::to_vector() const {
   std::vector<float> values;
   if (!defined()) return values;
   values.resize(static_cast<size_t>(numel()));
-  copy_to(values.data());
+  if (dtype_ == DType::F32) {
+    copy_to(values.data());
+  } else {
+    std::vector<uint16_t> bits(static_cast<size_t>(numel()));
+    copy_to(bits.data());
+    convert(bits.data(), dtype_, values.data(), DType::F32, bits.size());
+  }
   return values;
 }
 
-void Tensor::copy_to(float* destination) const {
+void Tensor::copy_to(void* destination) const {
+  if (dtype_ == DType::F32) {
+    copy_elements(static_cast<const float*>(static_cast<void*>(element_bytes())), static_cast<float*>(destination));
+  } else {
+    copy_elements(static_cast<const uint16_t*>(static_cast<void*>(element_bytes())), static_cast<uint16_t*>(destination));
+  }
+}
+
+template <class T>
+void Tensor::copy_elements(const T* data, T* destination) const {
   const int64_t count = numel();
   if (count == 0) return;
   if (is_contiguous()) {
-    std::copy_n(storage_->data + offset_, count, destination);
+    std::copy_n(data, count, destination);
     return;
   }
   // Walk the elements in row-major order: the last dim in an inner loop, an odometer over the
@@ -289,9 +357,8 @@ void Tensor::copy_to(float* destination) const {
   const std::vector<int64_t>& dims = shape_.dims();
   const size_t rank = dims.size();
   const int64_t inner = dims[rank - 1], inner_stride = strides_[rank - 1];
-  const float* data = storage_->data;
   std::vector<int64_t> index(rank, 0);
-  int64_t offset = offset_;  // of element index[0 .. rank - 2], 0
+  int64_t offset = 0;  // of element index[0 .. rank - 2], 0, from `data`
   for (int64_t n = 0; n < count; n += inner) {
     for (int64_t e = 0; e < inner; ++e) destination[n + e] = data[offset + e * inner_stride];
     for (size_t d = rank - 1; d-- > 0;) {

@@ -462,14 +462,15 @@ inline double max_abs_score(const Case& c) {
   const int64_t batch = c.q.size(0), hq = c.q.size(1), hkv = c.k.size(1);
   const int64_t nq = c.q.size(2), nk = c.k.size(2), dk = c.q.size(3);
   const float* q = c.q.data();
-  const float* k = c.k.data();
+  const std::vector<double> k_values = to_doubles(c.k);  // any dtype
+  const double* k = k_values.data();
   double largest = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t i = 0; i < nq; ++i) {
         const float* q_row = q + ((b * hq + h) * nq + i) * dk;
         for (int64_t j = 0; j < nk; ++j) {
-          const float* k_row = k + ((b * hkv + h / (hq / hkv)) * nk + j) * dk;
+          const double* k_row = k + ((b * hkv + h / (hq / hkv)) * nk + j) * dk;
           double dot = 0;
           for (int64_t d = 0; d < dk; ++d) dot += static_cast<double>(q_row[d]) * k_row[d];
           largest = std::max(largest, std::abs(dot) * c.scale);

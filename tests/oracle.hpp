@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -91,8 +92,29 @@ class Random {
 // Reading tensors. The oracle trusts nothing of the library but its storage: tensors given to
 // it must be contiguous (build them with Tensor::from), and data() throws otherwise.
 
+// A 16-bit float's value, from the IEEE formulas (not the library's conversion).
+inline double value_of_bits(uint16_t bits, qkv::DType dtype) {
+  if (dtype == qkv::DType::BF16) {  // the top half of a float32
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  const double sign = (bits & 0x8000) ? -1.0 : 1.0;
+  if (exponent == 0x1f) return mantissa ? std::numeric_limits<double>::quiet_NaN() : sign * kInf;
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
 inline std::vector<double> to_doubles(const qkv::Tensor& t) {
   if (t.numel() == 0) return {};
+  if (t.dtype() != qkv::DType::F32) {  // bf16 / f16: each element's exact value
+    const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+    std::vector<double> values(static_cast<size_t>(t.numel()));
+    for (size_t i = 0; i < values.size(); ++i) values[i] = value_of_bits(bits[i], t.dtype());
+    return values;
+  }
   const float* p = t.data();
   return std::vector<double>(p, p + t.numel());
 }

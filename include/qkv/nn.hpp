@@ -20,6 +20,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/linear_attention.hpp"
+#include "qkv/inference.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/tensor.hpp"
 
@@ -89,6 +90,9 @@ struct MultiHeadAttentionOptions {
   float softcap = 0;         // > 0: scores soft-capped, s <- softcap * tanh(s / softcap); 0: off
   bool alibi = false;        // ALiBi: head h's scores get -2^(-8 (h + 1) / num_heads) * distance
   bool sinks = false;        // a learned attention-sink logit per head (parameter `sinks`, zeros at first)
+  // Rotary position embedding (include/qkv/inference.hpp) on q and k of every forward, token n at
+  // position n (with a cache: at its position after the cached ones); none: off.
+  std::optional<RotaryEmbeddingOptions> rotary;
   std::optional<uint64_t> seed;  // initial weights and dropout decisions; none: see manual_seed
   AttentionKind attention = AttentionKind::Softmax;
   FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's phi
@@ -131,6 +135,18 @@ class MultiHeadAttention {
   MultiHeadAttentionOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                    const Mask& mask = {}, Weights weights = Weights::None) const;
 
+  // Inference with a KV cache (include/qkv/inference.hpp). make_cache: one for this layer, for
+  // `batch` sequences of up to `capacity` positions, K/V stored in `dtype`; window > 0 makes it
+  // a ring buffer of `window` slots (capacity must equal window) for a sliding-window model.
+  KVCache make_cache(int64_t batch, int64_t capacity, DType dtype = DType::F32, int64_t window = 0) const;
+  // x (B, N, embed_dim) (or (N, embed_dim)): tokens at the positions after those in the cache;
+  // their keys and values are appended, and the result is what the full causal forward over
+  // the whole sequence returns for them (with a ring buffer: the full forward under
+  // Mask::window(window - 1)). counts (one per batch element, default N): element b has only its
+  // first counts[b] tokens (right padding, for prompts of different lengths); the output rows of
+  // its padding are finite but meaningless. Keeps nothing for backward and applies no dropout.
+  MultiHeadAttentionOutput forward(const Tensor& x, KVCache& cache, const std::vector<int64_t>& counts = {}) const;
+
   // Backward of the last forward; grad_output is shaped as its output. Adds every projection's
   // parameter gradients. backward() follows forward(x) and returns dL/dx (the query, key and
   // value paths summed); backward_cross() follows either form and returns the three apart.
@@ -163,6 +179,8 @@ class MultiHeadAttention {
 
   // The ALiBi slopes (num_heads) with options().alibi, else undefined.
   const Tensor& alibi_slopes() const { return alibi_slopes_; }
+  // The rotary embedding with options().rotary, else nullptr.
+  const RotaryEmbedding* rotary() const { return rotary_ ? &*rotary_ : nullptr; }
 
   Linear q_proj, k_proj, v_proj, out_proj;
   Tensor sinks, sinks_grad;  // (num_heads) with options().sinks, else undefined
@@ -177,6 +195,7 @@ class MultiHeadAttention {
   // view (weights, biases, grads); used while those views are intact (see fused()).
   std::optional<Linear> in_proj_;
   Tensor alibi_slopes_;
+  std::optional<RotaryEmbedding> rotary_;
   bool training_ = true;
   mutable uint64_t dropout_calls_ = 0;  // advances the dropout seed on each training forward
 

@@ -3,8 +3,10 @@
 
 #include "qkv/analysis.hpp"
 #include "qkv/attention.hpp"
+#include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
 #include "qkv/linear_attention.hpp"
+#include "qkv/inference.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/memory.hpp"
 #include "qkv/nn.hpp"

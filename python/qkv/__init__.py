@@ -37,9 +37,9 @@ for _name in ("Backend", "Error", "Mask", "MaskParseError"):
     getattr(_core, _name).__module__ = __name__  # shown as qkv.Error, not qkv._core.Error
 
 __all__ = [
-    "Backend", "Error", "Mask", "MaskParseError", "MultiHeadAttention", "create_causal_mask", "create_padding_mask",
-    "dropout_keeps", "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention",
-    "scaled_dot_product_attention_backward",
+    "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
+    "create_causal_mask", "create_padding_mask", "dropout_keeps", "linear_attention", "linear_attention_backward",
+    "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
 _BACKENDS = {"auto": Backend.Auto, "reference": Backend.Reference, "flash": Backend.Flash,
@@ -131,6 +131,28 @@ def _check_gqa(query, key, enable_gqa):
                     f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
 
 
+def _half_bits(x):
+    """(uint16 bits, "bf16" / "f16") of a 16-bit float array or tensor (numpy float16, torch
+    float16 or bfloat16), else None."""
+    dtype = str(getattr(x, "dtype", ""))
+    if dtype in ("torch.bfloat16", "torch.float16"):  # a torch tensor, without importing torch
+        import torch  # x is a torch tensor: torch is there
+
+        bits = x.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+        return bits, "bf16" if dtype == "torch.bfloat16" else "f16"
+    if isinstance(x, np.ndarray) and x.dtype == np.float16:
+        return np.ascontiguousarray(x).view(np.uint16), "f16"
+    return None
+
+
+def _attention_half_kv(query, key_bits, value_bits, dtype, mask, scale, backend, softcap, alibi_slopes, sinks,
+                       return_lse):
+    output, lse = _core.attention_half_kv(query, key_bits, value_bits, dtype, mask,
+                                          None if scale is None else float(scale), _backend(backend), float(softcap),
+                                          _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"))
+    return (output, lse) if return_lse else output
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
                                  window=None, seed=0, backend="auto", return_lse=False, softcap=0.0,
@@ -173,7 +195,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return_row_stats, a tuple (output, weights, lse, row_max, row_sum) holding those asked for,
     in that order. A query that
     sees no key gets zeros (PyTorch gives NaN).
+
+    key and value may both be 16-bit (numpy float16, torch float16 or bfloat16) with a float32
+    query: read as they are (docs/inference.md); the output stays float32. Inference only: no
+    need_weights, dropout or row stats.
     """
+    key_half, value_half = _half_bits(key), _half_bits(value)
+    if key_half is not None or value_half is not None:
+        if key_half is None or value_half is None or key_half[1] != value_half[1]:
+            raise Error(f"key is {getattr(key, 'dtype', '?')} but value is {getattr(value, 'dtype', '?')}: "
+                        "16-bit keys and values must share a dtype")
+        if need_weights or dropout_p or return_row_stats:
+            raise Error("16-bit key/value are for inference: no need_weights, dropout_p or return_row_stats")
+        query = _as_float32(query, "query", allow_cast)
+        _check_gqa(query, key_half[0], enable_gqa)
+        mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
+        return _attention_half_kv(query, key_half[0], value_half[0], key_half[1], mask, scale, backend, softcap,
+                                  alibi_slopes, sinks, return_lse)
     query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
                          _as_float32(value, "value", allow_cast))
     _check_gqa(query, key, enable_gqa)
@@ -386,8 +424,13 @@ class MultiHeadAttention:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    def make_cache(self, batch, capacity, dtype="f32", window=0):
+        """A qkv.KVCache for this layer: batch sequences of up to capacity positions, keys and
+        values stored in dtype ("f32", "bf16", "f16"); window > 0: a ring buffer of window slots."""
+        return KVCache(self._core.make_cache(int(batch), int(capacity), str(dtype), int(window)))
+
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
-                average_attn_weights=True, is_causal=False, allow_cast=False):
+                average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None):
         """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
 
         query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
@@ -407,10 +450,25 @@ class MultiHeadAttention:
 
         allow_cast: accept float64 inputs, converted to float32 (by default an error, as in PyTorch).
 
+        cache: a qkv.KVCache from make_cache (self-attention, inference): query's tokens are the
+          positions after those in the cache; their keys and values are appended and the output
+          is what the full causal forward over the whole sequence gives them. counts: tokens of
+          each batch element (right padding; default all). No masks or weights with a cache.
+
         Returns (output, weights or None), as PyTorch does; output is (B, Nq, embed_dim)
         (or (Nq, B, embed_dim) without batch_first).
         """
         query = _as_float32(query, "query", allow_cast)
+        if cache is not None:
+            if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
+                    or need_weights:
+                raise Error("forward with a cache is causal self-attention: no key, value, masks or weights")
+            x = np.swapaxes(query, 0, 1) if query.ndim == 3 and not self.batch_first else query
+            output = self._core.forward_cached(np.ascontiguousarray(x), cache._core,
+                                               [] if counts is None else [int(c) for c in counts])
+            if query.ndim == 3 and not self.batch_first:
+                output = np.swapaxes(output, 0, 1)
+            return output, None
         key_given, value_given = key is not None, value is not None
         self_attention = not key_given and not value_given  # forward(x): one fused projection
         key = query if key is None else _as_float32(key, "key", allow_cast)
@@ -476,6 +534,30 @@ class MultiHeadAttention:
     def __repr__(self):
         return (f"qkv.MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first})")
+
+
+class KVCache:
+    """One attention layer's keys and values for incremental decoding (make it with
+    MultiHeadAttention.make_cache): preallocated, stored in "f32", "bf16" or "f16"."""
+
+    def __init__(self, core):
+        self._core = core
+
+    length = property(lambda self: self._core.length)
+    lengths = property(lambda self: list(self._core.lengths))
+    capacity = property(lambda self: self._core.capacity)
+    window = property(lambda self: self._core.window)
+    dtype = property(lambda self: self._core.dtype)
+
+    def reset(self):
+        """Forget every position; the storage stays."""
+        self._core.reset()
+
+    def __repr__(self):
+        return f"qkv.KVCache(length={self.length}, capacity={self.capacity}, dtype={self.dtype!r})"
+
+
+RotaryEmbedding = _core.RotaryEmbedding
 
 
 def __getattr__(name):

@@ -77,6 +77,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     not differentiated) and sinks ((Hq) float32 tensor: it gets a gradient when it requires one).
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
+    if isinstance(key, torch.Tensor) and key.dtype in (torch.bfloat16, torch.float16):
+        # 16-bit keys and values (a KV cache): forward only, read as they are (docs/inference.md).
+        import qkv
+
+        _check_tensor(query, "query")
+        if query.requires_grad or key.requires_grad or value.requires_grad:
+            raise Error("qkv.torch.scaled_dot_product_attention: 16-bit key/value are for inference; "
+                        "their backward is not supported (use float32 to train)")
+        output = qkv.scaled_dot_product_attention(
+            _numpy(query), key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, key_lengths=key_lengths, window=window, seed=seed, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=_numpy(sinks))
+        return torch.from_numpy(output)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)
     if sinks is not None:

@@ -94,6 +94,20 @@ py::object to_numpy(const qkv::Tensor& tensor) {
   return py::array_t<float>(shape, strides, owner->numel() > 0 ? owner->data() : nullptr, keep_alive);
 }
 
+// 16-bit K/V arrive as their raw bits (python/qkv/__init__.py views numpy float16 and torch
+// bfloat16 / float16 as uint16), wrapped without copying, with the dtype they hold.
+using BitsArray = py::array_t<uint16_t, py::array::c_style>;
+
+qkv::Tensor bits_tensor(const BitsArray& a, qkv::DType dtype) {
+  std::shared_ptr<void> owner(new py::object(a), [](void* p) {
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+  return qkv::Tensor::from_blob(const_cast<uint16_t*>(a.data()),
+                                qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), dtype,
+                                std::move(owner));
+}
+
 // ---- the functional core
 
 // The options every attention call takes, gathered from the keywords (the score modifiers
@@ -130,6 +144,22 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
   }
   return py::make_tuple(to_numpy(result.output), to_numpy(result.weights), to_numpy(result.lse),
                         to_numpy(result.row_max), to_numpy(result.row_sum));
+}
+
+// Forward with 16-bit K/V ("bf16" or "f16" bits): returns (output, lse). Inference only: no
+// weights, no dropout (the backward refuses 16-bit K/V).
+py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsArray& v, const std::string& dtype,
+                            const qkv::Mask& mask, std::optional<float> scale, qkv::Backend backend, float softcap,
+                            const std::optional<FloatArray>& alibi_slopes, const std::optional<FloatArray>& sinks) {
+  const qkv::AttentionOptions options = make_options(mask, scale, 0.0f, 0, backend, softcap, alibi_slopes, sinks);
+  const qkv::DType type = qkv::dtype_from_string(dtype);
+  const qkv::Tensor qt = to_tensor(q), kt = bits_tensor(k, type), vt = bits_tensor(v, type);
+  qkv::AttentionResult result;
+  {
+    py::gil_scoped_release release;
+    result = qkv::scaled_dot_product_attention(qt, kt, vt, options);
+  }
+  return py::make_tuple(to_numpy(result.output), to_numpy(result.lse));
 }
 
 // qkv::scaled_dot_product_attention_backward: (dq, dk, dv, dsinks or None) from the forward's
@@ -337,6 +367,10 @@ does; `&` binds tighter). A union with an additive array is an error.
   m.def("linear_attention_backward", &linear_attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("grad_output"), py::arg("feature_map"), py::arg("causal"), py::arg("eps"), py::arg("causal_offset"),
         "qkv::linear_attention_backward: returns (dq, dk, dv).");
+  m.def("attention_half_kv", &attention_half_kv, py::arg("q"), py::arg("k_bits"), py::arg("v_bits"),
+        py::arg("dtype"), py::arg("mask"), py::arg("scale"), py::arg("backend"), py::arg("softcap") = 0.0f,
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        "qkv::scaled_dot_product_attention with K and V given as bf16 or f16 bits: returns (output, lse).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
         [](const std::vector<int64_t>& lengths, int64_t max_len) {
@@ -374,5 +408,55 @@ does; `&` binds tighter). A union with an additive array is an error.
       .def_property_readonly("head_dim", &qkv::nn::MultiHeadAttention::head_dim)
       .def_property_readonly("kdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().kdim; })
       .def_property_readonly("vdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().vdim; })
-      .def_property_readonly("parameter_count", &qkv::nn::MultiHeadAttention::parameter_count);
+      .def_property_readonly("parameter_count", &qkv::nn::MultiHeadAttention::parameter_count)
+      .def("make_cache",
+           [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
+              int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },
+           py::arg("batch"), py::arg("capacity"), py::arg("dtype") = "f32", py::arg("window") = 0)
+      .def("forward_cached",
+           [](const qkv::nn::MultiHeadAttention& m, const FloatArray& x, qkv::nn::KVCache& cache,
+              const std::vector<int64_t>& counts) {
+             const qkv::Tensor xt = to_tensor(x);
+             qkv::Tensor out;
+             {
+               py::gil_scoped_release release;
+               out = m.forward(xt, cache, counts).output;
+             }
+             return to_numpy(out);
+           },
+           py::arg("x"), py::arg("cache"), py::arg("counts") = std::vector<int64_t>());
+
+  // ---- inference (include/qkv/inference.hpp)
+  py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(
+One attention layer's keys and values, (batch, kv_heads, capacity, head_dim) each, allocated once
+in dtype "f32", "bf16" or "f16"; window > 0 makes it a ring buffer of window slots.
+)doc")
+      .def(py::init([](int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, const std::string& dtype,
+                       int64_t window) {
+             return qkv::nn::KVCache(batch, kv_heads, capacity, head_dim, qkv::dtype_from_string(dtype), window);
+           }),
+           py::arg("batch"), py::arg("kv_heads"), py::arg("capacity"), py::arg("head_dim"), py::arg("dtype") = "f32",
+           py::arg("window") = 0)
+      .def_property_readonly("length", [](const qkv::nn::KVCache& c) { return c.length(); })
+      .def_property_readonly("lengths", &qkv::nn::KVCache::lengths)
+      .def_property_readonly("capacity", &qkv::nn::KVCache::capacity)
+      .def_property_readonly("window", &qkv::nn::KVCache::window)
+      .def_property_readonly("dtype", [](const qkv::nn::KVCache& c) { return std::string(qkv::to_string(c.dtype())); })
+      .def("reset", &qkv::nn::KVCache::reset)
+      .def("keys", [](const qkv::nn::KVCache& c) { return to_numpy(c.keys(c.capacity()).to(qkv::DType::F32)); },
+           "The whole key storage as float32 (a copy).");
+
+  py::class_<qkv::nn::RotaryEmbedding>(m, "RotaryEmbedding", R"doc(
+Rotary position embedding: pair i of a head vector at position p rotated by p * base^(-2i/D);
+half-split pairs (x_i, x_{i+D/2}) by default (GPT-NeoX, LLaMA), adjacent pairs with interleaved.
+)doc")
+      .def(py::init([](int64_t head_dim, double base, bool interleaved) {
+             return qkv::nn::RotaryEmbedding(head_dim, {.base = base, .interleaved = interleaved});
+           }),
+           py::arg("head_dim"), py::arg("base") = 10000.0, py::arg("interleaved") = false)
+      .def("apply",
+           [](const qkv::nn::RotaryEmbedding& r, const FloatArray& x, int64_t position_offset) {
+             return to_numpy(r.apply(to_tensor(x), position_offset));
+           },
+           py::arg("x"), py::arg("position_offset") = 0);
 }

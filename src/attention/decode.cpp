@@ -46,6 +46,7 @@
 #define HWY_TARGET_INCLUDE "attention/decode.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/kv_load-inl.h"
 #include "attention/pipeline-inl.h"
 #include "hwy/highway.h"
 
@@ -118,7 +119,7 @@ struct Plan {
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on its
 // own cache line.
 struct ScratchLayout {
-  size_t q, scores, out, running_max, row_sum, total;
+  size_t q, scores, out, running_max, row_sum, v_wide, total;
 
   explicit ScratchLayout(const Plan& plan) {
     size_t at = 0;
@@ -127,11 +128,13 @@ struct ScratchLayout {
       at += round_up(floats, kCacheLineFloats);
       return start;
     };
+    const size_t out_stride = plan.out_stride;
     q = take(kRowBlock * plan.q_stride);    // Qs (rows, Dk), scaled
     scores = take(kRowBlock * kKeyTile);     // S then P (rows, Bc)
-    out = take(kRowBlock * plan.out_stride);  // O (rows, Dv), unnormalised
+    out = take(kRowBlock * out_stride);       // O (rows, Dv), unnormalised
     running_max = take(kRowBlock);           // per row: m
     row_sum = take(kRowBlock);               // per row: l
+    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened, only when masks hide keys
     total = at;
   }
 };
@@ -184,7 +187,7 @@ HWY_INLINE void WithConstant(size_t n, const Body& body) {
 }
 
 // Prefetches the cache lines of [begin, end) into L2 (locality hint 2: prefetcht1 on x86).
-HWY_INLINE void PrefetchRange(const float* begin, const float* end) {
+HWY_INLINE void PrefetchRange(const void* begin, const void* end) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
   for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(end); line += 64)
     __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
@@ -193,9 +196,9 @@ HWY_INLINE void PrefetchRange(const float* begin, const float* end) {
 // ---- Step 1's register tile: s[r * kKeyTile + x] = sum_d q[r * q_stride + d] keys[x][d] for
 // Rows rows and kScoreKeys keys. Vectors over the first `full` dims (a whole number of vectors),
 // then a scalar tail up to dk: K rows are read in place and must not be read past their end.
-template <size_t Rows>
+template <size_t Rows, class T>
 HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, size_t q_stride,
-                          const float* const* keys, float* HWY_RESTRICT s) {
+                          const T* const* keys, float* HWY_RESTRICT s) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   VF acc[Rows][kScoreKeys];
@@ -207,7 +210,7 @@ HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, s
   for (size_t d = 0; d < full; d += lanes) {
     VF key_vec[kScoreKeys];
     HWY_UNROLL(16)
-    for (size_t x = 0; x < kScoreKeys; ++x) key_vec[x] = hn::LoadU(df, keys[x] + d);
+    for (size_t x = 0; x < kScoreKeys; ++x) key_vec[x] = kv::LoadWide(df, keys[x] + d);
     HWY_UNROLL(16)
     for (size_t r = 0; r < Rows; ++r) {
       const VF q_vec = hn::Load(df, q + r * q_stride + d);
@@ -220,7 +223,7 @@ HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, s
     HWY_UNROLL(16)
     for (size_t x = 0; x < kScoreKeys; ++x) {
       float dot = hn::GetLane(hn::SumOfLanes(df, acc[r][x]));
-      for (size_t d = full; d < dk; ++d) dot += q[r * q_stride + d] * keys[x][d];
+      for (size_t d = full; d < dk; ++d) dot += q[r * q_stride + d] * kv::ToFloat(keys[x][d]);
       s[r * kKeyTile + x] = dot;
     }
   }
@@ -228,8 +231,8 @@ HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, s
 
 // ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
 // v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns.
-template <size_t Rows, size_t Vectors>
-HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const float* HWY_RESTRICT v, size_t dv,
+template <size_t Rows, size_t Vectors, class T>
+HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const T* HWY_RESTRICT v, size_t dv,
                           float* HWY_RESTRICT o, size_t o_stride) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
@@ -242,7 +245,7 @@ HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const float*
   for (size_t j = 0; j < cols; ++j) {
     VF v_vec[Vectors];
     HWY_UNROLL(16)
-    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = hn::LoadU(df, v + j * dv + n * lanes);
+    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = kv::LoadWide(df, v + j * dv + n * lanes);
     HWY_UNROLL(16)
     for (size_t r = 0; r < Rows; ++r) {
       const VF weight = hn::Set(df, p[r * kKeyTile + j]);  // broadcast, folded into the FMA
@@ -261,11 +264,32 @@ namespace step = pipeline;
 
 // One worker's view of its scratch block (decode::ScratchLayout).
 struct Scratch {
-  float *q, *scores, *out, *running_max, *row_sum;
+  float *q, *scores, *out, *running_max, *row_sum, *v_wide;
   Scratch(float* base, const decode::ScratchLayout& l)
       : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
-        row_sum(base + l.row_sum) {}
+        row_sum(base + l.row_sum), v_wide(base + l.v_wide) {}
 };
+
+// K and V rows of element type T: float (p.k, p.v) or 16 bits (p.k_bits, p.v_bits), read in place.
+template <class T>
+HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p.k.row(b, g, j);
+  } else {
+    return reinterpret_cast<const T*>(p.k_bits.row(b, g, j));
+  }
+}
+template <class T>
+HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p.v.row(b, g, j);
+  } else {
+    return reinterpret_cast<const T*>(p.v_bits.row(b, g, j));
+  }
+}
+HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
+  return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
+}
 
 // Row r of an item of group g: query head g G + r / Nq, query r % Nq.
 struct RowCoords {
@@ -276,25 +300,28 @@ HWY_INLINE RowCoords RowOf(const AttentionProblem& p, const decode::Plan& plan, 
 }
 
 // Step "load a tile": prefetch the K and V rows of keys [first, last) of head (b, g) into L2.
+template <class T>
 HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last) {
   for (int64_t j = first; j < last; ++j) {
-    PrefetchRange(p.k.row(b, g, j), p.k.row(b, g, j) + p.head_dim);
-    PrefetchRange(p.v.row(b, g, j), p.v.row(b, g, j) + p.value_dim);
+    PrefetchRange(KeyRow<T>(p, b, g, j), KeyRow<T>(p, b, g, j) + p.head_dim);
+    PrefetchRange(ValueRow<T>(p, b, g, j), ValueRow<T>(p, b, g, j) + p.value_dim);
   }
 }
 
 // Step "scores": S (rows x Bc) = Qs K_tile^T for keys [j0, j0 + cols), keys outer so the
 // kScoreKeys K rows are reused from L1 by every row; prefetches kPrefetchKeys ahead within
 // [.., end). Past the tile's last key the pointers repeat that key (overwritten with -inf later).
+template <class T>
 void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows, int64_t j0,
                   size_t cols, int64_t end, const Scratch& w) {
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
-    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys;
-    if (ahead < end) PrefetchKeys(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end));
-    const float* keys[kScoreKeys];
-    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = p.k.row(b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)));
+    // The same distance in bytes whatever the element type: twice the keys for 16-bit K/V.
+    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
+    if (ahead < end) PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end));
+    const T* keys[kScoreKeys];
+    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)));
     for (size_t r = 0; r < rows; r += kScoreRows) {
       WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
         ScoreTile<decltype(tile_rows)::value>(dk, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
@@ -306,11 +333,11 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
 
 // Step "accumulate": O += P V_tile, column blocks outer so a block of V's columns is reused from
 // L1 by every row block; then the columns past the last whole vector.
+template <class T>
 void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
-                      const float* HWY_RESTRICT v_tile, const Scratch& w) {
+                      const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
-  const size_t v_stride = static_cast<size_t>(p.v.row_stride);
   for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
     const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
     for (size_t r = 0; r < rows; r += kValueRows) {
@@ -325,20 +352,22 @@ void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_
   for (size_t r = 0; r < rows; ++r)
     for (size_t c = full_dv; c < dv; ++c) {
       float sum = w.out[r * plan.out_stride + c];
-      for (size_t j = 0; j < cols; ++j) sum += w.scores[r * kKeyTile + j] * v_tile[j * v_stride + c];
+      for (size_t j = 0; j < cols; ++j) sum += w.scores[r * kKeyTile + j] * kv::ToFloat(v_tile[j * v_stride + c]);
       w.out[r * plan.out_stride + c] = sum;
     }
 }
 
 // One key tile [j0, j0 + cols) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and
 // mask per row, the online softmax update, dropout, O += P V.
+template <class T>
 void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
                    int64_t j0, size_t cols, int64_t end, bool band, const Scratch& w) {
   const size_t dv = static_cast<size_t>(p.value_dim);
-  const float* HWY_RESTRICT v_tile = p.v.row(b, g, j0);
+  const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, j0);
+  const size_t v_stride = ValueRowStride(p);
   // 1. Scores. 2. Modifiers and mask, one query's line over the tile's keys at a time; the
   // columns past the tile's last key are hidden after the modifiers (softcap(-inf) is finite).
-  DecodeScores(p, plan, b, g, rows, j0, cols, end, w);
+  DecodeScores<T>(p, plan, b, g, rows, j0, cols, end, w);
   const bool per_element = band || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
     float* HWY_RESTRICT s = w.scores + r * kKeyTile;
@@ -352,12 +381,25 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
     // 4. Dropout on P.
     if (p.dropout_p > 0) step::Dropout(p, {b, row.h, row.i, j0, 0, 1}, s, cols);
   }
-  // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf.
+  // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf (a 16-bit
+  // tile is widened into scratch for that check: masked tiles only).
   const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
-  if (some_hidden && !step::RowsFinite(v_tile, cols, dv, p.v.row_stride)) {
-    accumulate_skipping_zeros(rows, cols, dv, w.scores, kKeyTile, 1, v_tile, p.v.row_stride, w.out, plan.out_stride, 1);
+  if (!some_hidden) return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+  const float* wide = nullptr;
+  size_t wide_stride = v_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    wide = v_tile;
   } else {
-    DecodeAccumulate(p, plan, rows, cols, v_tile, w);
+    for (size_t j = 0; j < cols; ++j)
+      convert(v_tile + j * v_stride, p.kv_dtype, w.v_wide + j * plan.out_stride, DType::F32, dv);
+    wide = w.v_wide;
+    wide_stride = plan.out_stride;
+  }
+  if (!step::RowsFinite(wide, cols, dv, static_cast<int64_t>(wide_stride))) {
+    accumulate_skipping_zeros(rows, cols, dv, w.scores, kKeyTile, 1, wide, static_cast<int64_t>(wide_stride), w.out,
+                              plan.out_stride, 1);
+  } else {
+    DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
   }
 }
 
@@ -378,6 +420,7 @@ TileVisibility RuleTileOfRows(const AttentionProblem& p, const decode::Plan& pla
 // One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys
 // [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`; the first
 // chunk starts each row's softmax with its sink, if any.
+template <class T>
 void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0,
                        size_t rows, int64_t chunk_begin, int64_t chunk_end, float* HWY_RESTRICT scratch) {
   const size_t dk = static_cast<size_t>(p.head_dim);
@@ -414,7 +457,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
       if (rule == TileVisibility::Hidden) continue;
       band = band || rule == TileVisibility::Partial;
     }
-    DecodeKeyTile(p, plan, b, g, r0, rows, j0, cols, end, band, w);
+    DecodeKeyTile<T>(p, plan, b, g, r0, rows, j0, cols, end, band, w);
   }
 }
 
@@ -431,7 +474,15 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b,
 
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
-    RowBlockOverChunk(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+    switch (p.kv_dtype) {  // K and V read in their own element type, never widened to memory
+      case DType::F32: RowBlockOverChunk<float>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch); break;
+      case DType::BF16:
+        RowBlockOverChunk<hwy::bfloat16_t>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
+      case DType::F16:
+        RowBlockOverChunk<hwy::float16_t>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
+    }
     for (size_t r = 0; r < rows; ++r) {
       const float* o = w.out + r * plan.out_stride;
       if (plan.chunks == 1) {

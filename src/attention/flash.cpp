@@ -17,7 +17,8 @@
 // of B":
 //   S^T = K Qt      A = K rows (read in place),          B = Qt rows
 //   Ot += V^T P^T   A = V^T (V read in place, transposed by its strides), B = P^T rows
-// so neither K nor V is ever copied.
+// so neither K nor V is ever copied (16-bit K/V: each tile is widened into L1 scratch as it
+// is loaded, LoadKvTile).
 //
 // Memory traffic per item (Dk = Dv = d, visible keys n): Q and O once (2 Br d floats), K and V
 // once per item (2 n d floats, from L2: consecutive items share a head), against 4 Br n d flops;
@@ -38,6 +39,7 @@
 #define HWY_TARGET_INCLUDE "attention/flash.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/kv_load-inl.h"
 #include "attention/pipeline-inl.h"
 #include "hwy/highway.h"
 
@@ -68,11 +70,11 @@ constexpr size_t kKeyTile = 64;
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, k_wide, v_wide;
   size_t gather_out, gather_max, gather_sum, gather_correction;  // the strided diagonals' softmax
   size_t total;
 
-  ScratchLayout(size_t br, size_t dk, size_t dv) {
+  ScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false) {
     size_t at = 0;
     auto take = [&](size_t floats) {
       const size_t start = at;
@@ -90,6 +92,8 @@ struct ScratchLayout {
     gather_max = take(br);
     gather_sum = take(br);
     gather_correction = take(br);
+    k_wide = take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
+    v_wide = take(wide_kv ? kKeyTile * dv : 0);
     total = at;
   }
 };
@@ -117,14 +121,51 @@ int64_t CompiledTarget() { return HWY_TARGET; }
 
 // One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
-  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen;
+  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *k_wide, *v_wide;
   float *gather_out, *gather_max, *gather_sum, *gather_correction;
   Scratch(float* base, const flash::ScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
         row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen),
-        gather_out(base + l.gather_out), gather_max(base + l.gather_max), gather_sum(base + l.gather_sum),
-        gather_correction(base + l.gather_correction) {}
+        k_wide(base + l.k_wide), v_wide(base + l.v_wide), gather_out(base + l.gather_out),
+        gather_max(base + l.gather_max), gather_sum(base + l.gather_sum), gather_correction(base + l.gather_correction) {}
 };
+
+// Step "load a tile" for 16-bit K/V: rows [j0, j0 + cols) of head (b, g) widened into `to`
+// (packed, `dim` floats a row), SIMD over each row and a scalar tail.
+template <class T>
+void WidenTile(const Rows<const uint16_t>& rows, int64_t b, int64_t g, int64_t j0, size_t cols, size_t dim,
+               float* HWY_RESTRICT to) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t j = 0; j < cols; ++j) {
+    const T* HWY_RESTRICT from = reinterpret_cast<const T*>(rows.row(b, g, j0 + static_cast<int64_t>(j)));
+    float* HWY_RESTRICT row = to + j * dim;
+    size_t c = 0;
+    for (; c + lanes <= dim; c += lanes) hn::StoreU(kv::LoadWide(df, from + c), df, row + c);
+    for (; c < dim; ++c) row[c] = kv::ToFloat(from[c]);
+  }
+}
+
+// The K and V tiles of keys [j0, j0 + cols) as floats: read in place when they are, widened
+// into the worker's scratch when they are 16-bit.
+struct KvTile {
+  const float* k;
+  int64_t k_stride;
+  const float* v;
+  int64_t v_stride;
+};
+KvTile LoadKvTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, size_t cols, const Scratch& w) {
+  if (p.kv_dtype == DType::F32) return {p.k.row(b, g, j0), p.k.row_stride, p.v.row(b, g, j0), p.v.row_stride};
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  if (p.kv_dtype == DType::BF16) {
+    WidenTile<hwy::bfloat16_t>(p.k_bits, b, g, j0, cols, dk, w.k_wide);
+    WidenTile<hwy::bfloat16_t>(p.v_bits, b, g, j0, cols, dv, w.v_wide);
+  } else {
+    WidenTile<hwy::float16_t>(p.k_bits, b, g, j0, cols, dk, w.k_wide);
+    WidenTile<hwy::float16_t>(p.v_bits, b, g, j0, cols, dv, w.v_wide);
+  }
+  return {w.k_wide, std::max<int64_t>(p.head_dim, 1), w.v_wide, std::max<int64_t>(p.value_dim, 1)};
+}
 
 // One key tile [j0, j0 + cols) of work item (b, h, i0): scores, modifiers and mask, the online
 // softmax update, dropout, and Ot += V^T P^T.
@@ -133,11 +174,12 @@ void FlashKeyTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, s
   const size_t br = QueryTileRows();
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t g = p.kv_head_of(h);
-  const float* HWY_RESTRICT k_tile = p.k.row(b, g, j0);
-  const float* HWY_RESTRICT v_tile = p.v.row(b, g, j0);
+  const KvTile kv = LoadKvTile(p, b, g, j0, cols, w);
+  const float* HWY_RESTRICT k_tile = kv.k;
+  const float* HWY_RESTRICT v_tile = kv.v;
 
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place.
-  PanelGemm<kTileVectors>(cols, dk, k_tile, static_cast<size_t>(p.k.row_stride), 1, w.q_t, br, w.scores, br, false);
+  PanelGemm<kTileVectors>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
   // 2. Modifiers and mask, one key line over the tile's queries at a time.
   const bool per_element = !fully_visible || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
   if (per_element)
@@ -154,10 +196,10 @@ void FlashKeyTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, s
   // 5. Ot += V_tile^T P^T: A(c, j) = V[j0 + j, c], row stride 1 and depth stride V's row stride.
   // Skipping zero weights when a hidden key's V may be NaN or Inf.
   const bool some_hidden = !fully_visible || !p.terms.empty() || p.dropout_p > 0;
-  if (some_hidden && !step::RowsFinite(v_tile, cols, dv, p.v.row_stride)) {
-    accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, p.v.row_stride, w.out_t, 1, br);
+  if (some_hidden && !step::RowsFinite(v_tile, cols, dv, kv.v_stride)) {
+    accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
   } else {
-    PanelGemm<kTileVectors>(dv, cols, v_tile, 1, static_cast<size_t>(p.v.row_stride), w.scores, br, w.out_t, br, true);
+    PanelGemm<kTileVectors>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true);
   }
 }
 
@@ -275,7 +317,7 @@ void FlashQueryTile(const AttentionProblem& p, const StridedSplit* split, int64_
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t nk = p.kv_len;
   const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), p.q_len - i0));
-  const Scratch w(scratch, flash::ScratchLayout(br, dk, dv));
+  const Scratch w(scratch, flash::ScratchLayout(br, dk, dv, p.kv_dtype != DType::F32));
 
   // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any).
   step::PackTransposed(p.q, b, h, i0, rows, dk, br, p.scale, w.q_t);
@@ -352,13 +394,15 @@ void flash_attention(const AttentionProblem& problem) {
   const int threads = threads_for(flops);
   const int workers = static_cast<int>(std::min<int64_t>(threads, items));
   const size_t block =
-      flash::ScratchLayout(br, static_cast<size_t>(problem.head_dim), static_cast<size_t>(problem.value_dim)).total;
+      flash::ScratchLayout(br, static_cast<size_t>(problem.head_dim), static_cast<size_t>(problem.value_dim),
+                           problem.kv_dtype != DType::F32).total;
   // The calling thread's workspace holds every worker's block and is kept for the next call.
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
-  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest`, the strided keys are gathered.
+  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest`, the strided keys are gathered
+  // (from float K/V rows; 16-bit K/V take the tiles, which widen what they load).
   const StridedSplit split = strided_split(problem.rule, static_cast<int64_t>(flash::kKeyTile));
   std::optional<AttentionProblem> tiles_problem;
-  if (split.rest >= 0) {
+  if (split.rest >= 0 && problem.kv_dtype == DType::F32) {
     tiles_problem = problem;
     tiles_problem->rule.root_node = split.rest;
   }

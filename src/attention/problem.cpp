@@ -169,14 +169,21 @@ Rows<T> rows_of(const Tensor& t) {
   // A single row's stride is never used to step, but GEMMs take it as a leading dimension,
   // which must cover a row.
   const int64_t row_stride = t.size(-2) <= 1 ? std::max<int64_t>(t.size(-1), 1) : st[st.size() - 2];
+  T* data;
+  if constexpr (sizeof(T) == sizeof(float)) {
+    data = t.view_data();  // checks that t is F32
+  } else {
+    data = static_cast<T*>(t.raw_view_data());
+  }
   switch (t.dim()) {
-    case 2: return {t.view_data(), 0, 0, row_stride};
-    case 3: return {t.view_data(), st[0], 0, row_stride};
-    default: return {t.view_data(), st[0], st[1], row_stride};
+    case 2: return {data, 0, 0, row_stride};
+    case 3: return {data, st[0], 0, row_stride};
+    default: return {data, st[0], st[1], row_stride};
   }
 }
 template Rows<const float> rows_of<const float>(const Tensor&);
 template Rows<float> rows_of<float>(const Tensor&);
+template Rows<const uint16_t> rows_of<const uint16_t>(const Tensor&);
 
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttentionOptions& options) {
@@ -185,6 +192,12 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   const Dims kd = read_dims(who, k, "k");
   const Dims vd = read_dims(who, v, "v");
   check_shapes(who, q, k, v, qd, kd, vd);
+  if (q.dtype() != DType::F32)
+    fail(who, "q " + q.shape().str() + " is " + std::string(to_string(q.dtype())) +
+                  ": attention needs q in f32 (k and v may be bf16 or f16)");
+  if (k.dtype() != v.dtype())
+    fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
+                  ": k and v must share a dtype");
 
   // ---- scalar options
   const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(qd.dim)));
@@ -220,10 +233,15 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   // ---- operands, read in place when their last dim is contiguous
   built.held.push_back(readable(q));
   const Rows<const float> q_rows = rows_of<const float>(built.held.back());
+  const bool wide_kv = k.dtype() == DType::F32;
   built.held.push_back(readable(k));
-  const Rows<const float> k_rows = rows_of<const float>(built.held.back());
+  const Tensor& k_held = built.held.back();
+  const Rows<const float> k_rows = wide_kv ? rows_of<const float>(k_held) : Rows<const float>{};
+  const Rows<const uint16_t> k_bits = wide_kv ? Rows<const uint16_t>{} : rows_of<const uint16_t>(k_held);
   built.held.push_back(readable(v));
-  const Rows<const float> v_rows = rows_of<const float>(built.held.back());
+  const Tensor& v_held = built.held.back();
+  const Rows<const float> v_rows = wide_kv ? rows_of<const float>(v_held) : Rows<const float>{};
+  const Rows<const uint16_t> v_bits = wide_kv ? Rows<const uint16_t>{} : rows_of<const uint16_t>(v_held);
 
   built.problem = AttentionProblem{
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
@@ -235,6 +253,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .rule = std::move(rule),
       .dropout_p = options.dropout_p, .seed = options.seed,
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
+      .kv_dtype = k.dtype(), .k_bits = k_bits, .v_bits = v_bits,
   };
   return built;
 }
@@ -287,6 +306,9 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
                             const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
                             const AttentionOptions& options) {
   const char* who = "scaled_dot_product_attention_backward: ";
+  if (k.defined() && v.defined() && (k.dtype() != DType::F32 || v.dtype() != DType::F32))
+    fail(who, "k is " + std::string(to_string(k.dtype())) + " and v is " + std::string(to_string(v.dtype())) +
+                  ": the backward needs f32 k and v (16-bit k/v are for inference); convert with to(DType::F32)");
   built.forward = build_problem(who, q, k, v, options);
   BuiltProblem& f = built.forward;
   expect_shape(who, grad_output, "grad_output", f.output_shape, "the forward's output");

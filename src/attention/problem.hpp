@@ -30,8 +30,8 @@ struct AttentionProblem {
   int64_t q_len, kv_len;             // Nq, Nk
   int64_t head_dim, value_dim;       // Dk, Dv
   Rows<const float> q;               // (B, Hq, Nq, Dk)
-  Rows<const float> k;               // (B, Hkv, Nk, Dk)
-  Rows<const float> v;               // (B, Hkv, Nk, Dv)
+  Rows<const float> k;               // (B, Hkv, Nk, Dk), when kv_dtype is F32 (else data null)
+  Rows<const float> v;               // (B, Hkv, Nk, Dv), when kv_dtype is F32 (else data null)
   float scale;
 
   // Score modifiers, applied to s = scale * q.k in this order, before the mask.
@@ -57,6 +57,12 @@ struct AttentionProblem {
   float* row_max;      // (B, Hq, Nq) packed: each row's max score (the sink included)
   float* row_sum;      // (B, Hq, Nq) packed: sum_j exp(s_ij - row_max)
 
+  // K and V stored in 16 bits (qkv/dtype.hpp): kv_dtype BF16 or F16, and k_bits / v_bits view
+  // them (k and v are then null). Decode reads them in place, flash widens each tile as it
+  // loads it, the reference widens a copy (with_float_kv, kv_dtype.cpp).
+  DType kv_dtype = DType::F32;
+  Rows<const uint16_t> k_bits, v_bits;
+
   // Grouped-query attention: the key/value head that query head h reads.
   int64_t kv_head_of(int64_t h) const { return h / (q_heads / kv_heads); }
   // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq,
@@ -72,6 +78,10 @@ struct AttentionProblem {
     return band_end < key_lengths[b] ? band_end : key_lengths[b];
   }
 };
+
+// Runs `kernel` on `problem` with K and V widened to packed float copies when they are 16-bit
+// (kv_dtype.cpp): for the kernel that reads float K/V only (the reference).
+void with_float_kv(const AttentionProblem& problem, void (*kernel)(const AttentionProblem&));
 
 // The backward problem: the forward's problem (q, k, v, scale, modifiers, masks, dropout; its
 // outputs left null) plus what the forward returned and the gradients to write. The weights are

@@ -128,6 +128,7 @@ void weights_of_head(const AttentionProblem& p, int64_t b, int64_t h, int64_t vi
 }  // namespace
 
 void reference_attention(const AttentionProblem& p) {
+  if (p.kv_dtype != DType::F32) return with_float_kv(p, reference_attention);  // a widened copy
   const int64_t nq = p.q_len, nk = p.kv_len, dv = p.value_dim;
   // Scores go straight into the caller's weights when asked for, else into this thread's
   // workspace, reused from call to call.

@@ -109,6 +109,7 @@ MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, con
       options_(o) {
   initialise(*this);
   if (o.alibi) alibi_slopes_ = alibi_slopes_for(num_heads);
+  if (o.rotary) rotary_.emplace(embed_dim / num_heads, *o.rotary);
   if (o.sinks) {
     sinks = Tensor::zeros({num_heads});
     sinks_grad = Tensor::zeros({num_heads});
@@ -215,6 +216,11 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
                                                     const Mask& mask, Weights weights, bool unbatched,
                                                     bool fused) const {
   const int64_t batch = q.size(0), q_len = q.size(2), kv_len = k.size(2), hd = head_dim();
+  // ---- 2b. rotary positions, in place on the fresh projections' head views
+  if (rotary_) {
+    rotary_->apply_inplace(q, {0});
+    rotary_->apply_inplace(k, {0});
+  }
   // ---- 3. attend, through the one functional core
   AttentionOptions attention;
   attention.mask = options_.causal ? mask & Mask::causal() : mask;
@@ -307,6 +313,10 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     linear_attention_backward_into(s.q, s.k, s.v, d_attended, d, linear_options());
   } else {
     scaled_dot_product_attention_backward_into(d_attended, s.q, s.k, s.v, s.attended, d, s.attention);
+  }
+  if (rotary_) {  // 2b. the rotation's backward is its transpose: the inverse rotation
+    rotary_->apply_inplace(d.dq, {0}, /*inverse=*/true);
+    rotary_->apply_inplace(d.dk, {0}, /*inverse=*/true);
   }
   if (sinks_grad.defined() && d.dsinks.defined()) {
     float* total = sinks_grad.data();

@@ -541,6 +541,12 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
                    0.85, true});
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
+  if (const Row* w4 = find_row(rows, "W4", "Auto")) {
+    for (std::string_view id : {"W4-bf16", "W4-f16"})  // 16-bit K/V: half the bytes, so about half the time
+      if (const Row* row = find_row(rows, id, "Auto"))
+        out.push_back({fmt::format("{} vs W4", id), fmt::format("{} ms / W4 ms", id), row->median_ms / w4->median_ms,
+                       0.55, false});
+  }
   if (const Row* plain = find_row(rows, "W1", "Auto")) {
     for (std::string_view id : {"W1-softcap", "W1-alibi", "W1-sinks"})
       if (const Row* row = find_row(rows, id, "Auto"))
@@ -741,12 +747,15 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along, W1 its modifier rows: the targets compare them.
+      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 W2, W7 W7-flash: the targets compare
+      // them. "decode-sweep" names every sweep row.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
                (named && named->id == "W6" && w.id == "W2") ||
-               (named && named->id == "W7" && w.id == "W7-flash");
+               (named && named->id == "W7" && w.id == "W7-flash") ||
+               (named && named->id == "W4" && w.id.substr(0, 3) == "W4-") || (id == "decode-sweep" && w.sweep);
     }
+    if (ids.empty() && w.sweep) wanted = false;  // the sweep's 1 GB of K/V only when asked for
     if (wanted) selected.push_back(&w);
   }
   return selected;
@@ -809,7 +818,7 @@ void run_bench(const BenchOptions& options) {
     }
     progress.show(w->id, "Auto", "which kernel");
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
-    if (!w->has_reference) {
+    if (!w->has_reference) {  // the sweep (GB/s of the fast path) and shapes whose scores would not fit
       rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
       continue;
     }
@@ -845,7 +854,10 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   std::vector<std::string> ids;
   for (const Workload& w : bench::kWorkloads) ids.emplace_back(w.id);
-  bench->add_option("--workload", options->workloads, "Workloads to run, repeatable or a comma list (default: all)")
+  ids.emplace_back("decode-sweep");
+  bench->add_option("--workload", options->workloads,
+                    "Workloads to run, repeatable or a comma list (default: all but the decode sweep; "
+                    "decode-sweep: 1 query vs 1k-32k keys, f32 and bf16 K/V, in GB/s)")
       ->delimiter(',')
       ->check(CLI::IsMember(ids, CLI::ignore_case));
   bench->add_option("--runs", options->runs, "Steady-state runs of the fast path (the median is reported)")
