@@ -265,4 +265,12 @@ TEST(Rotary, RelativePositionsAndInverse) {
   EXPECT_THROW(rope.apply(rng.randn(Shape{1, 1, 2, 6})), qkv::Error);
 }
 
+// A linear-attention layer has no softmax K/V to cache: forward(x, cache) says so.
+TEST(KVCache, LinearAttentionLayerRefusesACache) {
+  MultiHeadAttention m(16, 2, MultiHeadAttentionOptions{.attention = qkv::nn::AttentionKind::Linear});
+  KVCache cache = m.make_cache(1, 8);
+  const Tensor x = Tensor::randn({1, 3, 16}, 7);
+  EXPECT_THROW((void)m.forward(x, cache), qkv::Error);
+}
+
 }  // namespace

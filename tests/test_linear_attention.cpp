@@ -469,4 +469,18 @@ TEST(LinearAttentionBackward, BadArguments) {
               HasSubstr("grads.dq is (1, 2, 8, 5) but should be (1, 2, 8, 4)"));
 }
 
+// 16-bit K/V are for softmax attention's caches: linear attention says so instead of reading them.
+TEST(LinearAttention, SixteenBitKeysAndValuesAreAClearError) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Tensor q = rng.randn({1, 2, 5, 4});
+  const Tensor k = rng.randn({1, 2, 5, 4}).to(qkv::DType::BF16), v = rng.randn({1, 2, 5, 4}).to(qkv::DType::BF16);
+  try {
+    (void)qkv::linear_attention(q, k, v);
+    FAIL() << "bf16 K/V accepted";
+  } catch (const qkv::Error& e) {
+    EXPECT_THAT(e.what(), testing::HasSubstr("linear attention reads f32 K/V only"));
+  }
+}
+
 }  // namespace

@@ -489,6 +489,9 @@ Built build(const char* who, const Tensor& q, const Tensor& k, const Tensor& v, 
   check_options(who, options);
   Built built{build_problem(who, q, k, v, AttentionOptions{}), {}};
   const AttentionProblem& a = built.attention.problem;
+  if (a.kv_dtype != DType::F32)
+    throw Error(std::string(who) + "k and v are " + std::string(to_string(a.kv_dtype)) +
+                ": linear attention reads f32 K/V only (16-bit K/V are for softmax attention's caches)");
   built.problem = linear::Problem{
       .batch = a.batch, .q_heads = a.q_heads, .kv_heads = a.kv_heads, .q_len = a.q_len, .kv_len = a.kv_len,
       .head_dim = a.head_dim, .value_dim = a.value_dim, .q = a.q, .k = a.k, .v = a.v,

@@ -38,6 +38,9 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
   if (!x.defined() || x.dim() < 2 || x.dim() > 3 || x.size(-1) != embed_dim_)
     throw Error(std::string(kWho) + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but should be (B, N, " + std::to_string(embed_dim_) + ") or (N, " + std::to_string(embed_dim_) + ")");
+  if (options_.attention == AttentionKind::Linear)
+    throw Error(std::string(kWho) + "a KV cache serves softmax attention; this layer uses linear attention, whose "
+                "state is not cached yet: call forward(x) on the whole sequence");
   const bool unbatched = x.dim() == 2;
   const Tensor x_in = unbatched ? x.unsqueeze(0) : x;
   const int64_t batch = x_in.size(0), len = x_in.size(1), hd = head_dim();
