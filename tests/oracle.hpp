@@ -271,6 +271,9 @@ struct OracleModifiers {
 struct OracleResult {
   AttentionDims dims;
   std::vector<double> output, weights, lse;
+  // The largest |row maximum| of the logits (modifiers and bias included) over rows that see a
+  // key: float32 holds a logit only to eps |logit|, so this bounds what a kernel can reach.
+  double max_abs_row_max = 0;
 };
 
 // softmax(q k^T * scale + bias) v, one query row at a time, in float64. Query head h reads
@@ -323,6 +326,7 @@ inline OracleResult attention_oracle(const AttentionDims& d, const std::vector<d
           row_max = std::max(row_max, score);
         }
         if (row_max == -kInf) continue;  // no visible key: zeros and lse = -inf
+        result.max_abs_row_max = std::max(result.max_abs_row_max, std::abs(row_max));
 
         // 2. Softmax, shifted by the maximum; the sink joins the denominator only.
         double row_sum = sink == -kInf ? 0.0 : std::exp(sink - row_max);
