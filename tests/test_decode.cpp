@@ -86,6 +86,43 @@ TEST(Decode, ScoreModifiersEveryMaskKind) {
   check_everywhere(cases);
 }
 
+// Sparse Transformer's pattern at generation time: the queries sit at the end of a long cache
+// (causal(Nk - Nq)) and each sees a window and every S-th key before it, keys decode gathers per
+// query instead of reading every tile. Strides from 4 (the smallest gathered) to past Nk, any
+// offset, with key lengths, GQA, Dk != Dv, modifiers, dropout and 16-bit K/V.
+TEST(Decode, StridedKeysGatheredPerQuery) {
+  namespace t = qkv_test;
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<Case> cases;
+  for (int n = 0; n < 12; ++n) {
+    Sizes s = random_decode_sizes(rng);
+    s.nk = std::max<int64_t>(s.nk, 113);
+    Case c = make_case(rng, s, MaskKind::None, 1.0, rng.chance(0.3) ? 0.2f : 0.0f,
+                       n % 3 == 0 ? t::Modifier::All : t::Modifier::None);
+    const int64_t stride = rng.chance(0.7) ? rng.integer(4, 40) : rng.integer(41, 2 * s.nk);
+    const int64_t offset = rng.integer(-50, 50), window = rng.integer(0, 80), at_end = s.nk - s.nq;
+    c.mask = Mask::causal(at_end) & (Mask::window(window, 0, at_end) | Mask::strided(stride, offset));
+    c.bias = t::all_of(
+        {t::causal_bias(at_end), t::any_of({t::window_bias(window, 0, at_end), t::strided_bias(stride, offset)})});
+    if (rng.chance(0.5)) {
+      const std::vector<int64_t> lengths = qkv_test::random_lengths(rng, s.batch, s.nk);
+      c.mask = c.mask & Mask::key_lengths(lengths);
+      c.bias = t::all_of({c.bias, t::key_lengths_bias(lengths)});
+    }
+    c.name += " stride " + std::to_string(stride) + " offset " + std::to_string(offset) + " window " +
+              std::to_string(window);
+    if (n % 4 == 3) {
+      const qkv::DType dtype = n % 8 == 3 ? qkv::DType::BF16 : qkv::DType::F16;
+      c.k = c.k.to(dtype);
+      c.v = c.v.to(dtype);
+      c.name += " kv=" + std::string(qkv::to_string(dtype));
+    }
+    cases.push_back(c);
+  }
+  check_everywhere(cases);
+}
+
 TEST(Decode, EveryLengthWithTheKvCacheMask) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -4,8 +4,8 @@
 // included; writes output and lse, never weights.
 //
 // Work. One item is (batch b, key/value head g, key chunk c). Its rows are every query of every
-// query head of g's group: R = G x Nq rows with G = Hq / Hkv, row r = (query head g G + r / Nq,
-// query r % Nq), so an item's rows are contiguous in q, output and lse. An item runs an online
+// query head of g's group: R = G x Nq rows with G = Hq / Hkv, row r = (query head g G + r % G,
+// query r / G), queries outer so the rows of one query are contiguous. An item runs an online
 // softmax over the keys of its chunk and leaves, per row, a partial triple: running max m_c,
 // sum l_c and unnormalised output o_c (Dv). A second pass merges the chunks of each row:
 //   m = max_c m_c,   l = sum_c l_c exp(m_c - m),   o = sum_c o_c exp(m_c - m),
@@ -33,7 +33,10 @@
 //      a register tile of kScoreRows rows x kScoreKeys keys, each accumulator a vector of
 //      partial dot products summed across lanes at the end (K rows are contiguous in Dk).
 //   2. Masks: the band and key lengths as a per-row key range (a tile every row fully sees does
-//      no mask work), tensor terms per element.
+//      no mask work), tensor terms per element. A `rest | strided(S)` rule (Sparse Transformer's
+//      window | strided) runs the tiles on `rest` only, which skips the tiles it hides, and
+//      gathers each query's strided keys j = O + i (mod S) as tiles of step S (GatherStrided):
+//      a query reads its window and 1 / S of the cache, not every tile.
 //   3. Online softmax per row, vectorised along the keys of the tile.
 //   4. Dropout, as the reference.
 //   5. O += P V_tile (rows x Dv). Vectorised along Dv: a register tile of kValueRows rows x
@@ -60,6 +63,7 @@
 #include <type_traits>
 
 #include "attention/kernels.hpp"
+#include "attention/mask_rule.hpp"
 #include "attention/problem.hpp"
 
 namespace qkv::detail::decode {
@@ -90,6 +94,10 @@ constexpr size_t kRowBlock = 32;
 // 2048 ran ~10% slower than 512).
 constexpr int64_t kChunkKeys = 512;
 
+// A `rest | strided(S)` rule with S at least this gathers its strided keys (GatherStrided):
+// each query then reads 1 / S of the keys beyond `rest`'s tiles instead of every tile.
+constexpr int64_t kMinGatherStride = 4;
+
 // A chunk has at least this many keys per row, so its partials (R x (Dv + 2) floats, written
 // and read once more by the merge) stay a small fraction of its K/V traffic
 // (keys x (Dk + Dv) floats) however many rows a group has.
@@ -105,6 +113,11 @@ struct Plan {
   int64_t chunks;      // chunks per (b, g), at least 1
   size_t q_stride;     // floats between rows of the packed Qs (Dk, cache-line rounded)
   size_t out_stride;   // floats between rows of O (Dv, cache-line rounded)
+
+  // Row r of an item of group g: query head g G + r % G, query r / G. Queries outer, so the rows
+  // of one query (the query heads of the group) are contiguous: the strided gather runs them together.
+  int64_t head_of(int64_t g, int64_t r) const { return g * group + r % group; }
+  int64_t query_of(int64_t r) const { return r / group; }
 
   explicit Plan(const AttentionProblem& p)
       : group(p.q_heads / p.kv_heads),
@@ -268,6 +281,16 @@ struct Scratch {
   Scratch(float* base, const decode::ScratchLayout& l)
       : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
         row_sum(base + l.row_sum), v_wide(base + l.v_wide) {}
+  // The same scratch seen from row r of the block on (a gather over some of its rows).
+  Scratch from_row(const decode::Plan& plan, size_t r) const {
+    Scratch w = *this;
+    w.q += r * plan.q_stride;
+    w.scores += r * kKeyTile;
+    w.out += r * plan.out_stride;
+    w.running_max += r;
+    w.row_sum += r;
+    return w;
+  }
 };
 
 // K and V rows of element type T: float (p.k, p.v) or 16 bits (p.k_bits, p.v_bits), read in place.
@@ -291,37 +314,55 @@ HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
 }
 
-// Row r of an item of group g: query head g G + r / Nq, query r % Nq.
+// Row r of an item of group g (decode::Plan::head_of, query_of).
 struct RowCoords {
   int64_t h, i;
 };
-HWY_INLINE RowCoords RowOf(const AttentionProblem& p, const decode::Plan& plan, int64_t g, int64_t r) {
-  return {g * plan.group + r / p.q_len, r % p.q_len};
+HWY_INLINE RowCoords RowOf(const decode::Plan& plan, int64_t g, int64_t r) {
+  return {plan.head_of(g, r), plan.query_of(r)};
 }
 
-// Step "load a tile": prefetch the K and V rows of keys [first, last) of head (b, g) into L2.
+// The keys of one tile: j0, j0 + step, ... (cols of them); prefetching stops at `end`. A tile of
+// the key range has step 1. Gathered strided keys have the stride as step and gathered_rest >= 0,
+// the rule node whose keys the tiles visit, hidden here so that no pair counts twice.
+struct KeyRun {
+  int64_t j0, step;
+  size_t cols;
+  int64_t end;
+  int gathered_rest;
+};
+
+// Step "load a tile": prefetch the K and V rows of keys first, first + step, ... < last of head
+// (b, g) into L2.
 template <class T>
-HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last) {
-  for (int64_t j = first; j < last; ++j) {
+HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
+                             int64_t step) {
+  for (int64_t j = first; j < last; j += step) {
     PrefetchRange(KeyRow<T>(p, b, g, j), KeyRow<T>(p, b, g, j) + p.head_dim);
     PrefetchRange(ValueRow<T>(p, b, g, j), ValueRow<T>(p, b, g, j) + p.value_dim);
   }
 }
 
-// Step "scores": S (rows x Bc) = Qs K_tile^T for keys [j0, j0 + cols), keys outer so the
-// kScoreKeys K rows are reused from L1 by every row; prefetches kPrefetchKeys ahead within
-// [.., end). Past the tile's last key the pointers repeat that key (overwritten with -inf later).
+// Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
+// 1 for a tile, the stride for gathered strided keys), keys outer so the kScoreKeys K rows are
+// reused from L1 by every row; prefetches kPrefetchKeys ahead within [.., end). Past the tile's
+// last key the pointers repeat that key (overwritten with -inf later).
 template <class T>
-void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows, int64_t j0,
-                  size_t cols, int64_t end, const Scratch& w) {
+void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
+                  const KeyRun& run, const Scratch& w) {
+  const int64_t j0 = run.j0, step = run.step, end = run.end;
+  const size_t cols = run.cols;
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
     // The same distance in bytes whatever the element type: twice the keys for 16-bit K/V.
-    const int64_t ahead = j0 + static_cast<int64_t>(j) + decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
-    if (ahead < end) PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys), end));
+    const int64_t ahead =
+        j0 + (static_cast<int64_t>(j) + decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T))) * step;
+    if (ahead < end)
+      PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
     const T* keys[kScoreKeys];
-    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)));
+    for (size_t x = 0; x < kScoreKeys; ++x)
+      keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
     for (size_t r = 0; r < rows; r += kScoreRows) {
       WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
         ScoreTile<decltype(tile_rows)::value>(dk, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
@@ -357,29 +398,46 @@ void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_
     }
 }
 
-// One key tile [j0, j0 + cols) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and
-// mask per row, the online softmax update, dropout, O += P V.
+// Step "modifiers and mask" of gathered strided keys (KeyRun): what the tiles evaluate, except
+// that the strided rule holds by construction and the keys `rest` shows are hidden (the tiles
+// visit those).
+HWY_INLINE void GatheredLogits(const AttentionProblem& p, int rest, const step::Line& line, float* HWY_RESTRICT s,
+                               size_t cols) {
+  step::ModifyScores(p, line, s, kKeyTile);
+  step::MaskBand(p, line, s, kKeyTile);
+  step::MaskWhereRuleShows(p.rule, rest, line, s, cols);
+  step::MaskTerms(p, line, s, cols);
+}
+
+// One key tile (KeyRun) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and mask
+// per row, the online softmax update, dropout, O += P V. `band`: some key of the tile may be
+// hidden from some row (per-element mask work); always so for gathered keys.
 template <class T>
 void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
-                   int64_t j0, size_t cols, int64_t end, bool band, const Scratch& w) {
-  const size_t dv = static_cast<size_t>(p.value_dim);
-  const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, j0);
-  const size_t v_stride = ValueRowStride(p);
+                   const KeyRun& run, bool band, const Scratch& w) {
+  const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
+  const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, run.j0);
+  const size_t v_stride = ValueRowStride(p) * static_cast<size_t>(run.step);
   // 1. Scores. 2. Modifiers and mask, one query's line over the tile's keys at a time; the
   // columns past the tile's last key are hidden after the modifiers (softcap(-inf) is finite).
-  DecodeScores<T>(p, plan, b, g, rows, j0, cols, end, w);
+  DecodeScores<T>(p, plan, b, g, rows, run, w);
   const bool per_element = band || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
     float* HWY_RESTRICT s = w.scores + r * kKeyTile;
-    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
-    if (per_element) step::ScoresToLogits(p, {b, row.h, row.i, j0, 0, 1}, s, kKeyTile, cols, band);
+    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
+    const step::Line line{b, row.h, row.i, run.j0, 0, run.step};
+    if (run.gathered_rest >= 0) {
+      GatheredLogits(p, run.gathered_rest, line, s, cols);
+    } else if (per_element) {
+      step::ScoresToLogits(p, line, s, kKeyTile, cols, band);
+    }
     std::fill(s + cols, s + kKeyTile, step::kMinusInf);
     // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
     const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
     if (factor != 1.0f)
       for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
     // 4. Dropout on P.
-    if (p.dropout_p > 0) step::Dropout(p, {b, row.h, row.i, j0, 0, 1}, s, cols);
+    if (p.dropout_p > 0) step::Dropout(p, line, s, cols);
   }
   // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf (a 16-bit
   // tile is widened into scratch for that check: masked tiles only).
@@ -409,7 +467,7 @@ TileVisibility RuleTileOfRows(const AttentionProblem& p, const decode::Plan& pla
                               size_t rows, int64_t j0, size_t cols) {
   bool any = false, all = true;
   for (size_t r = 0; r < rows; ++r) {
-    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     const TileVisibility v = p.rule.classify(b, row.h, row.i, row.i, j0, j0 + static_cast<int64_t>(cols) - 1);
     any = any || v != TileVisibility::Hidden;
     all = all && v == TileVisibility::Full;
@@ -417,12 +475,38 @@ TileVisibility RuleTileOfRows(const AttentionProblem& p, const decode::Plan& pla
   return !any ? TileVisibility::Hidden : (all ? TileVisibility::Full : TileVisibility::Partial);
 }
 
+// The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp) within
+// [chunk_begin, chunk_end), gathered per query: the rows of query i (contiguous, Plan::query_of)
+// see the keys j = O + i (mod S) inside the band and key lengths, read as tiles of step S into the
+// same online softmax as the tiles, which visit what `rest` shows. Never reads another key.
+template <class T>
+void GatherStrided(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit& split, int64_t b, int64_t g,
+                   int64_t r0, size_t rows, int64_t chunk_begin, int64_t chunk_end, const Scratch& w) {
+  for (size_t r = 0; r < rows;) {
+    const int64_t i = plan.query_of(r0 + static_cast<int64_t>(r));
+    size_t next = r + 1;
+    while (next < rows && plan.query_of(r0 + static_cast<int64_t>(next)) == i) ++next;
+    const int64_t lo = std::max(chunk_begin, p.first_visible_key(i));
+    const int64_t hi = std::min(chunk_end, p.last_visible_key(b, i));
+    const int64_t first = lo + floor_mod(split.offset + i - lo, split.stride);
+    const int64_t keys = first < hi ? (hi - 1 - first) / split.stride + 1 : 0;
+    for (int64_t t = 0; t < keys; t += static_cast<int64_t>(kKeyTile)) {
+      const KeyRun run{first + t * split.stride, split.stride,
+                       static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), keys - t)), hi, split.rest};
+      DecodeKeyTile<T>(p, plan, b, g, r0 + static_cast<int64_t>(r), next - r, run, true, w.from_row(plan, r));
+    }
+    r = next;
+  }
+}
+
 // One pass of a row block over one chunk: rows [r0, r0 + rows) of item (b, g, chunk), keys
 // [chunk_begin, chunk_end). Leaves O, running max and sum of the block in `scratch`; the first
-// chunk starts each row's softmax with its sink, if any.
+// chunk starts each row's softmax with its sink, if any. `split`: the strided keys to gather
+// (p.rule's root is then `rest`), or nullptr.
 template <class T>
-void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0,
-                       size_t rows, int64_t chunk_begin, int64_t chunk_end, float* HWY_RESTRICT scratch) {
+void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b,
+                       int64_t g, int64_t r0, size_t rows, int64_t chunk_begin, int64_t chunk_end,
+                       float* HWY_RESTRICT scratch) {
   const size_t dk = static_cast<size_t>(p.head_dim);
   const Scratch w(scratch, decode::ScratchLayout(plan));
 
@@ -432,7 +516,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
   int64_t begin = chunk_end, end = chunk_begin;
   int64_t all_begin = chunk_begin, all_end = chunk_end;
   for (size_t r = 0; r < rows; ++r) {
-    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     w.running_max[r] = chunk_begin == 0 ? step::InitialMax(p, row.h) : step::kMinusInf;
     w.row_sum[r] = chunk_begin == 0 ? step::InitialSum(p) : 0.0f;
     const int64_t first = p.first_visible_key(row.i), last = p.last_visible_key(b, row.i);
@@ -445,7 +529,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
 
   // Qs = scale * Q, packed once per pass (not per tile).
   for (size_t r = 0; r < rows; ++r) {
-    const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     const float* q = p.q.row(b, row.h, row.i);
     for (size_t d = 0; d < dk; ++d) w.q[r * plan.q_stride + d] = p.scale * q[d];
   }
@@ -457,15 +541,16 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, int6
       if (rule == TileVisibility::Hidden) continue;
       band = band || rule == TileVisibility::Partial;
     }
-    DecodeKeyTile<T>(p, plan, b, g, r0, rows, j0, cols, end, band, w);
+    DecodeKeyTile<T>(p, plan, b, g, r0, rows, {j0, 1, cols, end, -1}, band, w);
   }
+  if (split) GatherStrided<T>(p, plan, *split, b, g, r0, rows, chunk_begin, chunk_end, w);
 }
 
 // One work item: every row of group g of batch b against chunk `chunk`. With one chunk per
 // (b, g) it writes the final output, lse and row stats; with several it leaves its partials for
 // the merge. `scratch` is this worker's block, laid out by decode::ScratchLayout.
-void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t chunk,
-                 const decode::Partials& partials, float* HWY_RESTRICT scratch) {
+void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b, int64_t g,
+                 int64_t chunk, const decode::Partials& partials, float* HWY_RESTRICT scratch) {
   const size_t dv = static_cast<size_t>(p.value_dim);
   const Scratch w(scratch, decode::ScratchLayout(plan));
   const int64_t chunk_begin = chunk * plan.chunk_keys;
@@ -475,18 +560,18 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, int64_t b,
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
     switch (p.kv_dtype) {  // K and V read in their own element type, never widened to memory
-      case DType::F32: RowBlockOverChunk<float>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch); break;
+      case DType::F32: RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch); break;
       case DType::BF16:
-        RowBlockOverChunk<hwy::bfloat16_t>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        RowBlockOverChunk<hwy::bfloat16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
       case DType::F16:
-        RowBlockOverChunk<hwy::float16_t>(p, plan, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        RowBlockOverChunk<hwy::float16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
     }
     for (size_t r = 0; r < rows; ++r) {
       const float* o = w.out + r * plan.out_stride;
       if (plan.chunks == 1) {
-        const RowCoords row = RowOf(p, plan, g, r0 + static_cast<int64_t>(r));
+        const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
         const int64_t at = (b * p.q_heads + row.h) * p.q_len + row.i;  // in (B, Hq, Nq)
         finish_row(o, 1, dv, w.running_max[r], w.row_sum[r], std::isnan(w.running_max[r]), p.output.row(b, row.h, row.i),
                    p.lse + at, p.row_max + at, p.row_sum + at);
@@ -508,6 +593,8 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 #include <omp.h>
 
+#include <optional>
+
 #include "memory.hpp"
 
 namespace qkv::detail {
@@ -523,7 +610,7 @@ void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode
                int64_t r) {
   const int64_t dv = p.value_dim;
   const int64_t b = bg / p.kv_heads, g = bg % p.kv_heads;
-  const int64_t h = g * plan.group + r / p.q_len, i = r % p.q_len;
+  const int64_t h = plan.head_of(g, r), i = plan.query_of(r);
   const int64_t row = (b * p.q_heads + h) * p.q_len + i;  // in (B, Hq, Nq)
   float* out = p.output.row(b, h, i);
   auto slot = [&](int64_t chunk) { return (bg * plan.chunks + chunk) * plan.rows + r; };
@@ -579,6 +666,16 @@ void decode_attention(const AttentionProblem& problem) {
   float* partial_base = scratch + static_cast<size_t>(workers) * block;
   const decode::Partials partials{partial_base, partial_base + slots, partial_base + 2 * slots};
 
+  // A `rest | strided(S)` rule: the tiles see `rest`, the strided keys are gathered per query.
+  const StridedSplit split = strided_split(problem.rule, decode::kMinGatherStride);
+  std::optional<AttentionProblem> tiles_problem;
+  if (split.rest >= 0) {
+    tiles_problem = problem;
+    tiles_problem->rule.root_node = split.rest;
+  }
+  const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
+  const StridedSplit* gather = tiles_problem ? &split : nullptr;
+
 #pragma omp parallel num_threads(workers)
   {
     float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
@@ -586,7 +683,7 @@ void decode_attention(const AttentionProblem& problem) {
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t bg = item / plan.chunks;
-      HWY_DYNAMIC_DISPATCH(DecodeChunk)(problem, plan, bg / problem.kv_heads, bg % problem.kv_heads,
+      HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
                                         item % plan.chunks, partials, block_start);
     }
     // (the implicit barrier: every partial is written before any row is merged)
