@@ -81,17 +81,26 @@ void check_request(const char* who, const std::string& shapes, int64_t needed, c
 
 void check_attention_request(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionResult& given, const Shape& output, const Shape& lse, const Shape* weights) {
-  int64_t needed = 0;
-  std::string parts;
-  auto add = [&](const char* name, const Shape& shape, const Tensor& provided) {
-    if (provided.defined()) return;  // the caller's own tensor: nothing to allocate
-    const int64_t bytes = shape.numel() * static_cast<int64_t>(sizeof(float));  // Shape checked it fits
-    needed = needed > INT64_MAX - bytes ? INT64_MAX : needed + bytes;
-    parts += (parts.empty() ? "" : " + ") + std::string(name) + " " + shape.str() + " " + human_bytes(bytes);
+  // What the call allocates: the outputs the caller did not provide. Summed first, so that the
+  // usual call (it fits) builds no message: a decode step pays microseconds for strings otherwise.
+  struct Part {
+    const char* name;
+    const Shape* shape;
+    const Tensor* provided;
   };
-  add("output", output, given.output);
-  add("lse", lse, given.lse);
-  if (weights) add("weights", *weights, given.weights);
+  const Part all[] = {{"output", &output, &given.output}, {"lse", &lse, &given.lse}, {"weights", weights, &given.weights}};
+  auto bytes_of = [](const Part& part) -> int64_t {
+    if (part.shape == nullptr || part.provided->defined()) return 0;  // not asked, or the caller's own
+    return part.shape->numel() * static_cast<int64_t>(sizeof(float));  // Shape checked it fits
+  };
+  int64_t needed = 0;
+  for (const Part& part : all) needed = needed > INT64_MAX - bytes_of(part) ? INT64_MAX : needed + bytes_of(part);
+  if (needed <= bytes_available()) return;
+  std::string parts;
+  for (const Part& part : all)
+    if (bytes_of(part) > 0)
+      parts += (parts.empty() ? "" : " + ") + std::string(part.name) + " " + part.shape->str() + " " +
+               human_bytes(bytes_of(part));
   check_request(who, "q " + q.shape().str() + ", k " + k.shape().str() + ", v " + v.shape().str(), needed, parts,
                 weights && !given.weights.defined()
                     ? "the weights " + weights->str() + " are Nq x Nk per head: call with need_weights = false, or "

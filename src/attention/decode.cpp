@@ -676,8 +676,10 @@ void decode_attention(const AttentionProblem& problem) {
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
   const StridedSplit* gather = tiles_problem ? &split : nullptr;
 
-#pragma omp parallel num_threads(workers)
-  {
+  // The work of every thread: the items, then (after the barrier of the first loop, so every
+  // partial is written) the merge. One worker runs it on the calling thread, without a parallel
+  // region (the orphaned loops then run serially): a small step pays no thread wake-up.
+  auto work = [&] {
     float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
     // Items in (batch, kv head, chunk) order; dynamic, since masks make chunks unequal.
 #pragma omp for schedule(dynamic)
@@ -686,13 +688,15 @@ void decode_attention(const AttentionProblem& problem) {
       HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
                                         item % plan.chunks, partials, block_start);
     }
-    // (the implicit barrier: every partial is written before any row is merged)
     if (plan.chunks > 1) {
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < groups * plan.rows; ++row)
         merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);
     }
-  }
+  };
+  if (workers == 1) return work();
+#pragma omp parallel num_threads(workers)
+  work();
 }
 
 // Measured on Zen 5 (Hq = 32, d = 128, Nk from 256 to 16384, MHA and GQA): decode beats flash
