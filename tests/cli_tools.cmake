@@ -91,6 +91,10 @@ cli_test(cli_scaling_kernels ARGS "scaling|--kernels|linear,sparse,flash,referen
 cli_test(cli_scaling_sparse_mask ARGS "scaling|--kernels|flash,sparse|--sparse-mask|causal & window(15)|--min-seq|64|--max-seq|128|--heads|1|--head-dim|8|--repeats|1|-o|${cli_out}/scaling_mask.svg"
   FILE ${cli_out}/scaling_mask.svg KIND svg
   EXPECT "under the mask causal & window\\(15\\) \\(--sparse-mask\\).*pairs per head: 904 at N = 64, 1928 at N = 128. slope.*note: sparse's mask is causal but the other kernels run unmasked: add --causal")
+# --clock cpu: the process's CPU time, said in the header.
+cli_test(cli_scaling_cpu_clock ARGS "scaling|--clock|cpu|--min-seq|64|--max-seq|128|--heads|1|--head-dim|8|--repeats|1|-o|${cli_out}/scaling_cpu.svg"
+  FILE ${cli_out}/scaling_cpu.svg KIND svg EXPECT "time: the process's CPU time on [0-9]+ OpenMP thread")
+cli_test(cli_scaling_bad_clock ARGS "scaling|--clock|sundial" FAIL EXPECT "--clock: sundial not in")
 cli_test(cli_scaling_bad_kernel ARGS "scaling|--kernels|flash,sparce" FAIL
   EXPECT "unknown kernel 'sparce' in --kernels 'flash,sparce': choose from reference, flash, sparse, linear")
 cli_test(cli_scaling_bad_sparse_mask ARGS "scaling|--kernels|sparse|--sparse-mask|causal & strided(0)" FAIL EXPECT "strided")

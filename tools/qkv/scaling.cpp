@@ -18,6 +18,8 @@
 // all must write, H x N x d: slope 1.
 // Before each new N it predicts that size's memory from the last ones and stops, rather than
 // swap, when the prediction passes --max-mem.
+#include <omp.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,6 +82,7 @@ struct ScalingOptions {
   bool causal = false;          // reference, flash and linear causal (sparse has its own mask)
   int64_t sparse_window = 128;  // W of the default sparse mask
   std::string sparse_mask;      // empty: causal & (window(W - 1) | strided(W))
+  std::string clock = "wall";   // or "cpu": the process's CPU time, every thread summed
 };
 
 // The options resolved: the kernels in a fixed order (reference, flash, sparse, linear) and the
@@ -200,9 +203,21 @@ void end_progress() {
   if (stderr_is_terminal()) fmt::print(stderr, "\r\033[K");
 }
 
+// Milliseconds on the chosen clock: "wall" (steady), or "cpu", the CPU time of every thread of
+// the process summed. On one thread (OMP_NUM_THREADS=1) CPU time is the call's own work,
+// unaffected by other jobs taking the core; on several it also counts threads spinning at joins.
+double now_ms(const std::string& clock) {
+  if (clock == "cpu") {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // `call` writes into an output it keeps (allocated by its first call).
-Measurement measure_calls(const std::function<void()>& call, int repeats, const std::string& label) {
-  using Clock = std::chrono::steady_clock;
+Measurement measure_calls(const std::function<void()>& call, int repeats, const std::string& clock,
+                          const std::string& label) {
   Measurement m;
   progress(fmt::format("{} ...", label), true);
 
@@ -219,9 +234,9 @@ Measurement measure_calls(const std::function<void()>& call, int repeats, const 
   std::vector<double> times_ms;
   for (int r = 0; r < repeats; ++r) {
     progress(fmt::format("{} run {}/{}", label, r + 1, repeats), false);
-    const auto start = Clock::now();
+    const double start = now_ms(clock);
     call();
-    times_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    times_ms.push_back(now_ms(clock) - start);
     // A slow size gets 3 runs, enough for a median, instead of minutes more.
     if (r + 1 >= 3 && times_ms.front() > 2000) break;
   }
@@ -243,14 +258,15 @@ Measurement measure_kernel(Kernel kernel, const ScalingOptions& o, const Setup& 
   if (kernel == Kernel::Linear) {
     LinearAttentionOptions options;
     options.causal = o.causal;
-    return measure_calls([&] { linear_attention_into(in.q, in.k, in.v, in.linear_output, options); }, o.repeats, label);
+    return measure_calls([&] { linear_attention_into(in.q, in.k, in.v, in.linear_output, options); }, o.repeats,
+                         o.clock, label);
   }
   AttentionOptions options;
   options.backend = kernel == Kernel::Reference ? Backend::Reference : Backend::Flash;
   if (kernel == Kernel::Sparse) options.mask = s.sparse_mask;
   else if (o.causal) options.mask = Mask::causal();
   return measure_calls([&] { scaled_dot_product_attention_into(in.q, in.k, in.v, in.result, options); }, o.repeats,
-                       label);
+                       o.clock, label);
 }
 
 // The (query, key) pairs `mask` lets through for N queries over N keys, one head, counted by the
@@ -306,7 +322,11 @@ int64_t predict_bytes(const ScalingOptions& o, const Setup& s, const std::vector
   return static_cast<int64_t>(io + extra);
 }
 
-std::string slope_text(double slope) { return std::isfinite(slope) ? fmt::format("{:.2f}", slope) : "n/a"; }
+// "1.98"; a slope that rounds to zero prints as 0.00, not -0.00.
+std::string slope_text(double slope) {
+  if (!std::isfinite(slope)) return "n/a";
+  return fmt::format("{:.2f}", std::abs(slope) < 0.005 ? 0.0 : slope);
+}
 
 // The measured curves, as the tables, fits and plot read them.
 struct Curves {
@@ -433,8 +453,9 @@ void draw(const ScalingOptions& o, const Setup& s, const Curves& c) {
   for (Kernel k : s.kernels) names += fmt::format("{}{}", names.empty() ? "" : ", ", kernel_name(k));
   plot::LineFigure figure;
   figure.title = fmt::format("The O(N\u00b2) wall, measured: {}", names);
-  figure.notes.push_back(fmt::format("batch 1, {} heads, head dim {}, {}; time: median of up to {} calls", o.heads,
-                                     o.head_dim, o.causal ? "causal" : "no mask", o.repeats));
+  figure.notes.push_back(fmt::format("batch 1, {} heads, head dim {}, {}; time: median of up to {} calls ({}, {} thread(s))",
+                                     o.heads, o.head_dim, o.causal ? "causal" : "no mask", o.repeats,
+                                     o.clock == "cpu" ? "CPU time" : "wall clock", omp_get_max_threads()));
   if (s.has(Kernel::Sparse)) figure.notes.push_back(fmt::format("sparse: flash under {}", s.sparse_mask.str()));
   figure.notes.push_back("scratch: the peak memory a kernel allocates beyond its inputs and output (qkv::memory_stats)");
   plot::LinePlot time_plot{"Time per call", "sequence length N", "milliseconds", {}, true};
@@ -477,6 +498,10 @@ void print_header(const ScalingOptions& o, const Setup& s, int64_t budget) {
   }
   if (s.has(Kernel::Linear))
     fmt::print("linear: qkv::linear_attention, feature map elu+1, {}\n", o.causal ? "causal" : "no mask");
+  fmt::print("time: {} on {} OpenMP thread(s){}\n", o.clock == "cpu" ? "the process's CPU time" : "wall clock",
+             omp_get_max_threads(),
+             o.clock == "cpu" && omp_get_max_threads() > 1 ? " (summed over threads, spinning at joins included: "
+                                                              "OMP_NUM_THREADS=1 measures one thread's work)" : "");
   fmt::print("memory budget {} ({}); scratch = what a kernel allocates beyond its inputs and output\n",
              human_bytes(static_cast<double>(budget)), o.max_mem.empty() ? "half of this machine's RAM" : "--max-mem");
 }
@@ -542,6 +567,10 @@ void add_scaling_command(CLI::App& app) {
   scaling->add_option("--sparse-mask", options->sparse_mask,
                       "sparse's mask as an expression, e.g. \"causal & (window(127) | strided(128)) | global(16)\"")
       ->excludes(window);
+  scaling->add_option("--clock", options->clock,
+                      "wall, or cpu: the process's CPU time (with OMP_NUM_THREADS=1, steady on a loaded machine)")
+      ->check(CLI::IsMember({"wall", "cpu"}))
+      ->capture_default_str();
   scaling->add_option("-o,--output", options->output, "The plot to write: .png, .svg or .pdf")->capture_default_str();
   scaling->callback([options] { run_scaling(*options); });
 }
