@@ -161,6 +161,28 @@ TEST(Analysis, PowerLawFitRecoversAKnownExponent) {
   EXPECT_TRUE(std::isnan(qkv::cli::fit_power_law({256}, {1}).slope));
 }
 
+TEST(Analysis, CrossoverInterpolatesWhereTheFasterCurveStaysBelow) {
+  using qkv::cli::find_crossover;
+  // slow = N^2 / 1000, fast = N: equal at N = 1000, between the measured 512 and 1024.
+  std::vector<double> x, slow, fast;
+  for (double n = 128; n <= 4096; n *= 2) {
+    x.push_back(n);
+    slow.push_back(n * n / 1000);
+    fast.push_back(n);
+  }
+  const auto c = find_crossover(x, slow, fast);
+  EXPECT_EQ(c.first_x, 1024);
+  EXPECT_NEAR(c.interpolated_x, 1000, 1e-9);  // both curves are straight lines in log-log
+  // Below at a middle point but not at the end: no crossover; below from the first point: no
+  // interpolation; a dip then a recovery: the run that lasts to the end counts.
+  EXPECT_TRUE(std::isnan(find_crossover({1, 2, 3}, {5, 5, 5}, {6, 4, 6}).first_x));
+  const auto from_start = find_crossover({1, 2, 3}, {5, 5, 5}, {1, 1, 1});
+  EXPECT_EQ(from_start.first_x, 1);
+  EXPECT_TRUE(std::isnan(from_start.interpolated_x));
+  EXPECT_EQ(find_crossover({1, 2, 4, 8}, {5, 5, 5, 5}, {4, 6, 4, 4}).first_x, 4);
+  EXPECT_TRUE(std::isnan(find_crossover({1, 2}, {5, 5}, {4, 0}).first_x));  // a cost of 0 was not measured
+}
+
 TEST(Analysis, AttentionMemoryMatchesHandComputedFigures) {
   // GPT-3: 2048 x 2048 x 4 bytes = 16 MiB per matrix; x 96 heads; x 96 layers.
   const auto m = qkv::analysis::attention_memory({.seq = 2048, .layers = 96, .heads = 96, .batch = 1, .head_dim = 128,

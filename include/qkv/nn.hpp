@@ -92,8 +92,8 @@ struct MultiHeadAttentionOptions {
   bool sinks = false;        // a learned attention-sink logit per head (parameter `sinks`, zeros at first)
   // Rotary position embedding (include/qkv/inference.hpp) on q and k of every forward, token n at
   // position n (with a cache: at its position after the cached ones); none: off.
-  std::optional<RotaryEmbeddingOptions> rotary;
-  std::optional<uint64_t> seed;  // initial weights and dropout decisions; none: see manual_seed
+  std::optional<RotaryEmbeddingOptions> rotary = std::nullopt;
+  std::optional<uint64_t> seed = std::nullopt;  // initial weights and dropout decisions; none: see manual_seed
   AttentionKind attention = AttentionKind::Softmax;
   FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's phi
 };

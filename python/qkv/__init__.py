@@ -5,7 +5,8 @@ The functions here follow PyTorch's conventions so that code moves between the t
   scaled_dot_product_attention(q, k, v, ...)   torch.nn.functional.scaled_dot_product_attention
   scaled_dot_product_attention_backward(...)   its gradients (dq, dk, dv), from the forward's
                                                output and row statistics (return_lse=True)
-  MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True)
+  MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True); also
+                                               attention="linear", rotary=..., causal=True
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
                                                only when torch is installed)
   linear_attention(q, k, v, ...)               linear attention (Katharopoulos et al. 2020), O(N);
@@ -334,13 +335,27 @@ class MultiHeadAttention:
     Score modifiers (no PyTorch counterpart): softcap > 0 caps the scores at +-softcap (tanh);
     alibi=True subtracts 2^(-8 (h + 1) / num_heads) * distance from head h's scores; sinks=True
     adds a learned per-head sink logit (parameter "sinks", zeros at first) to each softmax.
+    causal=True applies a causal mask in every forward (as is_causal=True does per call).
+    attention: "softmax" (scaled dot-product attention) or "linear" (qkv.linear_attention on the
+    heads: O(N), phi(q).phi(k) in place of softmax, no scale; feature_map "elu+1" or "relu" is
+    phi). A linear module takes no mask, weights, dropout, softcap, alibi or sinks, and no cache;
+    causal=True is its causal form.
+    rotary: rotary position embedding on q and k of every forward (token n at position n; with a
+    cache, at its position after the cached ones): None (off), True (base 10000, half-split), a
+    dict with keys "base" and "interleaved", or a qkv.RotaryEmbedding(head_dim, base=...,
+    interleaved=...) whose options are copied (its head_dim must be embed_dim // num_heads).
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, bias=True, dropout=0.0, kdim=None, vdim=None,
-                 batch_first=True, seed=None, softcap=0.0, alibi=False, sinks=False):
+                 batch_first=True, seed=None, softcap=0.0, alibi=False, sinks=False, causal=False,
+                 attention="softmax", feature_map="elu+1", rotary=None):
+        if not isinstance(attention, str) or not isinstance(feature_map, str):
+            raise Error(f"MultiHeadAttention: attention and feature_map are strings (\"softmax\" or \"linear\"; "
+                        f"\"elu+1\" or \"relu\"), got {attention!r} and {feature_map!r}")
         self._core = _core.MultiHeadAttentionCore(
             int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0), int(vdim or 0), bool(bias),
-            float(dropout), False, None if seed is None else int(seed), float(softcap), bool(alibi), bool(sinks))
+            float(dropout), bool(causal), None if seed is None else int(seed), float(softcap), bool(alibi), bool(sinks),
+            attention, feature_map, _rotary_options(rotary, embed_dim, num_heads))
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
 
@@ -351,6 +366,15 @@ class MultiHeadAttention:
     kdim = property(lambda self: self._core.kdim)
     vdim = property(lambda self: self._core.vdim)
     training = property(lambda self: self._core.training)
+    causal = property(lambda self: self._core.causal)
+    attention = property(lambda self: self._core.attention)
+    feature_map = property(lambda self: self._core.feature_map)
+
+    @property
+    def rotary(self):
+        """None, or {"base": ..., "interleaved": ...}: the rotary embedding's options."""
+        options = self._core.rotary
+        return None if options is None else {"base": options[0], "interleaved": options[1]}
 
     def train(self, mode=True):
         self._core.train(bool(mode))
@@ -389,8 +413,9 @@ class MultiHeadAttention:
         """Copies of the parameters under torch.nn.MultiheadAttention's names.
 
         in_proj_weight when q, k and v have the same shape (else q_proj_weight, k_proj_weight,
-        v_proj_weight), in_proj_bias, out_proj.weight, out_proj.bias; and sinks (num_heads) when
-        built with sinks=True.
+        v_proj_weight), in_proj_bias (with num_kv_heads < num_heads, which torch has not:
+        q_proj.bias, k_proj.bias, v_proj.bias), out_proj.weight, out_proj.bias; and sinks
+        (num_heads) when built with sinks=True. load_state_dict reads it back.
         """
         return self._torch_names(self.parameters())
 
@@ -403,7 +428,11 @@ class MultiHeadAttention:
         else:
             state.update({f"{n}_proj_weight": w.copy() for n, w in zip("qkv", qkv_weights)})
         if "q_proj.bias" in p:
-            state["in_proj_bias"] = np.concatenate([p[f"{n}_proj.bias"] for n in "qkv"])
+            biases = [p[f"{n}_proj.bias"] for n in "qkv"]
+            if all(b.shape == biases[0].shape for b in biases):
+                state["in_proj_bias"] = np.concatenate(biases)
+            else:  # grouped-query attention: no torch counterpart, qkv's own names
+                state.update({f"{n}_proj.bias": b.copy() for n, b in zip("qkv", biases)})
         state["out_proj.weight"] = p["out_proj.weight"].copy()
         if "out_proj.bias" in p:
             state["out_proj.bias"] = p["out_proj.bias"].copy()
@@ -488,7 +517,11 @@ class MultiHeadAttention:
             if attn.ndim == 3:  # (B * num_heads, Nq, Nk), batch major, as PyTorch stacks it
                 attn = attn.reshape(-1, self.num_heads, attn.shape[-2], attn.shape[-1])
             mask = mask & _tensor_mask(attn, 4, "attn_mask", true_means_attend=False)
-        if is_causal:
+        if is_causal and self.attention == "linear":
+            if not self.causal:  # linear attention takes no mask: its causal form is an option of the module
+                raise Error("MultiHeadAttention: a linear-attention module is causal only when built with causal=True "
+                            "(linear attention takes no mask); is_causal=True cannot make it so per call")
+        elif is_causal:
             mask = mask & Mask.causal()
 
         if not need_weights:
@@ -532,8 +565,38 @@ class MultiHeadAttention:
         return dq, dk, dv
 
     def __repr__(self):
+        extra = "" if self.attention == "softmax" else f", attention={self.attention!r}, feature_map={self.feature_map!r}"
+        extra += "" if self.rotary is None else f", rotary={self.rotary!r}"
+        extra += ", causal=True" if self.causal else ""
         return (f"qkv.MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first})")
+                f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first}{extra})")
+
+
+def _rotary_options(rotary, embed_dim, num_heads):
+    """MultiHeadAttention's rotary argument as the core's (base, interleaved), or None."""
+    if rotary is None or rotary is False:
+        return None
+    if rotary is True:
+        return (10000.0, False)
+    if isinstance(rotary, RotaryEmbedding):
+        head_dim = int(embed_dim) // max(int(num_heads), 1)
+        if rotary.head_dim != head_dim:
+            raise Error(f"MultiHeadAttention: rotary is a RotaryEmbedding of head_dim {rotary.head_dim}, but the "
+                        f"module's heads have {head_dim} features (embed_dim {embed_dim} / num_heads {num_heads})")
+        return (float(rotary.base), bool(rotary.interleaved))
+    if isinstance(rotary, dict):
+        unknown = sorted(set(rotary) - {"base", "interleaved"})
+        if unknown:
+            raise Error(f"MultiHeadAttention: unknown rotary option(s) {', '.join(map(str, unknown))}: "
+                        f"the options are base and interleaved")
+        base, interleaved = rotary.get("base", 10000.0), rotary.get("interleaved", False)
+        if not isinstance(base, numbers.Real) or isinstance(base, (bool, np.bool_)):
+            raise Error(f"MultiHeadAttention: rotary base must be a number, got {base!r}")
+        if not isinstance(interleaved, (bool, np.bool_)):
+            raise Error(f"MultiHeadAttention: rotary interleaved must be True or False, got {interleaved!r}")
+        return (float(base), bool(interleaved))
+    raise Error(f"MultiHeadAttention: rotary must be None, True, a dict (base, interleaved) or a "
+                f"qkv.RotaryEmbedding, got {type(rotary).__name__}")
 
 
 class KVCache:

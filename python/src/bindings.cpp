@@ -15,6 +15,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <qkv/qkv.hpp>
@@ -226,13 +227,33 @@ py::tuple linear_attention_backward(const FloatArray& q, const FloatArray& k, co
 
 // ---- nn::MultiHeadAttention
 
+qkv::nn::AttentionKind attention_kind_from_string(const std::string& name) {
+  if (name == "softmax") return qkv::nn::AttentionKind::Softmax;
+  if (name == "linear") return qkv::nn::AttentionKind::Linear;
+  throw qkv::Error("MultiHeadAttention: attention must be \"softmax\" or \"linear\", got \"" + name + "\"");
+}
+
+// rotary: none, or (base, interleaved), the fields of RotaryEmbeddingOptions (python/qkv/__init__.py
+// reads them from a dict or a qkv.RotaryEmbedding).
 qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
                                      int64_t vdim, bool bias, float dropout, bool causal,
-                                     std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks) {
+                                     std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks,
+                                     const std::string& attention, const std::string& feature_map,
+                                     std::optional<std::pair<double, bool>> rotary) {
+  std::optional<qkv::nn::RotaryEmbeddingOptions> rotary_options;
+  if (rotary) rotary_options = qkv::nn::RotaryEmbeddingOptions{.base = rotary->first, .interleaved = rotary->second};
   return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
                                      {.num_kv_heads = num_kv_heads, .kdim = kdim, .vdim = vdim, .bias = bias,
                                       .dropout = dropout, .causal = causal, .softcap = softcap, .alibi = alibi,
-                                      .sinks = sinks, .seed = seed});
+                                      .sinks = sinks, .rotary = rotary_options, .seed = seed,
+                                      .attention = attention_kind_from_string(attention),
+                                      .feature_map = qkv::feature_map_from_string(feature_map)});
+}
+
+// The module's rotary options as (base, interleaved), or None.
+py::object mha_rotary(const qkv::nn::MultiHeadAttention& mha) {
+  if (!mha.options().rotary) return py::none();
+  return py::make_tuple(mha.options().rotary->base, mha.options().rotary->interleaved);
 }
 
 // Returns (output, weights or None). key and value None: self-attention, forward(query) (one
@@ -391,7 +412,8 @@ does; `&` binds tighter). A union with an additive array is an error.
   py::class_<qkv::nn::MultiHeadAttention>(m, "MultiHeadAttentionCore")
       .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"),
-           py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false)
+           py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false,
+           py::arg("attention") = "softmax", py::arg("feature_map") = "elu+1", py::arg("rotary") = py::none())
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
@@ -409,6 +431,14 @@ does; `&` binds tighter). A union with an additive array is an error.
       .def_property_readonly("kdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().kdim; })
       .def_property_readonly("vdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().vdim; })
       .def_property_readonly("parameter_count", &qkv::nn::MultiHeadAttention::parameter_count)
+      .def_property_readonly("causal", [](const qkv::nn::MultiHeadAttention& m) { return m.options().causal; })
+      .def_property_readonly("attention",
+                             [](const qkv::nn::MultiHeadAttention& m) {
+                               return m.options().attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax";
+                             })
+      .def_property_readonly(
+          "feature_map", [](const qkv::nn::MultiHeadAttention& m) { return std::string(qkv::to_string(m.options().feature_map)); })
+      .def_property_readonly("rotary", &mha_rotary)
       .def("make_cache",
            [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
               int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },
@@ -454,6 +484,9 @@ half-split pairs (x_i, x_{i+D/2}) by default (GPT-NeoX, LLaMA), adjacent pairs w
              return qkv::nn::RotaryEmbedding(head_dim, {.base = base, .interleaved = interleaved});
            }),
            py::arg("head_dim"), py::arg("base") = 10000.0, py::arg("interleaved") = false)
+      .def_property_readonly("head_dim", &qkv::nn::RotaryEmbedding::head_dim)
+      .def_property_readonly("base", [](const qkv::nn::RotaryEmbedding& r) { return r.options().base; })
+      .def_property_readonly("interleaved", [](const qkv::nn::RotaryEmbedding& r) { return r.options().interleaved; })
       .def("apply",
            [](const qkv::nn::RotaryEmbedding& r, const FloatArray& x, int64_t position_offset) {
              return to_numpy(r.apply(to_tensor(x), position_offset));

@@ -1,6 +1,7 @@
 // The numbers behind `qkv viz`, `qkv memory` and `qkv scaling` (a power-law fit, dtype sizes, number formatting); see numbers.hpp.
 #include "numbers.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -36,6 +37,25 @@ PowerLawFit fit_power_law(const std::vector<double>& x, const std::vector<double
   fit.slope = covariance / variance;
   fit.intercept = mean_v - fit.slope * mean_u;
   return fit;
+}
+
+Crossover find_crossover(const std::vector<double>& x, const std::vector<double>& slow, const std::vector<double>& fast) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const size_t n = std::min({x.size(), slow.size(), fast.size()});
+  const auto below = [&](size_t i) { return slow[i] > 0 && fast[i] > 0 && fast[i] < slow[i]; };
+  size_t first = n;  // the start of the run of points where fast stays below, to the end
+  while (first > 0 && below(first - 1)) --first;
+  Crossover c{nan, nan};
+  if (first == n) return c;
+  c.first_x = x[first];
+  if (first == 0) return c;
+  const size_t before = first - 1;
+  if (!(slow[before] > 0 && fast[before] > 0 && x[before] > 0 && x[first] > 0)) return c;
+  // r = log(fast / slow) goes from r0 >= 0 at `before` to r1 < 0 at `first`: its zero.
+  const double r0 = std::log(fast[before] / slow[before]), r1 = std::log(fast[first] / slow[first]);
+  const double t = r0 / (r0 - r1);
+  c.interpolated_x = std::exp(std::log(x[before]) + t * (std::log(x[first]) - std::log(x[before])));
+  return c;
 }
 
 int64_t dtype_bytes(const std::string& dtype) {

@@ -18,6 +18,18 @@ struct PowerLawFit {
 };
 PowerLawFit fit_power_law(const std::vector<double>& x, const std::vector<double>& y);
 
+// Where a `fast` cost curve overtakes a `slow` one, both measured at the same increasing x:
+//   first_x         the first x from which fast < slow at every later point (NaN: not at the last)
+//   interpolated_x  where the two cross between first_x and the point before it, interpolating
+//                   log(fast / slow) linearly in log x (NaN when fast is already below at the
+//                   first point, or never stays below)
+// Points where either cost is not positive are treated as "not below".
+struct Crossover {
+  double first_x = 0;
+  double interpolated_x = 0;
+};
+Crossover find_crossover(const std::vector<double>& x, const std::vector<double>& slow, const std::vector<double>& fast);
+
 // Bytes per element of the dtypes `qkv memory` knows: f32 4, f16 2, bf16 2, f64 8.
 // Throws qkv::Error naming the choices for anything else.
 int64_t dtype_bytes(const std::string& dtype);
