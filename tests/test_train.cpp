@@ -229,6 +229,49 @@ TEST_F(ModelFile, EveryKindRoundTrips) {
   EXPECT_THAT([&] { AttentionModel(bad, 1); }, ::testing::ThrowsMessage<qkv::Error>(HasSubstr("mask")));
 }
 
+// A linear model's head weights, phi(q_i).phi(k_j) / (sum_{j' <= i} phi(q_i).phi(k_j') + eps),
+// against a float64 evaluation from the layer's own projections.
+TEST(LinearModel, HeadWeightsAreTheNormalisedFeatureProducts) {
+  const ModelConfig config{.vocab_size = 7, .max_len = 6, .d_model = 8, .num_heads = 2, .num_layers = 1,
+                           .attention = qkv::nn::AttentionKind::Linear};
+  const AttentionModel model(config, 4);
+  const std::vector<int64_t> ids{3, 1, 6, 0, 2, 5};
+  const int64_t n = 6, d = 8, hd = 4;
+  std::vector<Tensor> weights;
+  const Tensor logits = model.forward(ids, 1, n, {}, &weights);
+  EXPECT_EQ(logits.to_vector(), model.forward(ids, 1, n).to_vector()) << "asking for weights changes nothing";
+  ASSERT_EQ(weights.size(), 1u);
+  ASSERT_EQ(weights[0].shape(), qkv::Shape({1, 2, n, n}));
+  const Tensor normed = model.layers[0].norm.forward(model.positions.forward(model.embedding.forward(ids, {1, n})));
+  const auto& attention = model.layers[0].attention;
+  auto features = [&](const qkv::nn::Linear& proj, int64_t i, int64_t h) {
+    std::vector<double> phi(static_cast<size_t>(hd));
+    for (int64_t c = 0; c < hd; ++c) {
+      double sum = proj.bias.at({h * hd + c});
+      for (int64_t e = 0; e < d; ++e) sum += static_cast<double>(normed.at({0, i, e})) * proj.weight.at({h * hd + c, e});
+      phi[static_cast<size_t>(c)] = sum > 0 ? sum + 1 : std::exp(sum);
+    }
+    return phi;
+  };
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      const std::vector<double> q = features(attention.q_proj, i, h);
+      std::vector<double> products;
+      double total = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        const std::vector<double> k = features(attention.k_proj, j, h);
+        double dot = 0;
+        for (int64_t c = 0; c < hd; ++c) dot += q[static_cast<size_t>(c)] * k[static_cast<size_t>(c)];
+        products.push_back(dot);
+        total += dot;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const double expected = j <= i ? products[static_cast<size_t>(j)] / (total + 1e-6) : 0.0;
+        EXPECT_NEAR(weights[0].at({0, h, i, j}), expected, 1e-5) << "head " << h << " query " << i << " key " << j;
+      }
+    }
+}
+
 TEST_F(ModelFile, CorruptVersion3FieldsAreClearErrors) {
   const ModelConfig masked{.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 1,
                            .mask = "strided(3)"};

@@ -87,7 +87,8 @@ class AttentionModel {
 
   // ids: batch x length token ids, row-major. Returns logits (batch, length, vocab_size).
   // Every attention layer is causal; `mask` is and-ed into each (e.g. a diagonal keep mask).
-  // head_weights: when given, receives each layer's per-head weights (batch, heads, length, length).
+  // head_weights: when given, receives each layer's per-head weights (batch, heads, length, length);
+  // for linear attention phi(q_i).phi(k_j) / (sum_{j' <= i} phi(q_i).phi(k_j') + eps), j <= i.
   // attention_seconds: when given, the time spent in the attention layers (their forward calls,
   // projections included) is added to it.
   Tensor forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, const Mask& mask = {},

@@ -79,6 +79,28 @@ Tensor add_positions(const Tensor& x, const Tensor& table, int64_t offset) {
   return y;
 }
 
+// A linear-attention layer's weights on x (B, N, d_model): w_ij = phi(q_i).phi(k_j) /
+// (sum_j' phi(q_i).phi(k_j') + eps) over j <= i, (B, H, N, N). They are what linear attention
+// multiplies the values by, so the library's own linear_attention computes them, with the
+// identity as the values: out_i = sum_j w_ij e_j = row i of the weights.
+Tensor linear_head_weights(const nn::MultiHeadAttention& layer, const Tensor& x) {
+  const int64_t batch = x.size(0), len = x.size(1), heads = layer.num_heads(), kv_heads = layer.num_kv_heads(),
+                hd = layer.head_dim();
+  const Tensor q = layer.q_proj.apply(x).reshape({batch, len, heads, hd}).transpose(1, 2);
+  const Tensor k = layer.k_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  if (layer.rotary()) {
+    layer.rotary()->apply_inplace(q, {0});
+    layer.rotary()->apply_inplace(k, {0});
+  }
+  Tensor identity = Tensor::zeros({batch, kv_heads, len, len});
+  for (int64_t b = 0; b < batch * kv_heads; ++b)
+    for (int64_t j = 0; j < len; ++j) identity.data()[(b * len + j) * len + j] = 1;
+  LinearAttentionOptions options;
+  options.feature_map = layer.options().feature_map;
+  options.causal = layer.options().causal;
+  return linear_attention(q, k, identity, options);
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -137,10 +159,11 @@ Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, i
   for (const Block& block : layers) {
     const Tensor normed = block.norm.forward(x);
     const auto start = std::chrono::steady_clock::now();
-    const nn::MultiHeadAttentionOutput attended =
-        block.attention.forward(normed, layer_mask, head_weights ? nn::Weights::PerHead : nn::Weights::None);
+    const bool linear = config_.attention == nn::AttentionKind::Linear;
+    const nn::MultiHeadAttentionOutput attended = block.attention.forward(
+        normed, layer_mask, head_weights && !linear ? nn::Weights::PerHead : nn::Weights::None);
     if (attention_seconds) *attention_seconds += seconds_since(start);
-    if (head_weights) head_weights->push_back(attended.weights);
+    if (head_weights) head_weights->push_back(linear ? linear_head_weights(block.attention, normed) : attended.weights);
     x = add(x, attended.output);
   }
   // ---- 3. logits = head(final_norm(x))
