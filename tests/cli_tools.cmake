@@ -76,6 +76,14 @@ cli_test(cli_generate_too_long ARGS "generate|--model|${cli_out}/tiny.qkv|--toke
   EXPECT "need 12 positions, but the model reads at most max_len 6")
 set_tests_properties(cli_generate cli_generate_bf16 cli_generate_no_cache cli_generate_plot cli_generate_bad_prompt
   cli_generate_too_long PROPERTIES FIXTURES_REQUIRED viz_model)
+# qkv viz --model on a sparse and a linear model (trained by tests/CMakeLists.txt's cli_train_sparse
+# and cli_train_linear): the mask is honoured, linear heads are drawn from phi(q).phi(k).
+cli_test(cli_viz_model_sparse ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_sparse.qkv|-o|${cli_out}/sparse_model.png"
+  FILE ${cli_out}/sparse_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 8 tokens, task copy, softmax attention, mask causal & \\(window\\(3\\) \\| strided\\(4\\)\\)")
+cli_test(cli_viz_model_linear ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_linear.qkv|-o|${cli_out}/linear_model.png"
+  FILE ${cli_out}/linear_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 6 tokens, task copy, linear attention")
+set_tests_properties(cli_viz_model_sparse PROPERTIES DEPENDS cli_train_sparse FIXTURES_REQUIRED train_sparse)
+set_tests_properties(cli_viz_model_linear PROPERTIES DEPENDS cli_train_linear FIXTURES_REQUIRED train_linear)
 cli_test(cli_viz_model_missing ARGS "viz|--model|${cli_out}/no-such-model.qkv|-o|${cli_out}/x.png" FAIL
   EXPECT "qkv: error: AttentionModel::load: cannot open '.*no-such-model.qkv'")
 cli_test(cli_viz_model_corrupt ARGS "viz|--model|${CMAKE_CURRENT_SOURCE_DIR}/cli_tools.cmake|-o|${cli_out}/x.png" FAIL

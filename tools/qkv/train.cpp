@@ -116,8 +116,16 @@ double mean_entropy(const std::vector<float>& w, int64_t n) {
 
 // The heads of every layer as heatmap panels (one section per layer, one panel per head), token
 // labels on both axes, one colour scale for all.
+// What the weights of a model's heads are, for the figures' notes (empty for plain softmax).
+std::string attention_note(const train::ModelConfig& c) {
+  if (c.attention == nn::AttentionKind::Linear)
+    return "linear attention: weight = phi(q_i).phi(k_j) / sum over j' <= i of phi(q_i).phi(k_j'), phi = elu + 1";
+  if (!c.mask.empty()) return fmt::format("sparse: every layer's mask is causal & ({}); hidden keys weigh 0", c.mask);
+  return "";
+}
+
 void plot_heads(const std::vector<Tensor>& weights, const train::Batch& example, const train::TaskOptions& task,
-                const std::string& task_name, const std::string& path) {
+                const std::string& task_name, const std::string& path, const train::ModelConfig& config) {
   const int64_t n = example.length;
   plot::HeatmapFigure figure;
   for (int64_t i = 0; i < n; ++i)
@@ -125,6 +133,7 @@ void plot_heads(const std::vector<Tensor>& weights, const train::Batch& example,
   figure.col_labels = figure.row_labels;
   figure.title = fmt::format("Trained attention heads, task {}, on one held-out example", task_name);
   figure.notes.push_back("rows: queries (each row sums to 1), columns: keys; causal, so above the diagonal is empty");
+  if (!attention_note(config).empty()) figure.notes.push_back(attention_note(config));
   figure.notes.push_back(fmt::format("entropy: mean over rows (uniform over all {} keys = {:.2f} nats)", n,
                                      std::log(static_cast<double>(n))));
   int64_t heads = 1;
@@ -191,7 +200,7 @@ void draw_heads(const train::AttentionModel& model, const train::TaskOptions& ta
       fmt::print("{}\n", line);
     }
   }
-  if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path);
+  if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path, model.config());
 }
 
 void run_train(const TrainCommandOptions& o) {
@@ -206,8 +215,6 @@ void run_train(const TrainCommandOptions& o) {
   options.adamw.lr = o.lr;
   options.warmup_steps = o.warmup;
   const bool linear = o.attention == "linear";
-  if (linear && !o.plot.empty())
-    throw Error("--attention linear: --plot needs softmax or sparse attention (linear heads have no weights to draw)");
   if (linear && !o.mask.empty())
     throw Error("--attention linear: --mask needs softmax or sparse attention (linear attention is causal only)");
   // A mask makes softmax attention sparse; sparse without one takes the default pattern.
@@ -285,7 +292,7 @@ void run_train(const TrainCommandOptions& o) {
              "(loss {:.4f}; chance {:.2f}%). Trained in {:.1f} s.\n",
              o.eval_sequences, 100 * final_eval.accuracy, 100 * final_eval.sequence_accuracy, final_eval.loss,
              100.0 / static_cast<double>(o.symbols), last_seconds);
-  if (!linear) draw_heads(model, options.task, held_out + 2, o.task, o.plot);
+  draw_heads(model, options.task, held_out + 2, o.task, o.plot);
   if (!o.save.empty()) {
     model.save(o.save);
     fmt::print("\nSaved the model to {}\n", o.save);
