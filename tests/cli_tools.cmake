@@ -69,7 +69,7 @@ cli_test(cli_generate_bf16 ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|a
 cli_test(cli_generate_no_cache ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|0 1 4|--no-cache"
   EXPECT "prompt: +a b \\|.*no cache: the prefix recomputed at every step")
 cli_test(cli_generate_plot ARGS "generate|--model|${cli_out}/tiny.qkv|--sweep|64|--repeats|1|--plot|${cli_out}/generation.svg"
-  FILE ${cli_out}/generation.svg KIND svg EXPECT "log-log slope of the attention time per token from position 16 to 64: cached [0-9.]+, recomputed [0-9.]+.*at position 64: the cache makes")
+  FILE ${cli_out}/generation.svg KIND svg EXPECT "log-log slope of the attention time per token from position 16 to 64: cached [-0-9.]+, recomputed [-0-9.]+.*at position 64: the cache makes")
 cli_test(cli_generate_bad_prompt ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|a z" FAIL
   EXPECT "--prompt: 'z' is not a token of this model: give ids 0 to 4 or its letters a to d and '\\|'")
 cli_test(cli_generate_too_long ARGS "generate|--model|${cli_out}/tiny.qkv|--tokens|9" FAIL
@@ -82,6 +82,10 @@ cli_test(cli_viz_model_sparse ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_
   FILE ${cli_out}/sparse_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 8 tokens, task copy, softmax attention, mask causal & \\(window\\(3\\) \\| strided\\(4\\)\\)")
 cli_test(cli_viz_model_linear ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_linear.qkv|-o|${cli_out}/linear_model.png"
   FILE ${cli_out}/linear_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 6 tokens, task copy, linear attention")
+# qkv generate on the sparse model: its mask moves with the cache.
+cli_test(cli_generate_sparse ARGS "generate|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_sparse.qkv|--kv-dtype|f16"
+  EXPECT "softmax attention, rotary positions, mask window\\(3\\) \\| strided\\(4\\).*tokens/s \\(KV cache in f16")
+set_tests_properties(cli_generate_sparse PROPERTIES DEPENDS cli_train_sparse FIXTURES_REQUIRED train_sparse)
 set_tests_properties(cli_viz_model_sparse PROPERTIES DEPENDS cli_train_sparse FIXTURES_REQUIRED train_sparse)
 set_tests_properties(cli_viz_model_linear PROPERTIES DEPENDS cli_train_linear FIXTURES_REQUIRED train_linear)
 cli_test(cli_viz_model_missing ARGS "viz|--model|${cli_out}/no-such-model.qkv|-o|${cli_out}/x.png" FAIL

@@ -99,8 +99,8 @@ class AttentionModel {
   std::vector<nn::KVCache> make_caches(int64_t batch, int64_t capacity, DType dtype = DType::F32) const;
   // ids: batch x length new tokens, at the positions after the caches' (every batch element at
   // the same position). Appends their keys and values and returns their logits (batch, length,
-  // vocab_size): what forward() over the whole sequence returns for those tokens. A model with
-  // a mask expression has no cached forward yet (qkv::Error). attention_seconds as above.
+  // vocab_size): what forward() over the whole sequence returns for those tokens (a model's mask
+  // expression moved to the new tokens' positions). attention_seconds as above.
   Tensor forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, std::vector<nn::KVCache>& caches,
                  double* attention_seconds = nullptr) const;
 

@@ -101,6 +101,70 @@ Tensor linear_head_weights(const nn::MultiHeadAttention& layer, const Tensor& x)
   return linear_attention(q, k, identity, options);
 }
 
+// A band j - i in [lo, hi] (lo <= 0 <= hi, as window and causal make) for queries at position
+// offset + i: Mask::window's offset.
+Mask shifted_band(int64_t lo, int64_t hi, int64_t offset) {
+  if (lo > 0 || hi < 0)
+    throw Error("AttentionModel: the cached forward cannot shift a band [" + std::to_string(lo) + ", " +
+                std::to_string(hi) + "] that excludes the query itself");
+  return Mask::window(-lo, hi, offset);
+}
+
+Mask shifted_rule(const Mask::Rule& rule, int64_t offset, int64_t batch, int64_t keys) {
+  using Kind = Mask::Rule::Kind;
+  switch (rule.kind) {
+    case Kind::Band: return shifted_band(rule.lo, rule.hi, offset);
+    case Kind::KeyLengths: return Mask::key_lengths(rule.lengths);
+    case Kind::Strided: return Mask::strided(rule.stride, rule.offset + offset);
+    case Kind::Global:
+      // j < count or offset + i < count: the first keys for every query, every key for the
+      // queries before count - offset.
+      return Mask::key_lengths(std::vector<int64_t>(static_cast<size_t>(batch), std::min(rule.count, keys))) |
+             Mask::global_tokens(std::max<int64_t>(0, rule.count - offset));
+    case Kind::And: return shifted_rule(*rule.left, offset, batch, keys) & shifted_rule(*rule.right, offset, batch, keys);
+    case Kind::Or: return shifted_rule(*rule.left, offset, batch, keys) | shifted_rule(*rule.right, offset, batch, keys);
+    case Kind::Keep:
+    case Kind::BlockSparse: break;
+  }
+  throw Error("AttentionModel: the cached forward cannot shift a tensor or block-sparse mask");
+}
+
+// The model's mask for `len` new queries at positions offset.. over the keys 0 .. offset + len:
+// the same expression with every query-relative part moved by offset (Mask::parse's masks only:
+// bands, key lengths, strided, global, and their & and |).
+Mask shifted_mask(const Mask& mask, int64_t offset, int64_t batch, int64_t keys) {
+  Mask out = mask.has_band() ? shifted_band(mask.band_lo(), mask.band_hi(), offset) : Mask();
+  if (mask.has_key_lengths()) out &= Mask::key_lengths(mask.lengths());
+  if (!mask.terms().empty()) throw Error("AttentionModel: the cached forward cannot shift a tensor mask");
+  if (mask.rule()) out &= shifted_rule(*mask.rule(), offset, batch, keys);
+  return out;
+}
+
+// One layer of the cached forward under the model's mask: what MultiHeadAttention::forward(x,
+// cache) does for causal attention alone (project, rotate to the positions, append to the cache,
+// attend over its slice in place, project out), with the mask moved to the new queries' positions.
+Tensor masked_cached_attention(const nn::MultiHeadAttention& layer, const Tensor& x, nn::KVCache& cache,
+                               const Mask& mask) {
+  const int64_t batch = x.size(0), len = x.size(1), heads = layer.num_heads(), kv_heads = layer.num_kv_heads(),
+                hd = layer.head_dim(), offset = cache.length();
+  const Tensor q = layer.q_proj.apply(x).reshape({batch, len, heads, hd}).transpose(1, 2);
+  const Tensor k = layer.k_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  const Tensor v = layer.v_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  if (layer.rotary()) {
+    layer.rotary()->apply_inplace(q, {offset});
+    layer.rotary()->apply_inplace(k, {offset});
+  }
+  cache.append(k, v);
+  const int64_t keys = offset + len;
+  AttentionOptions options;
+  options.mask = Mask::causal(offset) & shifted_mask(mask, offset, batch, keys);
+  const Tensor concatenated = Tensor::empty({batch, len, heads, hd});
+  AttentionResult result;
+  result.output = concatenated.transpose(1, 2);
+  scaled_dot_product_attention_into(q, cache.keys(keys), cache.values(keys), result, options);
+  return layer.out_proj.apply(concatenated.reshape({batch, len, layer.embed_dim()}));
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -185,9 +249,6 @@ std::vector<nn::KVCache> AttentionModel::make_caches(int64_t batch, int64_t capa
 Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length,
                                std::vector<nn::KVCache>& caches, double* attention_seconds) const {
   const std::string who = "AttentionModel::forward(ids, caches): ";
-  if (!mask_.is_none())
-    throw Error(who + "this model's layers and mask '" + config_.mask + "' with causal; the cached forward serves "
-                "causal attention alone: run forward() over the whole sequence");
   if (caches.size() != layers.size())
     throw Error(who + std::to_string(caches.size()) + " caches for " + std::to_string(layers.size()) +
                 " layers: use make_caches");
@@ -207,9 +268,10 @@ Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, i
   for (size_t l = 0; l < layers.size(); ++l) {
     const Tensor normed = layers[l].norm.forward(x);
     const auto start = std::chrono::steady_clock::now();
-    const nn::MultiHeadAttentionOutput attended = layers[l].attention.forward(normed, caches[l]);
+    const Tensor attended = mask_.is_none() ? layers[l].attention.forward(normed, caches[l]).output
+                                            : masked_cached_attention(layers[l].attention, normed, caches[l], mask_);
     if (attention_seconds) *attention_seconds += seconds_since(start);
-    x = add(x, attended.output);
+    x = add(x, attended);
   }
   // ---- 3. logits = head(final_norm(x))
   return head.forward(final_norm.forward(x));

@@ -224,11 +224,8 @@ void run_generate(const GenerateCommandOptions& o) {
   const int64_t tokens = o.tokens >= 0 ? o.tokens
                          : !expected.empty() ? static_cast<int64_t>(expected.size())
                                              : std::max<int64_t>(1, c.max_len + 1 - prompt_length);
-  const bool cache = !o.no_cache && c.attention == nn::AttentionKind::Softmax && c.mask.empty();
-  std::string why;
-  if (!o.no_cache && !cache)
-    why = c.attention == nn::AttentionKind::Linear ? " (a linear model's state is not cached: recomputing)"
-                                                   : " (a masked model has no cached forward yet: recomputing)";
+  const bool cache = !o.no_cache && c.attention == nn::AttentionKind::Softmax;
+  const std::string why = !o.no_cache && !cache ? " (a linear model's state is not cached: recomputing)" : "";
   const train::Generation g =
       train::generate(model, prompt, {.tokens = tokens, .use_cache = cache, .kv_dtype = dtype});
   double seconds = 0, attention = 0;
@@ -256,8 +253,8 @@ void run_generate(const GenerateCommandOptions& o) {
              seconds > 0 ? 100 * attention / seconds : 0);
   const int64_t sweep = o.sweep > 0 ? o.sweep : (o.plot.empty() ? 0 : 2048);
   if (sweep > 0) {
-    if (c.attention != nn::AttentionKind::Softmax || !c.mask.empty())
-      throw Error("--sweep / --plot compare the KV cache with recomputing: they need a softmax model without a mask");
+    if (c.attention != nn::AttentionKind::Softmax)
+      throw Error("--sweep / --plot compare the KV cache with recomputing: they need a softmax (or sparse) model");
     report_sweep(run_sweep(model, prompt, sweep, dtype, o.repeats), model, o.kv_dtype, o.plot);
   }
 }
