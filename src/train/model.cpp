@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
