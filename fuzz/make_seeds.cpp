@@ -1,5 +1,6 @@
 // Writes the fuzzers' seed corpora (committed in fuzz/corpus/; rerun to regenerate):
-//   fuzz_make_seeds <dir>  ->  <dir>/fuzz_model_load/{model,checkpoint,version1}.seed
+//   fuzz_make_seeds <dir>  ->  <dir>/fuzz_model_load/{model,checkpoint,version1,version2,
+//                                                    linear,sparse_rotary}.seed
 //                              <dir>/fuzz_attention/seed-<n> (fixed pseudo-random bytes)
 // Model seeds start with the mode byte of fuzz_model_load.cpp (0: reseal the checksum) and are
 // the smallest models the format allows, so mutations stay cheap.
@@ -47,13 +48,29 @@ int main(int argc, char** argv) {
   model.save(scratch);
   const std::vector<char> plain = read(scratch);
   write(models / "model.seed", with_mode(plain));
+  // Version 2: version 3 without the attention kind, positions and (empty) mask at 56 .. 68; the
+  // checksum is resealed by the fuzzer's mode 0.
+  std::vector<char> v2 = plain;
+  v2.erase(v2.begin() + 56, v2.begin() + 68);
+  v2[8] = 2;
+  write(models / "version2.seed", with_mode(v2));
   // Version 1: no flags, no checksum (mode byte 1: left as is).
-  std::vector<char> v1 = plain;
+  std::vector<char> v1 = v2;
   v1.erase(v1.end() - 4, v1.end());
   v1.erase(v1.begin() + 12, v1.begin() + 16);
   v1[8] = 1;
   v1.insert(v1.begin(), '\1');
   write(models / "version1.seed", v1);
+  // Version 3's fields set: linear attention; rotary positions with a sparse mask expression.
+  qkv::train::ModelConfig linear = config;
+  linear.attention = qkv::nn::AttentionKind::Linear;
+  qkv::train::AttentionModel(linear, 1).save(scratch);
+  write(models / "linear.seed", with_mode(read(scratch)));
+  qkv::train::ModelConfig sparse = config;
+  sparse.positions = qkv::train::Positions::Rotary;
+  sparse.mask = "window(1) | strided(2)";
+  qkv::train::AttentionModel(sparse, 1).save(scratch);
+  write(models / "sparse_rotary.seed", with_mode(read(scratch)));
   qkv::train::Checkpoint checkpoint{.step = 3, .optimizer = {}};
   checkpoint.optimizer.steps = 3;
   for (const auto& p : model.parameters()) {

@@ -60,6 +60,34 @@ cli_test(cli_viz_model_text ARGS "viz|--model|${cli_out}/tiny.qkv|--text|b a d c
 cli_test(cli_viz_model_heads ARGS "viz|--model|${cli_out}/tiny.qkv|--heads|2" FAIL
   EXPECT "--heads describes the untrained layer; with --model the layers come from the file")
 set_tests_properties(cli_viz_model cli_viz_model_text cli_viz_model_heads PROPERTIES FIXTURES_REQUIRED viz_model)
+# qkv generate: the tiny copy model generates from its cache (f32, bf16) and without it; --sweep
+# and --plot time both to a position past the trained length.
+cli_test(cli_generate ARGS "generate|--model|${cli_out}/tiny.qkv"
+  EXPECT "prompt: .*\\|.*generated: .*expected: .*of 3 right.*[0-9]+ tokens/s \\(KV cache in f32")
+cli_test(cli_generate_bf16 ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|a b c a d|--tokens|1|--kv-dtype|bf16"
+  EXPECT "prompt: +a b c a d.*1 tokens in .*KV cache in bf16")
+cli_test(cli_generate_no_cache ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|0 1 4|--no-cache"
+  EXPECT "prompt: +a b \\|.*no cache: the prefix recomputed at every step")
+cli_test(cli_generate_plot ARGS "generate|--model|${cli_out}/tiny.qkv|--sweep|64|--repeats|1|--plot|${cli_out}/generation.svg"
+  FILE ${cli_out}/generation.svg KIND svg EXPECT "log-log slope of the attention time per token from position 16 to 64: cached [-0-9.]+, recomputed [-0-9.]+.*at position 64: the cache makes")
+cli_test(cli_generate_bad_prompt ARGS "generate|--model|${cli_out}/tiny.qkv|--prompt|a z" FAIL
+  EXPECT "--prompt: 'z' is not a token of this model: give ids 0 to 4 or its letters a to d and '\\|'")
+cli_test(cli_generate_too_long ARGS "generate|--model|${cli_out}/tiny.qkv|--tokens|9" FAIL
+  EXPECT "need 12 positions, but the model reads at most max_len 6")
+set_tests_properties(cli_generate cli_generate_bf16 cli_generate_no_cache cli_generate_plot cli_generate_bad_prompt
+  cli_generate_too_long PROPERTIES FIXTURES_REQUIRED viz_model)
+# qkv viz --model on a sparse and a linear model (trained by tests/CMakeLists.txt's cli_train_sparse
+# and cli_train_linear): the mask is honoured, linear heads are drawn from phi(q).phi(k).
+cli_test(cli_viz_model_sparse ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_sparse.qkv|-o|${cli_out}/sparse_model.png"
+  FILE ${cli_out}/sparse_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 8 tokens, task copy, softmax attention, mask causal & \\(window\\(3\\) \\| strided\\(4\\)\\)")
+cli_test(cli_viz_model_linear ARGS "viz|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_linear.qkv|-o|${cli_out}/linear_model.png"
+  FILE ${cli_out}/linear_model.png KIND png EXPECT "10 panels, 2 layers of 4 heads, 6 tokens, task copy, linear attention")
+# qkv generate on the sparse model: its mask moves with the cache.
+cli_test(cli_generate_sparse ARGS "generate|--model|${CMAKE_CURRENT_BINARY_DIR}/cli_train_sparse.qkv|--kv-dtype|f16"
+  EXPECT "softmax attention, rotary positions, mask window\\(3\\) \\| strided\\(4\\).*tokens/s \\(KV cache in f16")
+set_tests_properties(cli_generate_sparse PROPERTIES DEPENDS cli_train_sparse FIXTURES_REQUIRED train_sparse)
+set_tests_properties(cli_viz_model_sparse PROPERTIES DEPENDS cli_train_sparse FIXTURES_REQUIRED train_sparse)
+set_tests_properties(cli_viz_model_linear PROPERTIES DEPENDS cli_train_linear FIXTURES_REQUIRED train_linear)
 cli_test(cli_viz_model_missing ARGS "viz|--model|${cli_out}/no-such-model.qkv|-o|${cli_out}/x.png" FAIL
   EXPECT "qkv: error: AttentionModel::load: cannot open '.*no-such-model.qkv'")
 cli_test(cli_viz_model_corrupt ARGS "viz|--model|${CMAKE_CURRENT_SOURCE_DIR}/cli_tools.cmake|-o|${cli_out}/x.png" FAIL

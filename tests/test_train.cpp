@@ -119,11 +119,11 @@ TEST_F(ModelFile, RoundTripKeepsEveryBit) {
   }
   const std::vector<int64_t> ids{1, 2, 3, 4, 5, 6, 7, 8, 0, 1};
   EXPECT_EQ(model.forward(ids, 2, 5).to_vector(), loaded.forward(ids, 2, 5).to_vector());
-  // The documented layout: magic, version 2, flags 0, the five config integers, ..., CRC-32C.
+  // The documented layout: magic, version 3, flags 0, the five config integers, ..., CRC-32C.
   const std::vector<char> data = bytes();
   ASSERT_GE(data.size(), 60u);
   EXPECT_EQ(std::string(data.begin(), data.begin() + 8), "QKVMODEL");
-  EXPECT_EQ(data[8], 2);
+  EXPECT_EQ(data[8], 3);
   EXPECT_EQ(data[12], 0);
   EXPECT_EQ(data[16], 9);  // vocab_size, little-endian
   uint32_t stored;
@@ -152,17 +152,162 @@ TEST_F(ModelFile, AFlippedBitIsCaughtByTheChecksum) {
 }
 
 TEST_F(ModelFile, Version1FilesStillLoad) {
-  // A version 1 file is version 2 without the flags and the checksum.
+  // A version 1 file is version 2 without the flags and the checksum; version 2 is version 3
+  // without the attention kind, the positions and the mask (12 bytes at 56 when the mask is empty).
   const AttentionModel model(config_, 5);
   model.save(path_);
   std::vector<char> data = bytes();
   data.erase(data.end() - 4, data.end());
+  data.erase(data.begin() + 56, data.begin() + 68);
   data.erase(data.begin() + 12, data.begin() + 16);
   data[8] = 1;
   write(data);
   const AttentionModel loaded = AttentionModel::load(path_);
   const auto a = model.parameters(), b = loaded.parameters();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].tensor.to_vector(), b[i].tensor.to_vector()) << a[i].name;
+}
+
+TEST_F(ModelFile, Version2FilesLoadAsSoftmaxSinusoidalUnmasked) {
+  const AttentionModel model(config_, 6);
+  model.save(path_);
+  std::vector<char> data = bytes();
+  ASSERT_EQ(std::vector<char>(data.begin() + 56, data.begin() + 68), std::vector<char>(12, 0));
+  data.erase(data.begin() + 56, data.begin() + 68);
+  data[8] = 2;
+  write_resealed(data);
+  const AttentionModel loaded = AttentionModel::load(path_);
+  EXPECT_EQ(loaded.config().attention, qkv::nn::AttentionKind::Softmax);
+  EXPECT_EQ(loaded.config().positions, qkv::train::Positions::Sinusoidal);
+  EXPECT_EQ(loaded.config().mask, "");
+  const std::vector<int64_t> ids{1, 2, 3, 4, 5, 6, 7};
+  EXPECT_EQ(model.forward(ids, 1, 7).to_vector(), loaded.forward(ids, 1, 7).to_vector());
+}
+
+// Version 3's fields: every attention kind, both positions and a mask expression survive a
+// save, and the loaded model computes what the saved one did.
+TEST_F(ModelFile, EveryKindRoundTrips) {
+  using qkv::nn::AttentionKind;
+  using qkv::train::Positions;
+  const std::vector<ModelConfig> configs{
+      {.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 2},
+      {.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 2, .attention = AttentionKind::Linear},
+      {.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 2, .positions = Positions::Rotary},
+      {.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 2, .attention = AttentionKind::Linear,
+       .positions = Positions::Rotary},
+      {.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 2, .mask = "window(1) | strided(3)"},
+  };
+  const std::vector<int64_t> ids{1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5};
+  std::vector<std::vector<float>> outputs;
+  for (const ModelConfig& config : configs) {
+    SCOPED_TRACE(qkv::train::to_string(config.attention) + " " + qkv::train::to_string(config.positions) + " '" +
+                 config.mask + "'");
+    const AttentionModel model(config, 12);
+    model.save(path_);
+    const AttentionModel loaded = AttentionModel::load(path_);
+    EXPECT_EQ(loaded.config().attention, config.attention);
+    EXPECT_EQ(loaded.config().positions, config.positions);
+    EXPECT_EQ(loaded.config().mask, config.mask);
+    const std::vector<float> out = model.forward(ids, 2, 7).to_vector();
+    EXPECT_EQ(out, loaded.forward(ids, 2, 7).to_vector());
+    for (const auto& other : outputs) EXPECT_NE(out, other) << "the field changes what the model computes";
+    outputs.push_back(out);
+  }
+  // The mask is honoured: with window(0) | strided(7) each token sees only itself, which the
+  // unmasked model does not compute.
+  ModelConfig self_only = configs[0];
+  self_only.mask = "window(0)";
+  Tensor diagonal = Tensor::zeros({7, 7});
+  for (int64_t i = 0; i < 7; ++i) diagonal.at({i, i}) = 1;
+  EXPECT_EQ(AttentionModel(self_only, 12).forward(ids, 2, 7).to_vector(),
+            AttentionModel(configs[0], 12).forward(ids, 2, 7, Mask::keep(diagonal)).to_vector());
+  // Configs the format cannot honour are refused when built.
+  ModelConfig bad = configs[1];
+  bad.mask = "window(2)";
+  EXPECT_THAT([&] { AttentionModel(bad, 1); }, ::testing::ThrowsMessage<qkv::Error>(HasSubstr("linear attention takes no mask")));
+  bad = configs[0];
+  bad.mask = "window(2";
+  EXPECT_THAT([&] { AttentionModel(bad, 1); }, ::testing::ThrowsMessage<qkv::Error>(HasSubstr("mask")));
+}
+
+// A linear model's head weights, phi(q_i).phi(k_j) / (sum_{j' <= i} phi(q_i).phi(k_j') + eps),
+// against a float64 evaluation from the layer's own projections.
+TEST(LinearModel, HeadWeightsAreTheNormalisedFeatureProducts) {
+  const ModelConfig config{.vocab_size = 7, .max_len = 6, .d_model = 8, .num_heads = 2, .num_layers = 1,
+                           .attention = qkv::nn::AttentionKind::Linear};
+  const AttentionModel model(config, 4);
+  const std::vector<int64_t> ids{3, 1, 6, 0, 2, 5};
+  const int64_t n = 6, d = 8, hd = 4;
+  std::vector<Tensor> weights;
+  const Tensor logits = model.forward(ids, 1, n, {}, &weights);
+  EXPECT_EQ(logits.to_vector(), model.forward(ids, 1, n).to_vector()) << "asking for weights changes nothing";
+  ASSERT_EQ(weights.size(), 1u);
+  ASSERT_EQ(weights[0].shape(), qkv::Shape({1, 2, n, n}));
+  const Tensor normed = model.layers[0].norm.forward(model.positions.forward(model.embedding.forward(ids, {1, n})));
+  const auto& attention = model.layers[0].attention;
+  auto features = [&](const qkv::nn::Linear& proj, int64_t i, int64_t h) {
+    std::vector<double> phi(static_cast<size_t>(hd));
+    for (int64_t c = 0; c < hd; ++c) {
+      double sum = proj.bias.at({h * hd + c});
+      for (int64_t e = 0; e < d; ++e) sum += static_cast<double>(normed.at({0, i, e})) * proj.weight.at({h * hd + c, e});
+      phi[static_cast<size_t>(c)] = sum > 0 ? sum + 1 : std::exp(sum);
+    }
+    return phi;
+  };
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      const std::vector<double> q = features(attention.q_proj, i, h);
+      std::vector<double> products;
+      double total = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        const std::vector<double> k = features(attention.k_proj, j, h);
+        double dot = 0;
+        for (int64_t c = 0; c < hd; ++c) dot += q[static_cast<size_t>(c)] * k[static_cast<size_t>(c)];
+        products.push_back(dot);
+        total += dot;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const double expected = j <= i ? products[static_cast<size_t>(j)] / (total + 1e-6) : 0.0;
+        EXPECT_NEAR(weights[0].at({0, h, i, j}), expected, 1e-5) << "head " << h << " query " << i << " key " << j;
+      }
+    }
+}
+
+TEST_F(ModelFile, CorruptVersion3FieldsAreClearErrors) {
+  const ModelConfig masked{.vocab_size = 9, .max_len = 7, .d_model = 8, .num_heads = 2, .num_layers = 1,
+                           .mask = "strided(3)"};
+  AttentionModel(masked, 3).save(path_);
+  const std::vector<char> good = bytes();
+  ASSERT_EQ(good[64], 10);  // the mask's length, then "strided(3)"
+  ASSERT_EQ(std::string(good.begin() + 68, good.begin() + 78), "strided(3)");
+  std::vector<char> data = good;
+  data[56] = 5;
+  write_resealed(data);
+  expect_load_error("unknown attention kind 5 (0 softmax, 1 linear)");
+  data = good;
+  data[60] = 9;
+  write_resealed(data);
+  expect_load_error("unknown positions 9 (0 sinusoidal, 1 rotary)");
+  data = good;
+  data[66] = 1;  // 65546 bytes
+  write_resealed(data);
+  expect_load_error("a mask expression of 65546 bytes (at most 4096)");
+  data = good;
+  data[64] = static_cast<char>(0xA0);  // 4000 bytes: more than follow the config
+  data[65] = 0x0F;
+  write_resealed(data);
+  expect_load_error("is truncated: the mask expression needs 4000 bytes at offset 68");
+  data = good;
+  data[64] = 14;  // the mask runs into the tensor count's bytes
+  write_resealed(data);
+  expect_load_error("bad config: AttentionModel: mask: ");
+  data = good;
+  data[75] = 'x';  // "stridedx3)"
+  write_resealed(data);
+  expect_load_error("bad config: AttentionModel: mask: ");
+  data = good;
+  data[56] = 1;  // linear with a mask
+  write_resealed(data);
+  expect_load_error("linear attention takes no mask");
 }
 
 TEST_F(ModelFile, AFailedSaveKeepsThePreviousFile) {
@@ -249,7 +394,7 @@ TEST_F(ModelFile, ForeignVersionShapeAndTrailingBytes) {
   std::vector<char> data = good;
   data[8] = 7;  // version
   write(data);
-  expect_load_error("format version 7, but this qkv reads versions 1 and 2");
+  expect_load_error("format version 7, but this qkv reads versions 1 to 3");
 
   data = good;
   data[40] = 3;  // num_heads 3 does not divide d_model 8

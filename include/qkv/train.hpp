@@ -2,25 +2,33 @@
 // tasks that only attention can solve (src/train/tasks.cpp), and the loop that trains one on them
 // (src/train/train.cpp): what `qkv train` runs.
 //
-// The model: token embedding + sinusoidal positions, num_layers x [LayerNorm, causal
-// MultiHeadAttention, residual], LayerNorm, linear head to the vocabulary. No MLP: every bit of
-// mixing between positions is attention, so what it learns is what attention learns.
+// The model: token embedding + positions (a sinusoidal table added to the embedding, or rotary
+// embeddings applied to q and k in every layer), num_layers x [LayerNorm, causal
+// MultiHeadAttention (softmax or linear; softmax optionally and-ed with a sparse mask
+// expression), residual], LayerNorm, linear head to the vocabulary. No MLP: every bit of mixing
+// between positions is attention, so what it learns is what attention learns.
 //
-// The .qkv file, format version 2 (all integers and floats little-endian):
+// The .qkv file, format version 3 (all integers and floats little-endian):
 //   offset 0   8 bytes   magic "QKVMODEL"
-//          8   u32       format version (kModelFormatVersion = 2)
+//          8   u32       format version (kModelFormatVersion = 3)
 //         12   u32       flags: bit 0 set = a checkpoint (training state after the tensors)
 //         16   5 x i64   config: vocab_size, max_len, d_model, num_heads, num_layers
-//         56   u32       tensor count, then per tensor, in parameters() order:
+//         56   u32       attention: 0 softmax, 1 linear (elu+1 features, causal)
+//         60   u32       positions: 0 sinusoidal, 1 rotary (half-split, base 10000)
+//         64   u32       mask length M (<= kMaxMaskText), then M bytes: a Mask::parse expression
+//                        every layer ands with causal ("" none), e.g. "window(3) | strided(4)"
+//     68 + M   u32       tensor count, then per tensor, in parameters() order:
 //                          u32 name length, name (UTF-8, no terminator),
 //                          u32 rank, rank x i64 dims, numel x f32 values (row-major)
 //   if a checkpoint:     i64 training step done, i64 AdamW step count, then per tensor in the
 //                        same order numel x f32 first moments, then per tensor the second moments
 //   last 4 bytes         u32 CRC-32C (Castagnoli) of every byte before it
+// Version 2 is version 3 without the bytes at 56 .. 68 + M (softmax, sinusoidal, no mask).
 // load() checks the magic, the version, the checksum, the config, every name and shape against
 // the model the config describes, and that the file ends where it should; anything else is a
 // qkv::Error that names the file and what was wrong (not a qkv model, corrupt or truncated,
-// shape differs, ...). Version 1 files (no flags, no checksum) still load, unchecked.
+// shape differs, unknown attention kind, a mask that does not parse, ...). Version 2 files load
+// as softmax / sinusoidal / no mask; version 1 files (no flags, no checksum) too, unchecked.
 //
 // save() never loses the previous file: it writes a temporary file in the target's folder
 // ("<name>.tmp-XXXXXX"), fsyncs it, renames it over the target and fsyncs the folder. A crash,
@@ -39,7 +47,18 @@
 
 namespace qkv::train {
 
-inline constexpr uint32_t kModelFormatVersion = 2;
+inline constexpr uint32_t kModelFormatVersion = 3;
+inline constexpr size_t kMaxMaskText = 4096;  // bytes of a model's mask expression
+
+// Where a model's tokens learn their positions.
+enum class Positions {
+  Sinusoidal,  // the fixed sin/cos table (max_len rows) added to the embedding
+  Rotary,      // RoPE on q and k in every layer (nn::RotaryEmbedding, half-split, base 10000)
+};
+Positions parse_positions(const std::string& name);  // "sinusoidal", "rotary"; else qkv::Error
+std::string to_string(Positions positions);
+nn::AttentionKind parse_attention_kind(const std::string& name);  // "softmax", "linear"
+std::string to_string(nn::AttentionKind kind);
 
 // The training state a checkpoint adds to the model: the last step done and AdamW's state.
 struct Checkpoint {
@@ -53,9 +72,12 @@ struct ModelConfig {
   int64_t d_model = 64;
   int64_t num_heads = 4;
   int64_t num_layers = 2;
-  // Softmax, or Linear (linear_attention, elu+1, causal): such a model has no head weights to
-  // draw, and the .qkv format has no field for it yet, so save() refuses it.
+  // Softmax, or Linear (linear_attention, elu+1, causal): such a model has no head weights to draw.
   nn::AttentionKind attention = nn::AttentionKind::Softmax;
+  Positions positions = Positions::Sinusoidal;
+  // A Mask::parse expression every layer ands with causal (softmax only), e.g. a sparse pattern
+  // "window(3) | strided(4)"; empty: causal alone. Query i and key j are absolute positions.
+  std::string mask;
 };
 
 class AttentionModel {
@@ -65,9 +87,29 @@ class AttentionModel {
 
   // ids: batch x length token ids, row-major. Returns logits (batch, length, vocab_size).
   // Every attention layer is causal; `mask` is and-ed into each (e.g. a diagonal keep mask).
-  // head_weights: when given, receives each layer's per-head weights (batch, heads, length, length).
+  // head_weights: when given, receives each layer's per-head weights (batch, heads, length, length);
+  // for linear attention phi(q_i).phi(k_j) / (sum_{j' <= i} phi(q_i).phi(k_j') + eps), j <= i.
+  // attention_seconds: when given, the time spent in the attention layers (their forward calls,
+  // projections included) is added to it.
   Tensor forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, const Mask& mask = {},
-                 std::vector<Tensor>* head_weights = nullptr) const;
+                 std::vector<Tensor>* head_weights = nullptr, double* attention_seconds = nullptr) const;
+  // ---- Inference with a KV cache (nn::KVCache per layer; include/qkv/inference.hpp).
+  // One cache per layer for `batch` sequences of up to `capacity` (<= max_len) positions, K/V in
+  // `dtype`. Softmax models only (a linear model's state is not cached): else qkv::Error.
+  std::vector<nn::KVCache> make_caches(int64_t batch, int64_t capacity, DType dtype = DType::F32) const;
+  // ids: batch x length new tokens, at the positions after the caches' (every batch element at
+  // the same position). Appends their keys and values and returns their logits (batch, length,
+  // vocab_size): what forward() over the whole sequence returns for those tokens (a model's mask
+  // expression moved to the new tokens' positions). attention_seconds as above.
+  Tensor forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, std::vector<nn::KVCache>& caches,
+                 double* attention_seconds = nullptr) const;
+
+  // The same weights with a positional range of max_len (a longer sinusoidal table; rotary
+  // needs none): for running past the trained length, e.g. to time generation at long positions.
+  AttentionModel with_max_len(int64_t max_len) const;
+  // The config's mask expression, parsed (none when empty).
+  const Mask& mask() const { return mask_; }
+
   // grad_logits shaped as the last forward's logits; adds every parameter's gradient.
   void backward(const Tensor& grad_logits);
   void zero_grad();
@@ -100,7 +142,30 @@ class AttentionModel {
 
  private:
   ModelConfig config_;
+  Mask mask_;
 };
+
+// ---- Greedy generation: each new token is the argmax of the logits at the last position.
+struct GenerateOptions {
+  int64_t tokens = 16;      // new tokens to generate
+  bool use_cache = true;    // false: recompute the whole prefix at every step
+  DType kv_dtype = DType::F32;  // the cache's K/V (BF16 / F16 halve its bytes)
+};
+// One forward of the generation loop: it read `read` tokens (the prompt at the cached prefill,
+// else 1 with the cache, or the whole prefix without) and predicted the token after `position`.
+struct GenerationStep {
+  int64_t position = 0;  // index of the last token read
+  int64_t read = 0;
+  double attention_seconds = 0;  // in the attention layers
+  double total_seconds = 0;      // the whole step (embedding, layers, head, argmax)
+};
+struct Generation {
+  std::vector<int64_t> ids;           // the new tokens (options.tokens of them)
+  std::vector<GenerationStep> steps;  // one per new token
+};
+// prompt: at least one token id; prompt + tokens must fit in the model's max_len. Runs on one
+// sequence; qkv::Error on bad ids or lengths (and use_cache with a model that has no cached forward).
+Generation generate(const AttentionModel& model, const std::vector<int64_t>& prompt, const GenerateOptions& options);
 
 // ---- synthetic tasks. Symbols are ids 0 .. symbols - 1; id `symbols` is the separator '|'.
 //   copy:    a b c d | a b c d      (predict the part after '|')

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -38,7 +39,134 @@ ModelConfig checked(const ModelConfig& c) {
                 std::to_string(c.max_len) + ", d_model " + std::to_string(c.d_model) + ", num_heads " +
                 std::to_string(c.num_heads) + ", num_layers " + std::to_string(c.num_layers) +
                 ": sizes must be in [1, 2^20], layers in [0, 1024], d_model divisible by num_heads");
+  if (c.attention != nn::AttentionKind::Softmax && c.attention != nn::AttentionKind::Linear)
+    throw Error("AttentionModel: unknown attention kind " + std::to_string(static_cast<int>(c.attention)));
+  if (c.positions != Positions::Sinusoidal && c.positions != Positions::Rotary)
+    throw Error("AttentionModel: unknown positions " + std::to_string(static_cast<int>(c.positions)));
+  if (c.positions == Positions::Rotary && (c.d_model / c.num_heads) % 2 != 0)
+    throw Error("AttentionModel: rotary positions need an even head dim, but d_model " + std::to_string(c.d_model) +
+                " / num_heads " + std::to_string(c.num_heads) + " is odd");
+  if (c.mask.size() > kMaxMaskText)
+    throw Error("AttentionModel: the mask expression has " + std::to_string(c.mask.size()) + " bytes (at most " +
+                std::to_string(kMaxMaskText) + ")");
+  if (!c.mask.empty() && c.attention == nn::AttentionKind::Linear)
+    throw Error("AttentionModel: mask '" + c.mask + "' with linear attention: linear attention takes no mask "
+                "(it is causal only)");
   return c;
+}
+
+// The config's mask expression, parsed; a descriptive form parse() cannot read back is refused,
+// so that what a model file says is what the model does.
+Mask parsed_mask(const std::string& text) {
+  if (text.empty()) return {};
+  Mask mask;
+  try {
+    mask = Mask::parse(text);
+  } catch (const Error& e) {
+    throw Error(std::string("AttentionModel: mask: ") + e.what());
+  }
+  return mask;
+}
+
+// x (B, N, d_model) + pe[offset .. offset + N): the sinusoidal table at the tokens' positions.
+Tensor add_positions(const Tensor& x, const Tensor& table, int64_t offset) {
+  Tensor y = x.clone();
+  const int64_t batch = x.size(0), len = x.size(1), d = x.size(2);
+  float* out = y.data();
+  const float* pe = table.data() + offset * d;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t e = 0; e < len * d; ++e) out[b * len * d + e] += pe[e];
+  return y;
+}
+
+// A linear-attention layer's weights on x (B, N, d_model): w_ij = phi(q_i).phi(k_j) /
+// (sum_j' phi(q_i).phi(k_j') + eps) over j <= i, (B, H, N, N). They are what linear attention
+// multiplies the values by, so the library's own linear_attention computes them, with the
+// identity as the values: out_i = sum_j w_ij e_j = row i of the weights.
+Tensor linear_head_weights(const nn::MultiHeadAttention& layer, const Tensor& x) {
+  const int64_t batch = x.size(0), len = x.size(1), heads = layer.num_heads(), kv_heads = layer.num_kv_heads(),
+                hd = layer.head_dim();
+  const Tensor q = layer.q_proj.apply(x).reshape({batch, len, heads, hd}).transpose(1, 2);
+  const Tensor k = layer.k_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  if (layer.rotary()) {
+    layer.rotary()->apply_inplace(q, {0});
+    layer.rotary()->apply_inplace(k, {0});
+  }
+  Tensor identity = Tensor::zeros({batch, kv_heads, len, len});
+  for (int64_t b = 0; b < batch * kv_heads; ++b)
+    for (int64_t j = 0; j < len; ++j) identity.data()[(b * len + j) * len + j] = 1;
+  LinearAttentionOptions options;
+  options.feature_map = layer.options().feature_map;
+  options.causal = layer.options().causal;
+  return linear_attention(q, k, identity, options);
+}
+
+// A band j - i in [lo, hi] (lo <= 0 <= hi, as window and causal make) for queries at position
+// offset + i: Mask::window's offset.
+Mask shifted_band(int64_t lo, int64_t hi, int64_t offset) {
+  if (lo > 0 || hi < 0)
+    throw Error("AttentionModel: the cached forward cannot shift a band [" + std::to_string(lo) + ", " +
+                std::to_string(hi) + "] that excludes the query itself");
+  return Mask::window(-lo, hi, offset);
+}
+
+Mask shifted_rule(const Mask::Rule& rule, int64_t offset, int64_t batch, int64_t keys) {
+  using Kind = Mask::Rule::Kind;
+  switch (rule.kind) {
+    case Kind::Band: return shifted_band(rule.lo, rule.hi, offset);
+    case Kind::KeyLengths: return Mask::key_lengths(rule.lengths);
+    case Kind::Strided: return Mask::strided(rule.stride, rule.offset + offset);
+    case Kind::Global:
+      // j < count or offset + i < count: the first keys for every query, every key for the
+      // queries before count - offset.
+      return Mask::key_lengths(std::vector<int64_t>(static_cast<size_t>(batch), std::min(rule.count, keys))) |
+             Mask::global_tokens(std::max<int64_t>(0, rule.count - offset));
+    case Kind::And: return shifted_rule(*rule.left, offset, batch, keys) & shifted_rule(*rule.right, offset, batch, keys);
+    case Kind::Or: return shifted_rule(*rule.left, offset, batch, keys) | shifted_rule(*rule.right, offset, batch, keys);
+    case Kind::Keep:
+    case Kind::BlockSparse: break;
+  }
+  throw Error("AttentionModel: the cached forward cannot shift a tensor or block-sparse mask");
+}
+
+// The model's mask for `len` new queries at positions offset.. over the keys 0 .. offset + len:
+// the same expression with every query-relative part moved by offset (Mask::parse's masks only:
+// bands, key lengths, strided, global, and their & and |).
+Mask shifted_mask(const Mask& mask, int64_t offset, int64_t batch, int64_t keys) {
+  Mask out = mask.has_band() ? shifted_band(mask.band_lo(), mask.band_hi(), offset) : Mask();
+  if (mask.has_key_lengths()) out &= Mask::key_lengths(mask.lengths());
+  if (!mask.terms().empty()) throw Error("AttentionModel: the cached forward cannot shift a tensor mask");
+  if (mask.rule()) out &= shifted_rule(*mask.rule(), offset, batch, keys);
+  return out;
+}
+
+// One layer of the cached forward under the model's mask: what MultiHeadAttention::forward(x,
+// cache) does for causal attention alone (project, rotate to the positions, append to the cache,
+// attend over its slice in place, project out), with the mask moved to the new queries' positions.
+Tensor masked_cached_attention(const nn::MultiHeadAttention& layer, const Tensor& x, nn::KVCache& cache,
+                               const Mask& mask) {
+  const int64_t batch = x.size(0), len = x.size(1), heads = layer.num_heads(), kv_heads = layer.num_kv_heads(),
+                hd = layer.head_dim(), offset = cache.length();
+  const Tensor q = layer.q_proj.apply(x).reshape({batch, len, heads, hd}).transpose(1, 2);
+  const Tensor k = layer.k_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  const Tensor v = layer.v_proj.apply(x).reshape({batch, len, kv_heads, hd}).transpose(1, 2);
+  if (layer.rotary()) {
+    layer.rotary()->apply_inplace(q, {offset});
+    layer.rotary()->apply_inplace(k, {offset});
+  }
+  cache.append(k, v);
+  const int64_t keys = offset + len;
+  AttentionOptions options;
+  options.mask = Mask::causal(offset) & shifted_mask(mask, offset, batch, keys);
+  const Tensor concatenated = Tensor::empty({batch, len, heads, hd});
+  AttentionResult result;
+  result.output = concatenated.transpose(1, 2);
+  scaled_dot_product_attention_into(q, cache.keys(keys), cache.values(keys), result, options);
+  return layer.out_proj.apply(concatenated.reshape({batch, len, layer.embed_dim()}));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 // a + b, same shapes, as a new tensor (the residual connections of forward: x itself must not
@@ -67,32 +195,98 @@ AttentionModel::AttentionModel(const ModelConfig& config, uint64_t seed)
       positions(config.max_len, config.d_model),
       final_norm(config.d_model),
       head(config.d_model, config.vocab_size, true, module_seed(seed, 1)),
-      config_(config) {
-  for (int64_t l = 0; l < config.num_layers; ++l)
-    layers.push_back({nn::LayerNorm(config.d_model),
-                      nn::MultiHeadAttention(config.d_model, config.num_heads,
-                                             {.causal = true,
-                                              .seed = module_seed(seed, 2 + static_cast<uint64_t>(l)),
-                                              .attention = config.attention})});
+      config_(config),
+      mask_(parsed_mask(config.mask)) {
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    nn::MultiHeadAttentionOptions options;
+    options.causal = true;
+    options.seed = module_seed(seed, 2 + static_cast<uint64_t>(l));
+    options.attention = config.attention;
+    if (config.positions == Positions::Rotary) options.rotary = nn::RotaryEmbeddingOptions{};
+    layers.push_back({nn::LayerNorm(config.d_model), nn::MultiHeadAttention(config.d_model, config.num_heads, options)});
+  }
 }
 
+
 Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length, const Mask& mask,
-                               std::vector<Tensor>* head_weights) const {
+                               std::vector<Tensor>* head_weights, double* attention_seconds) const {
   if (batch < 1 || length < 1 || length > config_.max_len || static_cast<int64_t>(ids.size()) != batch * length)
     throw Error("AttentionModel: " + std::to_string(ids.size()) + " ids for batch " + std::to_string(batch) +
                 " x length " + std::to_string(length) + " (max_len " + std::to_string(config_.max_len) + ")");
   if (head_weights) head_weights->clear();
-  // ---- 1. x = embedding(ids) + pe
-  Tensor x = positions.forward(embedding.forward(ids, {batch, length}));
-  // ---- 2. per layer: x = x + attention(norm(x))   (attention is causal, and-ed with mask)
+  // ---- 1. x = embedding(ids) + pe   (rotary: the layers rotate q and k instead)
+  Tensor x = embedding.forward(ids, {batch, length});
+  if (config_.positions == Positions::Sinusoidal) x = positions.forward(x);
+  // ---- 2. per layer: x = x + attention(norm(x))   (attention is causal, and-ed with the
+  // model's mask and the call's)
+  const Mask layer_mask = mask_.is_none() ? mask : mask_ & mask;
   for (const Block& block : layers) {
-    const nn::MultiHeadAttentionOutput attended =
-        block.attention.forward(block.norm.forward(x), mask, head_weights ? nn::Weights::PerHead : nn::Weights::None);
-    if (head_weights) head_weights->push_back(attended.weights);
+    const Tensor normed = block.norm.forward(x);
+    const auto start = std::chrono::steady_clock::now();
+    const bool linear = config_.attention == nn::AttentionKind::Linear;
+    const nn::MultiHeadAttentionOutput attended = block.attention.forward(
+        normed, layer_mask, head_weights && !linear ? nn::Weights::PerHead : nn::Weights::None);
+    if (attention_seconds) *attention_seconds += seconds_since(start);
+    if (head_weights) head_weights->push_back(linear ? linear_head_weights(block.attention, normed) : attended.weights);
     x = add(x, attended.output);
   }
   // ---- 3. logits = head(final_norm(x))
   return head.forward(final_norm.forward(x));
+}
+
+std::vector<nn::KVCache> AttentionModel::make_caches(int64_t batch, int64_t capacity, DType dtype) const {
+  if (config_.attention != nn::AttentionKind::Softmax)
+    throw Error("AttentionModel::make_caches: a KV cache serves softmax attention; this model uses " +
+                to_string(config_.attention) + " attention (generate without the cache)");
+  if (capacity < 1 || capacity > config_.max_len)
+    throw Error("AttentionModel::make_caches: capacity " + std::to_string(capacity) + " must be in [1, max_len " +
+                std::to_string(config_.max_len) + "]");
+  std::vector<nn::KVCache> caches;
+  for (const Block& block : layers) caches.push_back(block.attention.make_cache(batch, capacity, dtype));
+  return caches;
+}
+
+Tensor AttentionModel::forward(const std::vector<int64_t>& ids, int64_t batch, int64_t length,
+                               std::vector<nn::KVCache>& caches, double* attention_seconds) const {
+  const std::string who = "AttentionModel::forward(ids, caches): ";
+  if (caches.size() != layers.size())
+    throw Error(who + std::to_string(caches.size()) + " caches for " + std::to_string(layers.size()) +
+                " layers: use make_caches");
+  const int64_t offset = caches.empty() ? 0 : caches.front().length();
+  for (const nn::KVCache& cache : caches)
+    for (int64_t l : cache.lengths())
+      if (l != offset) throw Error(who + "the caches hold different lengths; every sequence must be at the same position");
+  if (batch < 1 || length < 1 || offset + length > config_.max_len ||
+      static_cast<int64_t>(ids.size()) != batch * length)
+    throw Error(who + std::to_string(ids.size()) + " ids for batch " + std::to_string(batch) + " x length " +
+                std::to_string(length) + " after " + std::to_string(offset) + " cached positions (max_len " +
+                std::to_string(config_.max_len) + ")");
+  // ---- 1. x = embedding(ids) + pe at the positions offset .. offset + length
+  Tensor x = embedding.forward(ids, {batch, length});
+  if (config_.positions == Positions::Sinusoidal) x = add_positions(x, positions.encoding(), offset);
+  // ---- 2. per layer: x = x + attention(norm(x)), the layer's keys and values from its cache
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Tensor normed = layers[l].norm.forward(x);
+    const auto start = std::chrono::steady_clock::now();
+    const Tensor attended = mask_.is_none() ? layers[l].attention.forward(normed, caches[l]).output
+                                            : masked_cached_attention(layers[l].attention, normed, caches[l], mask_);
+    if (attention_seconds) *attention_seconds += seconds_since(start);
+    x = add(x, attended);
+  }
+  // ---- 3. logits = head(final_norm(x))
+  return head.forward(final_norm.forward(x));
+}
+
+AttentionModel AttentionModel::with_max_len(int64_t max_len) const {
+  ModelConfig config = config_;
+  config.max_len = max_len;
+  AttentionModel longer(config, 0);
+  const auto from = parameters(), to = longer.parameters();
+  for (size_t i = 0; i < from.size(); ++i) {
+    const Tensor values = from[i].tensor.contiguous();
+    std::copy(values.data(), values.data() + values.numel(), to[i].tensor.data());
+  }
+  return longer;
 }
 
 void AttentionModel::backward(const Tensor& grad_logits) {
@@ -292,8 +486,6 @@ int64_t parameter_floats(const ModelConfig& c) {
 }  // namespace
 
 void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint) const {
-  if (config_.attention != nn::AttentionKind::Softmax)
-    throw Error("AttentionModel::save: '" + path + "': the .qkv format has no field for linear attention yet");
   const int save_number = ++saves_started;
   const auto params = parameters();
   if (checkpoint) {
@@ -313,6 +505,10 @@ void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint)
   out.value<uint32_t>(checkpoint ? kCheckpointFlag : 0);
   for (int64_t v : {config_.vocab_size, config_.max_len, config_.d_model, config_.num_heads, config_.num_layers})
     out.value<int64_t>(v);
+  out.value<uint32_t>(config_.attention == nn::AttentionKind::Linear ? 1 : 0);
+  out.value<uint32_t>(config_.positions == Positions::Rotary ? 1 : 0);
+  out.value<uint32_t>(static_cast<uint32_t>(config_.mask.size()));
+  out.bytes(config_.mask.data(), config_.mask.size());
   out.value<uint32_t>(static_cast<uint32_t>(params.size()));
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
@@ -354,8 +550,8 @@ AttentionModel AttentionModel::load_bytes(const void* bytes, size_t size, const 
   in.bytes(magic, sizeof magic, "the magic number");
   if (std::memcmp(magic, kMagic, sizeof kMagic) != 0) in.fail("not a qkv model file (no QKVMODEL magic number)");
   const auto version = in.value<uint32_t>("the version");
-  if (version != 1 && version != kModelFormatVersion)
-    in.fail("format version " + std::to_string(version) + ", but this qkv reads versions 1 and " +
+  if (version < 1 || version > kModelFormatVersion)
+    in.fail("format version " + std::to_string(version) + ", but this qkv reads versions 1 to " +
             std::to_string(kModelFormatVersion));
   uint32_t flags = 0;
   if (version >= 2) {
@@ -378,8 +574,23 @@ AttentionModel AttentionModel::load_bytes(const void* bytes, size_t size, const 
   ModelConfig config;
   for (int64_t* field : {&config.vocab_size, &config.max_len, &config.d_model, &config.num_heads, &config.num_layers})
     *field = in.value<int64_t>("the config");
+  if (version >= 3) {
+    const auto attention = in.value<uint32_t>("the attention kind");
+    if (attention > 1) in.fail("unknown attention kind " + std::to_string(attention) + " (0 softmax, 1 linear)");
+    config.attention = attention == 1 ? nn::AttentionKind::Linear : nn::AttentionKind::Softmax;
+    const auto positions = in.value<uint32_t>("the positions");
+    if (positions > 1) in.fail("unknown positions " + std::to_string(positions) + " (0 sinusoidal, 1 rotary)");
+    config.positions = positions == 1 ? Positions::Rotary : Positions::Sinusoidal;
+    const auto mask_length = in.value<uint32_t>("the mask's length");
+    if (mask_length > kMaxMaskText)
+      in.fail("a mask expression of " + std::to_string(mask_length) + " bytes (at most " +
+              std::to_string(kMaxMaskText) + ")");
+    config.mask.resize(mask_length);
+    in.bytes(config.mask.data(), mask_length, "the mask expression");
+  }
   try {
     checked(config);
+    (void)parsed_mask(config.mask);
   } catch (const Error& e) {
     in.fail(std::string("bad config: ") + e.what());
   }

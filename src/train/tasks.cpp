@@ -77,6 +77,22 @@ std::string to_string(Task task) {
   return "?";
 }
 
+Positions parse_positions(const std::string& name) {
+  if (name == "sinusoidal") return Positions::Sinusoidal;
+  if (name == "rotary") return Positions::Rotary;
+  throw Error("unknown positions '" + name + "': choose sinusoidal or rotary");
+}
+
+std::string to_string(Positions positions) { return positions == Positions::Rotary ? "rotary" : "sinusoidal"; }
+
+nn::AttentionKind parse_attention_kind(const std::string& name) {
+  if (name == "softmax") return nn::AttentionKind::Softmax;
+  if (name == "linear") return nn::AttentionKind::Linear;
+  throw Error("unknown attention kind '" + name + "': choose softmax or linear");
+}
+
+std::string to_string(nn::AttentionKind kind) { return kind == nn::AttentionKind::Linear ? "linear" : "softmax"; }
+
 int64_t vocab_size(const TaskOptions& task) { return task.symbols + 1; }
 
 int64_t sequence_length(const TaskOptions& task) {

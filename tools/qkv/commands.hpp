@@ -25,6 +25,8 @@ void add_bench_command(CLI::App& app);
 
 // `qkv train`: trains a small attention model on copy, recall or reverse (train.cpp).
 void add_train_command(CLI::App& app);
+// `qkv generate`: greedy generation with a trained model, with or without its KV cache (generate.cpp).
+void add_generate_command(CLI::App& app);
 
 #ifdef QKV_HAVE_DIST
 // `qkv ring-bench`: ring attention over MPI, timed under mpirun (ring_bench.cpp); only when

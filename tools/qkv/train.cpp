@@ -36,7 +36,9 @@ struct TrainCommandOptions {
   int64_t warmup = 100;
   int64_t symbols = 16, pairs = 8, length = 8;
   int64_t d_model = 64, heads = 4, layers = 2;
-  std::string attention = "softmax";  // or "linear"
+  std::string attention = "softmax";  // "sparse": softmax under --mask; "linear"
+  std::string mask;                   // sparse: the pattern, and-ed with causal (default kSparseMask)
+  std::string positions = "sinusoidal";
   int64_t eval_sequences = 2000;
   int64_t eval_every = 0;  // 0: ten times over the run
   // One thread: at this model's size (B=64, H=4, N=17, head dim 16) the kernels' thread fork/join
@@ -47,6 +49,11 @@ struct TrainCommandOptions {
   int64_t checkpoint_every = 0;  // 0: only on Ctrl-C
   bool resume = false;
 };
+
+// --attention sparse without --mask: a local window of 3 and every 4th key before it. Every
+// task's sequences (16-17 tokens by default) reach any earlier token in two layers, and copy's
+// answer, L tokens back, lies on the stride when L is a multiple of 4 (the default 8 is).
+constexpr const char* kSparseMask = "window(3) | strided(4)";
 
 // Set by SIGINT (Ctrl-C): the loop saves a checkpoint after the current step and stops. The
 // handler then restores the default, so a second Ctrl-C ends the process at once (the atomic
@@ -109,8 +116,16 @@ double mean_entropy(const std::vector<float>& w, int64_t n) {
 
 // The heads of every layer as heatmap panels (one section per layer, one panel per head), token
 // labels on both axes, one colour scale for all.
+// What the weights of a model's heads are, for the figures' notes (empty for plain softmax).
+std::string attention_note(const train::ModelConfig& c) {
+  if (c.attention == nn::AttentionKind::Linear)
+    return "linear attention: weight = phi(q_i).phi(k_j) / sum over j' <= i of phi(q_i).phi(k_j'), phi = elu + 1";
+  if (!c.mask.empty()) return fmt::format("sparse: every layer's mask is causal & ({}); hidden keys weigh 0", c.mask);
+  return "";
+}
+
 void plot_heads(const std::vector<Tensor>& weights, const train::Batch& example, const train::TaskOptions& task,
-                const std::string& task_name, const std::string& path) {
+                const std::string& task_name, const std::string& path, const train::ModelConfig& config) {
   const int64_t n = example.length;
   plot::HeatmapFigure figure;
   for (int64_t i = 0; i < n; ++i)
@@ -118,6 +133,7 @@ void plot_heads(const std::vector<Tensor>& weights, const train::Batch& example,
   figure.col_labels = figure.row_labels;
   figure.title = fmt::format("Trained attention heads, task {}, on one held-out example", task_name);
   figure.notes.push_back("rows: queries (each row sums to 1), columns: keys; causal, so above the diagonal is empty");
+  if (!attention_note(config).empty()) figure.notes.push_back(attention_note(config));
   figure.notes.push_back(fmt::format("entropy: mean over rows (uniform over all {} keys = {:.2f} nats)", n,
                                      std::log(static_cast<double>(n))));
   int64_t heads = 1;
@@ -184,7 +200,7 @@ void draw_heads(const train::AttentionModel& model, const train::TaskOptions& ta
       fmt::print("{}\n", line);
     }
   }
-  if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path);
+  if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path, model.config());
 }
 
 void run_train(const TrainCommandOptions& o) {
@@ -199,27 +215,35 @@ void run_train(const TrainCommandOptions& o) {
   options.adamw.lr = o.lr;
   options.warmup_steps = o.warmup;
   const bool linear = o.attention == "linear";
-  if (linear && (!o.save.empty() || o.resume || o.checkpoint_every > 0 || !o.plot.empty()))
-    throw Error("--attention linear: --save, --resume, --checkpoint-every and --plot need softmax attention (the "
-                ".qkv format has no field for linear attention yet, and linear heads have no weights to draw)");
+  if (linear && !o.mask.empty())
+    throw Error("--attention linear: --mask needs softmax or sparse attention (linear attention is causal only)");
+  // A mask makes softmax attention sparse; sparse without one takes the default pattern.
+  const std::string mask = o.attention == "sparse" && o.mask.empty() ? std::string(kSparseMask) : o.mask;
+  const std::string attention_name = linear ? "linear" : mask.empty() ? "softmax" : "sparse";
 
   const train::ModelConfig config{.vocab_size = train::vocab_size(options.task),
                                   .max_len = train::sequence_length(options.task),
                                   .d_model = o.d_model,
                                   .num_heads = o.heads,
                                   .num_layers = o.layers,
-                                  .attention = linear ? nn::AttentionKind::Linear : nn::AttentionKind::Softmax};
+                                  .attention = linear ? nn::AttentionKind::Linear : nn::AttentionKind::Softmax,
+                                  .positions = train::parse_positions(o.positions),
+                                  .mask = mask};
   train::Checkpoint resumed;
   train::AttentionModel model = o.resume ? train::AttentionModel::load(o.checkpoint, &resumed)
                                          : train::AttentionModel(config, o.seed);
   if (o.resume) {
     const train::ModelConfig& c = model.config();
     if (c.vocab_size != config.vocab_size || c.max_len != config.max_len || c.d_model != config.d_model ||
-        c.num_heads != config.num_heads || c.num_layers != config.num_layers)
-      throw Error(fmt::format("--resume: {} holds a model of vocabulary {}, length {}, d_model {}, {} heads, {} layers "
-                              "but this command line asks for {}, {}, {}, {}, {}: resume with the same options",
+        c.num_heads != config.num_heads || c.num_layers != config.num_layers || c.attention != config.attention ||
+        c.positions != config.positions || c.mask != config.mask)
+      throw Error(fmt::format("--resume: {} holds a model of vocabulary {}, length {}, d_model {}, {} heads, {} layers, "
+                              "{} attention, {} positions, mask '{}' but this command line asks for {}, {}, {}, {}, {}, "
+                              "{}, {}, '{}': resume with the same options",
                               o.checkpoint, c.vocab_size, c.max_len, c.d_model, c.num_heads, c.num_layers,
-                              config.vocab_size, config.max_len, config.d_model, config.num_heads, config.num_layers));
+                              train::to_string(c.attention), train::to_string(c.positions), c.mask, config.vocab_size,
+                              config.max_len, config.d_model, config.num_heads, config.num_layers,
+                              train::to_string(config.attention), train::to_string(config.positions), config.mask));
     fmt::print("Resumed from {} at step {} of {}\n", o.checkpoint, resumed.step, o.steps);
     options.resume = &resumed;
   }
@@ -230,10 +254,11 @@ void run_train(const TrainCommandOptions& o) {
   std::signal(SIGINT, on_sigint);
   const int64_t eval_every = o.eval_every > 0 ? o.eval_every : std::max<int64_t>(1, o.steps / 10);
   constexpr int64_t kCurveSequences = 500;  // held-out sequences at each report (the final one uses --eval)
-  fmt::print("qkv train: task {}, {} steps of batch {}, seed {}; model d_model {}, {} {} heads, {} layers, {} parameters; "
-             "sequence length {}, vocabulary {}\n",
-             o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, o.attention, o.layers, model.parameter_count(),
-             train::sequence_length(options.task), config.vocab_size);
+  fmt::print("qkv train: task {}, {} steps of batch {}, seed {}; model d_model {}, {} {} heads, {} layers, {} positions, "
+             "{} parameters; sequence length {}, vocabulary {}\n",
+             o.task, o.steps, o.batch, o.seed, o.d_model, o.heads, attention_name, o.layers, o.positions,
+             model.parameter_count(), train::sequence_length(options.task), config.vocab_size);
+  if (!mask.empty()) fmt::print("Every layer's mask: causal & ({})\n", Mask::parse(mask).str());
   fmt::print("{:>8} {:>10} {:>10} {:>14} {:>9}\n", "step", "loss", "held-out", "accuracy", "seconds");
   std::fflush(stdout);  // Ctrl-C is handled from here on: say so at once, even into a pipe
 
@@ -267,7 +292,7 @@ void run_train(const TrainCommandOptions& o) {
              "(loss {:.4f}; chance {:.2f}%). Trained in {:.1f} s.\n",
              o.eval_sequences, 100 * final_eval.accuracy, 100 * final_eval.sequence_accuracy, final_eval.loss,
              100.0 / static_cast<double>(o.symbols), last_seconds);
-  if (!linear) draw_heads(model, options.task, held_out + 2, o.task, o.plot);
+  draw_heads(model, options.task, held_out + 2, o.task, o.plot);
   if (!o.save.empty()) {
     model.save(o.save);
     fmt::print("\nSaved the model to {}\n", o.save);
@@ -284,8 +309,16 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({"copy", "recall", "reverse"}))
       ->capture_default_str();
   cmd->add_option("--attention", options->attention,
-                  "softmax, or linear: linear attention (elu+1 features, causal), O(N) per layer")
-      ->check(CLI::IsMember({"softmax", "linear"}))
+                  std::string("softmax; sparse: softmax under a sparse --mask (default \"") + kSparseMask +
+                      "\"); or linear: linear attention (elu+1 features, causal), O(N) per layer")
+      ->check(CLI::IsMember({"softmax", "sparse", "linear"}))
+      ->capture_default_str();
+  cmd->add_option("--mask", options->mask,
+                  "A mask expression every layer ands with causal (qkv viz --mask's syntax), saved in the model, "
+                  "e.g. \"window(3) | strided(4)\"");
+  cmd->add_option("--positions", options->positions,
+                  "sinusoidal: a fixed table added to the embedding; rotary: RoPE on q and k in every layer")
+      ->check(CLI::IsMember({"sinusoidal", "rotary"}))
       ->capture_default_str();
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--seed", options->seed, "Seed of the weights and of every batch")->capture_default_str();

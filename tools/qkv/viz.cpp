@@ -176,9 +176,14 @@ void run_model_viz(const VizOptions& o) {
                                                              : "the answer (the tokens after '|')",
                                        expected, predicted));
   }
-  figure.notes.push_back(fmt::format("d_model {}, {} dims per head; causal (token i sees tokens 0..i), so above the "
-                                     "diagonal is 0",
-                                     c.d_model, c.d_model / c.num_heads));
+  figure.notes.push_back(fmt::format("d_model {}, {} dims per head, {} positions; causal (token i sees tokens 0..i), "
+                                     "so above the diagonal is 0",
+                                     c.d_model, c.d_model / c.num_heads, train::to_string(c.positions)));
+  if (c.attention == nn::AttentionKind::Linear)
+    figure.notes.push_back("linear attention: weight = phi(q_i).phi(k_j) / sum over j' <= i of phi(q_i).phi(k_j'), "
+                           "phi = elu + 1 (what it multiplies the values by; no softmax)");
+  else if (!c.mask.empty())
+    figure.notes.push_back(fmt::format("sparse: every layer's mask is causal & ({}); the keys it hides weigh 0", c.mask));
   figure.notes.push_back(fmt::format("rows: queries (each row sums to 1), columns: keys; entropy: mean over rows, "
                                      "uniform over all {} keys = {:.2f} nats",
                                      n, std::log(static_cast<double>(n))));
@@ -195,9 +200,10 @@ void run_model_viz(const VizOptions& o) {
   figure.columns = static_cast<int>(std::min<size_t>(widest, 5));
   figure.value_max = 1;  // probabilities: the same scale in every figure of a trained model
   const plot::HeatmapLayout layout = plot::draw_heatmaps(figure, o.output);
-  fmt::print("wrote {} ({} x {}): {} panels, {} layer{} of {} head{}, {} tokens, task {}\n", o.output, layout.width,
-             layout.height, panels, c.num_layers, c.num_layers == 1 ? "" : "s", c.num_heads,
-             c.num_heads == 1 ? "" : "s", n, task.name);
+  fmt::print("wrote {} ({} x {}): {} panels, {} layer{} of {} head{}, {} tokens, task {}, {} attention{}\n", o.output,
+             layout.width, layout.height, panels, c.num_layers, c.num_layers == 1 ? "" : "s", c.num_heads,
+             c.num_heads == 1 ? "" : "s", n, task.name, train::to_string(c.attention),
+             c.mask.empty() ? std::string() : ", mask causal & (" + c.mask + ")");
 }
 
 // The pattern of `mask` over n tokens: 1 where a query sees a key, else 0. Read from the
