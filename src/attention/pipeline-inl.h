@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "attention/kernels.hpp"
@@ -245,9 +246,10 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
       return;
     }
     case Kind::Strided:
-      if (r.stride >= 2 * static_cast<int64_t>(lanes)) {
+      if (r.stride >= 2 * static_cast<int64_t>(lanes) * std::max<int64_t>(std::abs(diff_step), 1)) {
         // e = (offset + i - j) mod stride moved into (-stride/2, stride/2]: within a vector it
-        // moves by less than stride/2, so a lane is visible exactly when it reaches 0.
+        // moves by less than stride/2 (lanes |diff_step| <= stride / 2), so a lane is visible
+        // exactly when it reaches 0. Lines of larger steps (the strided residues) go scalar.
         for (size_t x = 0; x < n; x += lanes) {
           int64_t e = floor_mod(r.offset + line.query(x) - line.key(x), r.stride);
           if (e > r.stride / 2) e -= r.stride;
@@ -296,6 +298,23 @@ HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& l
   RuleLine(rule, node, line, (count + lanes - 1) / lanes * lanes, count, visible);
   for (size_t x = 0; x < count; ++x)
     if (visible[x] != 0.0f) s[x] = kMinusInf;
+}
+
+// Modifiers and mask of a line of a strided residue (flash's and flash backward's gathered
+// strided keys, where the strided rule holds by construction): the band when `band`, -inf where
+// node `hide` of the rule shows the key when hide >= 0 (the tiles visit those pairs), terms.
+HWY_INLINE void ResidueLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
+                              size_t count, bool band, int hide, float* HWY_RESTRICT softcap_slope = nullptr) {
+  ModifyScores(p, line, s, n, softcap_slope);
+  if (band) MaskBand(p, line, s, n);
+  if (hide >= 0) MaskWhereRuleShows(p.rule, hide, line, s, count);
+  MaskTerms(p, line, s, count);
+}
+
+// Rows first, first + step, ... of an operand, as rows 0, 1, ... of a view (a residue's queries or keys).
+template <class T>
+HWY_INLINE Rows<T> EveryStepRows(const Rows<T>& rows, int64_t first, int64_t step) {
+  return {rows.data + first * rows.row_stride, rows.batch_stride, rows.head_stride, rows.row_stride * step};
 }
 
 // Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
