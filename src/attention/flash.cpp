@@ -66,6 +66,9 @@ namespace qkv::detail::flash {
 // stays in L1 beside Qt and Ot. The same for every target.
 constexpr size_t kKeyTile = 64;
 
+// Strided residues a work item runs one after the other (flash_attention's first pass).
+constexpr int64_t kResiduesPerItem = 8;
+
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
@@ -276,14 +279,35 @@ void StridedResidueTile(const AttentionProblem& p, const StridedSplit& split, in
   }
 }
 
-// One residue of head (b, h): queries first, first + S, ... below Nq, by residue tiles.
-void StridedResidue(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t first,
-                    float* HWY_RESTRICT scratch) {
+// Prefetches what the residue tile of queries i0 + x S (x < rows) reads first: its Q rows, the
+// rows of O it writes, and the K and V rows of its last br keys (under causal, the new ones).
+void PrefetchResidueTile(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                         int64_t rows) {
+  const int64_t stride = split.stride, residue = split.key_residue(i0), g = p.kv_head_of(h);
+  step::PrefetchRows(p.q, b, h, i0, stride, rows, p.head_dim);
+  step::PrefetchRows(p.output, b, h, i0, stride, rows, p.value_dim, true);
+  const int64_t c_end = split.keys_before(residue, p.last_visible_key(b, i0 + (rows - 1) * stride));
+  const int64_t c_lo = std::max<int64_t>(0, c_end - static_cast<int64_t>(ResidueTileRows()));
+  if (p.kv_dtype != DType::F32 || c_end <= c_lo) return;
+  step::PrefetchRows(p.k, b, g, residue + c_lo * stride, stride, c_end - c_lo, p.head_dim);
+  step::PrefetchRows(p.v, b, g, residue + c_lo * stride, stride, c_end - c_lo, p.value_dim);
+}
+
+// Residues [first, last) of head (b, h): queries r, r + S, ... below Nq, by residue tiles, each
+// prefetching the same tile of the next residue (the rows next to its own).
+void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t first,
+                     int64_t last, float* HWY_RESTRICT scratch) {
   const int64_t br = static_cast<int64_t>(ResidueTileRows());
-  const int64_t queries = split.keys_before(first, p.q_len);  // the residue's queries, counted as keys are
-  for (int64_t x0 = 0; x0 < queries; x0 += br)
-    StridedResidueTile(p, split, b, h, first + x0 * split.stride, static_cast<size_t>(std::min(br, queries - x0)),
-                       scratch);
+  for (int64_t r = first; r < last; ++r) {
+    const int64_t queries = split.keys_before(r, p.q_len);  // the residue's queries, counted as keys are
+    const int64_t next_queries = split.keys_before(r + 1, p.q_len);
+    for (int64_t x0 = 0; x0 < queries; x0 += br) {
+      if (r + 1 < last && x0 < next_queries)
+        PrefetchResidueTile(p, split, b, h, r + 1 + x0 * split.stride, std::min(br, next_queries - x0));
+      StridedResidueTile(p, split, b, h, r + x0 * split.stride, static_cast<size_t>(std::min(br, queries - x0)),
+                         scratch);
+    }
+  }
 }
 
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
@@ -341,7 +365,7 @@ namespace qkv::detail {
 
 HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
-HWY_EXPORT(StridedResidue);
+HWY_EXPORT(StridedResidues);
 HWY_EXPORT(CompiledTarget);
 
 void flash_attention(const AttentionProblem& problem) {
@@ -372,12 +396,14 @@ void flash_attention(const AttentionProblem& problem) {
   const StridedSplit split = strided_split(problem.rule, static_cast<int64_t>(flash::kKeyTile));
   std::optional<AttentionProblem> tiles_problem;
   if (split.rest >= 0) {
+    // Items of kResiduesPerItem residues, so that each residue's rows are fetched during the last one's work.
     const int64_t residues = std::min(split.stride, nq);
+    const int64_t groups = (residues + flash::kResiduesPerItem - 1) / flash::kResiduesPerItem;
 #pragma omp parallel for schedule(dynamic) num_threads(workers)
-    for (int64_t item = 0; item < heads * residues; ++item) {
-      const int64_t bh = item / residues;
-      HWY_DYNAMIC_DISPATCH(StridedResidue)(problem, split, bh / problem.q_heads, bh % problem.q_heads,
-                                           item % residues, block_of_this_thread());
+    for (int64_t item = 0; item < heads * groups; ++item) {
+      const int64_t bh = item / groups, first = item % groups * flash::kResiduesPerItem;
+      HWY_DYNAMIC_DISPATCH(StridedResidues)(problem, split, bh / problem.q_heads, bh % problem.q_heads, first,
+                                            std::min(residues, first + flash::kResiduesPerItem), block_of_this_thread());
     }
     tiles_problem = problem;
     tiles_problem->rule = rest_rule(problem.rule, split, tiles_problem->band_lo, tiles_problem->band_hi);

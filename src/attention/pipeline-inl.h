@@ -317,6 +317,25 @@ HWY_INLINE Rows<T> EveryStepRows(const Rows<T>& rows, int64_t first, int64_t ste
   return {rows.data + first * rows.row_stride, rows.batch_stride, rows.head_stride, rows.row_stride * step};
 }
 
+// Prefetches rows first, first + step, ... (`count` of them, `floats` each) of head (b, h) into
+// L2 (locality hint 2: prefetcht1 on x86), for writing when `write`: rows a stride apart (a
+// residue's) defeat the hardware prefetchers, so a kernel fetches the next ones while it computes.
+template <class T>
+HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t first, int64_t step, int64_t count,
+                             int64_t floats, bool write = false) {
+  for (int64_t x = 0; x < count; ++x) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(rows.row(b, h, first + x * step));
+    const uintptr_t end = begin + static_cast<uintptr_t>(floats) * sizeof(T);
+    for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+      if (write) {
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
+      } else {
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+      }
+    }
+  }
+}
+
 // Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
 // `band` false skips the structured mask and the rule (a tile every query of it fully sees).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
