@@ -108,6 +108,10 @@ using flash::kKeyTile;
 using tile_gemm::kTileVectors;
 using tile_gemm::PanelGemm;
 namespace step = pipeline;
+using step::kResidueVectors;
+using step::ResidueTileRows;
+using step::TileMask;
+using step::Walk;
 
 // Br, queries per work item: exactly the micro-tile width, so one micro-GEMM call spans the
 // whole query tile and its running max / sum are kTileVectors vectors (48 queries on AVX-512).
@@ -115,12 +119,6 @@ size_t QueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
 
 // This target's HWY_TARGET bit, so tests can see which code a dispatch reaches.
 int64_t CompiledTarget() { return HWY_TARGET; }
-
-// The strided residues' query tile: kResidueVectors vectors of queries, so that the micro-GEMM
-// still runs 8 accumulator chains (kTileRows x vectors) while a residue's few queries waste few
-// lanes (W6: 64 queries a residue, each seeing the residue's earlier keys).
-constexpr size_t kResidueVectors = tile_gemm::kTileRows >= 8 ? 1 : 2;
-size_t ResidueTileRows() { return kResidueVectors * hn::Lanes(DF()); }
 
 // One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
@@ -146,20 +144,6 @@ void WidenTile(const Rows<const uint16_t>& rows, int64_t b, int64_t g, int64_t j
     for (; c < dim; ++c) row[c] = kv::ToFloat(from[c]);
   }
 }
-
-// Where a work item's queries and keys sit: query x (a lane) is i0 + x * query_step, key c of a
-// key tile is j0 + c * key_step. The tiles walk steps 1; a strided residue walks steps S.
-struct Walk {
-  int64_t query_step = 1, key_step = 1;
-  bool residue = false;
-};
-
-// How a key tile is masked per element: `band` the band and key lengths (and in the tiles, the
-// rule); in a residue, `hide` >= 0 the rule node whose pairs the tiles visit instead.
-struct TileMask {
-  bool band = false;
-  int hide = -1;
-};
 
 // The K and V tiles of keys j0, j0 + key_step, ... (cols of them) as floats: read in place when
 // they are, widened into the worker's scratch when they are 16-bit.

@@ -300,6 +300,28 @@ HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& l
     if (visible[x] != 0.0f) s[x] = kMinusInf;
 }
 
+// ---- The strided residues (flash, flash backward): a root `rest | strided(S, O)` rule's strided
+// keys run apart as dense tiles of queries i0, i0 + S, ... against keys j0, j0 + S, ....
+// Their query tile: kResidueVectors vectors, so that the micro-GEMM still runs 8 accumulator
+// chains (kTileRows x vectors) while a residue's few queries waste few lanes (W6: 64 queries a
+// residue, each seeing the residue's earlier keys).
+constexpr size_t kResidueVectors = tile_gemm::kTileRows >= 8 ? 1 : 2;
+HWY_INLINE size_t ResidueTileRows() { return kResidueVectors * hn::Lanes(DF()); }
+
+// Where a kernel's tile of queries and keys sits: query x (a lane) is i0 + x * query_step, key c
+// of the key tile is j0 + c * key_step. The tiles walk steps 1; a strided residue walks steps S.
+struct Walk {
+  int64_t query_step = 1, key_step = 1;
+  bool residue = false;
+};
+
+// How a tile is masked per element: `band` the band and key lengths (and in the tiles, the
+// rule); in a residue, `hide` >= 0 the rule node whose pairs the tiles visit instead.
+struct TileMask {
+  bool band = false;
+  int hide = -1;
+};
+
 // Modifiers and mask of a line of a strided residue (flash's and flash backward's gathered
 // strided keys, where the strided rule holds by construction): the band when `band`, -inf where
 // node `hide` of the rule shows the key when hide >= 0 (the tiles visit those pairs), terms.
