@@ -32,6 +32,14 @@
 // modifiers (softcap, ALiBi) and the sink are the pipeline's steps (pipeline-inl.h), as is every
 // step named below.
 //
+// Strided keys (a root rule `rest | strided(S, O)`, S >= Bc): a stride leaves one visible key
+// per query in many tiles, so they are computed apart, in a first pass by residues. Queries
+// r, r + S, ... all meet keys kr, kr + S, ... (kr = r + O mod S): a dense block, run with the
+// same key-tile step on lines of steps (S, 0) (queries S apart in the lanes), residue tiles of
+// ResidueTileRows() queries. The pass leaves each row's softmax state (unnormalised O, max,
+// sum, NaN seen) in the output rows, row_max, row_sum and lse; the second pass, the tiles,
+// evaluates `rest` (a band rest folded into the band) and starts each row from that state.
+//
 // Highway's foreach_target re-includes this file once per SIMD target (see hwy/examples/
 // skeleton.cc); the threading and the exported entry point live in the HWY_ONCE part below.
 

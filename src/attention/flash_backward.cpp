@@ -42,6 +42,11 @@
 // A hidden key's V may hold NaN or Inf (a KV cache's unwritten slot): its dS is 0 exactly; a
 // hidden key's non-finite K is kept out of dQ by a scalar path that skips zero dS.
 //
+// Strided keys (a root rule `rest | strided(S, O)`, S >= Bc) are gathered by residues as in the
+// forward (flash.cpp): passes 1-3 run the tiles on `rest`, then pass 4 adds each residue's pairs
+// (queries r, r + S, ... against keys kr, kr + S, ...; items own a (b, g)'s residues, so their
+// dQ, dK and dV rows) into the gradients the tiles wrote.
+//
 // Highway's foreach_target re-includes this file once per SIMD target; the threading and the
 // exported entry point live in the HWY_ONCE part below.
 
