@@ -245,7 +245,7 @@ inline void set_sparse_mask(Case& c, MaskKind kind, Random& rng) {
       c.bias = t::any_of({t::window_bias(left, right), t::global_bias(count), t::block_sparse_bias(layout, bq, bk)});
       return;
     }
-    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by diagonals
+    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by residues
       const int64_t stride = rng.integer(64, 130), offset = rng.integer(-200, 200), causal = rng.integer(-3, 40);
       const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
       const Tensor add = random_additive(rng, Shape{batch, nq, nk});

@@ -60,8 +60,8 @@ struct MaskRule {
 };
 
 // A rule `rest | strided(stride, offset)` (either order) at the root: the strided keys are a few
-// diagonals j - i = offset (mod stride) that a fused kernel can gather instead of scanning tiles,
-// leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
+// diagonals j - i = offset (mod stride) that a fused kernel can gather by residues instead of
+// scanning tiles, leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
 struct StridedSplit {
   int rest = -1;
   int64_t stride = 0, offset = 0;

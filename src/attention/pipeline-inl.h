@@ -290,7 +290,7 @@ HWY_INLINE void MaskRuleStep(const AttentionProblem& p, const Line& line, float*
 
 // The complement: -inf where node `node` of the rule shows the key, over the `count` real
 // elements of a line (at most kRuleLine). A kernel that visits some pairs apart (the strided
-// diagonals) hides there what its tiles already visit.
+// residues) hides there what its tiles already visit.
 HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& line, float* HWY_RESTRICT s,
                                    size_t count) {
   const size_t lanes = hn::Lanes(DF());
