@@ -28,8 +28,8 @@
 // A sparse workload counts 4 d FLOPs per visible (query, key) pair (sparse_visible_pairs), not
 // per pair of the n x n matrix.
 // Attention FLOPs = 4 * B * Hq * Nq * Nk * d (Q K^T and P V, a multiply-add each), half of it
-// for causal. W1 and W2 are also timed backward (scaled_dot_product_attention_backward, rows
-// "W1-bwd", "W2-bwd"), counted as 2.5 x the forward FLOPs (the FlashAttention-2 convention: five
+// for causal. W1, W2 and W6 are also timed backward (scaled_dot_product_attention_backward, rows
+// "W1-bwd", "W2-bwd", "W6-bwd"), counted as 2.5 x the forward FLOPs (the FlashAttention-2 convention: five
 // matrix products instead of two, the recomputed Q K^T included). Linear attention's FLOPs are
 // its two N x d x d products, 4 * B * Hq * N * d * Dv, whatever the mask (the causal form's
 // intra-chunk block is extra work, not counted). Header-only, public API alone.
@@ -114,7 +114,7 @@ inline constexpr std::array<Workload, 23> kWorkloads = {{
     {"W4-f16", "W4, f16 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
      Modifier::None, true, 0, 0, DType::F16},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
-    {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, false, Modifier::None,
+    {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, true, Modifier::None,
      false, 255, 256},
     {"W7", "linear attention, causal", WorkloadKind::Linear, 1, 8, 8, 16384, 16384, 64, true, false, false,
      Modifier::None, false},

@@ -245,7 +245,7 @@ inline void set_sparse_mask(Case& c, MaskKind kind, Random& rng) {
       c.bias = t::any_of({t::window_bias(left, right), t::global_bias(count), t::block_sparse_bias(layout, bq, bk)});
       return;
     }
-    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by diagonals
+    case MaskKind::StridedGather: {  // flash gathers strides >= its key tile by residues
       const int64_t stride = rng.integer(64, 130), offset = rng.integer(-200, 200), causal = rng.integer(-3, 40);
       const std::vector<int64_t> lengths = random_lengths(rng, batch, nk);
       const Tensor add = random_additive(rng, Shape{batch, nq, nk});
@@ -444,6 +444,72 @@ inline Case make_case(Random& rng, const Sizes& s, MaskKind kind, double logit_s
   c.name = describe(s) + " mask=" + to_string(kind) + " logits x" + std::to_string(logit_scale) +
            " dropout=" + std::to_string(dropout_p);
   if (modifier != Modifier::None) set_modifiers(c, modifier, rng);
+  return c;
+}
+
+// Long sequences for the strided residues: flash and flash backward compute the keys of a root
+// `rest | strided(S, O)` with S >= 64 by residues (queries i0, i0 + S, ... against keys j0, j0 +
+// S, ...), in residue tiles of 8 to 16 queries and key tiles of 16 and 64 keys, so these cases
+// give a residue many queries and keys (Nq, Nk in the thousands), odd strides and offsets, and
+// each kind of `rest`: 0 a band (causal Sparse Transformer, folded into the tiles' band), 1 a
+// window with a right side and no causal (keys on both sides of the diagonal, 16 + 64 + more a
+// residue) with an additive tensor, 2 global tokens, 3 a keep tensor, 4 a block layout, 5 a
+// smaller stride (40, evaluated on the residue's lines of step S, its pairs overlapping the
+// large stride's where j - i = O mod gcd(40, S)). Key lengths in every one.
+inline Case strided_residue_case(Random& rng, const Sizes& s, int variant, float dropout_p,
+                                 Modifier modifier = Modifier::None) {
+  namespace t = qkv_test;
+  Case c = make_case(rng, s, MaskKind::None, 1.0, dropout_p, modifier);
+  const int64_t stride = rng.integer(64, 101), offset = rng.integer(-150, 150);
+  std::vector<int64_t> lengths(static_cast<size_t>(s.batch));
+  for (int64_t& n : lengths) n = rng.chance(0.15) ? 0 : rng.integer(s.nk * 3 / 4, s.nk);
+  Mask rest;
+  t::Bias rest_bias;
+  std::string what;
+  if (variant == 0 || variant == 1) {
+    const int64_t left = variant == 0 ? stride - 1 : rng.integer(0, 30), right = variant == 0 ? 0 : rng.integer(1, 5);
+    rest = Mask::window(left, right);
+    rest_bias = t::window_bias(left, right);
+    what = "window(" + std::to_string(left) + ", " + std::to_string(right) + ")";
+  } else if (variant == 2) {
+    const int64_t count = rng.integer(1, 70);
+    rest = Mask::global_tokens(count);
+    rest_bias = t::global_bias(count);
+    what = "global(" + std::to_string(count) + ")";
+  } else if (variant == 3) {
+    const Tensor keep = random_keep(rng, Shape{s.nq, s.nk}, 0.02);
+    rest = Mask::keep(keep);
+    rest_bias = t::keep_bias(keep);
+    what = "keep";
+  } else if (variant == 4) {
+    Tensor layout;
+    int64_t bq = 1, bk = 1;
+    random_blocks(rng, s.q_heads, s.nq, s.nk, layout, bq, bk);
+    rest = Mask::block_sparse(layout, bq, bk);
+    rest_bias = t::block_sparse_bias(layout, bq, bk);
+    what = "block_sparse";
+  } else {
+    const int64_t small = 40, small_offset = ((offset % small) + small) % small;  // the two overlap
+    rest = Mask::strided(small, small_offset);
+    rest_bias = t::strided_bias(small, small_offset);
+    what = "strided(40, " + std::to_string(small_offset) + ")";
+  }
+  c.mask = (rest | Mask::strided(stride, offset)) & Mask::key_lengths(lengths);
+  c.bias = t::all_of({t::any_of({rest_bias, t::strided_bias(stride, offset)}), t::key_lengths_bias(lengths)});
+  std::string name = "(" + what + " | strided(" + std::to_string(stride) + ", " + std::to_string(offset) + "))";
+  if (variant != 1) {  // under causal, its offset putting the queries at the end of the keys or past them
+    const int64_t causal = s.nk - s.nq + rng.integer(-5, 5);
+    c.mask = Mask::causal(causal) & c.mask;
+    c.bias = t::all_of({t::causal_bias(causal), c.bias});
+    name = "causal(" + std::to_string(causal) + ") & " + name;
+  } else {
+    const Tensor add = random_additive(rng, Shape{s.nq, s.nk});
+    c.mask = c.mask & Mask::additive(add);
+    c.bias = t::all_of({c.bias, t::additive_bias(add)});
+    name += " & additive";
+  }
+  c.name = describe(s) + " mask=" + name + " & key_lengths dropout=" + std::to_string(dropout_p) +
+           (modifier == Modifier::None ? "" : " modifiers=" + to_string(modifier));
   return c;
 }
 

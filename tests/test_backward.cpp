@@ -227,6 +227,16 @@ TEST(Backward, FiniteDifferencesScoreModifiers) {
   check_against_finite_differences(make_case(rng, kSmall, MaskKind::Causal, 1.0, 0.3f, qkv_test::Modifier::All));
 }
 
+// Strided keys gathered by residues (a stride >= 64, so sequences past it), each kind of rest.
+TEST(Backward, FiniteDifferencesStridedResidues) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (int variant : {0, 1, 3, 5})
+    check_against_finite_differences(qkv_test::strided_residue_case(rng, {1, 1, 1, 130, 140, 2, 2}, variant, 0.0f,
+                                                                    variant == 1 ? qkv_test::Modifier::Alibi
+                                                                                 : qkv_test::Modifier::None));
+}
+
 TEST(Backward, FiniteDifferencesShapes) {
   Random rng;
   SCOPED_TRACE(rng.note());
@@ -408,6 +418,25 @@ TEST(Backward, FlashMatchesReferenceLargerShapesAndDropout) {
   for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::EmptyRows})
     for (float p : {0.1f, 0.5f}) cases.push_back(prepare(make_case(rng, random_sizes(rng), kind, 1.0, p), rng));
   cases.push_back(prepare(make_case(rng, {1, 2, 1, 200, 260, 64, 64}, MaskKind::Causal, 1.0, 0.3f), rng));
+  check_flash_everywhere(cases);
+}
+
+// The strided residues (flash_backward.cpp, as the forward's): long enough for many residue and
+// key tiles, every kind of `rest`, GQA, Nq != Nk, modifiers and dropout, against the float64
+// analytic backward on every target.
+TEST(Backward, FlashStridedResiduesOnLongSequences) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  using qkv_test::Modifier;
+  using qkv_test::strided_residue_case;
+  std::vector<BackwardCase> cases;
+  cases.push_back(prepare(strided_residue_case(rng, {1, 2, 1, 1500, 1500, 16, 24}, 0, 0.0f), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {2, 2, 2, 900, 1300, 8, 8}, 0, 0.2f, Modifier::All), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {1, 4, 2, 70, 6000, 16, 8}, 1, 0.0f, Modifier::Alibi), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {1, 1, 1, 1000, 900, 24, 24}, 2, 0.0f, Modifier::Sinks), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {1, 2, 1, 800, 800, 7, 9}, 3, 0.1f, Modifier::Softcap), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {2, 2, 1, 700, 900, 12, 12}, 4, 0.0f), rng));
+  cases.push_back(prepare(strided_residue_case(rng, {1, 2, 2, 1100, 1100, 8, 1}, 5, 0.0f, Modifier::All), rng));
   check_flash_everywhere(cases);
 }
 

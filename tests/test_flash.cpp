@@ -94,6 +94,31 @@ TEST(Flash, AwkwardLengthsAndDims) {
   check_everywhere(cases);
 }
 
+// The strided residues (flash.cpp) on sequences long enough for many residue and key tiles:
+// every kind of `rest`, GQA, Nq != Nk both ways, odd dims, modifiers, dropout, 16-bit K/V.
+TEST(Flash, StridedResiduesOnLongSequences) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  using qkv_test::Modifier;
+  using qkv_test::strided_residue_case;
+  std::vector<Case> cases;
+  cases.push_back(strided_residue_case(rng, {1, 2, 1, 1900, 1900, 33, 17}, 0, 0.0f));
+  cases.push_back(strided_residue_case(rng, {2, 2, 2, 1500, 2100, 16, 24}, 0, 0.2f, Modifier::All));
+  cases.push_back(strided_residue_case(rng, {1, 4, 2, 140, 8100, 40, 24}, 1, 0.0f, Modifier::Alibi));
+  cases.push_back(strided_residue_case(rng, {1, 1, 1, 1300, 1200, 64, 64}, 2, 0.0f, Modifier::Sinks));
+  cases.push_back(strided_residue_case(rng, {1, 2, 1, 1200, 1200, 7, 9}, 3, 0.1f, Modifier::Softcap));
+  cases.push_back(strided_residue_case(rng, {2, 2, 1, 1100, 1400, 20, 20}, 4, 0.0f));
+  cases.push_back(strided_residue_case(rng, {1, 2, 2, 1600, 1600, 24, 1}, 5, 0.0f, Modifier::All));
+  for (qkv::DType dtype : {qkv::DType::BF16, qkv::DType::F16}) {
+    Case c = strided_residue_case(rng, {1, 2, 1, 1400, 1500, 32, 32}, 0, 0.0f, Modifier::Alibi);
+    c.k = c.k.to(dtype);
+    c.v = c.v.to(dtype);
+    c.name += " kv=" + std::string(qkv::to_string(dtype));
+    cases.push_back(std::move(c));
+  }
+  check_everywhere(cases);
+}
+
 TEST(Flash, LargeLogits) {
   Random rng;
   SCOPED_TRACE(rng.note());

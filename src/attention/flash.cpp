@@ -32,6 +32,14 @@
 // modifiers (softcap, ALiBi) and the sink are the pipeline's steps (pipeline-inl.h), as is every
 // step named below.
 //
+// Strided keys (a root rule `rest | strided(S, O)`, S >= Bc): a stride leaves one visible key
+// per query in many tiles, so they are computed apart, in a first pass by residues. Queries
+// r, r + S, ... all meet keys kr, kr + S, ... (kr = r + O mod S): a dense block, run with the
+// same key-tile step on lines of steps (S, 0) (queries S apart in the lanes), residue tiles of
+// ResidueTileRows() queries. The pass leaves each row's softmax state (unnormalised O, max,
+// sum, NaN seen) in the output rows, row_max, row_sum and lse; the second pass, the tiles,
+// evaluates `rest` (a band rest folded into the band) and starts each row from that state.
+//
 // Highway's foreach_target re-includes this file once per SIMD target (see hwy/examples/
 // skeleton.cc); the threading and the exported entry point live in the HWY_ONCE part below.
 
@@ -53,7 +61,6 @@
 #include <limits>
 #include <memory>
 #include <new>
-#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -67,11 +74,13 @@ namespace qkv::detail::flash {
 // stays in L1 beside Qt and Ot. The same for every target.
 constexpr size_t kKeyTile = 64;
 
+// Strided residues a work item runs one after the other (flash_attention's first pass).
+constexpr int64_t kResiduesPerItem = 8;
+
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
   size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, k_wide, v_wide;
-  size_t gather_out, gather_max, gather_sum, gather_correction;  // the strided diagonals' softmax
   size_t total;
 
   ScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false) {
@@ -88,10 +97,6 @@ struct ScratchLayout {
     row_sum = take(br);                // per query
     correction = take(br);             // per query: exp(old max - new max), then 1 / l
     nan_seen = take(br);               // per query: 1 once a visible score was NaN
-    gather_out = take(br * dv);        // O of the gathered diagonals, row-major (Br, Dv)
-    gather_max = take(br);
-    gather_sum = take(br);
-    gather_correction = take(br);
     k_wide = take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
     v_wide = take(wide_kv ? kKeyTile * dv : 0);
     total = at;
@@ -111,6 +116,10 @@ using flash::kKeyTile;
 using tile_gemm::kTileVectors;
 using tile_gemm::PanelGemm;
 namespace step = pipeline;
+using step::kResidueVectors;
+using step::ResidueTileRows;
+using step::TileMask;
+using step::Walk;
 
 // Br, queries per work item: exactly the micro-tile width, so one micro-GEMM call spans the
 // whole query tile and its running max / sum are kTileVectors vectors (48 queries on AVX-512).
@@ -122,12 +131,10 @@ int64_t CompiledTarget() { return HWY_TARGET; }
 // One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
   float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *k_wide, *v_wide;
-  float *gather_out, *gather_max, *gather_sum, *gather_correction;
   Scratch(float* base, const flash::ScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
         row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen),
-        k_wide(base + l.k_wide), v_wide(base + l.v_wide), gather_out(base + l.gather_out),
-        gather_max(base + l.gather_max), gather_sum(base + l.gather_sum), gather_correction(base + l.gather_correction) {}
+        k_wide(base + l.k_wide), v_wide(base + l.v_wide) {}
 };
 
 // Step "load a tile" for 16-bit K/V: rows [j0, j0 + cols) of head (b, g) widened into `to`
@@ -146,185 +153,177 @@ void WidenTile(const Rows<const uint16_t>& rows, int64_t b, int64_t g, int64_t j
   }
 }
 
-// The K and V tiles of keys [j0, j0 + cols) as floats: read in place when they are, widened
-// into the worker's scratch when they are 16-bit.
+// The K and V tiles of keys j0, j0 + key_step, ... (cols of them) as floats: read in place when
+// they are, widened into the worker's scratch when they are 16-bit.
 struct KvTile {
   const float* k;
   int64_t k_stride;
   const float* v;
   int64_t v_stride;
 };
-KvTile LoadKvTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, size_t cols, const Scratch& w) {
-  if (p.kv_dtype == DType::F32) return {p.k.row(b, g, j0), p.k.row_stride, p.v.row(b, g, j0), p.v.row_stride};
+KvTile LoadKvTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, int64_t key_step, size_t cols,
+                  const Scratch& w) {
+  if (p.kv_dtype == DType::F32)
+    return {p.k.row(b, g, j0), p.k.row_stride * key_step, p.v.row(b, g, j0), p.v.row_stride * key_step};
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const Rows<const uint16_t> k = step::EveryStepRows(p.k_bits, j0, key_step);
+  const Rows<const uint16_t> v = step::EveryStepRows(p.v_bits, j0, key_step);
   if (p.kv_dtype == DType::BF16) {
-    WidenTile<hwy::bfloat16_t>(p.k_bits, b, g, j0, cols, dk, w.k_wide);
-    WidenTile<hwy::bfloat16_t>(p.v_bits, b, g, j0, cols, dv, w.v_wide);
+    WidenTile<hwy::bfloat16_t>(k, b, g, 0, cols, dk, w.k_wide);
+    WidenTile<hwy::bfloat16_t>(v, b, g, 0, cols, dv, w.v_wide);
   } else {
-    WidenTile<hwy::float16_t>(p.k_bits, b, g, j0, cols, dk, w.k_wide);
-    WidenTile<hwy::float16_t>(p.v_bits, b, g, j0, cols, dv, w.v_wide);
+    WidenTile<hwy::float16_t>(k, b, g, 0, cols, dk, w.k_wide);
+    WidenTile<hwy::float16_t>(v, b, g, 0, cols, dv, w.v_wide);
   }
   return {w.k_wide, std::max<int64_t>(p.head_dim, 1), w.v_wide, std::max<int64_t>(p.value_dim, 1)};
 }
 
-// One key tile [j0, j0 + cols) of work item (b, h, i0): scores, modifiers and mask, the online
-// softmax update, dropout, and Ot += V^T P^T.
-void FlashKeyTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, size_t rows, int64_t j0, size_t cols,
-                  bool fully_visible, const Scratch& w) {
-  const size_t br = QueryTileRows();
+// One key tile (cols keys from j0) of a query tile (V vectors of queries from i0, `rows` real):
+// scores, modifiers and mask, the online softmax update, dropout, and Ot += V^T P^T.
+template <size_t V>
+void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+                  int64_t j0, size_t cols, const TileMask& mask, const Scratch& w) {
+  const size_t br = V * hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t g = p.kv_head_of(h);
-  const KvTile kv = LoadKvTile(p, b, g, j0, cols, w);
+  const KvTile kv = LoadKvTile(p, b, g, j0, walk.key_step, cols, w);
   const float* HWY_RESTRICT k_tile = kv.k;
   const float* HWY_RESTRICT v_tile = kv.v;
+  auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };
 
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place.
-  PanelGemm<kTileVectors>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
+  PanelGemm<V>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
   // 2. Modifiers and mask, one key line over the tile's queries at a time.
-  const bool per_element = !fully_visible || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
-  if (per_element)
-    for (size_t j = 0; j < cols; ++j)
-      step::ScoresToLogits(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.scores + j * br, br, rows,
-                           !fully_visible);
+  const bool some_hidden = mask.band || mask.hide >= 0 || !p.terms.empty();
+  if (some_hidden || p.softcap > 0 || p.alibi_slopes)
+    for (size_t j = 0; j < cols; ++j) {
+      if (walk.residue) {
+        step::ResidueLogits(p, line(j), w.scores + j * br, br, rows, mask.band, mask.hide);
+      } else {
+        step::ScoresToLogits(p, line(j), w.scores + j * br, br, rows, mask.band);
+      }
+    }
   // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew.
   if (step::SoftmaxColumnsUpdate(w.scores, cols, br, w.running_max, w.row_sum, w.correction, w.nan_seen))
     step::RescaleColumns(w.out_t, dv, br, w.correction);
   // 4. Dropout on P (scaling exp(s - m) is scaling exp(s - m) / l at the end).
   if (p.dropout_p > 0)
-    for (size_t j = 0; j < cols; ++j)
-      step::Dropout(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.scores + j * br, rows);
+    for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.scores + j * br, rows);
   // 5. Ot += V_tile^T P^T: A(c, j) = V[j0 + j, c], row stride 1 and depth stride V's row stride.
   // Skipping zero weights when a hidden key's V may be NaN or Inf.
-  const bool some_hidden = !fully_visible || !p.terms.empty() || p.dropout_p > 0;
-  if (some_hidden && !step::RowsFinite(v_tile, cols, dv, kv.v_stride)) {
+  if ((some_hidden || p.dropout_p > 0) && !step::RowsFinite(v_tile, cols, dv, kv.v_stride)) {
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
   } else {
-    PanelGemm<kTileVectors>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true);
+    PanelGemm<V>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true);
   }
 }
 
-// ---- The strided part of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp), gathered
-// by diagonals: on j - i = d (d = O mod S) query i0 + x meets key i0 + x + d, a line with query
-// and key steps (1, 1) that every pipeline step reads. Up to Bc diagonals make one St tile with
-// its own online softmax and a row-major O, merged with the tiles' at the end (as decode merges
-// chunks). The tiles evaluate `rest`; the diagonals hide what `rest` shows, so no pair counts twice.
-
-HWY_INLINE float Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t n) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  auto acc0 = hn::Zero(df), acc1 = hn::Zero(df);  // two chains of FMAs, not one
-  size_t c = 0;
-  for (; c + 2 * lanes <= n; c += 2 * lanes) {
-    acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
-    acc1 = hn::MulAdd(hn::LoadU(df, a + c + lanes), hn::LoadU(df, b + c + lanes), acc1);
-  }
-  for (; c + lanes <= n; c += lanes) acc0 = hn::MulAdd(hn::LoadU(df, a + c), hn::LoadU(df, b + c), acc0);
-  float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
-  for (; c < n; ++c) sum += a[c] * b[c];
-  return sum;
+// Step "softmax", the start of a query tile of br lanes: Qt packed (queries i0, i0 + step, ...,
+// `rows` of them, scaled), Ot = 0 and each query's softmax started (with its sink, if any).
+void StartQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t query_step, size_t rows,
+                    size_t br, const Scratch& w) {
+  step::PackTransposed(step::EveryStepRows(p.q, i0, query_step), b, h, 0, rows, static_cast<size_t>(p.head_dim), br,
+                       p.scale, w.q_t);
+  std::fill_n(w.out_t, static_cast<size_t>(p.value_dim) * br, 0.0f);
+  std::fill_n(w.running_max, br, step::InitialMax(p, h));
+  std::fill_n(w.row_sum, br, step::InitialSum(p));
+  std::fill_n(w.nan_seen, br, 0.0f);
 }
 
-// out[c] += weight * v[c], c < n.
-HWY_INLINE void Axpy(float weight, const float* HWY_RESTRICT v, float* HWY_RESTRICT out, size_t n) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  const auto w = hn::Set(df, weight);
-  size_t c = 0;
-  for (; c + lanes <= n; c += lanes) hn::StoreU(hn::MulAdd(w, hn::LoadU(df, v + c), hn::LoadU(df, out + c)), df, out + c);
-  for (; c < n; ++c) out[c] += weight * v[c];
-}
+// ---- The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp), gathered
+// by residues: queries i0, i0 + S, ... meet keys j0, j0 + S, ... (j0 = i0 + O mod S), a dense
+// block that runs as flash tiles of lines with steps (S, 0), which every pipeline step reads.
+// The residues run first and leave their softmax state (O unnormalised, max, sum, and whether a
+// NaN was seen, in the output rows, row_max, row_sum and lse) for the tiles, which evaluate
+// `rest` and continue from it; a residue hides what `rest` shows, so no pair counts twice.
 
-// Scores, modifiers and mask of diagonal d for the tile's queries into s (Br floats): -inf where
-// the key is outside [0, Nk), or the band, key lengths, tensor terms hide it, or `rest` shows it.
-void DiagonalLogits(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
-                    size_t rows, int64_t d, float* HWY_RESTRICT s) {
-  const size_t br = QueryTileRows(), dk = static_cast<size_t>(p.head_dim);
-  const int64_t g = p.kv_head_of(h), j_of_x0 = i0 + d;
-  const size_t x_lo = static_cast<size_t>(std::clamp<int64_t>(-j_of_x0, 0, static_cast<int64_t>(rows)));
-  const size_t x_hi = static_cast<size_t>(std::clamp<int64_t>(p.kv_len - j_of_x0, static_cast<int64_t>(x_lo),
-                                                              static_cast<int64_t>(rows)));
-  for (size_t x = 0; x < br; ++x) {
-    const int64_t i = i0 + static_cast<int64_t>(x);
-    s[x] = x >= x_lo && x < x_hi ? p.scale * Dot(p.q.row(b, h, i), p.k.row(b, g, i + d), dk) : 0.0f;
+// One residue tile: queries i0 + x S (x < rows <= ResidueTileRows()) of head (b, h).
+void StridedResidueTile(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                        size_t rows, float* HWY_RESTRICT scratch) {
+  const size_t br = ResidueTileRows(), dv = static_cast<size_t>(p.value_dim);
+  const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), static_cast<size_t>(p.head_dim), dv,
+                                                p.kv_dtype != DType::F32));
+  const int64_t stride = split.stride, residue = split.key_residue(i0);
+  const int64_t i_last = i0 + static_cast<int64_t>(rows - 1) * stride;
+  StartQueryTile(p, b, h, i0, stride, rows, br, w);
+  // The residue's keys the band lets some query see, by tiles from the last: first one of br keys
+  // (under causal, the block on the diagonal, the only one to mask), then of Bc.
+  const int64_t c_begin = split.keys_before(residue, p.first_visible_key(i0));
+  const int64_t c_end = split.keys_before(residue, p.last_visible_key(b, i_last));
+  for (int64_t c_hi = c_end, width = static_cast<int64_t>(br); c_hi > c_begin; c_hi -= width, width = kKeyTile) {
+    const int64_t c_lo = std::max(c_begin, c_hi - width);
+    const int64_t j0 = residue + c_lo * stride, j_last = residue + (c_hi - 1) * stride;
+    const step::TileClass band = step::ClassifyTile(p, b, i0, i_last, j0, j_last + 1);
+    const TileVisibility rest = p.rule.classify(b, h, i0, i_last, j0, j_last, split.rest);
+    if (band == step::TileClass::Hidden || rest == TileVisibility::Full) continue;
+    const TileMask mask{band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1};
+    FlashKeyTile<kResidueVectors>(p, {stride, stride, true}, b, h, i0, rows, j0, static_cast<size_t>(c_hi - c_lo),
+                                  mask, w);
   }
-  const step::Line line{b, h, i0, j_of_x0, 1, 1};
-  step::ModifyScores(p, line, s, br);
-  step::MaskBand(p, line, s, br);
-  if (x_hi > x_lo) {  // the rule and the terms read only real (query, key) pairs
-    const int64_t at = static_cast<int64_t>(x_lo);
-    const step::Line real{b, h, i0 + at, j_of_x0 + at, 1, 1};
-    step::MaskWhereRuleShows(p.rule, split.rest, real, s + x_lo, x_hi - x_lo);
-    step::MaskTerms(p, real, s + x_lo, x_hi - x_lo);
-  }
-  std::fill(s, s + x_lo, step::kMinusInf);
-  std::fill(s + x_hi, s + br, step::kMinusInf);
-}
-
-// The diagonals d0, d0 + S, ... (cols of them) of work item (b, h, i0): one St tile, its online
-// softmax into gather_max / gather_sum, dropout, gather_out += P V.
-void GatherDiagonals(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
-                     size_t rows, int64_t d0, size_t cols, const Scratch& w) {
-  const size_t br = QueryTileRows(), dv = static_cast<size_t>(p.value_dim);
-  const int64_t g = p.kv_head_of(h);
-  for (size_t c = 0; c < cols; ++c)
-    DiagonalLogits(p, split, b, h, i0, rows, d0 + static_cast<int64_t>(c) * split.stride, w.scores + c * br);
-  if (step::SoftmaxColumnsUpdate(w.scores, cols, br, w.gather_max, w.gather_sum, w.gather_correction, w.nan_seen))
-    for (size_t x = 0; x < rows; ++x)
-      for (size_t c = 0; c < dv; ++c) w.gather_out[x * dv + c] *= w.gather_correction[x];
-  for (size_t c = 0; c < cols; ++c) {
-    const int64_t d = d0 + static_cast<int64_t>(c) * split.stride;
-    float* s = w.scores + c * br;
-    if (p.dropout_p > 0) step::Dropout(p, {b, h, i0, i0 + d, 1, 1}, s, rows);
-    for (size_t x = 0; x < rows; ++x)  // a zero weight (a hidden or outside key) is skipped
-      if (s[x] != 0.0f) Axpy(s[x], p.v.row(b, g, i0 + static_cast<int64_t>(x) + d), w.gather_out + x * dv, dv);
-  }
-}
-
-// Every strided diagonal a query of the item may see, by tiles of Bc diagonals, then merged into
-// the tiles' running max, sum and Ot: m = max(m1, m2), O = O1 e^(m1 - m) + O2 e^(m2 - m), likewise l.
-void GatherStrided(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0, size_t rows,
-                   const Scratch& w) {
-  const size_t br = QueryTileRows(), dv = static_cast<size_t>(p.value_dim);
-  std::fill_n(w.gather_out, br * dv, 0.0f);
-  std::fill_n(w.gather_max, br, step::kMinusInf);
-  std::fill_n(w.gather_sum, br, 0.0f);
-  const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
-  const int64_t d_min = std::max(p.band_lo, -i_last);  // a key >= 0 for the last query
-  const int64_t d_max = std::min(p.band_hi, p.key_lengths[static_cast<size_t>(b)] - 1 - i0);
-  if (d_min > d_max) return;
-  const int64_t tile = static_cast<int64_t>(kKeyTile) * split.stride;
-  for (int64_t d0 = d_min + floor_mod(split.offset - d_min, split.stride); d0 <= d_max; d0 += tile) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), (d_max - d0) / split.stride + 1));
-    GatherDiagonals(p, split, b, h, i0, rows, d0, cols, w);
-  }
+  const int64_t row0 = (b * p.q_heads + h) * p.q_len;
   for (size_t x = 0; x < rows; ++x) {
-    const float m1 = w.running_max[x], m2 = w.gather_max[x];
-    if (m2 == step::kMinusInf) continue;  // no diagonal key visible to this query
-    const float m = std::max(m1, m2);
-    const float f1 = m1 == step::kMinusInf ? 0.0f : std::exp(m1 - m), f2 = std::exp(m2 - m);
-    for (size_t c = 0; c < dv; ++c) w.out_t[c * br + x] = w.out_t[c * br + x] * f1 + w.gather_out[x * dv + c] * f2;
-    w.row_sum[x] = w.row_sum[x] * f1 + w.gather_sum[x] * f2;
-    w.running_max[x] = m;
+    const int64_t i = i0 + static_cast<int64_t>(x) * stride;
+    float* out = p.output.row(b, h, i);
+    for (size_t c = 0; c < dv; ++c) out[c] = w.out_t[c * br + x];
+    p.row_max[row0 + i] = w.running_max[x];
+    p.row_sum[row0 + i] = w.row_sum[x];
+    p.lse[row0 + i] = w.nan_seen[x];
+  }
+}
+
+// Prefetches what the residue tile of queries i0 + x S (x < rows) reads first: its Q rows, the
+// rows of O it writes, and the K and V rows of its last br keys (under causal, the new ones).
+void PrefetchResidueTile(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                         int64_t rows) {
+  const int64_t stride = split.stride, residue = split.key_residue(i0), g = p.kv_head_of(h);
+  step::PrefetchRows(p.q, b, h, i0, stride, rows, p.head_dim);
+  step::PrefetchRows(p.output, b, h, i0, stride, rows, p.value_dim, true);
+  const int64_t c_end = split.keys_before(residue, p.last_visible_key(b, i0 + (rows - 1) * stride));
+  const int64_t c_lo = std::max<int64_t>(0, c_end - static_cast<int64_t>(ResidueTileRows()));
+  if (p.kv_dtype != DType::F32 || c_end <= c_lo) return;
+  step::PrefetchRows(p.k, b, g, residue + c_lo * stride, stride, c_end - c_lo, p.head_dim);
+  step::PrefetchRows(p.v, b, g, residue + c_lo * stride, stride, c_end - c_lo, p.value_dim);
+}
+
+// Residues [first, last) of head (b, h): queries r, r + S, ... below Nq, by residue tiles, each
+// prefetching the same tile of the next residue (the rows next to its own).
+void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t first,
+                     int64_t last, float* HWY_RESTRICT scratch) {
+  const int64_t br = static_cast<int64_t>(ResidueTileRows());
+  for (int64_t r = first; r < last; ++r) {
+    const int64_t queries = split.keys_before(r, p.q_len);  // the residue's queries, counted as keys are
+    const int64_t next_queries = split.keys_before(r + 1, p.q_len);
+    for (int64_t x0 = 0; x0 < queries; x0 += br) {
+      if (r + 1 < last && x0 < next_queries)
+        PrefetchResidueTile(p, split, b, h, r + 1 + x0 * split.stride, std::min(br, next_queries - x0));
+      StridedResidueTile(p, split, b, h, r + x0 * split.stride, static_cast<size_t>(std::min(br, queries - x0)),
+                         scratch);
+    }
   }
 }
 
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
-// `scratch` is this worker's block, laid out by flash::ScratchLayout.
-// `split`: the strided keys to gather by diagonals (p.rule's root is then `rest`), or nullptr.
-void FlashQueryTile(const AttentionProblem& p, const StridedSplit* split, int64_t b, int64_t h, int64_t i0,
+// `scratch` is this worker's block, laid out by flash::ScratchLayout. `carried`: the strided
+// residues ran first and left each row's softmax state in the outputs; continue from it.
+void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0,
                     float* HWY_RESTRICT scratch) {
   const size_t br = QueryTileRows();
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t nk = p.kv_len;
   const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), p.q_len - i0));
   const Scratch w(scratch, flash::ScratchLayout(br, dk, dv, p.kv_dtype != DType::F32));
+  const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
 
-  // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any).
-  step::PackTransposed(p.q, b, h, i0, rows, dk, br, p.scale, w.q_t);
-  std::fill_n(w.out_t, dv * br, 0.0f);
-  std::fill_n(w.running_max, br, step::InitialMax(p, h));
-  std::fill_n(w.row_sum, br, step::InitialSum(p));
-  std::fill_n(w.nan_seen, br, 0.0f);
+  // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any),
+  // or Ot and the softmax state as the residues left them.
+  StartQueryTile(p, b, h, i0, 1, rows, br, w);
+  if (carried) {
+    const Rows<const float> partial{p.output.data, p.output.batch_stride, p.output.head_stride, p.output.row_stride};
+    step::PackTransposed(partial, b, h, i0, rows, dv, br, 1.0f, w.out_t);
+    std::copy_n(p.row_max + row0, rows, w.running_max);
+    std::copy_n(p.row_sum + row0, rows, w.row_sum);
+    std::copy_n(p.lse + row0, rows, w.nan_seen);
+  }
 
   // The keys any query of the tile sees; key tiles outside [kv_begin, kv_end) are never visited.
   const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
@@ -334,16 +333,14 @@ void FlashQueryTile(const AttentionProblem& p, const StridedSplit* split, int64_
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
     const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
     if (tile == step::TileClass::Hidden) continue;
-    FlashKeyTile(p, b, h, i0, rows, j0, cols, tile == step::TileClass::Full, w);
+    FlashKeyTile<kTileVectors>(p, {}, b, h, i0, rows, j0, cols, {tile != step::TileClass::Full, -1}, w);
   }
-  if (split) GatherStrided(p, *split, b, h, i0, rows, w);
 
   // ---- Finish each query: O = Ot^T / l, lse and the row stats.
-  const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
   for (size_t i = 0; i < rows; ++i)
     finish_row(w.out_t + i, br, dv, w.running_max[i], w.row_sum[i], w.nan_seen[i] > 0,
-                    p.output.row(b, h, i0 + static_cast<int64_t>(i)), p.lse + row0 + static_cast<int64_t>(i),
-                    p.row_max + row0 + static_cast<int64_t>(i), p.row_sum + row0 + static_cast<int64_t>(i));
+               p.output.row(b, h, i0 + static_cast<int64_t>(i)), p.lse + row0 + static_cast<int64_t>(i),
+               p.row_max + row0 + static_cast<int64_t>(i), p.row_sum + row0 + static_cast<int64_t>(i));
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
@@ -360,23 +357,8 @@ namespace qkv::detail {
 
 HWY_EXPORT(QueryTileRows);
 HWY_EXPORT(FlashQueryTile);
+HWY_EXPORT(StridedResidues);
 HWY_EXPORT(CompiledTarget);
-
-namespace {
-// The order a head's query tiles run in: the last first (under a causal mask they see the most
-// keys, and dynamic scheduling balances best when the longest items start first). With strided
-// keys gathered (stride > 0), tiles whose diagonals meet the same key rows run one after the
-// other: tile t's diagonal d reads rows br t + d.., as does tile t + P's diagonal d - P br when
-// P br is a multiple of the stride, so K and V stay in cache from one tile to the next.
-std::vector<int64_t> tile_order(int64_t tiles, int64_t br, int64_t stride) {
-  const int64_t period = stride > 0 ? stride / std::gcd(br, stride) : 1;  // lcm(br, stride) / br
-  std::vector<int64_t> order;
-  order.reserve(static_cast<size_t>(tiles));
-  for (int64_t r = 0; r < std::min(period, tiles); ++r)
-    for (int64_t t = tiles - 1 - r; t >= 0; t -= period) order.push_back(t);
-  return order;
-}
-}  // namespace
 
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
@@ -384,7 +366,8 @@ void flash_attention(const AttentionProblem& problem) {
 
   const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
   const int64_t query_tiles = (nq + static_cast<int64_t>(br) - 1) / static_cast<int64_t>(br);
-  const int64_t items = problem.batch * problem.q_heads * query_tiles;
+  const int64_t heads = problem.batch * problem.q_heads;
+  const int64_t items = heads * query_tiles;
 
   // Per-worker scratch, sized up front: each block a whole number of cache lines, 64-byte
   // aligned, so workers never share a line and the hot loop never allocates.
@@ -398,17 +381,26 @@ void flash_attention(const AttentionProblem& problem) {
                            problem.kv_dtype != DType::F32).total;
   // The calling thread's workspace holds every worker's block and is kept for the next call.
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
-  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest`, the strided keys are gathered
-  // (from float K/V rows; 16-bit K/V take the tiles, which widen what they load).
+  const auto block_of_this_thread = [&] { return scratch + static_cast<size_t>(omp_get_thread_num()) * block; };
+
+  // A `rest | strided(S)` rule with S >= Bc: the strided keys first, by residues (b, h, first
+  // query), then the tiles see `rest` (a band folded into the band) and continue each row.
   const StridedSplit split = strided_split(problem.rule, static_cast<int64_t>(flash::kKeyTile));
   std::optional<AttentionProblem> tiles_problem;
-  if (split.rest >= 0 && problem.kv_dtype == DType::F32) {
+  if (split.rest >= 0) {
+    // Items of kResiduesPerItem residues, so that each residue's rows are fetched during the last one's work.
+    const int64_t residues = std::min(split.stride, nq);
+    const int64_t groups = (residues + flash::kResiduesPerItem - 1) / flash::kResiduesPerItem;
+#pragma omp parallel for schedule(dynamic) num_threads(workers)
+    for (int64_t item = 0; item < heads * groups; ++item) {
+      const int64_t bh = item / groups, first = item % groups * flash::kResiduesPerItem;
+      HWY_DYNAMIC_DISPATCH(StridedResidues)(problem, split, bh / problem.q_heads, bh % problem.q_heads, first,
+                                            std::min(residues, first + flash::kResiduesPerItem), block_of_this_thread());
+    }
     tiles_problem = problem;
-    tiles_problem->rule.root_node = split.rest;
+    tiles_problem->rule = rest_rule(problem.rule, split, tiles_problem->band_lo, tiles_problem->band_hi);
   }
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
-  const StridedSplit* gather = tiles_problem ? &split : nullptr;
-  const std::vector<int64_t> order = tile_order(query_tiles, static_cast<int64_t>(br), gather ? split.stride : 0);
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache;
   // within a head the last query tiles come first: under a causal mask they see the most keys,
@@ -416,10 +408,9 @@ void flash_attention(const AttentionProblem& problem) {
 #pragma omp parallel for schedule(dynamic) num_threads(workers)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t bh = item / query_tiles;
-    const int64_t tile = order[static_cast<size_t>(item % query_tiles)];
-    float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
-    HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, gather, bh / problem.q_heads, bh % problem.q_heads,
-                                         tile * static_cast<int64_t>(br), block_start);
+    const int64_t tile = query_tiles - 1 - item % query_tiles;
+    HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
+                                         bh % problem.q_heads, tile * static_cast<int64_t>(br), block_of_this_thread());
   }
 }
 

@@ -42,6 +42,11 @@
 // A hidden key's V may hold NaN or Inf (a KV cache's unwritten slot): its dS is 0 exactly; a
 // hidden key's non-finite K is kept out of dQ by a scalar path that skips zero dS.
 //
+// Strided keys (a root rule `rest | strided(S, O)`, S >= Bc) are gathered by residues as in the
+// forward (flash.cpp): passes 1-3 run the tiles on `rest`, then pass 4 adds each residue's pairs
+// (queries r, r + S, ... against keys kr, kr + S, ...; items own a (b, g)'s residues, so their
+// dQ, dK and dV rows) into the gradients the tiles wrote.
+//
 // Highway's foreach_target re-includes this file once per SIMD target; the threading and the
 // exported entry point live in the HWY_ONCE part below.
 
@@ -116,6 +121,10 @@ using flash_backward::kKeyTile;
 using tile_gemm::Gemm;
 using tile_gemm::kTileVectors;
 namespace step = pipeline;
+using step::kResidueVectors;
+using step::ResidueTileRows;
+using step::TileMask;
+using step::Walk;
 
 // Br, queries per tile: one micro-tile wide, as the forward.
 size_t BackwardQueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
@@ -133,6 +142,16 @@ struct Scratch {
         row_dot(s + l.row_dot) {}
 };
 
+// The keys of a pair: cols keys from j0, their scale * K rows (k_rows, Dk_pad apart) and the
+// dK, dV accumulators of those rows in the worker's scratch; k_finite when no K element is NaN/Inf.
+struct KeyBlock {
+  int64_t j0;
+  size_t cols;
+  const float* k_rows;
+  float *grad_k, *grad_v;
+  bool k_finite;
+};
+
 // Copies `rows` rows of `d` floats of head (b, h) from row i0 into a padded (br, d_pad) block.
 HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
                          size_t d_pad, size_t br, float* HWY_RESTRICT out) {
@@ -140,67 +159,121 @@ HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64
   for (size_t i = 0; i < rows; ++i) std::copy_n(a.row(b, h, i0 + static_cast<int64_t>(i)), d, out + i * d_pad);
 }
 
-// The query tile [i0, i0 + rows) of head (b, h): Qt = scale * Q^T and dOt (queries in lanes), Q
-// and dO rows (padded), and per query the weights' shift and scale and D. Padding lanes see
-// nothing (shift +inf, scale 0).
-void PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, size_t rows,
+// The query tile i0, i0 + step, ... (`rows` queries) of head (b, h): Qt = scale * Q^T and dOt
+// (queries in lanes), Q and dO rows (padded), and per query the weights' shift and scale and D.
+// Padding lanes see nothing (shift +inf, scale 0).
+void PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
                    const float* HWY_RESTRICT row_dot_all, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  step::PackTransposed(p.q, b, h, i0, rows, dk, w.br, p.scale, w.q_t);
-  step::PackTransposed(bp.grad_output, b, h, i0, rows, dv, w.br, 1.0f, w.grad_out_t);
-  PackRows(p.q, b, h, i0, rows, dk, w.dk_pad, w.br, w.q_rows);
-  PackRows(bp.grad_output, b, h, i0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
+  const Rows<const float> q = step::EveryStepRows(p.q, i0, step), grad_out = step::EveryStepRows(bp.grad_output, i0, step);
+  step::PackTransposed(q, b, h, 0, rows, dk, w.br, p.scale, w.q_t);
+  step::PackTransposed(grad_out, b, h, 0, rows, dv, w.br, 1.0f, w.grad_out_t);
+  PackRows(q, b, h, 0, rows, dk, w.dk_pad, w.br, w.q_rows);
+  PackRows(grad_out, b, h, 0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
   for (size_t i = 0; i < w.br; ++i) {
-    w.shift[i] = i < rows ? bp.row_shift[row0 + static_cast<int64_t>(i)] : step::kInf;
-    w.scale[i] = i < rows ? bp.row_scale[row0 + static_cast<int64_t>(i)] : 0.0f;
-    w.row_dot[i] = i < rows ? row_dot_all[row0 + static_cast<int64_t>(i)] : 0.0f;
+    const int64_t row = row0 + static_cast<int64_t>(i) * step;
+    w.shift[i] = i < rows ? bp.row_shift[row] : step::kInf;
+    w.scale[i] = i < rows ? bp.row_scale[row] : 0.0f;
+    w.row_dot[i] = i < rows ? row_dot_all[row] : 0.0f;
   }
 }
 
-// One (query tile, key tile) pair of head (b, h): P and dS recomputed, dV and dK added into the
-// key tile's accumulators, dQ added into grad_q_out's rows.
-void BackwardPair(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, size_t rows, int64_t j0,
-                  size_t cols, bool fully_visible, bool k_finite, const Rows<float>& grad_q_out, const Scratch& w) {
+// Step "mask" of a pair's tile of weights (and softcap's slope), one key line at a time.
+void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+                int64_t j0, size_t cols, const TileMask& mask, size_t br, float* HWY_RESTRICT weights,
+                float* HWY_RESTRICT softcap_slope) {
+  for (size_t j = 0; j < cols; ++j) {
+    const step::Line line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0};
+    float* slope = softcap_slope ? softcap_slope + j * br : nullptr;
+    if (walk.residue) {
+      step::ResidueLogits(p, line, weights + j * br, br, rows, mask.band, mask.hide, slope);
+    } else {
+      step::ScoresToLogits(p, line, weights + j * br, br, rows, mask.band, slope);
+    }
+  }
+}
+
+// One (query tile, key block) pair of head (b, h): P and dS recomputed, dV and dK added into the
+// key block's accumulators, dQ added into grad_q_out's rows (of queries i0 + x * query_step).
+void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+                  const KeyBlock& keys, const TileMask& mask, const Rows<float>& grad_q_out, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const int64_t g = p.kv_head_of(h);
+  const size_t cols = keys.cols;
+  const int64_t g = p.kv_head_of(h), j0 = keys.j0, ks = walk.key_step;
   const float* softcap_slope = p.softcap > 0 ? w.softcap_t : nullptr;
+  auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * ks, walk.query_step, 0}; };
   // ---- Forward 1-3: "S = scale * Q K^T", "modifiers", "mask": S^T = K_tile Qt, the same steps.
-  Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride), 1, w.q_t, br, w.weights_t, br, false);
-  if (!fully_visible || p.softcap > 0 || p.alibi_slopes || !p.terms.empty())
-    for (size_t j = 0; j < cols; ++j)
-      step::ScoresToLogits(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.weights_t + j * br, br, rows,
-                           !fully_visible, softcap_slope ? w.softcap_t + j * br : nullptr);
+  Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride * ks), 1, w.q_t, br, w.weights_t, br, false);
+  if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || !p.terms.empty())
+    PairLogits(p, walk, b, h, i0, rows, j0, cols, mask, br, w.weights_t, w.softcap_t);
   // ---- Forward 4: "P = softmax(S)", recomputed from the row stats.
   step::RecomputeWeights(w.weights_t, cols, br, w.shift, w.scale);
   // ---- Forward 5: "P' = keep ? P / (1 - p) : 0", recomputed from P.
   const float* dropped = w.weights_t;
   if (p.dropout_p > 0) {
     std::copy_n(w.weights_t, cols * br, w.dropped_t);
-    for (size_t j = 0; j < cols; ++j) step::Dropout(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.dropped_t + j * br, rows);
+    for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.dropped_t + j * br, rows);
     dropped = w.dropped_t;
   }
   // ---- Forward 6: "O += P' V".  dV += P'^T dO;  dP'^T = V_tile dOt.
-  Gemm(cols, w.dv_pad, br, dropped, br, 1, w.grad_out_rows, w.dv_pad, w.grad_v, w.dv_pad, true);
-  Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride), 1, w.grad_out_t, br, w.grad_t, br, false);
+  Gemm(cols, w.dv_pad, br, dropped, br, 1, w.grad_out_rows, w.dv_pad, keys.grad_v, w.dv_pad, true);
+  Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride * ks), 1, w.grad_out_t, br, w.grad_t, br,
+       false);
   // ---- Forward 5, dropout: dP = keep ? dP' / (1 - p) : 0.  Forward 4-2: dS = P (dP - D), 0 where
   // P = 0, through softcap's slope.
   if (p.dropout_p > 0)
-    for (size_t j = 0; j < cols; ++j) step::Dropout(p, {b, h, i0, j0 + static_cast<int64_t>(j), 1, 0}, w.grad_t + j * br, rows);
+    for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.grad_t + j * br, rows);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, softcap_slope);
   // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ = dS (scale K).
-  Gemm(cols, w.dk_pad, br, w.grad_t, br, 1, w.q_rows, w.dk_pad, w.grad_k, w.dk_pad, true);
-  if (k_finite) {
-    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, w.k_rows, w.dk_pad, w.grad_q, w.dk_pad, false);
+  Gemm(cols, w.dk_pad, br, w.grad_t, br, 1, w.q_rows, w.dk_pad, keys.grad_k, w.dk_pad, true);
+  const Rows<float> grad_q = step::EveryStepRows(grad_q_out, i0, walk.query_step);
+  if (keys.k_finite) {
+    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, keys.k_rows, w.dk_pad, w.grad_q, w.dk_pad, false);
     for (size_t i = 0; i < rows; ++i) {
-      float* grad_q_row = grad_q_out.row(b, h, i0 + static_cast<int64_t>(i));
+      float* grad_q_row = grad_q.row(b, h, static_cast<int64_t>(i));
       for (size_t c = 0; c < dk; ++c) grad_q_row[c] += w.grad_q[i * w.dk_pad + c];
     }
   } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row
-    accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, w.k_rows, static_cast<int64_t>(w.dk_pad),
-                              grad_q_out.row(b, h, i0), static_cast<size_t>(grad_q_out.row_stride), 1);
+    accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, keys.k_rows, static_cast<int64_t>(w.dk_pad),
+                              grad_q.row(b, h, 0), static_cast<size_t>(grad_q.row_stride), 1);
+  }
+}
+
+// The key tile of keys j0, j0 + step, ... (cols of them) of kv head (b, g): scale * K packed
+// (padded) for the dQ product, dK and dV accumulators at 0.
+KeyBlock StartKeyTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, int64_t step, size_t cols,
+                      const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  for (size_t j = 0; j < cols; ++j) {
+    const float* k_row = p.k.row(b, g, j0 + static_cast<int64_t>(j) * step);
+    for (size_t c = 0; c < dk; ++c) w.k_rows[j * w.dk_pad + c] = p.scale * k_row[c];
+    std::fill(w.k_rows + j * w.dk_pad + dk, w.k_rows + (j + 1) * w.dk_pad, 0.0f);
+  }
+  const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, p.k.row_stride * step);
+  std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
+  std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
+  return {j0, cols, w.k_rows, w.grad_k, w.grad_v, k_finite};
+}
+
+// The key tile's gradients, summed over every query of the group, into the rows of keys j0,
+// j0 + step, ...: stored, or added to what the tiles stored (`add`, the strided residues).
+void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t j0, int64_t step, size_t cols,
+                   bool add, const Scratch& w) {
+  const AttentionProblem& p = bp.forward;
+  for (size_t j = 0; j < cols; ++j) {
+    float* grad_k_row = bp.grad_k.row(b, g, j0 + static_cast<int64_t>(j) * step);
+    float* grad_v_row = bp.grad_v.row(b, g, j0 + static_cast<int64_t>(j) * step);
+    for (int64_t c = 0; c < p.head_dim; ++c) {
+      const float grad = p.scale * w.grad_k[j * w.dk_pad + static_cast<size_t>(c)];
+      grad_k_row[c] = add ? grad_k_row[c] + grad : grad;
+    }
+    for (int64_t c = 0; c < p.value_dim; ++c) {
+      const float grad = w.grad_v[j * w.dv_pad + static_cast<size_t>(c)];
+      grad_v_row[c] = add ? grad_v_row[c] + grad : grad;
+    }
   }
 }
 
@@ -211,38 +284,74 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
                       const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
   const size_t br = BackwardQueryTileRows();
-  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t nq = p.q_len, group = p.q_heads / p.kv_heads;
-  const Scratch w(scratch, br, flash_backward::ScratchLayout(br, dk, dv));
+  const Scratch w(scratch, br,
+                  flash_backward::ScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim)));
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), key_end - j0));
-    // The key tile: scale * K padded for the dQ product; dK, dV accumulators at 0.
-    for (size_t j = 0; j < cols; ++j) {
-      const float* k_row = p.k.row(b, g, j0 + static_cast<int64_t>(j));
-      for (size_t c = 0; c < dk; ++c) w.k_rows[j * w.dk_pad + c] = p.scale * k_row[c];
-      std::fill(w.k_rows + j * w.dk_pad + dk, w.k_rows + (j + 1) * w.dk_pad, 0.0f);
-    }
-    const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, p.k.row_stride);
-    std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
-    std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
-
+    const KeyBlock keys = StartKeyTile(p, b, g, j0, 1, cols, w);
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
       for (int64_t i0 = 0; i0 < nq; i0 += static_cast<int64_t>(br)) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), nq - i0));
         const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
                                                         j0 + static_cast<int64_t>(cols));
         if (tile == step::TileClass::Hidden) continue;
-        PackQueryTile(bp, b, h, i0, rows, row_dot_all, w);
-        BackwardPair(bp, b, h, i0, rows, j0, cols, tile == step::TileClass::Full, k_finite, grad_q_out, w);
+        PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, w);
+        BackwardPair(bp, {}, b, h, i0, rows, keys, {tile != step::TileClass::Full, -1}, grad_q_out, w);
       }
+    FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
+  }
+}
 
-    // ---- The key tile's gradients, summed over every query of the group: stored once.
-    for (size_t j = 0; j < cols; ++j) {
-      float* grad_k_row = bp.grad_k.row(b, g, j0 + static_cast<int64_t>(j));
-      float* grad_v_row = bp.grad_v.row(b, g, j0 + static_cast<int64_t>(j));
-      for (size_t c = 0; c < dk; ++c) grad_k_row[c] = p.scale * w.grad_k[j * w.dk_pad + c];
-      for (size_t c = 0; c < dv; ++c) grad_v_row[c] = w.grad_v[j * w.dv_pad + c];
+// ---- The strided keys of a `rest | strided(S, O)` rule, by residues as in the forward
+// (flash.cpp): queries r, r + S, ... against keys kr, kr + S, ... (kr = r + O mod S), after the
+// tiles (which evaluated `rest`), hiding what `rest` shows. Adds into dQ, dK and dV.
+
+// The residue tile of queries i0 + x S (x < rows) of head h against the key block's keys the
+// band lets it see (trimmed from the block, so a causal residue computes few hidden pairs).
+void ResiduePair(const AttentionBackwardProblem& bp, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,
+                 size_t rows, const KeyBlock& block, const float* HWY_RESTRICT row_dot_all, const Scratch& w) {
+  const AttentionProblem& p = bp.forward;
+  const int64_t stride = split.stride, residue = split.key_residue(i0);
+  const int64_t i_last = i0 + static_cast<int64_t>(rows - 1) * stride;
+  const int64_t c0 = (block.j0 - residue) / stride;
+  const int64_t c_lo = std::max(c0, split.keys_before(residue, p.first_visible_key(i0)));
+  const int64_t c_hi = std::min(c0 + static_cast<int64_t>(block.cols), split.keys_before(residue, p.last_visible_key(b, i_last)));
+  if (c_lo >= c_hi) return;
+  const int64_t j0 = residue + c_lo * stride, j_last = residue + (c_hi - 1) * stride;
+  const step::TileClass band = step::ClassifyTile(p, b, i0, i_last, j0, j_last + 1);
+  const TileVisibility rest = p.rule.classify(b, h, i0, i_last, j0, j_last, split.rest);
+  if (band == step::TileClass::Hidden || rest == TileVisibility::Full) return;
+  const size_t at = static_cast<size_t>(c_lo - c0);
+  const KeyBlock keys{j0, static_cast<size_t>(c_hi - c_lo), block.k_rows + at * w.dk_pad, block.grad_k + at * w.dk_pad,
+                      block.grad_v + at * w.dv_pad, block.k_finite};
+  PackQueryTile(bp, b, h, i0, stride, rows, row_dot_all, w);
+  BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, keys,
+               {band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1}, bp.grad_q, w);
+}
+
+// Residues [first, last) of the queries of kv head (b, g)'s group: every residue's key tiles, each
+// against every query head of the group and every residue tile of its queries.
+void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& split, int64_t b, int64_t g,
+                      int64_t first, int64_t last, const float* HWY_RESTRICT row_dot_all, float* HWY_RESTRICT scratch) {
+  const AttentionProblem& p = bp.forward;
+  const size_t br = ResidueTileRows();
+  const int64_t group = p.q_heads / p.kv_heads, stride = split.stride;
+  const Scratch w(scratch, br,
+                  flash_backward::ScratchLayout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
+                                                static_cast<size_t>(p.value_dim)));
+  for (int64_t r = first; r < last; ++r) {
+    const int64_t residue = split.key_residue(r), queries = split.keys_before(r, p.q_len);
+    const int64_t keys = split.keys_before(residue, p.kv_len);
+    for (int64_t c0 = 0; c0 < keys; c0 += static_cast<int64_t>(kKeyTile)) {
+      const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), keys - c0));
+      const KeyBlock block = StartKeyTile(p, b, g, residue + c0 * stride, stride, cols, w);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        for (int64_t x0 = 0; x0 < queries; x0 += static_cast<int64_t>(br))
+          ResiduePair(bp, split, b, h, r + x0 * stride, static_cast<size_t>(std::min<int64_t>(br, queries - x0)), block,
+                      row_dot_all, w);
+      FinishKeyTile(bp, b, g, residue + c0 * stride, stride, cols, true, w);
     }
   }
 }
@@ -261,6 +370,7 @@ namespace qkv::detail {
 
 HWY_EXPORT(BackwardQueryTileRows);
 HWY_EXPORT(BackwardKeyChunk);
+HWY_EXPORT(BackwardResidues);
 
 namespace {
 // Chunks per (b, g) aim at this many items per thread, so dynamic scheduling can balance
@@ -280,7 +390,28 @@ Rows<float> grad_q_of_chunk(const AttentionBackwardProblem& bp, int64_t splits, 
 }
 }  // namespace
 
-void flash_attention_backward(const AttentionBackwardProblem& bp) {
+namespace {
+// Pass 4, after the tiles: the strided keys by residues of the original problem `bp`, items of
+// kResiduesPerItem residues of a (b, g), each owning its residues' dK, dV and dQ rows.
+constexpr int64_t kResiduesPerItem = 8;
+void backward_residues(const AttentionBackwardProblem& bp, const StridedSplit& split, const float* row_dot,
+                       float* blocks, size_t block, int workers) {
+  const AttentionProblem& p = bp.forward;
+  const int64_t residues = std::min(split.stride, p.q_len);
+  const int64_t groups = (residues + kResiduesPerItem - 1) / kResiduesPerItem;
+#pragma omp parallel for schedule(dynamic) num_threads(workers)
+  for (int64_t item = 0; item < p.batch * p.kv_heads * groups; ++item) {
+    const int64_t pair = item / groups, first = item % groups * kResiduesPerItem;
+    HWY_DYNAMIC_DISPATCH(BackwardResidues)(bp, split, pair / p.kv_heads, pair % p.kv_heads, first,
+                                           std::min(residues, first + kResiduesPerItem), row_dot,
+                                           blocks + static_cast<size_t>(omp_get_thread_num()) * block);
+  }
+}
+
+// Passes 1-3 on `bp` (the tiles: with strided keys split off, `rest` only), then pass 4 when
+// `split` is given: its residues on `whole`, the original problem.
+void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* split,
+                     const AttentionBackwardProblem& whole) {
   const AttentionProblem& p = bp.forward;
   const int64_t nq = p.q_len, nk = p.kv_len, dk = p.head_dim, dv = p.value_dim;
   const int64_t rows_total = p.batch * p.q_heads * nq;
@@ -359,6 +490,18 @@ void flash_attention_backward(const AttentionBackwardProblem& bp) {
       }
     }
   }
+  if (split) backward_residues(whole, *split, row_dot, blocks, block, workers);
+}
+}  // namespace
+
+void flash_attention_backward(const AttentionBackwardProblem& bp) {
+  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
+  // then the strided keys are added by residues, as the forward gathers them.
+  const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash_backward::kKeyTile));
+  if (split.rest < 0) return backward_passes(bp, nullptr, bp);
+  AttentionBackwardProblem tiles = bp;
+  tiles.forward.rule = rest_rule(bp.forward.rule, split, tiles.forward.band_lo, tiles.forward.band_hi);
+  backward_passes(tiles, &split, bp);
 }
 
 }  // namespace qkv::detail

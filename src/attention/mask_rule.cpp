@@ -95,6 +95,18 @@ StridedSplit strided_split(const MaskRule& rule, int64_t min_stride) {
   return {};
 }
 
+MaskRule rest_rule(const MaskRule& rule, const StridedSplit& split, int64_t& band_lo, int64_t& band_hi) {
+  const RuleNode& rest = rule.nodes[static_cast<size_t>(split.rest)];
+  if (rest.kind == Kind::Band) {
+    band_lo = std::max(band_lo, rest.lo);
+    band_hi = std::min(band_hi, rest.hi);
+    return {};
+  }
+  MaskRule out = rule;
+  out.root_node = split.rest;
+  return out;
+}
+
 namespace {
 struct Compiler {
   const char* who;

@@ -60,13 +60,28 @@ struct MaskRule {
 };
 
 // A rule `rest | strided(stride, offset)` (either order) at the root: the strided keys are a few
-// diagonals j - i = offset (mod stride) that a fused kernel can gather instead of scanning tiles,
-// leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
+// diagonals j - i = offset (mod stride) that a fused kernel can gather by residues instead of
+// scanning tiles, leaving `rest` to the tiles. rest < 0: the rule has no such form (or stride < min_stride).
 struct StridedSplit {
   int rest = -1;
   int64_t stride = 0, offset = 0;
+
+  // The residue class of the keys query i meets: j = i + offset (mod stride). Queries i0, i0 + S,
+  // ... (a "residue" of queries) and keys j0, j0 + S, ... with j0 = key_residue(i0) meet as a
+  // dense queries x keys block, which a kernel computes as a tile.
+  int64_t key_residue(int64_t i) const { return floor_mod(i + offset, stride); }
+  // The number of keys of residue `residue` (in [0, stride)) before key `end`: key index c of
+  // the residue is residue + c * stride, so [from, to) of keys is [keys_before(from), keys_before(to)).
+  int64_t keys_before(int64_t residue, int64_t end) const {
+    return end <= residue ? 0 : (end - residue + stride - 1) / stride;
+  }
 };
 StridedSplit strided_split(const MaskRule& rule, int64_t min_stride);
+
+// The rule a kernel's tiles evaluate once the strided keys of `split` are gathered apart: `rest`
+// alone. A rest that is one band (the Sparse Transformer's window) narrows [band_lo, band_hi]
+// instead and leaves no rule, so the tiles mask it in SIMD from the band and skip the tiles it hides.
+MaskRule rest_rule(const MaskRule& rule, const StridedSplit& split, int64_t& band_lo, int64_t& band_hi);
 
 // The rule of `mask` for a problem (B, Hq, Nq, Nk): each node checked (key lengths one per batch
 // in [0, Nk], a block layout of (ceil(Nq/bq), ceil(Nk/bk)) or (Hq or 1, ...)); keep tensors

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "attention/kernels.hpp"
@@ -245,9 +246,10 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
       return;
     }
     case Kind::Strided:
-      if (r.stride >= 2 * static_cast<int64_t>(lanes)) {
+      if (r.stride >= 2 * static_cast<int64_t>(lanes) * std::max<int64_t>(std::abs(diff_step), 1)) {
         // e = (offset + i - j) mod stride moved into (-stride/2, stride/2]: within a vector it
-        // moves by less than stride/2, so a lane is visible exactly when it reaches 0.
+        // moves by less than stride/2 (lanes |diff_step| <= stride / 2), so a lane is visible
+        // exactly when it reaches 0. Lines of larger steps (the strided residues) go scalar.
         for (size_t x = 0; x < n; x += lanes) {
           int64_t e = floor_mod(r.offset + line.query(x) - line.key(x), r.stride);
           if (e > r.stride / 2) e -= r.stride;
@@ -288,7 +290,7 @@ HWY_INLINE void MaskRuleStep(const AttentionProblem& p, const Line& line, float*
 
 // The complement: -inf where node `node` of the rule shows the key, over the `count` real
 // elements of a line (at most kRuleLine). A kernel that visits some pairs apart (the strided
-// diagonals) hides there what its tiles already visit.
+// residues) hides there what its tiles already visit.
 HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& line, float* HWY_RESTRICT s,
                                    size_t count) {
   const size_t lanes = hn::Lanes(DF());
@@ -296,6 +298,64 @@ HWY_INLINE void MaskWhereRuleShows(const MaskRule& rule, int node, const Line& l
   RuleLine(rule, node, line, (count + lanes - 1) / lanes * lanes, count, visible);
   for (size_t x = 0; x < count; ++x)
     if (visible[x] != 0.0f) s[x] = kMinusInf;
+}
+
+// ---- The strided residues (flash, flash backward): a root `rest | strided(S, O)` rule's strided
+// keys run apart as dense tiles of queries i0, i0 + S, ... against keys j0, j0 + S, ....
+// Their query tile: kResidueVectors vectors, so that the micro-GEMM still runs 8 accumulator
+// chains (kTileRows x vectors) while a residue's few queries waste few lanes (W6: 64 queries a
+// residue, each seeing the residue's earlier keys).
+constexpr size_t kResidueVectors = tile_gemm::kTileRows >= 8 ? 1 : 2;
+HWY_INLINE size_t ResidueTileRows() { return kResidueVectors * hn::Lanes(DF()); }
+
+// Where a kernel's tile of queries and keys sits: query x (a lane) is i0 + x * query_step, key c
+// of the key tile is j0 + c * key_step. The tiles walk steps 1; a strided residue walks steps S.
+struct Walk {
+  int64_t query_step = 1, key_step = 1;
+  bool residue = false;
+};
+
+// How a tile is masked per element: `band` the band and key lengths (and in the tiles, the
+// rule); in a residue, `hide` >= 0 the rule node whose pairs the tiles visit instead.
+struct TileMask {
+  bool band = false;
+  int hide = -1;
+};
+
+// Modifiers and mask of a line of a strided residue (flash's and flash backward's gathered
+// strided keys, where the strided rule holds by construction): the band when `band`, -inf where
+// node `hide` of the rule shows the key when hide >= 0 (the tiles visit those pairs), terms.
+HWY_INLINE void ResidueLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
+                              size_t count, bool band, int hide, float* HWY_RESTRICT softcap_slope = nullptr) {
+  ModifyScores(p, line, s, n, softcap_slope);
+  if (band) MaskBand(p, line, s, n);
+  if (hide >= 0) MaskWhereRuleShows(p.rule, hide, line, s, count);
+  MaskTerms(p, line, s, count);
+}
+
+// Rows first, first + step, ... of an operand, as rows 0, 1, ... of a view (a residue's queries or keys).
+template <class T>
+HWY_INLINE Rows<T> EveryStepRows(const Rows<T>& rows, int64_t first, int64_t step) {
+  return {rows.data + first * rows.row_stride, rows.batch_stride, rows.head_stride, rows.row_stride * step};
+}
+
+// Prefetches rows first, first + step, ... (`count` of them, `floats` each) of head (b, h) into
+// L2 (locality hint 2: prefetcht1 on x86), for writing when `write`: rows a stride apart (a
+// residue's) defeat the hardware prefetchers, so a kernel fetches the next ones while it computes.
+template <class T>
+HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t first, int64_t step, int64_t count,
+                             int64_t floats, bool write = false) {
+  for (int64_t x = 0; x < count; ++x) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(rows.row(b, h, first + x * step));
+    const uintptr_t end = begin + static_cast<uintptr_t>(floats) * sizeof(T);
+    for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+      if (write) {
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
+      } else {
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+      }
+    }
+  }
 }
 
 // Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.

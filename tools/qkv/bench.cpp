@@ -5,8 +5,8 @@
 //                 pays once (page faults on fresh workspaces and outputs included)
 //   steady state  one warm-up, then the median of --runs calls, each writing into the same result
 //                 through scaled_dot_product_attention_into (nothing allocated, no fresh pages)
-// W1 and W2 are also timed backward (rows "W1-bwd", "W2-bwd": scaled_dot_product_attention_backward,
-// Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
+// W1, W2 and W6 are also timed backward (rows "W1-bwd", "W2-bwd", "W6-bwd" (Auto only):
+// scaled_dot_product_attention_backward, Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
 // time the same call; FLOPs = 2.5 x forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
 // score modifier each (forward; the target: within 15% of W1's time). W7 is causal linear attention
 // (linear_attention) and W7-flash softmax attention on its shape (no Reference row); W7 also times
@@ -820,6 +820,7 @@ void run_bench(const BenchOptions& options) {
     const std::string kernel = auto_kernel(*w, inputs, env.decode);
     if (!w->has_reference) {  // the sweep (GB/s of the fast path) and shapes whose scores would not fit
       rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
+      if (w->backward) rows.push_back(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress));
       continue;
     }
     add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
@@ -848,7 +849,7 @@ void add_bench_command(CLI::App& app) {
   auto options = std::make_shared<BenchOptions>();
   CLI::App* bench = app.add_subcommand(
       "bench",
-      "Time the standard workloads W0-W7 (and W1, W2 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
+      "Time the standard workloads W0-W7 (and W1, W2, W6 backward): ms, GFLOP/s, ratios to Reference, sgemm and memcpy");
   bench->add_flag("--json", options->json, "Print JSON Lines (one object per row) instead of the table");
   bench->add_option("--threads", options->threads, "Threads for OpenMP and OpenBLAS (default: as set up)")
       ->check(CLI::PositiveNumber);
