@@ -391,12 +391,11 @@ void flash_attention(const AttentionProblem& problem) {
     // Items of kResiduesPerItem residues, so that each residue's rows are fetched during the last one's work.
     const int64_t residues = std::min(split.stride, nq);
     const int64_t groups = (residues + flash::kResiduesPerItem - 1) / flash::kResiduesPerItem;
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-    for (int64_t item = 0; item < heads * groups; ++item) {
+    for_each_item(workers, heads * groups, [&](int64_t item) {
       const int64_t bh = item / groups, first = item % groups * flash::kResiduesPerItem;
       HWY_DYNAMIC_DISPATCH(StridedResidues)(problem, split, bh / problem.q_heads, bh % problem.q_heads, first,
                                             std::min(residues, first + flash::kResiduesPerItem), block_of_this_thread());
-    }
+    });
     tiles_problem = problem;
     tiles_problem->rule = rest_rule(problem.rule, split, tiles_problem->band_lo, tiles_problem->band_hi);
   }
@@ -405,13 +404,12 @@ void flash_attention(const AttentionProblem& problem) {
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache;
   // within a head the last query tiles come first: under a causal mask they see the most keys,
   // and dynamic scheduling balances best when the longest items start first.
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-  for (int64_t item = 0; item < items; ++item) {
+  for_each_item(workers, items, [&](int64_t item) {
     const int64_t bh = item / query_tiles;
     const int64_t tile = query_tiles - 1 - item % query_tiles;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
                                          bh % problem.q_heads, tile * static_cast<int64_t>(br), block_of_this_thread());
-  }
+  });
 }
 
 int64_t flash_attention_compiled_targets() { return HWY_TARGETS; }
