@@ -189,29 +189,6 @@ constexpr size_t kScoreKeys = 4;
 constexpr size_t kValueVectors = 4;
 static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
 
-// bfloat16 K/V are widened in pairs of vectors (kv::LoadPairs) where the registers allow the
-// score tile's 4 x 4 accumulators and 2 x 4 key vectors: the first Pairs<T>(n) elements of a
-// row (whole blocks of 2 lanes) run in pair order, Qs and O kept in it, O put back at the end.
-constexpr bool kBf16Pairs = kScoreRows == 4;
-template <class T>
-HWY_INLINE size_t Pairs(size_t n) {
-  const size_t block = 2 * hn::Lanes(DF());
-  return std::is_same_v<T, hwy::bfloat16_t> && kBf16Pairs ? n / block * block : 0;
-}
-
-// A row of floats moved into pair order over its first `pairs` elements (to = true), or back.
-HWY_INLINE void Reorder(float* HWY_RESTRICT row, size_t pairs, bool to) {
-  const size_t lanes = hn::Lanes(DF());
-  alignas(64) float block[2 * hn::MaxLanes(DF())];
-  for (size_t c0 = 0; c0 < pairs; c0 += 2 * lanes) {
-    std::copy_n(row + c0, 2 * lanes, block);
-    for (size_t c = 0; c < 2 * lanes; ++c) {
-      const size_t at = kv::PairOrder(c, 2 * lanes, lanes);
-      row[c0 + (to ? at : c)] = block[to ? c : at];
-    }
-  }
-}
-
 // Calls body(std::integral_constant<size_t, n>()) for a run-time 1 <= n <= Max, so the
 // remainder of a register tile gets its own fully unrolled instance.
 template <size_t Max, class Body>
@@ -233,7 +210,7 @@ HWY_INLINE void PrefetchRange(const void* begin, const void* end) {
 // Rows rows and kScoreKeys keys. Vectors over the first `full` dims (a whole number of vectors),
 // then a scalar tail up to dk: K rows are read in place and must not be read past their end.
 template <size_t Rows, class T>
-HWY_INLINE void ScoreTile(size_t dk, size_t pairs, size_t full, const float* HWY_RESTRICT q, size_t q_stride,
+HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, size_t q_stride,
                           const T* const* keys, float* HWY_RESTRICT s) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
@@ -243,22 +220,7 @@ HWY_INLINE void ScoreTile(size_t dk, size_t pairs, size_t full, const float* HWY
     HWY_UNROLL(16)
     for (size_t x = 0; x < kScoreKeys; ++x) acc[r][x] = hn::Zero(df);
   }
-  size_t d = 0;
-  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
-    for (; d < pairs; d += 2 * lanes) {  // Qs in pair order here
-      VF even[kScoreKeys], odd[kScoreKeys];
-      HWY_UNROLL(16)
-      for (size_t x = 0; x < kScoreKeys; ++x) kv::LoadPairs(df, keys[x] + d, even[x], odd[x]);
-      HWY_UNROLL(16)
-      for (size_t r = 0; r < Rows; ++r) {
-        const VF q_even = hn::Load(df, q + r * q_stride + d), q_odd = hn::Load(df, q + r * q_stride + d + lanes);
-        HWY_UNROLL(16)
-        for (size_t x = 0; x < kScoreKeys; ++x)
-          acc[r][x] = hn::MulAdd(q_odd, odd[x], hn::MulAdd(q_even, even[x], acc[r][x]));
-      }
-    }
-  }
-  for (; d < full; d += lanes) {
+  for (size_t d = 0; d < full; d += lanes) {
     VF key_vec[kScoreKeys];
     HWY_UNROLL(16)
     for (size_t x = 0; x < kScoreKeys; ++x) key_vec[x] = kv::LoadWide(df, keys[x] + d);
@@ -282,7 +244,7 @@ HWY_INLINE void ScoreTile(size_t dk, size_t pairs, size_t full, const float* HWY
 
 // ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
 // v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns.
-template <size_t Rows, size_t Vectors, bool InPairs, class T>
+template <size_t Rows, size_t Vectors, class T>
 HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const T* HWY_RESTRICT v, size_t dv,
                           float* HWY_RESTRICT o, size_t o_stride) {
   const DF df;
@@ -295,14 +257,8 @@ HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const T* HWY
   }
   for (size_t j = 0; j < cols; ++j) {
     VF v_vec[Vectors];
-    if constexpr (InPairs) {  // O in pair order here
-      static_assert(Vectors % 2 == 0, "pairs of vectors");
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < Vectors; n += 2) kv::LoadPairs(df, v + j * dv + n * lanes, v_vec[n], v_vec[n + 1]);
-    } else {
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < Vectors; ++n) v_vec[n] = kv::LoadWide(df, v + j * dv + n * lanes);
-    }
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = kv::LoadWide(df, v + j * dv + n * lanes);
     HWY_UNROLL(16)
     for (size_t r = 0; r < Rows; ++r) {
       const VF weight = hn::Set(df, p[r * kKeyTile + j]);  // broadcast, folded into the FMA
@@ -397,7 +353,7 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
   const int64_t j0 = run.j0, step = run.step, end = run.end;
   const size_t cols = run.cols;
   const size_t dk = static_cast<size_t>(p.head_dim);
-  const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF()), pairs = Pairs<T>(dk);
+  const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
     // The same distance in bytes whatever the element type: twice the keys for 16-bit K/V.
     const int64_t ahead =
@@ -409,7 +365,7 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
       keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
     for (size_t r = 0; r < rows; r += kScoreRows) {
       WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
-        ScoreTile<decltype(tile_rows)::value>(dk, pairs, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
+        ScoreTile<decltype(tile_rows)::value>(dk, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
                                               w.scores + r * kKeyTile + j);
       });
     }
@@ -422,26 +378,13 @@ template <class T>
 void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
                       const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
   const size_t lanes = hn::Lanes(DF());
-  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes, pairs = Pairs<T>(dv);
-  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
-    for (size_t c = 0; c < pairs; c += kValueVectors * lanes) {  // whole pairs of vectors, O in pair order
-      const size_t vector_pairs = std::min(kValueVectors, (pairs - c) / lanes) / 2;
-      for (size_t r = 0; r < rows; r += kValueRows) {
-        WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
-          WithConstant<kValueVectors / 2>(vector_pairs, [&](auto tile_pairs) {
-            ValueTile<decltype(tile_rows)::value, 2 * decltype(tile_pairs)::value, true>(
-                cols, w.scores + r * kKeyTile, v_tile + c, v_stride, w.out + r * plan.out_stride + c, plan.out_stride);
-          });
-        });
-      }
-    }
-  }
-  for (size_t c = pairs; c < full_dv; c += kValueVectors * lanes) {
+  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
+  for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
     const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
     for (size_t r = 0; r < rows; r += kValueRows) {
       WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
         WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
-          ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value, false>(
+          ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
               cols, w.scores + r * kKeyTile, v_tile + c, v_stride, w.out + r * plan.out_stride + c, plan.out_stride);
         });
       });
@@ -505,10 +448,8 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   if constexpr (std::is_same_v<T, float>) {
     wide = v_tile;
   } else {
-    for (size_t j = 0; j < cols; ++j) {
+    for (size_t j = 0; j < cols; ++j)
       convert(v_tile + j * v_stride, p.kv_dtype, w.v_wide + j * plan.out_stride, DType::F32, dv);
-      Reorder(w.v_wide + j * plan.out_stride, Pairs<T>(dv), true);  // in O's order
-    }
     wide = w.v_wide;
     wide_stride = plan.out_stride;
   }
@@ -586,12 +527,11 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   }
   if (begin >= end) return;  // the chunk is hidden from every row: K and V are never read
 
-  // Qs = scale * Q, packed once per pass (not per tile), in pair order for bfloat16 keys.
+  // Qs = scale * Q, packed once per pass (not per tile).
   for (size_t r = 0; r < rows; ++r) {
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     const float* q = p.q.row(b, row.h, row.i);
     for (size_t d = 0; d < dk; ++d) w.q[r * plan.q_stride + d] = p.scale * q[d];
-    Reorder(w.q + r * plan.q_stride, Pairs<T>(dk), true);
   }
   for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
@@ -604,7 +544,6 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
     DecodeKeyTile<T>(p, plan, b, g, r0, rows, {j0, 1, cols, end, -1}, band, w);
   }
   if (split) GatherStrided<T>(p, plan, *split, b, g, r0, rows, chunk_begin, chunk_end, w);
-  for (size_t r = 0; r < rows; ++r) Reorder(w.out + r * plan.out_stride, Pairs<T>(static_cast<size_t>(p.value_dim)), false);
 }
 
 // One work item: every row of group g of batch b against chunk `chunk`. With one chunk per

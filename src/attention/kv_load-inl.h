@@ -54,27 +54,6 @@ HWY_INLINE hn::Vec<D> LoadWide(D d, const hwy::float16_t* HWY_RESTRICT p) {
 }
 
 // One element as a float, for the scalar tails.
-// bfloat16 widened two vectors at a time: a u32 lane k holds elements 2k (low half) and 2k + 1
-// (high half), and a bfloat16 is the top half of its float, so one load, a shift and an and
-// give the even and the odd elements of 2L (no lane-crossing shuffle, which PromoteTo needs,
-// and one op fewer per vector). Their consumer keeps the other operand in the same order
-// (PairOrder).
-template <class D>
-HWY_INLINE void LoadPairs(D d, const hwy::bfloat16_t* HWY_RESTRICT p, hn::Vec<D>& even, hn::Vec<D>& odd) {
-  const hn::RebindToUnsigned<D> du;
-  const auto bits = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
-  even = hn::BitCast(d, hn::ShiftLeft<16>(bits));
-  odd = hn::BitCast(d, hn::And(bits, hn::Set(du, 0xFFFF0000u)));
-}
-
-// Where element c of a row goes in pair order (LoadPairs) over the first `pairs` elements (a
-// multiple of 2 lanes): within each block of 2 lanes, the even elements then the odd ones.
-HWY_INLINE size_t PairOrder(size_t c, size_t pairs, size_t lanes) {
-  if (c >= pairs) return c;
-  const size_t within = c % (2 * lanes);
-  return c - within + (within % 2) * lanes + within / 2;
-}
-
 HWY_INLINE float ToFloat(float x) { return x; }
 HWY_INLINE float ToFloat(hwy::bfloat16_t x) { return hwy::F32FromBF16(x); }
 HWY_INLINE float ToFloat(hwy::float16_t x) {
