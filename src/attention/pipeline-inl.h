@@ -71,14 +71,18 @@ HWY_INLINE int32_t ClampEdge(int64_t edge) {
 }
 
 // ---- Step "load a tile", queries in the lanes: At (d, br) = factor * A^T for the `rows` rows
-// i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero.
+// i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero. Columns outer, so the
+// stores run along At's rows and the loads stride down A's column (the other order, stores br
+// floats apart, took 4% of W1's time).
 HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
                                size_t br, float factor, float* HWY_RESTRICT a_t) {
-  for (size_t i = 0; i < rows; ++i) {
-    const float* row = a.row(b, h, i0 + static_cast<int64_t>(i));
-    for (size_t c = 0; c < d; ++c) a_t[c * br + i] = factor * row[c];
+  const float* HWY_RESTRICT first = a.row(b, h, i0);
+  const int64_t stride = a.row_stride;
+  for (size_t c = 0; c < d; ++c) {
+    float* HWY_RESTRICT column = a_t + c * br;
+    for (size_t i = 0; i < rows; ++i) column[i] = factor * first[static_cast<int64_t>(i) * stride + static_cast<int64_t>(c)];
+    std::fill(column + rows, column + br, 0.0f);
   }
-  for (size_t c = 0; c < d; ++c) std::fill(a_t + c * br + rows, a_t + (c + 1) * br, 0.0f);
 }
 
 // How the band and key lengths treat a tile of queries [i0, i_last] x keys [j0, j_end): both
