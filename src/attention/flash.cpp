@@ -336,11 +336,13 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
     FlashKeyTile<kTileVectors>(p, {}, b, h, i0, rows, j0, cols, {tile != step::TileClass::Full, -1}, w);
   }
 
-  // ---- Finish each query: O = Ot^T / l, lse and the row stats.
+  // ---- Finish each query: O = Ot^T / l, lse and the row stats; 1 / l and lse computed for the
+  // tile's lanes at once, into `correction` and `scores` (free by now).
+  step::FinishColumns(w.running_max, w.row_sum, w.nan_seen, br, w.correction, w.scores);
   for (size_t i = 0; i < rows; ++i)
-    finish_row(w.out_t + i, br, dv, w.running_max[i], w.row_sum[i], w.nan_seen[i] > 0,
-               p.output.row(b, h, i0 + static_cast<int64_t>(i)), p.lse + row0 + static_cast<int64_t>(i),
-               p.row_max + row0 + static_cast<int64_t>(i), p.row_sum + row0 + static_cast<int64_t>(i));
+    write_row(w.out_t + i, br, dv, w.correction[i], w.scores[i], w.running_max[i], w.row_sum[i], w.nan_seen[i] > 0,
+              p.output.row(b, h, i0 + static_cast<int64_t>(i)), p.lse + row0 + static_cast<int64_t>(i),
+              p.row_max + row0 + static_cast<int64_t>(i), p.row_sum + row0 + static_cast<int64_t>(i));
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)

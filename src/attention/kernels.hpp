@@ -51,14 +51,22 @@ inline void accumulate_skipping_zeros(size_t rows, size_t cols, size_t dv, const
 // max + log(l), and the row stats the backward recomputes weights from. A row that saw nothing
 // (l = 0) gets zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard); one that saw a NaN score
 // gets NaN.
+// write_row is its second half, for a kernel that computed 1 / l and lse for many rows at once
+// (flash, pipeline-inl.h's FinishColumns).
+inline void write_row(const float* o, size_t o_stride, size_t dv, float inverse_sum, float lse_value, float max,
+                      float sum, bool nan, float* out, float* lse, float* row_max, float* row_sum) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  for (size_t c = 0; c < dv; ++c) out[c] = o[c * o_stride] * inverse_sum;
+  *lse = lse_value;
+  *row_max = nan ? kNaN : max;
+  *row_sum = nan ? kNaN : sum;
+}
 inline void finish_row(const float* o, size_t o_stride, size_t dv, float max, float sum, bool nan, float* out,
                        float* lse, float* row_max, float* row_sum) {
   constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
   const float inverse_sum = nan ? kNaN : (sum == 0.0f ? 0.0f : 1.0f / sum);
-  for (size_t c = 0; c < dv; ++c) out[c] = o[c * o_stride] * inverse_sum;
-  *lse = nan ? kNaN : (sum == 0.0f ? -std::numeric_limits<float>::infinity() : max + std::log(sum));
-  *row_max = nan ? kNaN : max;
-  *row_sum = nan ? kNaN : sum;
+  const float lse_value = nan ? kNaN : (sum == 0.0f ? -std::numeric_limits<float>::infinity() : max + std::log(sum));
+  write_row(o, o_stride, dv, inverse_sum, lse_value, max, sum, nan, out, lse, row_max, row_sum);
 }
 
 // The reference's modifier and masking steps for one row of scaled scores (B, Hq, Nq, Nk)[b, h, i, :]
