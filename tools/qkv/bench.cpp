@@ -730,7 +730,7 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3, 4, 9, 10 and 15), from this run:\n");
+    fmt::print("\nTargets (issues 3, 4, 9, 10, 11 and 15), from this run:\n");
     for (const Target& target : measured) {
       fmt::print("  {:<42} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
