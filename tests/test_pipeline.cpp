@@ -1,16 +1,22 @@
 // What the one attention pipeline promises beyond matching the oracle (src/attention/problem.cpp,
 // pipeline-inl.h): views are read and written where they are, with the same bits as their packed
 // copies; gradients stay exact when a row's keys carry huge finite biases; the modifiers' options
-// are checked.
+// are checked; the threads deal every work item exactly once.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "attention/kernels.hpp"
 #include "oracle.hpp"
 
 namespace {
@@ -201,4 +207,30 @@ TEST(Pipeline, ModifierOptionsAreChecked) {
   EXPECT_THAT(message(options), HasSubstr("sinks[1] = inf is not finite"));
 }
 
+// for_each_item (item_shares.hpp) runs every item exactly once for any count of workers and
+// items, and a thread that runs out of its own share takes the others' items: with thread 0
+// slowed down, the other threads run most of thread 0's share.
+TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {
+  for (int workers : {2, 3, 4, 8}) {
+    for (int64_t items : {1, 2, 7, 64, 1001}) {
+      std::vector<std::atomic<int>> runs(static_cast<size_t>(items));
+      qkv::detail::for_each_item(workers, items, [&](int64_t item) { runs[static_cast<size_t>(item)]++; });
+      for (int64_t item = 0; item < items; ++item)
+        ASSERT_EQ(runs[static_cast<size_t>(item)].load(), 1) << workers << " workers, " << items << " items, item " << item;
+    }
+  }
+  const int64_t items = 64;
+  std::atomic<int64_t> by_thread_0{0}, total{0};
+  qkv::detail::for_each_item(2, items, [&](int64_t) {
+    if (omp_get_thread_num() == 0) {
+      by_thread_0++;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    total++;
+  });
+  EXPECT_EQ(total.load(), items);
+  EXPECT_LT(by_thread_0.load(), items / 4) << "thread 0's share was not taken over by the other thread";
+}
+
 }  // namespace
+

@@ -373,7 +373,7 @@ HWY_EXPORT(BackwardKeyChunk);
 HWY_EXPORT(BackwardResidues);
 
 namespace {
-// Chunks per (b, g) aim at this many items per thread, so dynamic scheduling can balance
+// Chunks per (b, g) aim at this many items per thread, so the threads can balance
 // unequal items (a causal mask's late keys have fewer queries).
 constexpr int64_t kItemsPerThread = 4;
 }  // namespace
@@ -399,13 +399,12 @@ void backward_residues(const AttentionBackwardProblem& bp, const StridedSplit& s
   const AttentionProblem& p = bp.forward;
   const int64_t residues = std::min(split.stride, p.q_len);
   const int64_t groups = (residues + kResiduesPerItem - 1) / kResiduesPerItem;
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-  for (int64_t item = 0; item < p.batch * p.kv_heads * groups; ++item) {
+  for_each_item(workers, p.batch * p.kv_heads * groups, [&](int64_t item) {
     const int64_t pair = item / groups, first = item % groups * kResiduesPerItem;
     HWY_DYNAMIC_DISPATCH(BackwardResidues)(bp, split, pair / p.kv_heads, pair % p.kv_heads, first,
                                            std::min(residues, first + kResiduesPerItem), row_dot,
                                            blocks + static_cast<size_t>(omp_get_thread_num()) * block);
-  }
+  });
 }
 
 // Passes 1-3 on `bp` (the tiles: with strided keys split off, `rest` only), then pass 4 when
@@ -458,8 +457,7 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 
   // ---- Pass 2, items (b, g, chunk): dK and dV of the chunk's keys, its part of dQ. Keys no
   // query of the batch may see get zero gradients here.
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-  for (int64_t item = 0; item < items; ++item) {
+  for_each_item(workers, items, [&](int64_t item) {
     const int64_t pair = item / splits, chunk = item % splits;
     const int64_t b = pair / p.kv_heads, g = pair % p.kv_heads;
     const int64_t visible_end = nq > 0 ? std::clamp<int64_t>(p.last_visible_key(b, nq - 1), 0, nk) : 0;
@@ -471,11 +469,11 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
         std::fill_n(bp.grad_k.row(b, g, j), dk, 0.0f);
         std::fill_n(bp.grad_v.row(b, g, j), dv, 0.0f);
       }
-    if (key_begin >= key_end) continue;
+    if (key_begin >= key_end) return;
     float* block_start = blocks + static_cast<size_t>(omp_get_thread_num()) * block;
     HWY_DYNAMIC_DISPATCH(BackwardKeyChunk)(bp, b, g, key_begin, key_end, row_dot,
                                            grad_q_of_chunk(bp, splits, partials, partial_floats, chunk), block_start);
-  }
+  });
 
   // ---- Pass 3, several chunks: dQ = the partials summed in chunk order.
   if (splits > 1) {

@@ -7,6 +7,9 @@
 #include <limits>
 #include <cstdint>
 
+#include <omp.h>
+
+#include "attention/item_shares.hpp"
 #include "attention/problem.hpp"
 
 namespace qkv::detail {
@@ -51,22 +54,14 @@ inline void accumulate_skipping_zeros(size_t rows, size_t cols, size_t dv, const
 // max + log(l), and the row stats the backward recomputes weights from. A row that saw nothing
 // (l = 0) gets zeros and lse = -inf (ggml's S == 0 ? 0 : 1/S guard); one that saw a NaN score
 // gets NaN.
-// write_row is its second half, for a kernel that computed 1 / l and lse for many rows at once
-// (flash, pipeline-inl.h's FinishColumns).
-inline void write_row(const float* o, size_t o_stride, size_t dv, float inverse_sum, float lse_value, float max,
-                      float sum, bool nan, float* out, float* lse, float* row_max, float* row_sum) {
-  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-  for (size_t c = 0; c < dv; ++c) out[c] = o[c * o_stride] * inverse_sum;
-  *lse = lse_value;
-  *row_max = nan ? kNaN : max;
-  *row_sum = nan ? kNaN : sum;
-}
 inline void finish_row(const float* o, size_t o_stride, size_t dv, float max, float sum, bool nan, float* out,
                        float* lse, float* row_max, float* row_sum) {
   constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
   const float inverse_sum = nan ? kNaN : (sum == 0.0f ? 0.0f : 1.0f / sum);
-  const float lse_value = nan ? kNaN : (sum == 0.0f ? -std::numeric_limits<float>::infinity() : max + std::log(sum));
-  write_row(o, o_stride, dv, inverse_sum, lse_value, max, sum, nan, out, lse, row_max, row_sum);
+  for (size_t c = 0; c < dv; ++c) out[c] = o[c * o_stride] * inverse_sum;
+  *lse = nan ? kNaN : (sum == 0.0f ? -std::numeric_limits<float>::infinity() : max + std::log(sum));
+  *row_max = nan ? kNaN : max;
+  *row_sum = nan ? kNaN : sum;
 }
 
 // The reference's modifier and masking steps for one row of scaled scores (B, Hq, Nq, Nk)[b, h, i, :]
@@ -90,18 +85,30 @@ constexpr size_t round_to_cache_line(size_t floats) {
 int threads_for(double flops);
 constexpr double kMinFlopsToThread = 1 << 23;
 
-// Runs body(item) for every item in [0, items) on `workers` threads, dynamically scheduled. One
-// worker runs them on the calling thread with no parallel region at all: even a region of one
-// thread costs microseconds in libgomp (a decode step of a small model went from 6.4 to 1.8 us).
-// omp_get_thread_num() is 0 there, as in the region's first thread.
+// Runs body(item) for every item in [0, items) on `workers` threads, each starting on its own
+// contiguous share and then helping the others (item_shares.hpp). One worker runs them on the
+// calling thread with no parallel region at all: even a region of one thread costs microseconds
+// in libgomp (a decode step of a small model went from 6.4 to 1.8 us). omp_get_thread_num() is 0
+// there, as in the region's first thread.
 template <class Body>
 void for_each_item(int workers, int64_t items, const Body& body) {
   if (workers <= 1) {
     for (int64_t item = 0; item < items; ++item) body(item);
     return;
   }
+  if (!ItemShares::fits(workers, items)) {
 #pragma omp parallel for schedule(dynamic) num_threads(workers)
-  for (int64_t item = 0; item < items; ++item) body(item);
+    for (int64_t item = 0; item < items; ++item) body(item);
+    return;
+  }
+  ItemShares shares(workers, items);
+#pragma omp parallel num_threads(workers)
+  {
+    // A region given fewer threads than asked leaves some shares ownerless: the others take them.
+    const int worker = omp_get_thread_num();
+    int64_t item = 0;
+    while (shares.next(worker, item)) body(item);
+  }
 }
 // For tests: the threshold threads_for uses (0: every problem threads), so that the small random
 // cases of the kernel tests really run on several threads. Returns the previous threshold.

@@ -438,22 +438,25 @@ HWY_INLINE void RescaleColumns(float* HWY_RESTRICT out_t, size_t d, size_t br, c
     }
 }
 
-// ---- Step "finish", queries in the lanes (flash): finish_row's 1 / l into `inverse` and
-// lse = max + log l into `lse`, for br queries at once (a scalar log per row took 1-2% of W0).
-// A query that saw nothing (l = 0) gets 0 and -inf, one that saw a NaN score NaN and NaN.
-HWY_INLINE void FinishColumns(const float* HWY_RESTRICT running_max, const float* HWY_RESTRICT row_sum,
+// ---- Step "finish", queries in the lanes (flash): finish_row's values for br queries at once
+// (a scalar log per row took 1-2% of W0): 1 / l into `inverse`, lse = max + log l into `lse`,
+// and the row stats left in running_max and row_sum for the backward. A query that saw nothing
+// (l = 0) gets 0 and lse -inf; one that saw a NaN score NaN everywhere.
+HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRICT row_sum,
                               const float* HWY_RESTRICT nan_seen, size_t br, float* HWY_RESTRICT inverse,
                               float* HWY_RESTRICT lse) {
   const DF df;
   const VF one = hn::Set(df, 1.0f), nan = hn::Set(df, std::numeric_limits<float>::quiet_NaN());
   for (size_t n = 0; n < br; n += hn::Lanes(df)) {
-    const VF sum = hn::Load(df, row_sum + n);
+    const VF sum = hn::Load(df, row_sum + n), max = hn::Load(df, running_max + n);
     const auto empty = hn::Eq(sum, hn::Zero(df));
     const VF safe_sum = hn::IfThenElse(empty, one, sum);
-    const VF log_sum_exp = hn::Add(hn::Load(df, running_max + n), hn::Log(df, safe_sum));
+    const VF log_sum_exp = hn::Add(max, hn::Log(df, safe_sum));
     const auto poisoned = hn::Gt(hn::Load(df, nan_seen + n), hn::Zero(df));
     hn::Store(hn::IfThenElse(poisoned, nan, hn::IfThenZeroElse(empty, hn::Div(one, safe_sum))), df, inverse + n);
     hn::Store(hn::IfThenElse(poisoned, nan, hn::IfThenElse(empty, hn::Set(df, kMinusInf), log_sum_exp)), df, lse + n);
+    hn::Store(hn::IfThenElse(poisoned, nan, max), df, running_max + n);
+    hn::Store(hn::IfThenElse(poisoned, nan, sum), df, row_sum + n);
   }
 }
 
