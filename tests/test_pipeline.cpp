@@ -211,7 +211,7 @@ TEST(Pipeline, ModifierOptionsAreChecked) {
 // items, and a thread that runs out of its own share takes the others' items: with thread 0
 // slowed down, the other threads run most of thread 0's share.
 TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {
-  for (int workers : {2, 3, 4, 8}) {
+  for (int workers : {2, 3, 4, 8, 70}) {
     for (int64_t items : {1, 2, 7, 64, 1001}) {
       std::vector<std::atomic<int>> runs(static_cast<size_t>(items));
       qkv::detail::for_each_item(workers, items, [&](int64_t item) { runs[static_cast<size_t>(item)]++; });
@@ -230,6 +230,19 @@ TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {
   });
   EXPECT_EQ(total.load(), items);
   EXPECT_LT(by_thread_0.load(), items / 4) << "thread 0's share was not taken over by the other thread";
+
+  // 2^31 items or more are dealt in runs of several (one 64-bit atomic per share holds a range
+  // of 31-bit units below 2^31 - 1): 5 x 2^31 items in runs of 6, worker 1's share from the middle.
+  const int64_t huge = int64_t{5} << 31;
+  qkv::detail::ItemShares shares(2, huge);
+  int64_t first = -1, last = -1;
+  ASSERT_TRUE(shares.next(0, first, last));
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(last, 6);
+  ASSERT_TRUE(shares.next(1, first, last));
+  const int64_t units = (huge + 5) / 6;
+  EXPECT_EQ(first, units / 2 * 6);
+  EXPECT_EQ(last, first + 6);
 }
 
 }  // namespace

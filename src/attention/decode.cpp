@@ -62,6 +62,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "attention/item_shares.hpp"
 #include "attention/kernels.hpp"
 #include "attention/mask_rule.hpp"
 #include "attention/problem.hpp"
@@ -702,19 +703,24 @@ void decode_attention(const AttentionProblem& problem) {
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
   const StridedSplit* gather = tiles_problem ? &split : nullptr;
 
-  // The work of every thread: the items, then (after the barrier of the first loop, so every
-  // partial is written) the merge. One worker runs it on the calling thread, without a parallel
+  // The work of every thread: the items, then (after a barrier, so every partial is written)
+  // the merge. One worker runs it on the calling thread, without a parallel
   // region (the orphaned loops then run serially): a small step pays no thread wake-up.
+  // Items in (batch, kv head, chunk) order, dealt in contiguous shares with stealing
+  // (item_shares.hpp): a thread keeps its heads from call to call, and masks that make chunks
+  // unequal still balance.
+  ItemShares shares(workers, items);
   auto work = [&] {
-    float* block_start = scratch + static_cast<size_t>(omp_get_thread_num()) * block;
-    // Items in (batch, kv head, chunk) order; dynamic, since masks make chunks unequal.
-#pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t bg = item / plan.chunks;
-      HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
-                                        item % plan.chunks, partials, block_start);
-    }
+    const int worker = omp_get_thread_num();
+    float* block_start = scratch + static_cast<size_t>(worker) * block;
+    for (int64_t first = 0, last = 0; shares.next(worker, first, last);)
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t bg = item / plan.chunks;
+        HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
+                                          item % plan.chunks, partials, block_start);
+      }
     if (plan.chunks > 1) {
+#pragma omp barrier  // every partial written
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < groups * plan.rows; ++row)
         merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);

@@ -22,31 +22,30 @@ namespace qkv::detail {
 
 class ItemShares {
  public:
-  // At most kMaxWorkers shares (kernels with more threads fall back to dynamic scheduling) and
-  // fewer than 2^31 items: a share's range packs into one 64-bit atomic.
-  static constexpr int kMaxWorkers = 64;
-  static constexpr int64_t kMaxItems = int64_t{1} << 31;
-  static bool fits(int workers, int64_t items) { return workers <= kMaxWorkers && items < kMaxItems; }
+  // Items are dealt in units of one item, or of several when there are 2^31 or more (a share's
+  // range of units packs into one 64-bit atomic). At most kMaxShares shares: with more workers,
+  // workers w and w + kMaxShares start on the same share.
+  static constexpr int kMaxShares = 64;
+  static constexpr int64_t kMaxUnits = (int64_t{1} << 31) - 1;
 
-  ItemShares(int workers, int64_t items) : workers_(workers) {
-    for (int w = 0; w < workers; ++w)
-      shares_[w].range.store(pack(items * w / workers, items * (w + 1) / workers), std::memory_order_relaxed);
+  ItemShares(int workers, int64_t items)
+      : items_(items),
+        unit_(std::max<int64_t>(1, (items + kMaxUnits - 1) / kMaxUnits)),
+        shares_count_(std::clamp(workers, 1, kMaxShares)) {
+    const int64_t units = (items + unit_ - 1) / unit_;
+    for (int w = 0; w < shares_count_; ++w)
+      shares_[w].range.store(pack(units * w / shares_count_, units * (w + 1) / shares_count_),
+                             std::memory_order_relaxed);
   }
 
-  // The next item for `worker` (its share's front, else another share's back); false when none
-  // is left anywhere.
-  bool next(int worker, int64_t& item) {
-    if (take(shares_[worker].range, true, item)) return true;
-    for (;;) {
-      int fullest = -1;
-      int64_t most = 0;
-      for (int w = 0; w < workers_; ++w) {
-        const uint64_t range = shares_[w].range.load(std::memory_order_relaxed);
-        if (end_of(range) - begin_of(range) > most) most = end_of(range) - begin_of(range), fullest = w;
-      }
-      if (fullest < 0) return false;
-      if (take(shares_[fullest].range, false, item)) return true;
-    }
+  // The next run of items [first, last) for `worker` (from its share's front, else from the back
+  // of the share with the most left); false when none is left anywhere.
+  bool next(int worker, int64_t& first, int64_t& last) {
+    int64_t unit = 0;
+    if (!take(shares_[worker % shares_count_].range, true, unit) && !steal(unit)) return false;
+    first = unit * unit_;
+    last = std::min(items_, first + unit_);
+    return true;
   }
 
  private:
@@ -56,15 +55,28 @@ class ItemShares {
   static int64_t begin_of(uint64_t range) { return static_cast<int64_t>(range >> 32); }
   static int64_t end_of(uint64_t range) { return static_cast<int64_t>(range & 0xffffffffu); }
 
-  // Takes the front (or back) item of a range; false when it is empty.
-  static bool take(std::atomic<uint64_t>& range, bool front, int64_t& item) {
+  bool steal(int64_t& unit) {
+    for (;;) {
+      int fullest = -1;
+      int64_t most = 0;
+      for (int w = 0; w < shares_count_; ++w) {
+        const uint64_t range = shares_[w].range.load(std::memory_order_relaxed);
+        if (end_of(range) - begin_of(range) > most) most = end_of(range) - begin_of(range), fullest = w;
+      }
+      if (fullest < 0) return false;
+      if (take(shares_[fullest].range, false, unit)) return true;
+    }
+  }
+
+  // Takes the front (or back) unit of a range; false when it is empty.
+  static bool take(std::atomic<uint64_t>& range, bool front, int64_t& unit) {
     uint64_t seen = range.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t begin = begin_of(seen), end = end_of(seen);
       if (begin >= end) return false;
       const uint64_t rest = front ? pack(begin + 1, end) : pack(begin, end - 1);
       if (range.compare_exchange_weak(seen, rest, std::memory_order_relaxed)) {
-        item = front ? begin : end - 1;
+        unit = front ? begin : end - 1;
         return true;
       }
     }
@@ -73,8 +85,9 @@ class ItemShares {
   struct alignas(64) Share {  // one cache line each: owners never share a line
     std::atomic<uint64_t> range;
   };
-  int workers_;
-  Share shares_[kMaxWorkers];
+  int64_t items_, unit_;
+  int shares_count_;
+  Share shares_[kMaxShares];
 };
 
 }  // namespace qkv::detail

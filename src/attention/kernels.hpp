@@ -96,18 +96,13 @@ void for_each_item(int workers, int64_t items, const Body& body) {
     for (int64_t item = 0; item < items; ++item) body(item);
     return;
   }
-  if (!ItemShares::fits(workers, items)) {
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-    for (int64_t item = 0; item < items; ++item) body(item);
-    return;
-  }
   ItemShares shares(workers, items);
 #pragma omp parallel num_threads(workers)
   {
     // A region given fewer threads than asked leaves some shares ownerless: the others take them.
     const int worker = omp_get_thread_num();
-    int64_t item = 0;
-    while (shares.next(worker, item)) body(item);
+    for (int64_t first = 0, last = 0; shares.next(worker, first, last);)
+      for (int64_t item = first; item < last; ++item) body(item);
   }
 }
 // For tests: the threshold threads_for uses (0: every problem threads), so that the small random
