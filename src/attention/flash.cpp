@@ -302,16 +302,34 @@ void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64
   }
 }
 
+// The key tiles of one query tile of V vectors (queries i0 .. i0 + rows - 1): the keys any of
+// them sees, by tiles of Bc; tiles outside [kv_begin, kv_end) are never visited.
+template <size_t V>
+void QueryTileKeys(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, size_t rows, const Scratch& w) {
+  const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
+  const int64_t kv_begin = std::min(p.first_visible_key(i0), p.kv_len);
+  const int64_t kv_end = p.last_visible_key(b, i_last);
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += static_cast<int64_t>(kKeyTile)) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
+    const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
+    if (tile == step::TileClass::Hidden) continue;
+    FlashKeyTile<V>(p, {}, b, h, i0, rows, j0, cols, {tile != step::TileClass::Full, -1}, w);
+  }
+}
+
 // One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
 // `scratch` is this worker's block, laid out by flash::ScratchLayout. `carried`: the strided
 // residues ran first and left each row's softmax state in the outputs; continue from it.
 void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0,
                     float* HWY_RESTRICT scratch) {
-  const size_t br = QueryTileRows();
+  const size_t lanes = hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const int64_t nk = p.kv_len;
-  const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), p.q_len - i0));
-  const Scratch w(scratch, flash::ScratchLayout(br, dk, dv, p.kv_dtype != DType::F32));
+  const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(QueryTileRows()), p.q_len - i0));
+  // The width of this tile: the vectors its queries fill. Only a head's last tile can be
+  // narrower (W0's 256 queries are 5 x 48 + 16): padded to 48 lanes it did 3 x the work of its
+  // 16 queries, a quarter of all W0's; on one vector W0 takes 0.85 of the time (two threads).
+  const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
+  const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
 
   // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any),
@@ -325,15 +343,12 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
     std::copy_n(p.lse + row0, rows, w.nan_seen);
   }
 
-  // The keys any query of the tile sees; key tiles outside [kv_begin, kv_end) are never visited.
-  const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
-  const int64_t kv_begin = std::min(p.first_visible_key(i0), nk);
-  const int64_t kv_end = p.last_visible_key(b, i_last);
-  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += static_cast<int64_t>(kKeyTile)) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
-    const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
-    if (tile == step::TileClass::Hidden) continue;
-    FlashKeyTile<kTileVectors>(p, {}, b, h, i0, rows, j0, cols, {tile != step::TileClass::Full, -1}, w);
+  if (vectors == 1) {
+    QueryTileKeys<1>(p, b, h, i0, rows, w);
+  } else if (vectors == 2) {
+    QueryTileKeys<2>(p, b, h, i0, rows, w);
+  } else {
+    QueryTileKeys<kTileVectors>(p, b, h, i0, rows, w);
   }
 
   // ---- Finish each query: O = Ot^T / l, then lse and the row stats, each the tile's `rows`
