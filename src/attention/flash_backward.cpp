@@ -283,10 +283,14 @@ void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int
 void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t key_begin, int64_t key_end,
                       const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
-  const size_t br = BackwardQueryTileRows();
+  const size_t br = BackwardQueryTileRows(), lanes = hn::Lanes(DF());
   const int64_t nq = p.q_len, group = p.q_heads / p.kv_heads;
-  const Scratch w(scratch, br,
-                  flash_backward::ScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim)));
+  const flash_backward::ScratchLayout layout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim));
+  const Scratch w(scratch, br, layout);
+  // A head's last query tile, when narrower, runs on the vectors its queries fill (as the
+  // forward's, flash.cpp): the same scratch, a narrower Br.
+  const size_t last_rows = static_cast<size_t>(nq) % br;
+  const Scratch last(scratch, (last_rows + lanes - 1) / lanes * lanes, layout);
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), key_end - j0));
@@ -297,8 +301,9 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
         const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
                                                         j0 + static_cast<int64_t>(cols));
         if (tile == step::TileClass::Hidden) continue;
-        PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, w);
-        BackwardPair(bp, {}, b, h, i0, rows, keys, {tile != step::TileClass::Full, -1}, grad_q_out, w);
+        const Scratch& tile_w = rows < br ? last : w;
+        PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
+        BackwardPair(bp, {}, b, h, i0, rows, keys, {tile != step::TileClass::Full, -1}, grad_q_out, tile_w);
       }
     FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
   }
