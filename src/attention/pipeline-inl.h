@@ -526,9 +526,9 @@ HWY_INLINE bool RowsFinite(const float* HWY_RESTRICT values, size_t rows, size_t
 }
 
 // ---- Backward step "softmax": P = exp(S - shift) * scale per query in the lanes, over a tile of
-// `cols` key lines of br queries (problem.hpp: shift +inf and scale 0 give P = 0). Highway's Exp,
-// not ExpSoftmax: it maps NaN to 0, and a padding lane's score is NaN when a hidden key's K is
-// (0 x NaN); the backward sums P over the lanes (dV), so that NaN would reach real keys.
+// `cols` key lines of br queries (problem.hpp: shift +inf and scale 0 give P = 0). A NaN exponent
+// gives P = 0, as Highway's Exp does: a padding lane's score is NaN when a hidden key's K is
+// (0 x NaN), and the backward sums P over the lanes (dV), so that NaN would reach real keys.
 HWY_INLINE void RecomputeWeights(float* HWY_RESTRICT scores, size_t cols, size_t br, const float* HWY_RESTRICT shift,
                                  const float* HWY_RESTRICT scale) {
   const DF df;
@@ -536,7 +536,9 @@ HWY_INLINE void RecomputeWeights(float* HWY_RESTRICT scores, size_t cols, size_t
   for (size_t j = 0; j < cols; ++j)
     for (size_t n = 0; n < br; n += lanes) {
       float* s = scores + j * br + n;
-      hn::Store(hn::Mul(hn::Exp(df, hn::Sub(hn::Load(df, s), hn::Load(df, shift + n))), hn::Load(df, scale + n)), df, s);
+      const VF exponent = hn::Sub(hn::Load(df, s), hn::Load(df, shift + n));
+      const VF weight = hn::IfThenZeroElse(hn::IsNaN(exponent), ExpSoftmax(df, exponent));
+      hn::Store(hn::Mul(weight, hn::Load(df, scale + n)), df, s);
     }
 }
 
