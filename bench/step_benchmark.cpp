@@ -184,13 +184,13 @@ struct StepFixture {
       at += sizes[i];
     }
     std::fill_n(tile.running_max, br, -std::numeric_limits<float>::infinity());
-    // The last query tile of W0 and its last key tile: on the diagonal, as MaskCausal needs.
-    const int64_t n = w0.q_len;
-    tile = StepTile{&built.problem, br, d, kKeyTile, (n - 1) / static_cast<int64_t>(br) * static_cast<int64_t>(br),
-                    (n - 1) / static_cast<int64_t>(kKeyTile) * static_cast<int64_t>(kKeyTile), tile.q_t, tile.scores,
-                    tile.out_t, tile.running_max, tile.row_sum, tile.correction, tile.nan_seen, tile.inverse,
-                    tile.lse};
-    tile.i0 = std::min<int64_t>(tile.i0, n - static_cast<int64_t>(br));  // br whole rows of Q
+    // W0's last br queries against its last key tile: on the diagonal, as MaskCausal needs.
+    tile.problem = &built.problem;
+    tile.br = br;
+    tile.d = d;
+    tile.bc = kKeyTile;
+    tile.i0 = w0.q_len - static_cast<int64_t>(br);
+    tile.j0 = (w0.q_len - 1) / static_cast<int64_t>(kKeyTile) * static_cast<int64_t>(kKeyTile);
     HWY_DYNAMIC_DISPATCH(PackQ)(tile);
     HWY_DYNAMIC_DISPATCH(Scores)(tile);
   }
