@@ -33,8 +33,9 @@
 //   dV  += P'^T dO       (Bc x Dv, depth Br)   A = P'^T tile
 //   dK  += dS^T Q        (Bc x Dk, depth Br)   A = dS^T tile
 //   dQ   = dS (scale K)  (Br x Dk, depth Bc)   A = dS^T tile read transposed
-// Per (query tile, key tile): 5 Br Bc d flops pairs against Br (2 Dk + 2 Dv) floats packed, so
-// the packing is ~1% at Bc = 64 (it is redone per key tile rather than kept for all of Nq).
+// A query tile is packed once per block of kKeyBlock keys (4 tiles) and runs against each of its
+// tiles: the packing is redone per block rather than kept for all of Nq, and per 64-key tile it
+// took about a tenth of the time (bench/step_benchmark.cpp times one transpose at 0.5 us).
 //
 // Masks: the band and key lengths skip a query tile the key tile is hidden from, and a fully
 // visible pair does no per-element mask work, exactly as the forward; tensor terms per element.
@@ -70,9 +71,15 @@
 
 namespace qkv::detail::flash_backward {
 
-// Bc, keys per tile: the same as the forward's (flash.cpp), for the same reasons; the dK and dV
-// accumulators (Bc x d each) stay in L1/L2 across the query tiles of the group.
+// Bc, keys per tile: the same as the forward's (flash.cpp), for the same reasons.
 constexpr size_t kKeyTile = 64;
+
+// Keys per block: a query tile is packed (Qt, dOt, Q and dO rows: four transposes or copies of
+// Br x d) once per block and runs against its key tiles one after the other; the block's scale
+// * K and dK, dV accumulators (kKeyBlock x d each) stay in L2 across the group's query tiles.
+// Packed per 64-key tile instead, W1-bwd and W2-bwd took 1.11 and 1.16 x the time of blocks of 4
+// tiles; blocks of 8 measured no better (qkv bench, 2 threads, four alternations each).
+constexpr size_t kKeyBlock = 4 * kKeyTile;
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base, every part on its own
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
@@ -97,9 +104,9 @@ struct ScratchLayout {
     dropped_t = take(kKeyTile * br);      // P'^T (Bc, Br), with dropout
     grad_t = take(kKeyTile * br);         // dP'^T then dS^T (Bc, Br)
     softcap_t = take(kKeyTile * br);      // softcap's slope 1 - tanh^2 (Bc, Br)
-    k_rows = take(kKeyTile * dk_pad);     // scale * K tile (Bc, Dk_pad)
-    grad_k = take(kKeyTile * dk_pad);     // dK of the key tile (Bc, Dk_pad), without the scale
-    grad_v = take(kKeyTile * dv_pad);     // dV of the key tile (Bc, Dv_pad)
+    k_rows = take(kKeyBlock * dk_pad);    // scale * K block (kKeyBlock, Dk_pad)
+    grad_k = take(kKeyBlock * dk_pad);    // dK of the key block (kKeyBlock, Dk_pad), without the scale
+    grad_v = take(kKeyBlock * dv_pad);    // dV of the key block (kKeyBlock, Dv_pad)
     grad_q = take(br * dk_pad);           // dQ of the pair (Br, Dk_pad)
     shift = take(br);                     // per query: P = exp(S - shift) * scale
     scale = take(br);
@@ -117,6 +124,7 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
+using flash_backward::kKeyBlock;
 using flash_backward::kKeyTile;
 using tile_gemm::Gemm;
 using tile_gemm::kTileVectors;
@@ -278,7 +286,8 @@ void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int
 }
 
 // One work item: key/value head g of batch b, key tiles starting at keys [key_begin, key_end)
-// (key_begin a multiple of Bc). Adds its part of dQ into grad_q_out and stores dK, dV of its keys.
+// (key_begin a multiple of Bc), by blocks of kKeyBlock keys. Adds its part of dQ into grad_q_out
+// and stores dK, dV of its keys.
 // row_dot_all: D for every row (B, Hq, Nq).
 void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t key_begin, int64_t key_end,
                       const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
@@ -292,18 +301,26 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
   const size_t last_rows = static_cast<size_t>(nq) % br;
   const Scratch last(scratch, (last_rows + lanes - 1) / lanes * lanes, layout);
 
-  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyTile)) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), key_end - j0));
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
     const KeyBlock keys = StartKeyTile(p, b, g, j0, 1, cols, w);
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
       for (int64_t i0 = 0; i0 < nq; i0 += static_cast<int64_t>(br)) {
         const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), nq - i0));
-        const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i0 + static_cast<int64_t>(rows) - 1, j0,
-                                                        j0 + static_cast<int64_t>(cols));
-        if (tile == step::TileClass::Hidden) continue;
+        const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
+        if (step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols)) == step::TileClass::Hidden)
+          continue;
         const Scratch& tile_w = rows < br ? last : w;
         PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
-        BackwardPair(bp, {}, b, h, i0, rows, keys, {tile != step::TileClass::Full, -1}, grad_q_out, tile_w);
+        for (size_t at = 0; at < cols; at += kKeyTile) {  // the block's key tiles, in key order
+          const size_t tile_cols = std::min(kKeyTile, cols - at);
+          const int64_t t0 = j0 + static_cast<int64_t>(at);
+          const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, t0, t0 + static_cast<int64_t>(tile_cols));
+          if (tile == step::TileClass::Hidden) continue;
+          const KeyBlock tile_keys{t0, tile_cols, keys.k_rows + at * w.dk_pad, keys.grad_k + at * w.dk_pad,
+                                   keys.grad_v + at * w.dv_pad, keys.k_finite};
+          BackwardPair(bp, {}, b, h, i0, rows, tile_keys, {tile != step::TileClass::Full, -1}, grad_q_out, tile_w);
+        }
       }
     FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
   }
