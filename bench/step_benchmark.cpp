@@ -21,7 +21,8 @@
 //   Call/W0, Call/W1  the whole scaled_dot_product_attention (Backend::Flash); counters give
 //                     the call's time per visited tile and the tile and item counts
 // Counters: GFLOP/s and x_peak (over the one-thread FMA peak measured before the benchmarks;
-// Call rows: over the peak times the threads they ran on).
+// Call rows: over the peak times the threads they ran on). Both are rate counters, which Google
+// Benchmark prints with "/s": x_peak=0.83/s reads 0.83 of the peak.
 // Softmax and Rescale run on the same buffer every iteration: Highway's Exp, Max and Mul cost the
 // same whatever the values, so the timing does not depend on them.
 #undef HWY_TARGET_INCLUDE

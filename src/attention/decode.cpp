@@ -713,12 +713,11 @@ void decode_attention(const AttentionProblem& problem) {
   auto work = [&] {
     const int worker = omp_get_thread_num();
     float* block_start = scratch + static_cast<size_t>(worker) * block;
-    for (int64_t first = 0, last = 0; shares.next(worker, first, last);)
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t bg = item / plan.chunks;
-        HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
-                                          item % plan.chunks, partials, block_start);
-      }
+    shares.run(worker, [&](int64_t item) {
+      const int64_t bg = item / plan.chunks;
+      HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
+                                        item % plan.chunks, partials, block_start);
+    });
     if (plan.chunks > 1) {
 #pragma omp barrier  // every partial written
 #pragma omp for schedule(static)

@@ -49,6 +49,13 @@ class ItemShares {
     return true;
   }
 
+  // Runs body(item) for every item `worker` gets from next(), until none is left anywhere.
+  template <class Body>
+  void run(int worker, const Body& body) {
+    for (int64_t first = 0, last = 0; next(worker, first, last);)
+      for (int64_t item = first; item < last; ++item) body(item);
+  }
+
  private:
   static uint64_t pack(int64_t begin, int64_t end) {
     return static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(end);

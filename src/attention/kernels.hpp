@@ -100,9 +100,7 @@ void for_each_item(int workers, int64_t items, const Body& body) {
 #pragma omp parallel num_threads(workers)
   {
     // A region given fewer threads than asked leaves some shares ownerless: the others take them.
-    const int worker = omp_get_thread_num();
-    for (int64_t first = 0, last = 0; shares.next(worker, first, last);)
-      for (int64_t item = first; item < last; ++item) body(item);
+    shares.run(omp_get_thread_num(), body);
   }
 }
 // For tests: the threshold threads_for uses (0: every problem threads), so that the small random
