@@ -203,18 +203,21 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
         step::ScoresToLogits(p, line(j), w.scores + j * br, br, rows, mask.band);
       }
     }
-  // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew.
-  if (step::SoftmaxColumnsUpdate(w.scores, cols, br, w.running_max, w.row_sum, w.correction, w.nan_seen))
-    step::RescaleColumns(w.out_t, dv, br, w.correction);
+  // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew (by the
+  // correction factors, applied as the next product loads Ot).
+  const bool max_grew =
+      step::SoftmaxColumnsUpdate(w.scores, cols, br, w.running_max, w.row_sum, w.correction, w.nan_seen);
   // 4. Dropout on P (scaling exp(s - m) is scaling exp(s - m) / l at the end).
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.scores + j * br, rows);
-  // 5. Ot += V_tile^T P^T: A(c, j) = V[j0 + j, c], row stride 1 and depth stride V's row stride.
-  // Skipping zero weights when a hidden key's V may be NaN or Inf.
+  // 5. Ot = correction * Ot + V_tile^T P^T: A(c, j) = V[j0 + j, c], row stride 1 and depth stride
+  // V's row stride. Skipping zero weights when a hidden key's V may be NaN or Inf.
   if ((some_hidden || p.dropout_p > 0) && !step::RowsFinite(v_tile, cols, dv, kv.v_stride)) {
+    if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
   } else {
-    PanelGemm<V>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true);
+    PanelGemm<V>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
+                 max_grew ? w.correction : nullptr);
   }
 }
 

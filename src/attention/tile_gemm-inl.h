@@ -42,11 +42,14 @@ constexpr size_t kTileVectors = 3;
 
 // C[R x V*L] (+)= A[R x depth] B[depth x V*L], L = lanes; C is overwritten when !accumulate.
 // A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
-// Unaligned loads: on aligned data they cost the same, and callers need not align.
+// With c_scale, what C held is first multiplied column by column by c_scale[0 .. V*L) (flash's
+// rescale of Ot to a grown running max, folded into the load of the accumulators: a separate
+// pass over Ot cost a load, a multiply and a store per element). Unaligned loads: on aligned
+// data they cost the same, and callers need not align.
 template <size_t R, size_t V>
 HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
                           const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
-                          bool accumulate) {
+                          bool accumulate, const float* HWY_RESTRICT c_scale = nullptr) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   VF acc[R][V];
@@ -54,6 +57,14 @@ HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_ro
   for (size_t r = 0; r < R; ++r) {
     HWY_UNROLL(16)
     for (size_t n = 0; n < V; ++n) acc[r][n] = accumulate ? hn::LoadU(df, c + r * ldc + n * lanes) : hn::Zero(df);
+  }
+  if (accumulate && c_scale) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < V; ++n) {
+      const VF factor = hn::LoadU(df, c_scale + n * lanes);
+      HWY_UNROLL(16)
+      for (size_t r = 0; r < R; ++r) acc[r][n] = hn::Mul(acc[r][n], factor);
+    }
   }
   for (size_t k = 0; k < depth; ++k) {
     const float* HWY_RESTRICT b_row = b + k * ldb;
@@ -78,21 +89,23 @@ HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_ro
 // The remainder of an A panel: `rows` < kTileRows, each row count its own unrolled tile.
 template <size_t V, size_t R = 1>
 HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
-                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate) {
+                              const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
+                              const float* c_scale) {
   if constexpr (R < kTileRows) {
-    if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
-    MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+    if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
+    MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
   }
 }
 
-// C[m x V*L] (+)= A[m x depth] B: panels of kTileRows rows, then the tail.
+// C[m x V*L] (+)= A[m x depth] B: panels of kTileRows rows, then the tail. c_scale as MicroTile's.
 template <size_t V>
 HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
-                          size_t ldb, float* c, size_t ldc, bool accumulate) {
+                          size_t ldb, float* c, size_t ldc, bool accumulate, const float* c_scale = nullptr) {
   size_t r = 0;
   for (; r + kTileRows <= m; r += kTileRows)
-    MicroTile<kTileRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
-  if (r < m) MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate);
+    MicroTile<kTileRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
+  if (r < m)
+    MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
 }
 
 // C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
