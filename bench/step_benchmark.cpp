@@ -94,10 +94,7 @@ void Accumulate(const StepTile& t) {
 void Finish(const StepTile& t) {
   const detail::AttentionProblem& p = *t.problem;
   step::FinishColumns(t.running_max, t.row_sum, t.nan_seen, t.br, t.inverse, t.lse);
-  for (size_t i = 0; i < t.br; ++i) {
-    float* HWY_RESTRICT out = p.output.row(0, 0, t.i0 + static_cast<int64_t>(i));
-    for (size_t c = 0; c < t.d; ++c) out[c] = t.out_t[c * t.br + i] * t.inverse[i];
-  }
+  step::UnpackTransposed(t.out_t, t.br, t.br, t.d, t.inverse, p.output, 0, 0, t.i0);
   std::copy_n(t.lse, t.br, p.lse + t.i0);
   std::copy_n(t.running_max, t.br, p.row_max + t.i0);
   std::copy_n(t.row_sum, t.br, p.row_sum + t.i0);

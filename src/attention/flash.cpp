@@ -264,10 +264,9 @@ void StridedResidueTile(const AttentionProblem& p, const StridedSplit& split, in
                                   mask, w);
   }
   const int64_t row0 = (b * p.q_heads + h) * p.q_len;
+  step::UnpackTransposed(w.out_t, br, rows, dv, nullptr, step::EveryStepRows(p.output, i0, stride), b, h, 0);
   for (size_t x = 0; x < rows; ++x) {
     const int64_t i = i0 + static_cast<int64_t>(x) * stride;
-    float* out = p.output.row(b, h, i);
-    for (size_t c = 0; c < dv; ++c) out[c] = w.out_t[c * br + x];
     p.row_max[row0 + i] = w.running_max[x];
     p.row_sum[row0 + i] = w.row_sum[x];
     p.lse[row0 + i] = w.nan_seen[x];
@@ -358,10 +357,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
   // contiguous floats of its (B, Hq, Nq) array written as one run (W0 on two threads: about 1%
   // faster than a store of each per row).
   step::FinishColumns(w.running_max, w.row_sum, w.nan_seen, br, w.correction, w.scores);
-  for (size_t i = 0; i < rows; ++i) {
-    float* HWY_RESTRICT out = p.output.row(b, h, i0 + static_cast<int64_t>(i));
-    for (size_t c = 0; c < dv; ++c) out[c] = w.out_t[c * br + i] * w.correction[i];
-  }
+  step::UnpackTransposed(w.out_t, br, rows, dv, w.correction, p.output, b, h, i0);
   std::copy_n(w.scores, rows, p.lse + row0);
   std::copy_n(w.running_max, rows, p.row_max + row0);
   std::copy_n(w.row_sum, rows, p.row_sum + row0);

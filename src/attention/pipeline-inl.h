@@ -70,18 +70,94 @@ HWY_INLINE int32_t ClampEdge(int64_t edge) {
   return static_cast<int32_t>(std::clamp<int64_t>(edge, -(int64_t{1} << 31) + 1, (int64_t{1} << 31) - 1));
 }
 
+// Transposes of 4 x 4 blocks in 128-bit vectors (every x86 target's, whatever its width; none
+// on HWY_SCALAR, whose callers below run their scalar loops): `from` rows r0..r3 (4 floats each)
+// become columns. Two rounds of interleaves, as SSE's _MM_TRANSPOSE4_PS.
+#if HWY_TARGET != HWY_SCALAR
+using D4 = hn::Full128<float>;
+using V4 = hn::Vec<D4>;
+HWY_INLINE void Transpose4(V4& r0, V4& r1, V4& r2, V4& r3) {
+  const D4 d4;
+  const V4 t0 = hn::InterleaveLower(d4, r0, r1), t1 = hn::InterleaveUpper(d4, r0, r1);  // r0[0] r1[0] r0[1] r1[1]; [2], [3]
+  const V4 t2 = hn::InterleaveLower(d4, r2, r3), t3 = hn::InterleaveUpper(d4, r2, r3);
+  r0 = hn::ConcatLowerLower(d4, t2, t0);  // r0[0] r1[0] r2[0] r3[0]
+  r1 = hn::ConcatUpperUpper(d4, t2, t0);
+  r2 = hn::ConcatLowerLower(d4, t3, t1);
+  r3 = hn::ConcatUpperUpper(d4, t3, t1);
+}
+#endif
+
 // ---- Step "load a tile", queries in the lanes: At (d, br) = factor * A^T for the `rows` rows
-// i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero. Columns outer, so the
-// stores run along At's rows and the loads stride down A's column (the other order, stores br
-// floats apart, took 4% of W1's time).
+// i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero. By 4 x 4 blocks in
+// vectors (scalar, 1.2 cycles a float: a tenth of W0's time on AVX2), the rows and columns left
+// over one by one.
 HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
                                size_t br, float factor, float* HWY_RESTRICT a_t) {
   const float* HWY_RESTRICT first = a.row(b, h, i0);
   const int64_t stride = a.row_stride;
+  auto at = [&](size_t i, size_t c) { return first[static_cast<int64_t>(i) * stride + static_cast<int64_t>(c)]; };
+  size_t blocked_rows = 0, blocked_cols = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const D4 d4;
+  const V4 scale = hn::Set(d4, factor);
+  blocked_rows = rows / 4 * 4;
+  blocked_cols = d / 4 * 4;
+  for (size_t i = 0; i < blocked_rows; i += 4)
+    for (size_t c = 0; c < blocked_cols; c += 4) {
+      const float* HWY_RESTRICT from = first + static_cast<int64_t>(i) * stride + static_cast<int64_t>(c);
+      V4 r0 = hn::LoadU(d4, from), r1 = hn::LoadU(d4, from + stride), r2 = hn::LoadU(d4, from + 2 * stride),
+         r3 = hn::LoadU(d4, from + 3 * stride);
+      Transpose4(r0, r1, r2, r3);
+      float* HWY_RESTRICT to = a_t + c * br + i;
+      hn::StoreU(hn::Mul(r0, scale), d4, to);
+      hn::StoreU(hn::Mul(r1, scale), d4, to + br);
+      hn::StoreU(hn::Mul(r2, scale), d4, to + 2 * br);
+      hn::StoreU(hn::Mul(r3, scale), d4, to + 3 * br);
+    }
+#endif
   for (size_t c = 0; c < d; ++c) {
     float* HWY_RESTRICT column = a_t + c * br;
-    for (size_t i = 0; i < rows; ++i) column[i] = factor * first[static_cast<int64_t>(i) * stride + static_cast<int64_t>(c)];
+    for (size_t i = c < blocked_cols ? blocked_rows : 0; i < rows; ++i) column[i] = factor * at(i, c);
     std::fill(column + rows, column + br, 0.0f);
+  }
+}
+
+// ---- Step "finish", the way back: row i (< rows) of head (b, h) of `out`, from row i0, gets
+// column i of At (d, br), times factor[i] when factor is given. By 4 x 4 blocks as PackTransposed.
+HWY_INLINE void UnpackTransposed(const float* HWY_RESTRICT a_t, size_t br, size_t rows, size_t d,
+                                 const float* HWY_RESTRICT factor, const Rows<float>& out, int64_t b, int64_t h,
+                                 int64_t i0) {
+  float* HWY_RESTRICT first = out.row(b, h, i0);
+  const int64_t stride = out.row_stride;
+  size_t blocked_rows = 0, blocked_cols = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const D4 d4;
+  blocked_rows = rows / 4 * 4;
+  blocked_cols = d / 4 * 4;
+  for (size_t i = 0; i < blocked_rows; i += 4) {
+    float* HWY_RESTRICT to = first + static_cast<int64_t>(i) * stride;
+    for (size_t c = 0; c < blocked_cols; c += 4) {
+      const float* HWY_RESTRICT from = a_t + c * br + i;
+      V4 r0 = hn::LoadU(d4, from), r1 = hn::LoadU(d4, from + br), r2 = hn::LoadU(d4, from + 2 * br),
+         r3 = hn::LoadU(d4, from + 3 * br);
+      Transpose4(r0, r1, r2, r3);  // r0: row i, columns c..c+3
+      if (factor) {
+        r0 = hn::Mul(r0, hn::Set(d4, factor[i]));
+        r1 = hn::Mul(r1, hn::Set(d4, factor[i + 1]));
+        r2 = hn::Mul(r2, hn::Set(d4, factor[i + 2]));
+        r3 = hn::Mul(r3, hn::Set(d4, factor[i + 3]));
+      }
+      hn::StoreU(r0, d4, to + c);
+      hn::StoreU(r1, d4, to + stride + c);
+      hn::StoreU(r2, d4, to + 2 * stride + c);
+      hn::StoreU(r3, d4, to + 3 * stride + c);
+    }
+  }
+#endif
+  for (size_t i = 0; i < rows; ++i) {
+    float* HWY_RESTRICT row = first + static_cast<int64_t>(i) * stride;
+    const float f = factor ? factor[i] : 1.0f;
+    for (size_t c = i < blocked_rows ? blocked_cols : 0; c < d; ++c) row[c] = factor ? a_t[c * br + i] * f : a_t[c * br + i];
   }
 }
 
@@ -386,7 +462,8 @@ HWY_INLINE float InitialMax(const AttentionProblem& p, int64_t h) { return p.sin
 HWY_INLINE float InitialSum(const AttentionProblem& p) { return p.sinks ? 1.0f : 0.0f; }
 
 // ---- Step "softmax"'s exponential: e^x for x <= 88 (softmax passes s - max <= 0), within 1 ulp
-// (0.86 at worst over [-87.3, 0], against a double exp), in 15 vector ops where Highway's general
+// (0.86 at worst over [-87.3, 0], against a double exp, with FMA; 1.2 on targets without, which
+// round each product apart: tests/test_steps.cpp), in 15 vector ops where Highway's general
 // Exp takes about 25 (a W0 tile's softmax: 0.96 us of its 4.5 with hn::Exp, qkv_step_benchmark).
 // x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is
 // exact); e^r by its Taylor series to degree 7 (Horner); 2^n put in the exponent bits. The

@@ -1,0 +1,201 @@
+// The pipeline's steps (src/attention/pipeline-inl.h, tile_gemm-inl.h) one by one, on every SIMD
+// target this CPU runs, against scalar loops in float64: the softmax's exponential over its whole
+// domain, the transposes that pack queries into the lanes and unpack the output, and the
+// micro-GEMM with its folded rescale. Outputs are poisoned with NaN first, so an element left
+// unwritten (or one written that should not be) fails. The kernels built of these steps are
+// tested whole in test_flash.cpp, test_decode.cpp and test_backward.cpp.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "test_steps.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "attention/pipeline-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv_test {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+namespace step = qkv::detail::HWY_NAMESPACE::pipeline;
+namespace tile_gemm = qkv::detail::HWY_NAMESPACE::tile_gemm;
+
+size_t Lanes() { return hn::Lanes(hn::ScalableTag<float>()); }
+bool NativeFma() { return HWY_NATIVE_FMA; }
+
+// y = ExpSoftmax(x), n a whole number of vectors.
+void ExpSoftmaxOf(const float* x, float* y, size_t n) {
+  const hn::ScalableTag<float> df;
+  for (size_t i = 0; i < n; i += hn::Lanes(df)) hn::StoreU(step::ExpSoftmax(df, hn::LoadU(df, x + i)), df, y + i);
+}
+
+void Pack(const qkv::detail::Rows<const float>& a, int64_t i0, size_t rows, size_t d, size_t br, float factor,
+          float* a_t) {
+  step::PackTransposed(a, 0, 0, i0, rows, d, br, factor, a_t);
+}
+
+void Unpack(const float* a_t, size_t br, size_t rows, size_t d, const float* factor,
+            const qkv::detail::Rows<float>& out, int64_t i0) {
+  step::UnpackTransposed(a_t, br, rows, d, factor, out, 0, 0, i0);
+}
+
+// C (m x kTileVectors vectors) = c_scale * C + A B, A read with strides (a_row, a_depth).
+void PanelScaled(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b, size_t ldb,
+                 float* c, size_t ldc, const float* c_scale) {
+  tile_gemm::PanelGemm<tile_gemm::kTileVectors>(m, depth, a, a_row, a_depth, b, ldb, c, ldc, true, c_scale);
+}
+size_t PanelWidth() { return tile_gemm::kTileVectors * Lanes(); }
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv_test
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernel_cases.hpp"
+
+namespace qkv_test {
+HWY_EXPORT(Lanes);
+HWY_EXPORT(NativeFma);
+HWY_EXPORT(ExpSoftmaxOf);
+HWY_EXPORT(Pack);
+HWY_EXPORT(Unpack);
+HWY_EXPORT(PanelScaled);
+HWY_EXPORT(PanelWidth);
+
+namespace {
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kFloatInf = std::numeric_limits<float>::infinity();
+
+// Runs body() once per SIMD target this CPU can run, that target forced.
+template <class Body>
+void on_every_target(const Body& body) {
+  const std::vector<int64_t> targets = runnable_targets();
+  ASSERT_FALSE(targets.empty());
+  for (int64_t target : targets) {
+    ForcedTarget forced(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    body();
+  }
+}
+
+// Rounds n up to a whole number of vectors of the forced target, padding x with `fill`.
+std::vector<float> padded(std::vector<float> x, float fill) {
+  const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
+  x.resize((x.size() + lanes - 1) / lanes * lanes, fill);
+  return x;
+}
+
+TEST(Steps, ExpSoftmaxWithinOneUlpOverItsDomain) {
+  on_every_target([] {
+    // Softmax's s - max: a dense sweep of [-87.33, 0], and small magnitudes down to 1e-9.
+    std::vector<float> x;
+    for (double v = 0.0; v > -87.33; v -= 0.000173) x.push_back(static_cast<float>(v));
+    for (double v = -1.0; v < -1e-9; v *= 0.9993) x.push_back(static_cast<float>(v));
+    x = padded(x, 0.0f);
+    std::vector<float> y(x.size(), kNaN);
+    HWY_DYNAMIC_DISPATCH(ExpSoftmaxOf)(x.data(), y.data(), x.size());
+    double worst = 0;
+    float worst_at = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double exact = std::exp(static_cast<double>(x[i]));
+      const double ulp = std::nextafter(static_cast<float>(exact), kFloatInf) - static_cast<float>(exact);
+      const double error = std::abs(y[i] - exact) / ulp;
+      if (error > worst) worst = error, worst_at = x[i];
+    }
+    // Within 1 ulp where MulAdd is one rounding (FMA); a target without FMA rounds each
+    // product and sum of the polynomial apart (1.18 ulp at worst seen).
+    EXPECT_LE(worst, HWY_DYNAMIC_DISPATCH(NativeFma)() ? 1.0 : 1.25) << "at x = " << worst_at;
+  });
+}
+
+TEST(Steps, ExpSoftmaxEdges) {
+  on_every_target([] {
+    std::vector<float> x = padded({0.0f, -0.0f, -87.5f, -100.0f, -1e30f, -kFloatInf, kNaN, 1.0f, 10.0f, 88.0f}, 0.0f);
+    std::vector<float> y(x.size(), kNaN);
+    HWY_DYNAMIC_DISPATCH(ExpSoftmaxOf)(x.data(), y.data(), x.size());
+    EXPECT_EQ(y[0], 1.0f);  // the max of a row weighs exactly 1
+    EXPECT_EQ(y[1], 1.0f);
+    for (size_t i = 2; i <= 5; ++i) EXPECT_EQ(y[i], 0.0f) << "x = " << x[i];  // hidden keys: exactly 0
+    EXPECT_TRUE(std::isnan(y[6]));
+    for (size_t i = 7; i <= 9; ++i) EXPECT_NEAR(y[i], std::exp(static_cast<double>(x[i])), 2e-7 * std::exp(x[i]));
+  });
+}
+
+TEST(Steps, PackAndUnpackTransposedAgainstScalarLoops) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  on_every_target([&] {
+    const size_t br = HWY_DYNAMIC_DISPATCH(PanelWidth)();
+    for (int repeat = 0; repeat < 40; ++repeat) {
+      const size_t rows = static_cast<size_t>(rng.integer(1, static_cast<int64_t>(br)));
+      const size_t d = static_cast<size_t>(rng.integer(1, 70));
+      const int64_t stride = static_cast<int64_t>(d) + rng.integer(0, 5), i0 = rng.integer(0, 3);
+      const float factor = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
+      std::vector<float> a(static_cast<size_t>(i0 + static_cast<int64_t>(rows)) * static_cast<size_t>(stride));
+      for (float& v : a) v = static_cast<float>(rng.uniform(-3, 3));
+      std::vector<float> a_t(d * br, kNaN);
+      HWY_DYNAMIC_DISPATCH(Pack)({a.data(), 0, 0, stride}, i0, rows, d, br, factor, a_t.data());
+      for (size_t c = 0; c < d; ++c)
+        for (size_t i = 0; i < br; ++i) {
+          const float want = i < rows ? factor * a[static_cast<size_t>((i0 + static_cast<int64_t>(i)) * stride) + c] : 0.0f;
+          ASSERT_EQ(a_t[c * br + i], want) << "rows " << rows << " d " << d << " at column " << c << ", lane " << i;
+        }
+      // Back: into rows of another stride, each row's padding left as it was.
+      std::vector<float> row_factor(br);
+      for (float& v : row_factor) v = static_cast<float>(rng.uniform(0.5, 2));
+      const bool scaled = rng.chance(0.5);
+      std::vector<float> out(a.size(), kNaN);
+      HWY_DYNAMIC_DISPATCH(Unpack)(a_t.data(), br, rows, d, scaled ? row_factor.data() : nullptr,
+                                   {out.data(), 0, 0, stride}, i0);
+      for (size_t r = 0; r < out.size() / static_cast<size_t>(stride); ++r)
+        for (size_t c = 0; c < static_cast<size_t>(stride); ++c) {
+          const float got = out[r * static_cast<size_t>(stride) + c];
+          const int64_t i = static_cast<int64_t>(r) - i0;
+          if (i < 0 || c >= d) {
+            ASSERT_TRUE(std::isnan(got)) << "written outside the rows: row " << r << ", column " << c;
+          } else {
+            const float value = a_t[c * br + static_cast<size_t>(i)];
+            ASSERT_EQ(got, scaled ? value * row_factor[static_cast<size_t>(i)] : value) << "row " << i << ", column " << c;
+          }
+        }
+    }
+  });
+}
+
+TEST(Steps, MicroGemmFoldsTheRescaleIntoItsLoad) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  on_every_target([&] {
+    const size_t n = HWY_DYNAMIC_DISPATCH(PanelWidth)();
+    for (int repeat = 0; repeat < 20; ++repeat) {
+      const size_t m = static_cast<size_t>(rng.integer(1, 40)), depth = static_cast<size_t>(rng.integer(1, 70));
+      const bool transposed_a = rng.chance(0.5);  // A read down its columns, as flash's V^T
+      std::vector<float> a(m * depth), b(depth * n), c(m * n), scale(n);
+      for (auto* v : {&a, &b, &c, &scale})
+        for (float& x : *v) x = static_cast<float>(rng.uniform(-1, 1));
+      std::vector<double> want(m * n);
+      for (size_t r = 0; r < m; ++r)
+        for (size_t x = 0; x < n; ++x) {
+          double sum = static_cast<double>(c[r * n + x]) * scale[x];
+          for (size_t k = 0; k < depth; ++k)
+            sum += static_cast<double>(transposed_a ? a[k * m + r] : a[r * depth + k]) * b[k * n + x];
+          want[r * n + x] = sum;
+        }
+      HWY_DYNAMIC_DISPATCH(PanelScaled)(m, depth, a.data(), transposed_a ? 1 : depth, transposed_a ? m : 1, b.data(),
+                                        n, c.data(), n, scale.data());
+      for (size_t i = 0; i < m * n; ++i) ASSERT_NEAR(c[i], want[i], 1e-5 * (1 + static_cast<double>(depth))) << i;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace qkv_test
+#endif  // HWY_ONCE
