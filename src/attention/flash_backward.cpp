@@ -107,7 +107,7 @@ struct ScratchLayout {
     k_rows = take(kKeyBlock * dk_pad);    // scale * K block (kKeyBlock, Dk_pad)
     grad_k = take(kKeyBlock * dk_pad);    // dK of the key block (kKeyBlock, Dk_pad), without the scale
     grad_v = take(kKeyBlock * dv_pad);    // dV of the key block (kKeyBlock, Dv_pad)
-    grad_q = take(br * dk_pad);           // dQ of the pair (Br, Dk_pad)
+    grad_q = take(br * dk_pad);           // dQ of the query tile over a block of key tiles (Br, Dk_pad)
     shift = take(br);                     // per query: P = exp(S - shift) * scale
     scale = take(br);
     row_dot = take(br);                   // per query: D = dO . O
@@ -203,8 +203,27 @@ void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t 
   }
 }
 
+// The query tile's dQ accumulator (w.grad_q, Br x Dk_pad) added into the rows i0, i0 + step, ...
+// of grad_q_out, then zeroed for the next block of key tiles.
+void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
+                const Rows<float>& grad_q_out, const Scratch& w) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df), dk = static_cast<size_t>(p.head_dim);
+  for (size_t i = 0; i < rows; ++i) {
+    float* HWY_RESTRICT to = grad_q_out.row(b, h, i0 + static_cast<int64_t>(i) * step);
+    const float* HWY_RESTRICT from = w.grad_q + i * w.dk_pad;
+    size_t c = 0;
+    for (; c + lanes <= dk; c += lanes) hn::StoreU(hn::Add(hn::LoadU(df, to + c), hn::Load(df, from + c)), df, to + c);
+    for (; c < dk; ++c) to[c] += from[c];
+  }
+  std::fill_n(w.grad_q, rows * w.dk_pad, 0.0f);
+}
+
 // One (query tile, key block) pair of head (b, h): P and dS recomputed, dV and dK added into the
-// key block's accumulators, dQ added into grad_q_out's rows (of queries i0 + x * query_step).
+// key block's accumulators, dQ added into the query tile's accumulator w.grad_q (FlushGradQ adds
+// it into dQ's rows once per block of key tiles: per pair, W2-bwd read and wrote its dQ rows 32
+// times), or, where a hidden key's K is not finite, into grad_q_out's rows (of queries i0 + x *
+// query_step) directly.
 void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
                   const KeyBlock& keys, const TileMask& mask, const Rows<float>& grad_q_out, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
@@ -237,14 +256,10 @@ void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, softcap_slope);
   // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ = dS (scale K).
   Gemm(cols, w.dk_pad, br, w.grad_t, br, 1, w.q_rows, w.dk_pad, keys.grad_k, w.dk_pad, true);
-  const Rows<float> grad_q = step::EveryStepRows(grad_q_out, i0, walk.query_step);
   if (keys.k_finite) {
-    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, keys.k_rows, w.dk_pad, w.grad_q, w.dk_pad, false);
-    for (size_t i = 0; i < rows; ++i) {
-      float* grad_q_row = grad_q.row(b, h, static_cast<int64_t>(i));
-      for (size_t c = 0; c < dk; ++c) grad_q_row[c] += w.grad_q[i * w.dk_pad + c];
-    }
+    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, keys.k_rows, w.dk_pad, w.grad_q, w.dk_pad, true);
   } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row
+    const Rows<float> grad_q = step::EveryStepRows(grad_q_out, i0, walk.query_step);
     accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, keys.k_rows, static_cast<int64_t>(w.dk_pad),
                               grad_q.row(b, h, 0), static_cast<size_t>(grad_q.row_stride), 1);
   }
@@ -300,6 +315,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
   // forward's, flash.cpp): the same scratch, a narrower Br.
   const size_t last_rows = static_cast<size_t>(nq) % br;
   const Scratch last(scratch, (last_rows + lanes - 1) / lanes * lanes, layout);
+  std::fill_n(w.grad_q, br * w.dk_pad, 0.0f);  // each FlushGradQ leaves it zero again
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
@@ -321,6 +337,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
                                    keys.grad_v + at * w.dv_pad, keys.k_finite};
           BackwardPair(bp, {}, b, h, i0, rows, tile_keys, {tile != step::TileClass::Full, -1}, grad_q_out, tile_w);
         }
+        FlushGradQ(p, b, h, i0, 1, rows, grad_q_out, tile_w);
       }
     FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
   }
@@ -351,6 +368,7 @@ void ResiduePair(const AttentionBackwardProblem& bp, const StridedSplit& split, 
   PackQueryTile(bp, b, h, i0, stride, rows, row_dot_all, w);
   BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, keys,
                {band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1}, bp.grad_q, w);
+  FlushGradQ(p, b, h, i0, stride, rows, bp.grad_q, w);
 }
 
 // Residues [first, last) of the queries of kv head (b, g)'s group: every residue's key tiles, each
@@ -363,6 +381,7 @@ void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& sp
   const Scratch w(scratch, br,
                   flash_backward::ScratchLayout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
                                                 static_cast<size_t>(p.value_dim)));
+  std::fill_n(w.grad_q, br * w.dk_pad, 0.0f);  // each FlushGradQ leaves it zero again
   for (int64_t r = first; r < last; ++r) {
     const int64_t residue = split.key_residue(r), queries = split.keys_before(r, p.q_len);
     const int64_t keys = split.keys_before(residue, p.kv_len);
