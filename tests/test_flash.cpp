@@ -119,45 +119,6 @@ TEST(Flash, StridedResiduesOnLongSequences) {
   check_everywhere(cases);
 }
 
-// Query tiles side by side (flash.cpp's item_shape; by default only when a head's K and V
-// outgrow a quarter of the L2): forced for every problem, so that random small cases run
-// several heads of a GQA group and several query tiles of a head per item, with every mask
-// kind, modifier, dropout, 16-bit K/V and heads whose query tiles end at different keys.
-class SideBySide {
- public:
-  SideBySide() : before_(qkv::detail::set_flash_side_by_side_bytes_for_test(0)) {}
-  ~SideBySide() { qkv::detail::set_flash_side_by_side_bytes_for_test(before_); }
-  SideBySide(const SideBySide&) = delete;
-  SideBySide& operator=(const SideBySide&) = delete;
-
- private:
-  double before_;
-};
-
-TEST(Flash, QueryTilesSideBySide) {
-  Random rng;
-  SCOPED_TRACE(rng.note());
-  std::vector<Case> cases;
-  for (MaskKind kind : kAllMasks) {
-    const int64_t kv_heads = rng.integer(1, 2), nq = rng.integer(1, 300);
-    const qkv_test::Modifier m =
-        rng.chance(0.5) ? qkv_test::Modifier::None
-                        : qkv_test::kAllModifiers[rng.integer(0, std::size(qkv_test::kAllModifiers) - 1)];
-    cases.push_back(make_case(rng, {rng.integer(1, 2), kv_heads * rng.integer(1, 5), kv_heads, nq,
-                                    rng.chance(0.5) ? nq : rng.integer(1, 300), rng.integer(1, 70), rng.integer(1, 70)},
-                              kind, 1.0, rng.chance(0.2) ? 0.2f : 0.0f, m));
-  }
-  for (qkv::DType dtype : {qkv::DType::BF16, qkv::DType::F16}) {
-    Case c = make_case(rng, {1, 4, 2, 200, 230, 32, 24}, MaskKind::Combined, 1.0, 0.0f);
-    c.k = c.k.to(dtype);
-    c.v = c.v.to(dtype);
-    c.name += " kv=" + std::string(qkv::to_string(dtype));
-    cases.push_back(std::move(c));
-  }
-  SideBySide forced;
-  check_everywhere(cases);
-}
-
 TEST(Flash, LargeLogits) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -3,10 +3,10 @@
 // Bc x Br tile of scores per worker. Same semantics as reference.cpp, dropout included; writes
 // output and lse, never weights (Auto picks Reference when weights are asked for).
 //
-// Layout: everything runs "transposed", queries along the SIMD lanes. A query tile is one
-// (batch b, query head h, Br queries); per query tile, with g = kv_head_of(h):
+// Layout: everything runs "transposed", queries along the SIMD lanes. A work item is one
+// (batch b, query head h, query tile of Br rows); per item, with g = kv_head_of(h):
 //
-//   Qt   (Dk, Br)  scale * Q[b,h,i0:i0+Br]^T, packed once (zero lanes past Nq)
+//   Qt   (Dk, Br)  scale * Q[b,h,i0:i0+Br]^T, packed once per item (zero lanes past Nq)
 //   St   (Bc, Br)  one tile of scores S^T = K[b,g,j0:j0+Bc] Qt, then the weights P^T
 //   Ot   (Dv, Br)  the unnormalised output O^T, rescaled whenever a row's max grows
 //   running_max, row_sum (Br)
@@ -20,14 +20,9 @@
 // so neither K nor V is ever copied (16-bit K/V: each tile is widened into L1 scratch as it
 // is loaded, LoadKvTile).
 //
-// A work item is one query tile, or, when a head's K and V outgrow a quarter of the L2, up to
-// kSlots query tiles of one K/V head (a GQA group's heads, then a head's consecutive tiles)
-// that take turns, one key tile each, so that each K/V tile comes from L3 once for all of them.
-//
-// Memory traffic per query tile (Dk = Dv = d, visible keys n): Q and O once (2 Br d floats), K
-// and V once (2 n d floats, from L2: consecutive items share a head; side by side, once per
-// item), against 4 Br n d flops; Qt + St + Ot = (2 d + Bc) Br floats stay in L1 (d = 64: 36 KB of
-// Zen 5's 48 KB; side by side, a slot's Qt and Ot come back from L2 at its turn). The micro-GEMM
+// Memory traffic per item (Dk = Dv = d, visible keys n): Q and O once (2 Br d floats), K and V
+// once per item (2 n d floats, from L2: consecutive items share a head), against 4 Br n d flops;
+// Qt + St + Ot = (2 d + Bc) Br floats stay in L1 (d = 64: 36 KB of Zen 5's 48 KB). The micro-GEMM
 // does kTileRows x kTileVectors FMAs per kTileRows broadcasts + kTileVectors loads.
 //
 // Masks: the band (causal, window) and key lengths give each query a key range
@@ -82,38 +77,29 @@ constexpr size_t kKeyTile = 64;
 // Strided residues a work item runs one after the other (flash_attention's first pass).
 constexpr int64_t kResiduesPerItem = 8;
 
-// The query tiles a work item runs side by side (its slots) when a head's K and V do not fit in
-// cache: each key tile is read from memory once for all of them (flash_attention's item_shape).
-constexpr size_t kSlots = 4;
-
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
-// its own cache line. br = queries per tile (per target), dk/dv = head and value dims; `slots`
-// query tiles, each with its own Qt, Ot and softmax state, share one tile of scores and one of
-// widened K/V. A slot's parts are at `slot * slot_floats` past the first slot's.
+// its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
-  size_t scores, k_wide, v_wide;                                      // shared
-  size_t q_t, out_t, running_max, row_sum, correction, nan_seen;      // the first slot's
-  size_t slot_floats, total;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, k_wide, v_wide;
+  size_t total;
 
-  ScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false, size_t slots = 1) {
+  ScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false) {
     size_t at = 0;
     auto take = [&](size_t floats) {
       const size_t start = at;
       at += round_to_cache_line(floats);
       return start;
     };
-    scores = take(kKeyTile * br);      // St then P^T (Bc, Br)
-    k_wide = take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
-    v_wide = take(wide_kv ? kKeyTile * dv : 0);
-    const size_t first_slot = at;
     q_t = take(dk * br);               // Qt (Dk, Br)
+    scores = take(kKeyTile * br);      // St then P^T (Bc, Br)
     out_t = take(dv * br);             // Ot (Dv, Br)
     running_max = take(br);            // per query
     row_sum = take(br);                // per query
     correction = take(br);             // per query: exp(old max - new max), then 1 / l
     nan_seen = take(br);               // per query: 1 once a visible score was NaN
-    slot_floats = at - first_slot;
-    total = first_slot + slots * slot_floats;
+    k_wide = take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
+    v_wide = take(wide_kv ? kKeyTile * dv : 0);
+    total = at;
   }
 };
 
@@ -142,16 +128,13 @@ size_t QueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
 // This target's HWY_TARGET bit, so tests can see which code a dispatch reaches.
 int64_t CompiledTarget() { return HWY_TARGET; }
 
-// One worker's view of its scratch block (flash::ScratchLayout), for one of its slots.
+// One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
-  float *q_t = nullptr, *scores = nullptr, *out_t = nullptr, *running_max = nullptr, *row_sum = nullptr,
-        *correction = nullptr, *nan_seen = nullptr, *k_wide = nullptr, *v_wide = nullptr;
-  Scratch() = default;
-  Scratch(float* base, const flash::ScratchLayout& l, size_t slot = 0)
-      : q_t(base + l.q_t + slot * l.slot_floats), scores(base + l.scores),
-        out_t(base + l.out_t + slot * l.slot_floats), running_max(base + l.running_max + slot * l.slot_floats),
-        row_sum(base + l.row_sum + slot * l.slot_floats), correction(base + l.correction + slot * l.slot_floats),
-        nan_seen(base + l.nan_seen + slot * l.slot_floats), k_wide(base + l.k_wide), v_wide(base + l.v_wide) {}
+  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *k_wide, *v_wide;
+  Scratch(float* base, const flash::ScratchLayout& l)
+      : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
+        row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen),
+        k_wide(base + l.k_wide), v_wide(base + l.v_wide) {}
 };
 
 // Step "load a tile" for 16-bit K/V: rows [j0, j0 + cols) of head (b, g) widened into `to`
@@ -321,97 +304,63 @@ void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64
   }
 }
 
-// A query tile of a work item (a slot): query head h, queries [i0, i0 + rows), run on `vectors`
-// vectors, with its own scratch; its key tiles are those of [kv_begin, kv_end) the query tile
-// may see, by Bc from kv_begin, and next_key is the first not run yet.
-struct QueryTile {
-  int64_t h, i0;
-  size_t rows, vectors;
-  Scratch w;
-  int64_t next_key, kv_end;
-};
-
-// Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any), or
-// Ot and the softmax state as the residues left them (`carried`).
-void StartSlot(const AttentionProblem& p, bool carried, int64_t b, const QueryTile& t) {
-  const size_t br = t.vectors * hn::Lanes(DF());
-  StartQueryTile(p, b, t.h, t.i0, 1, t.rows, br, t.w);
-  if (!carried) return;
-  const int64_t row0 = (b * p.q_heads + t.h) * p.q_len + t.i0;
-  const Rows<const float> partial{p.output.data, p.output.batch_stride, p.output.head_stride, p.output.row_stride};
-  step::PackTransposed(partial, b, t.h, t.i0, t.rows, static_cast<size_t>(p.value_dim), br, 1.0f, t.w.out_t);
-  std::copy_n(p.row_max + row0, t.rows, t.w.running_max);
-  std::copy_n(p.row_sum + row0, t.rows, t.w.row_sum);
-  std::copy_n(p.lse + row0, t.rows, t.w.nan_seen);
+// The key tiles of one query tile of V vectors (queries i0 .. i0 + rows - 1): the keys any of
+// them sees, by tiles of Bc; tiles outside [kv_begin, kv_end) are never visited.
+template <size_t V>
+void QueryTileKeys(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, size_t rows, const Scratch& w) {
+  const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
+  const int64_t kv_begin = std::min(p.first_visible_key(i0), p.kv_len);
+  const int64_t kv_end = p.last_visible_key(b, i_last);
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += static_cast<int64_t>(kKeyTile)) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), kv_end - j0));
+    const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols));
+    if (tile == step::TileClass::Hidden) continue;
+    FlashKeyTile<V>(p, {}, b, h, i0, rows, j0, cols, {tile != step::TileClass::Full, -1}, w);
+  }
 }
 
-// The slot's next key tile, skipped when the mask hides it from every query of the slot;
-// false when none is left.
-bool NextKeyTile(const AttentionProblem& p, int64_t b, QueryTile& t) {
-  if (t.next_key >= t.kv_end) return false;
-  const int64_t j0 = t.next_key, i_last = t.i0 + static_cast<int64_t>(t.rows) - 1;
-  const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), t.kv_end - j0));
-  t.next_key += static_cast<int64_t>(kKeyTile);
-  const step::TileClass tile = step::ClassifyMaskTile(p, b, t.h, t.i0, i_last, j0, j0 + static_cast<int64_t>(cols));
-  if (tile == step::TileClass::Hidden) return true;
-  const TileMask mask{tile != step::TileClass::Full, -1};
-  if (t.vectors == 1) {
-    FlashKeyTile<1>(p, {}, b, t.h, t.i0, t.rows, j0, cols, mask, t.w);
-  } else if (t.vectors == 2) {
-    FlashKeyTile<2>(p, {}, b, t.h, t.i0, t.rows, j0, cols, mask, t.w);
+// One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
+// `scratch` is this worker's block, laid out by flash::ScratchLayout. `carried`: the strided
+// residues ran first and left each row's softmax state in the outputs; continue from it.
+void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0,
+                    float* HWY_RESTRICT scratch) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(QueryTileRows()), p.q_len - i0));
+  // The width of this tile: the vectors its queries fill. Only a head's last tile can be
+  // narrower (W0's 256 queries are 5 x 48 + 16): padded to 48 lanes it did 3 x the work of its
+  // 16 queries, a quarter of all W0's; on one vector W0 takes 0.85 of the time (two threads).
+  const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
+  const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
+  const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
+
+  // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any),
+  // or Ot and the softmax state as the residues left them.
+  StartQueryTile(p, b, h, i0, 1, rows, br, w);
+  if (carried) {
+    const Rows<const float> partial{p.output.data, p.output.batch_stride, p.output.head_stride, p.output.row_stride};
+    step::PackTransposed(partial, b, h, i0, rows, dv, br, 1.0f, w.out_t);
+    std::copy_n(p.row_max + row0, rows, w.running_max);
+    std::copy_n(p.row_sum + row0, rows, w.row_sum);
+    std::copy_n(p.lse + row0, rows, w.nan_seen);
+  }
+
+  if (vectors == 1) {
+    QueryTileKeys<1>(p, b, h, i0, rows, w);
+  } else if (vectors == 2) {
+    QueryTileKeys<2>(p, b, h, i0, rows, w);
   } else {
-    FlashKeyTile<kTileVectors>(p, {}, b, t.h, t.i0, t.rows, j0, cols, mask, t.w);
+    QueryTileKeys<kTileVectors>(p, b, h, i0, rows, w);
   }
-  return true;
-}
 
-// Finish each query: O = Ot^T / l, then lse and the row stats, each the tile's `rows` contiguous
-// floats of its (B, Hq, Nq) array written as one run (W0 on two threads: about 1% faster than a
-// store of each per row).
-void FinishSlot(const AttentionProblem& p, int64_t b, const QueryTile& t) {
-  const size_t br = t.vectors * hn::Lanes(DF());
-  const int64_t row0 = (b * p.q_heads + t.h) * p.q_len + t.i0;
-  step::FinishColumns(t.w.running_max, t.w.row_sum, t.w.nan_seen, br, t.w.correction, t.w.scores);
-  step::UnpackTransposed(t.w.out_t, br, t.rows, static_cast<size_t>(p.value_dim), t.w.correction, p.output, b, t.h,
-                         t.i0);
-  std::copy_n(t.w.scores, t.rows, p.lse + row0);
-  std::copy_n(t.w.running_max, t.rows, p.row_max + row0);
-  std::copy_n(t.w.row_sum, t.rows, p.row_sum + row0);
-}
-
-// One work item: query heads [h0, h0 + heads) of batch b (one K/V head's), each over query tiles
-// [tile0, tile0 + tiles) of Br queries (fewer at the end of Nq): heads x tiles slots, which run
-// their key tiles in turns, one each, so that a K/V tile read for one slot is still in cache
-// for the others. `scratch` is this worker's block, laid out by flash::ScratchLayout for that
-// many slots. `carried`: the strided residues ran first and left each row's softmax state in the
-// outputs; continue from it.
-void FlashQueryTiles(const AttentionProblem& p, bool carried, int64_t b, int64_t h0, int64_t heads, int64_t tile0,
-                     int64_t tiles, float* HWY_RESTRICT scratch) {
-  const size_t lanes = hn::Lanes(DF()), br = QueryTileRows();
-  const flash::ScratchLayout layout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim),
-                                    p.kv_dtype != DType::F32, static_cast<size_t>(heads * tiles));
-  QueryTile slot[flash::kSlots];
-  size_t slots = 0;
-  for (int64_t h = h0; h < h0 + heads; ++h)
-    for (int64_t tile = tile0; tile < tile0 + tiles; ++tile) {
-      const int64_t i0 = tile * static_cast<int64_t>(br);
-      if (i0 >= p.q_len) break;
-      const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), p.q_len - i0));
-      const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
-      // The width of this tile: the vectors its queries fill. Only a head's last tile can be
-      // narrower (W0's 256 queries are 5 x 48 + 16): padded to 48 lanes it did 3 x the work of
-      // its 16 queries, a quarter of all W0's; on one vector W0 takes 0.85 of the time.
-      const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes);
-      slot[slots] = {h, i0, rows, vectors, Scratch(scratch, layout, slots), std::min(p.first_visible_key(i0), p.kv_len),
-                     p.last_visible_key(b, i_last)};
-      StartSlot(p, carried, b, slot[slots]);
-      ++slots;
-    }
-  for (bool more = true; more;) {
-    more = false;
-    for (size_t s = 0; s < slots; ++s) more = NextKeyTile(p, b, slot[s]) || more;
-  }
-  for (size_t s = 0; s < slots; ++s) FinishSlot(p, b, slot[s]);
+  // ---- Finish each query: O = Ot^T / l, then lse and the row stats, each the tile's `rows`
+  // contiguous floats of its (B, Hq, Nq) array written as one run (W0 on two threads: about 1%
+  // faster than a store of each per row).
+  step::FinishColumns(w.running_max, w.row_sum, w.nan_seen, br, w.correction, w.scores);
+  step::UnpackTransposed(w.out_t, br, rows, dv, w.correction, p.output, b, h, i0);
+  std::copy_n(w.scores, rows, p.lse + row0);
+  std::copy_n(w.running_max, rows, p.row_max + row0);
+  std::copy_n(w.row_sum, rows, p.row_sum + row0);
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
@@ -421,56 +370,15 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <omp.h>
-#include <unistd.h>
-
-#include <atomic>
 
 #include "memory.hpp"
 
 namespace qkv::detail {
 
 HWY_EXPORT(QueryTileRows);
-HWY_EXPORT(FlashQueryTiles);
+HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(StridedResidues);
 HWY_EXPORT(CompiledTarget);
-
-namespace {
-// How the query tiles are dealt into work items: `heads` query heads of one K/V head, by `tiles`
-// consecutive query tiles each, side by side (FlashQueryTiles' slots).
-struct ItemShape {
-  int64_t heads = 1, tiles = 1;
-};
-
-// The K/V bytes of a head above which query tiles run side by side: a quarter of the L2 (glibc
-// reads it from the CPU; 512 KiB when it cannot). Zen 3's 512 KiB: W1's 256 KiB heads and up
-// (W0's 128 KiB not); Zen 5's 1 MiB: W2's 1 MiB heads and up.
-double l2_quarter() {
-  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-  return (l2 > 0 ? static_cast<double>(l2) : 512.0 * 1024) / 4;
-}
-std::atomic<double> side_by_side_bytes{l2_quarter()};
-
-// One query tile per item while a head's K and V fit a quarter of the L2: its items then read
-// them from L2, and a tile's Qt, Ot and scores stay in L1 from one key tile to the next. Past
-// that, K and V come from L3 (or memory, when other processes crowd L3) for every query tile
-// and the threads contend for them: flash::kSlots query tiles side by side read each K/V tile
-// once, at the cost of moving their Qt and Ot between L1 and L2. The heads of a GQA group come
-// first (their key ranges are the same), then consecutive query tiles of a head.
-// Measured on Zen 3 (AVX2, 512 KiB L2), 2 threads, against one tile per item, min of 4-5
-// alternations: W1 0.91, W2 0.98, W2-full 0.96, W3 0.94 of the time (medians 0.87-0.92); 2, 3
-// and 6 slots measured no better than 4; one thread 0.97-0.99.
-ItemShape item_shape(const AttentionProblem& p, int64_t query_tiles) {
-  const double kv_bytes = static_cast<double>(p.kv_len) * static_cast<double>(p.head_dim + p.value_dim) *
-                          static_cast<double>(element_size(p.kv_dtype));
-  if (kv_bytes <= side_by_side_bytes.load(std::memory_order_relaxed)) return {};
-  const int64_t group = p.q_heads / p.kv_heads, slots = static_cast<int64_t>(flash::kSlots);
-  int64_t heads = std::min(group, slots);
-  while (group % heads != 0) --heads;
-  return {heads, std::clamp<int64_t>(slots / heads, 1, query_tiles)};
-}
-}  // namespace
-
-double set_flash_side_by_side_bytes_for_test(double bytes) { return side_by_side_bytes.exchange(bytes); }
 
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
@@ -479,21 +387,18 @@ void flash_attention(const AttentionProblem& problem) {
   const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
   const int64_t query_tiles = (nq + static_cast<int64_t>(br) - 1) / static_cast<int64_t>(br);
   const int64_t heads = problem.batch * problem.q_heads;
-  const ItemShape shape = item_shape(problem, query_tiles);
-  const int64_t head_groups = problem.q_heads / shape.heads;
-  const int64_t blocks = (query_tiles + shape.tiles - 1) / shape.tiles;  // of shape.tiles query tiles
-  const int64_t items = problem.batch * head_groups * blocks;
+  const int64_t items = heads * query_tiles;
 
   // Per-worker scratch, sized up front: each block a whole number of cache lines, 64-byte
   // aligned, so workers never share a line and the hot loop never allocates.
   // A problem too small to pay for waking the other threads runs on the calling thread.
-  const double flops = 4.0 * static_cast<double>(heads * query_tiles) * static_cast<double>(br) *
+  const double flops = 4.0 * static_cast<double>(items) * static_cast<double>(br) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim) / 2;
   const int threads = threads_for(flops);
-  const int workers = static_cast<int>(std::min<int64_t>(threads, heads * query_tiles));
+  const int workers = static_cast<int>(std::min<int64_t>(threads, items));
   const size_t block =
       flash::ScratchLayout(br, static_cast<size_t>(problem.head_dim), static_cast<size_t>(problem.value_dim),
-                           problem.kv_dtype != DType::F32, static_cast<size_t>(shape.heads * shape.tiles)).total;
+                           problem.kv_dtype != DType::F32).total;
   // The calling thread's workspace holds every worker's block and is kept for the next call.
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
   const auto block_of_this_thread = [&] { return scratch + static_cast<size_t>(omp_get_thread_num()) * block; };
@@ -516,15 +421,15 @@ void flash_attention(const AttentionProblem& problem) {
   }
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
 
-  // Items in (batch, heads, query tiles) order, so neighbouring items share K and V in cache (a
+  // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache (a
   // thread's share is whole heads, item_shares.hpp); within a head the last query tiles come
   // first: under a causal mask they see the most keys, so a share runs its longest items first
   // and leaves its shortest at the back, where other threads take them.
   for_each_item(workers, items, [&](int64_t item) {
-    const int64_t bg = item / blocks, first_tile = (blocks - 1 - item % blocks) * shape.tiles;
-    HWY_DYNAMIC_DISPATCH(FlashQueryTiles)(tiles, tiles_problem.has_value(), bg / head_groups,
-                                          bg % head_groups * shape.heads, shape.heads, first_tile, shape.tiles,
-                                          block_of_this_thread());
+    const int64_t bh = item / query_tiles;
+    const int64_t tile = query_tiles - 1 - item % query_tiles;
+    HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
+                                         bh % problem.q_heads, tile * static_cast<int64_t>(br), block_of_this_thread());
   });
 }
 

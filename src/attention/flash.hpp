@@ -13,9 +13,5 @@ namespace qkv::detail {
 int64_t flash_attention_compiled_targets();
 // For tests: the target (one HWY_TARGETS bit) the next flash_attention call dispatches to.
 int64_t flash_attention_target();
-// For tests: K/V bytes per head above which flash runs several query tiles side by side in one
-// work item (flash_attention's item_shape; by default a quarter of the L2). 0 makes every
-// problem do so, so that small random cases test that path. Returns the previous threshold.
-double set_flash_side_by_side_bytes_for_test(double bytes);
 
 }  // namespace qkv::detail
