@@ -134,8 +134,22 @@ using step::ResidueTileRows;
 using step::TileMask;
 using step::Walk;
 
-// Br, queries per tile: one micro-tile wide, as the forward.
-size_t BackwardQueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
+// Br, queries per tile: about 96, a whole number of micro-tile widths (AVX2 4 x 24, AVX-512
+// 2 x 48). dV += P'^T dO and dK += dS^T Q run Br deep, and one micro-tile wide (24 on AVX2) they
+// loaded and stored their accumulators every 24 FMAs: against that, Zen 3, in-process A/B, 72
+// and 96 took 0.93-0.96 of the time (W1-bwd, W2-bwd, 1 and 2 threads), 48 0.93-1.0.
+// That many at most (the scratch is laid out for it); a band narrower than 4 such tiles (a
+// window: W6's 256 keys) keeps one micro-tile's width, whose tiles cross fewer of its hidden
+// keys (W6-bwd took 1.04 x the time with 96).
+size_t BackwardQueryTileRows() {
+  const size_t width = kTileVectors * hn::Lanes(DF());
+  return std::max<size_t>(1, 96 / width) * width;
+}
+size_t BackwardTileRowsFor(const AttentionProblem& p) {
+  const size_t most = BackwardQueryTileRows();
+  const double band = static_cast<double>(p.band_hi) - static_cast<double>(p.band_lo) + 1;
+  return band < 4.0 * static_cast<double>(most) ? kTileVectors * hn::Lanes(DF()) : most;
+}
 
 // One worker's view of its scratch block (flash_backward::ScratchLayout).
 struct Scratch {
@@ -307,7 +321,7 @@ void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int
 void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t key_begin, int64_t key_end,
                       const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
-  const size_t br = BackwardQueryTileRows(), lanes = hn::Lanes(DF());
+  const size_t br = BackwardTileRowsFor(p), lanes = hn::Lanes(DF());
   const int64_t nq = p.q_len, group = p.q_heads / p.kv_heads;
   const flash_backward::ScratchLayout layout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim));
   const Scratch w(scratch, br, layout);
