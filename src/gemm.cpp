@@ -3,8 +3,10 @@
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
 //     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
-//     64 rows against OpenBLAS, which packs W even for one row; oneDNN caught up with it from
-//     about 32 rows (64 rows: oneDNN 1.15-1.4x Small on one thread), so 32 when oneDNN is there.
+//     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, 32 rows where the
+//     CPU runs Small's AVX-512 tile (Zen 5: within the noise of oneDNN up to about 32 rows; at 64
+//     oneDNN 1.15-1.4x Small on one thread), and none elsewhere: on AVX2 (Zen 3) oneDNN took
+//     0.82-0.90 x Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -30,9 +32,9 @@ namespace {
 
 // At most this many rows of A go to the Small kernel: beyond, packing W pays for itself.
 #ifdef QKV_HAVE_DNNL
-constexpr int64_t kSmallMaxRows = 32;
+int64_t small_max_rows() { return small_rows_gemm_has_wide_tile() ? 32 : 0; }
 #else
-constexpr int64_t kSmallMaxRows = 64;
+int64_t small_max_rows() { return 64; }
 #endif
 
 // The test override: -1 none, else a GemmPath.
@@ -94,7 +96,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
 }
 
 GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t /*n*/, int64_t /*k*/) {
-  if (!trans_a && trans_b && m <= kSmallMaxRows) return GemmPath::Small;
+  if (!trans_a && trans_b && m <= small_max_rows()) return GemmPath::Small;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }

@@ -29,12 +29,18 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
 // The tile: kRows x kOutputs accumulators + kOutputs W vectors + 1 x vector must fit the
-// register file: 5 x 4 + 5 = 25 of AVX-512's 32; 3 x 3 + 4 = 13 of the 16-register targets.
+// register file: 5 x 4 + 5 = 25 of AVX-512's 32; 4 x 3 + 4 = 16 of the 16-register targets
+// (W5's 20 rows are 5 tiles of 4; 3 x 3 left 2 rows to 1 x 3 tiles, 3 accumulators that wait on
+// the FMA latency: W5 on AVX2 took 0.87-0.89 x the time with 4 x 3, in-process A/B).
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3_ZEN4
 constexpr size_t kRows = 5, kOutputs = 4;
+constexpr bool kWideTile = true;
 #else
-constexpr size_t kRows = 3, kOutputs = 3;
+constexpr size_t kRows = 4, kOutputs = 3;
+constexpr bool kWideTile = false;
 #endif
+
+bool WideTile() { return kWideTile; }
 
 // y[r, o] = alpha sum_i x[r, i] w[o, i] + beta y[r, o] for r < R, o < O (y not read when beta is
 // 0): x rows ldx apart, w rows ldw apart, k terms.
@@ -100,6 +106,9 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::detail {
 
 HWY_EXPORT(OutputBlock);
+HWY_EXPORT(WideTile);
+
+bool small_rows_gemm_has_wide_tile() { return HWY_DYNAMIC_DISPATCH(WideTile)(); }
 
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
                      float alpha, float beta, float* y, int64_t ldy) {
