@@ -54,15 +54,16 @@ void BM_Attention(benchmark::State& state, const Workload* w, qkv::Backend backe
   if (w->decode) state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * qkv::bench::kv_bytes(*w)));
 }
 
-// The backward allocates its gradients on every call (there is no _into form).
+// The backward writes into the same gradients every iteration, as the forward into its result.
 void BM_AttentionBackward(benchmark::State& state, const Workload* w, qkv::Backend backend) {
   const qkv::bench::AttentionInputs in = qkv::bench::make_attention_inputs(*w);
   const qkv::AttentionOptions options = qkv::bench::make_attention_options(*w, backend);
   const qkv::bench::BackwardInputs bwd = qkv::bench::make_backward_inputs(*w, in, options);
-  (void)qkv::scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);  // warm-up
+  qkv::AttentionGrads grads;
+  qkv::scaled_dot_product_attention_backward_into(bwd.grad_output, in.q, in.k, in.v, bwd.forward, grads,
+                                                  options);  // warm-up, allocates the gradients
   for (auto _ : state) {
-    qkv::AttentionGrads grads =
-        qkv::scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);
+    qkv::scaled_dot_product_attention_backward_into(bwd.grad_output, in.q, in.k, in.v, bwd.forward, grads, options);
     benchmark::DoNotOptimize(grads.dq.data());
     benchmark::ClobberMemory();
   }

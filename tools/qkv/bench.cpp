@@ -6,8 +6,9 @@
 //   steady state  one warm-up, then the median of --runs calls, each writing into the same result
 //                 through scaled_dot_product_attention_into (nothing allocated, no fresh pages)
 // W1, W2 and W6 are also timed backward (rows "W1-bwd", "W2-bwd", "W6-bwd" (Auto only):
-// scaled_dot_product_attention_backward, Auto = Flash and Reference, each call allocating its gradients, so first call and steady state
-// time the same call; FLOPs = 2.5 x forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
+// scaled_dot_product_attention_backward, Auto = Flash and Reference: the first call allocates its
+// gradients, the steady state writes into the same ones through _backward_into; FLOPs = 2.5 x
+// forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
 // score modifier each (forward; the target: within 15% of W1's time). W7 is causal linear attention
 // (linear_attention) and W7-flash softmax attention on its shape (no Reference row); W7 also times
 // N = 4096 and 65536 for its scaling slope.
@@ -137,13 +138,19 @@ class Progress {
 
 using detail::GemmPath;
 
-// The GEMM paths of src/gemm.hpp that can compute a general product in this build.
+// The GEMM paths of src/gemm.hpp that can compute a general product in this build, OpenBLAS last.
 std::vector<GemmPath> sgemm_libraries() {
   std::vector<GemmPath> out;
-  for (GemmPath path : {GemmPath::OpenBlas, GemmPath::OneDnn})
+  for (GemmPath path : {GemmPath::OneDnn, GemmPath::OpenBlas})
     if (detail::gemm_path_can_take(path, false, false)) out.push_back(path);
   return out;
 }
+
+// OpenBLAS's own threads spin for about 2^28 cycles (0.1 s) after its last call before they
+// sleep: an OpenMP kernel timed in that window shares the cores with them (oneDNN on 512 x 64 x
+// 512 right after OpenBLAS: 1.2-6.6 GFLOP/s, against 140 once they sleep). Every timing that
+// follows an OpenBLAS one waits this long first.
+void let_openblas_threads_sleep() { std::this_thread::sleep_for(std::chrono::milliseconds(250)); }
 
 struct Baselines {
   double openblas_gflops = 0;
@@ -260,10 +267,11 @@ std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
     const Tensor a = Tensor::randn({g.m * g.k}, /*seed=*/21), b = Tensor::randn({g.k * g.n}, /*seed=*/22);
     const Tensor c = Tensor::zeros({g.m * g.n});
     GemmRow row{&g, {}, detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)};
-    for (GemmPath path : {GemmPath::OpenBlas, GemmPath::OneDnn, GemmPath::Small}) {
+    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::OpenBlas}) {  // OpenBLAS last
       if (!detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) continue;
       progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
       row.gflops.emplace_back(path, time_gemm(path, g, a, b, c));
+      if (path == GemmPath::OpenBlas) let_openblas_threads_sleep();
     }
     rows.push_back(std::move(row));
   }
@@ -411,8 +419,10 @@ Row measure_attention(const Workload& w, const bench::AttentionInputs& in, Backe
           std::nullopt};
 }
 
-// The backward allocates its gradients on every call (no _into form): both phases make the same
-// call. The forward result it needs is computed once, outside the timing, with the same options.
+// The backward as the forward: the first call allocates its gradients, the steady state writes
+// into the same ones (scaled_dot_product_attention_backward_into), as a training loop that keeps
+// its gradient buffers does. The forward result it needs is computed once, outside the timing,
+// with the same options.
 Row measure_backward(const Workload& w, const bench::AttentionInputs& in, Backend backend, int runs,
                      const std::function<int(double)>& runs_after_first, Progress& progress) {
   const AttentionOptions options = bench::make_attention_options(w, backend);
@@ -420,10 +430,13 @@ Row measure_backward(const Workload& w, const bench::AttentionInputs& in, Backen
   const std::string id = std::string(w.id) + "-bwd";
   progress.show(id, name, "forward");
   const bench::BackwardInputs bwd = bench::make_backward_inputs(w, in, options);
-  const auto call = [&] {
-    (void)scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options);
-  };
-  const Timings t = measure(call, call, runs, runs_after_first, id, name, progress);
+  AttentionGrads reused;  // the steady state writes here every run
+  const Timings t = measure(
+      [&] { (void)scaled_dot_product_attention_backward(bwd.grad_output, in.q, in.k, in.v, bwd.forward, options); },
+      [&] {
+        scaled_dot_product_attention_backward_into(bwd.grad_output, in.q, in.k, in.v, bwd.forward, reused, options);
+      },
+      runs, runs_after_first, id, name, progress);
   // Backward has no Decode: Auto runs Flash (attention.hpp).
   return {&w, true, name, backend == Backend::Reference ? "Reference" : "Flash", t.runs, t.first_ms, t.median_ms,
           t.min_ms, t.peak_extra_mib, std::nullopt};
@@ -725,7 +738,7 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
   fmt::print("first = release_workspaces() + a fresh result; median = steady state, same result reused (_into)\n");
   fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / best sgemm; x peak = GFLOP/s / FMA peak;\n"
              "GB/s and x memcpy: K and V bytes read\n");
-  fmt::print("-bwd = scaled_dot_product_attention_backward (gradients allocated each call), FLOPs = 2.5 x forward\n\n");
+  fmt::print("-bwd = scaled_dot_product_attention_backward (steady state: into the same gradients), FLOPs = 2.5 x forward\n\n");
   print_table(rows, env);
 
   const std::vector<Target> measured = targets(rows, env);
@@ -779,6 +792,7 @@ void run_bench(const BenchOptions& options) {
     for (GemmPath path : sgemm_libraries()) {
       const double rate = measure_sgemm(path, kSgemmSize, progress);
       (path == GemmPath::OneDnn ? out.onednn_gflops : out.openblas_gflops) = rate;
+      if (path == GemmPath::OpenBlas) let_openblas_threads_sleep();
     }
     out.memcpy_gbs = measure_memcpy(kMemcpyBytes, progress);
     return out;
