@@ -178,6 +178,23 @@ KvTile LoadKvTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, i
   return {w.k_wide, std::max<int64_t>(p.head_dim, 1), w.v_wide, std::max<int64_t>(p.value_dim, 1)};
 }
 
+// Whether the V rows of the tile that a zero weight may meet are finite (a hidden key's V may be
+// NaN or Inf, and 0 x NaN would reach the output through the GEMM): every row when a rule, a
+// tensor term or dropout can zero any weight; under the band alone only the keys some query of
+// the tile does not see, [j0, first key all see) and [last key all see, j_end) (a causal
+// diagonal tile: its rows past the first query, not all 64; the whole check was 3% of W0).
+bool HiddenValuesFinite(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t b, int64_t i0,
+                        size_t rows, int64_t j0, size_t cols, const KvTile& kv) {
+  const size_t dv = static_cast<size_t>(p.value_dim);
+  if (walk.residue || mask.hide >= 0 || !p.terms.empty() || !p.rule.empty() || p.dropout_p > 0)
+    return step::RowsFinite(kv.v, cols, dv, kv.v_stride);
+  const int64_t j_end = j0 + static_cast<int64_t>(cols), i_last = i0 + static_cast<int64_t>(rows) - 1;
+  const int64_t all_from = std::clamp(p.first_visible_key(i_last), j0, j_end);
+  const int64_t all_to = std::clamp(p.last_visible_key(b, i0), all_from, j_end);
+  return step::RowsFinite(kv.v, static_cast<size_t>(all_from - j0), dv, kv.v_stride) &&
+         step::RowsFinite(kv.v + (all_to - j0) * kv.v_stride, static_cast<size_t>(j_end - all_to), dv, kv.v_stride);
+}
+
 // One key tile (cols keys from j0) of a query tile (V vectors of queries from i0, `rows` real):
 // scores, modifiers and mask, the online softmax update, dropout, and Ot += V^T P^T.
 template <size_t V>
@@ -212,7 +229,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.scores + j * br, rows);
   // 5. Ot = correction * Ot + V_tile^T P^T: A(c, j) = V[j0 + j, c], row stride 1 and depth stride
   // V's row stride. Skipping zero weights when a hidden key's V may be NaN or Inf.
-  if ((some_hidden || p.dropout_p > 0) && !step::RowsFinite(v_tile, cols, dv, kv.v_stride)) {
+  if ((some_hidden || p.dropout_p > 0) && !HiddenValuesFinite(p, walk, mask, b, i0, rows, j0, cols, kv)) {
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
   } else {
