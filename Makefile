@@ -10,7 +10,7 @@
 BUILD ?= build
 JOBS ?= 2
 FUZZ_SECONDS ?= 300
-FUZZ_CI_SECONDS ?= 45
+FUZZ_CI_SECONDS ?= 30
 
 .PHONY: all configure build demo test test-release test-sanitize test-tsan test-fuzz fuzz fuzz-build clean
 
