@@ -254,6 +254,18 @@ TEST_P(AttentionProperties, NonFiniteHiddenKeysDoNotLeak) {
     // (Not bit-identical: the NaN moves step 5 off the GEMM onto a loop that rounds differently.)
     if (!sees) EXPECT_NEAR(dirty.output.at({0, 0, i, 0}), clean.output.at({0, 0, i, 0}), 1e-5);
   }
+  // Under a sliding window a NaN value is hidden from queries on both sides of a tile's band:
+  // those before its key (as above) and those whose window has moved past it (some of each).
+  const int64_t left = rng.integer(3, 20), offset = Nk - Nq;
+  const int64_t j_window = rng.integer(offset + 1, offset + Nq - 2 - left);
+  const Tensor v_window = v.clone();
+  v_window.at({0, 0, j_window, 0}) = NAN;
+  const AttentionResult slid = attend(q, k, v_window, GetParam(), Mask::window(left, 0, offset));
+  for (int64_t i = 0; i < Nq; ++i) {
+    const bool sees = offset + i - left <= j_window && j_window <= offset + i;
+    EXPECT_EQ(std::isnan(slid.output.at({0, 0, i, 0})), sees) << "query " << i << ", NaN at key " << j_window
+                                                              << ", window " << left;
+  }
 }
 
 // A query row that is all NaN gives a NaN output row and lse, not the zeros of an empty row.
