@@ -57,28 +57,48 @@ namespace qkv::cli {
 HWY_EXPORT(FmaChains);
 HWY_EXPORT(TargetName);
 
+namespace {
+
+// One round on every OpenMP thread at once: `iterations` FMA rounds each, timed from before the
+// threads start to after the last ends. Fills threads and lanes; returns the seconds.
+double TimeChains(int64_t iterations, int* threads, int* lanes) {
+  volatile float sink = 0;
+  int team = 0, width = 0;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel reduction(max : width)
+  {
+#pragma omp single
+    team = omp_get_num_threads();
+    const float sum = HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, &width);
+#pragma omp critical
+    sink = sink + sum;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  *threads = team;
+  *lanes = width;
+  return seconds;
+}
+
+}  // namespace
+
 FmaPeak measure_fma_peak(int repeats) {
-  // About 50 ms per repeat at 200 GFLOP/s per thread with 16 lanes.
-  constexpr int64_t kIterations = 20'000'000;
+  // Each repeat lasts about 50 ms: 20 million rounds at 200 GFLOP/s per thread with 16 lanes,
+  // fewer where the loop runs slower (a sanitizer build runs it 50x slower: 5 repeats of 20
+  // million rounds took 24 s there). The count doubles from 200 thousand until a round takes 20
+  // ms (the first round also starts the threads, and a busy host slows any one round).
+  constexpr int64_t kMaxIterations = 20'000'000;
+  constexpr double kProbeSeconds = 0.02, kRepeatSeconds = 0.05;
   FmaPeak peak;
   peak.target = HWY_DYNAMIC_DISPATCH(TargetName)();
-  volatile float sink = 0;
+  int64_t iterations = 200'000;
+  double seconds = TimeChains(iterations, &peak.threads, &peak.lanes);
+  for (; seconds < kProbeSeconds && iterations < kMaxIterations; iterations *= 2)
+    seconds = TimeChains(2 * iterations, &peak.threads, &peak.lanes);
+  iterations = std::min(kMaxIterations, static_cast<int64_t>(static_cast<double>(iterations) * kRepeatSeconds / seconds));
   for (int repeat = 0; repeat < repeats; ++repeat) {
-    int lanes = 0, threads = 0;
-    const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel reduction(max : lanes)
-    {
-#pragma omp single
-      threads = omp_get_num_threads();
-      const float sum = HWY_DYNAMIC_DISPATCH(FmaChains)(kIterations, &lanes);
-#pragma omp critical
-      sink = sink + sum;
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double flops = 2.0 * lanes * kChains * kIterations * threads;
+    seconds = TimeChains(iterations, &peak.threads, &peak.lanes);
+    const double flops = 2.0 * peak.lanes * kChains * static_cast<double>(iterations) * peak.threads;
     peak.gflops = std::max(peak.gflops, flops / seconds * 1e-9);
-    peak.threads = threads;
-    peak.lanes = lanes;
   }
   return peak;
 }
