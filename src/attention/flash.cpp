@@ -121,9 +121,10 @@ using step::ResidueTileRows;
 using step::TileMask;
 using step::Walk;
 
-// Br, queries per work item: exactly the micro-tile width, so one micro-GEMM call spans the
-// whole query tile and its running max / sum are kTileVectors vectors (48 queries on AVX-512).
+// Br, queries per work item at most: exactly the micro-tile width, so one micro-GEMM call spans
+// the whole query tile and its running max / sum are kTileVectors vectors (48 queries on AVX-512).
 size_t QueryTileRows() { return kTileVectors * hn::Lanes(DF()); }
+size_t VectorLanes() { return hn::Lanes(DF()); }
 
 // This target's HWY_TARGET bit, so tests can see which code a dispatch reaches.
 int64_t CompiledTarget() { return HWY_TARGET; }
@@ -336,17 +337,14 @@ void QueryTileKeys(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, 
   }
 }
 
-// One work item: query head h of batch b, queries [i0, i0 + Br) (fewer at the end of Nq).
-// `scratch` is this worker's block, laid out by flash::ScratchLayout. `carried`: the strided
-// residues ran first and left each row's softmax state in the outputs; continue from it.
-void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0,
+// One work item: query head h of batch b, queries [i0, i0 + rows), rows <= Br. `scratch` is
+// this worker's block, laid out by flash::ScratchLayout. `carried`: the strided residues ran
+// first and left each row's softmax state in the outputs; continue from it.
+void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0, size_t rows,
                     float* HWY_RESTRICT scratch) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(QueryTileRows()), p.q_len - i0));
-  // The width of this tile: the vectors its queries fill. Only a head's last tile can be
-  // narrower (W0's 256 queries are 5 x 48 + 16): padded to 48 lanes it did 3 x the work of its
-  // 16 queries, a quarter of all W0's; on one vector W0 takes 0.85 of the time (two threads).
+  // The width of this tile: the vectors its queries fill (flash_attention's QueryTiles).
   const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
   const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
@@ -393,16 +391,42 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::detail {
 
 HWY_EXPORT(QueryTileRows);
+HWY_EXPORT(VectorLanes);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(StridedResidues);
 HWY_EXPORT(CompiledTarget);
+
+namespace {
+
+// A head's queries as query tiles of whole vectors, as even as can be: the fewest tiles of at
+// most kTileVectors vectors, the first `wider` of them one vector wider than the rest. W0's 256
+// queries are 4 x 48 + 2 x 32, not 5 x 48 + 16: a one-vector tile's micro-GEMM (8 broadcasts and
+// 1 load per 8 FMAs) waits on loads, and that 16-query tile took 18% of W0's tile time for 11%
+// of its work.
+struct QueryTiles {
+  int64_t lanes, count, narrow, wider;  // narrow: the vectors of a tile past the first `wider`
+  QueryTiles(int64_t nq, int64_t lanes, int64_t max_vectors) : lanes(lanes) {
+    const int64_t vectors = (nq + lanes - 1) / lanes;
+    count = (vectors + max_vectors - 1) / max_vectors;
+    narrow = vectors / count;
+    wider = vectors % count;
+  }
+  int64_t first_query(int64_t tile) const { return lanes * (tile * narrow + std::min(tile, wider)); }
+  int64_t rows(int64_t tile, int64_t nq) const {
+    return std::min(lanes * (narrow + (tile < wider ? 1 : 0)), nq - first_query(tile));
+  }
+};
+
+}  // namespace
 
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
 
   const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
-  const int64_t query_tiles = (nq + static_cast<int64_t>(br) - 1) / static_cast<int64_t>(br);
+  const int64_t lanes = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(VectorLanes)());
+  const QueryTiles tiling(nq, lanes, static_cast<int64_t>(br) / lanes);
+  const int64_t query_tiles = tiling.count;
   const int64_t heads = problem.batch * problem.q_heads;
   const int64_t items = heads * query_tiles;
 
@@ -446,7 +470,8 @@ void flash_attention(const AttentionProblem& problem) {
     const int64_t bh = item / query_tiles;
     const int64_t tile = query_tiles - 1 - item % query_tiles;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
-                                         bh % problem.q_heads, tile * static_cast<int64_t>(br), block_of_this_thread());
+                                         bh % problem.q_heads, tiling.first_query(tile),
+                                         static_cast<size_t>(tiling.rows(tile, nq)), block_of_this_thread());
   });
 }
 
