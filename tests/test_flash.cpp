@@ -91,6 +91,10 @@ TEST(Flash, AwkwardLengthsAndDims) {
   cases.push_back(make_case(rng, {2, 2, 1, 1000, 113, 128, 80}, MaskKind::Combined, 1.0, 0.0f));
   cases.push_back(make_case(rng, {1, 1, 1, 113, 1000, 17, 3}, MaskKind::WindowRight, 1.0, 0.0f));
   cases.push_back(make_case(rng, {1, 3, 3, 1000, 1000, 1, 1}, MaskKind::Window, 1.0, 0.0f));
+  // Heads split into uneven query tiles (AVX-512: 80 = 48 + 32, 200 = 3 x 48 + 32 + 24, 256 =
+  // 4 x 48 + 2 x 32; other widths their own splits), causal so that each tile sees other keys.
+  for (int64_t nq : {80, 200, 256})
+    cases.push_back(make_case(rng, {1, 2, 1, nq, nq, 24, 24}, MaskKind::Causal, 1.0, 0.0f));
   check_everywhere(cases);
 }
 
