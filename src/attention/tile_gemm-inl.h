@@ -109,16 +109,20 @@ HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, 
 }
 
 // C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
-// vectors, then a block of the 1 or 2 left.
+// vectors, then a block of the 1 or 2 left; but 3 k + 1 vectors end in 2 + 2, not 3 + 1 (d = 64
+// on AVX-512 is 4 vectors: three of the flash backward's five products): a one-vector panel does
+// kTileRows FMAs per kTileRows broadcasts and 1 load, and waits on loads.
 HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
                      size_t ldb, float* c, size_t ldc, bool accumulate) {
   const size_t lanes = hn::Lanes(DF());
-  const size_t block = kTileVectors * lanes;
+  const size_t vectors = n / lanes;
+  size_t blocks = vectors / kTileVectors, vectors_left = vectors % kTileVectors;
+  if (vectors_left == 1 && blocks > 0) --blocks, vectors_left += kTileVectors;
   size_t col = 0;
-  for (; col + block <= n; col += block)
+  for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes)
     PanelGemm<kTileVectors>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  const size_t vectors_left = (n - col) / lanes;
-  if (vectors_left == 2) PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  for (; vectors_left >= 2; vectors_left -= 2, col += 2 * lanes)
+    PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
   if (vectors_left == 1) PanelGemm<1>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
 }
 
