@@ -20,6 +20,18 @@
 //   Tile/Diagonal     Scores + MaskCausal + Softmax + Rescale + Accumulate
 //   Call/W0, Call/W1  the whole scaled_dot_product_attention (Backend::Flash); counters give
 //                     the call's time per visited tile and the tile and item counts
+// The backward's steps (flash_backward.cpp's BackwardPair), on one W1 pair: Br queries (96) x
+// Bc = 64 keys, d = 64, head 0 of W1's problem; each product is 2 Bc Br d FLOPs:
+//   Bwd/ScoresT       S^T = K Qt, the micro-GEMM (Bc x Br, depth d)
+//   Bwd/Weights       P = exp(S - shift) * scale from the row stats
+//   Bwd/GradV         dV += P^T dO (Bc x d, depth Br)
+//   Bwd/GradPT        dP^T = V dOt (Bc x Br, depth d)
+//   Bwd/SoftmaxGrad   dS = P (dP - D)
+//   Bwd/GradK         dK += dS^T Q (Bc x d, depth Br)
+//   Bwd/GradQ         dQ += dS (scale K) (Br x d, depth Bc: A read transposed)
+//   Bwd/Pair          the seven composed as BackwardPair runs a fully visible pair
+//   Call/W1-bwd       the whole scaled_dot_product_attention_backward_into (Backend::Flash),
+//                     FLOPs 2.5 x the forward's, as qkv bench counts them; time per pair
 // Counters: GFLOP/s and x_peak (over the one-thread FMA peak measured before the benchmarks;
 // Call rows: over the peak times the threads they ran on). Both are rate counters, which Google
 // Benchmark prints with "/s": x_peak=0.83/s reads 0.83 of the peak.
@@ -34,6 +46,7 @@
 
 #ifndef QKV_STEP_BENCHMARK_ONCE
 #define QKV_STEP_BENCHMARK_ONCE
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -49,6 +62,15 @@ struct StepTile {
   float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *inverse, *lse;
 };
 
+// One backward worker's scratch for one (query tile, key tile) pair, as flash_backward.cpp lays
+// it out (d_pad = d for d = 64), and W1's K and V read in place.
+struct BackwardTile {
+  const detail::AttentionProblem* problem;  // W1's
+  size_t br, d, bc;
+  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *grad_t, *k_rows, *grad_k, *grad_v, *grad_q, *shift,
+      *scale, *row_dot;
+};
+
 }  // namespace qkv::bench
 #endif
 
@@ -57,10 +79,13 @@ namespace qkv::bench {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 namespace step = detail::HWY_NAMESPACE::pipeline;
+using detail::HWY_NAMESPACE::tile_gemm::Gemm;
 using detail::HWY_NAMESPACE::tile_gemm::kTileVectors;
 using detail::HWY_NAMESPACE::tile_gemm::PanelGemm;
 
 size_t TileRows() { return kTileVectors * hn::Lanes(hn::ScalableTag<float>()); }
+// flash_backward.cpp's Br (BackwardQueryTileRows): about 96, whole micro-tile widths.
+size_t BackwardTileRows() { return std::max<size_t>(1, 96 / TileRows()) * TileRows(); }
 
 void PackQ(const StepTile& t) {
   const detail::AttentionProblem& p = *t.problem;
@@ -117,6 +142,40 @@ void DiagonalTile(const StepTile& t) {
   Accumulate(t);
 }
 
+// The backward's steps, each as BackwardPair calls it on a fully visible pair.
+void BackwardScoresT(const BackwardTile& t) {
+  const detail::AttentionProblem& p = *t.problem;
+  Gemm(t.bc, t.br, t.d, p.k.row(0, 0, 0), static_cast<size_t>(p.k.row_stride), 1, t.q_t, t.br, t.weights_t, t.br,
+       false);
+}
+void BackwardWeights(const BackwardTile& t) { step::RecomputeWeights(t.weights_t, t.bc, t.br, t.shift, t.scale); }
+void BackwardGradV(const BackwardTile& t) {
+  Gemm(t.bc, t.d, t.br, t.weights_t, t.br, 1, t.grad_out_rows, t.d, t.grad_v, t.d, true);
+}
+void BackwardGradPT(const BackwardTile& t) {
+  const detail::AttentionProblem& p = *t.problem;
+  Gemm(t.bc, t.br, t.d, p.v.row(0, 0, 0), static_cast<size_t>(p.v.row_stride), 1, t.grad_out_t, t.br, t.grad_t, t.br,
+       false);
+}
+void BackwardSoftmaxGrad(const BackwardTile& t) {
+  step::SoftmaxGradient(t.weights_t, t.grad_t, t.bc, t.br, t.row_dot, nullptr);
+}
+void BackwardGradK(const BackwardTile& t) {
+  Gemm(t.bc, t.d, t.br, t.grad_t, t.br, 1, t.q_rows, t.d, t.grad_k, t.d, true);
+}
+void BackwardGradQ(const BackwardTile& t) {
+  Gemm(t.br, t.d, t.bc, t.grad_t, 1, t.br, t.k_rows, t.d, t.grad_q, t.d, true);
+}
+void BackwardPair(const BackwardTile& t) {
+  BackwardScoresT(t);
+  BackwardWeights(t);
+  BackwardGradV(t);
+  BackwardGradPT(t);
+  BackwardSoftmaxGrad(t);
+  BackwardGradK(t);
+  BackwardGradQ(t);
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::bench
@@ -126,6 +185,7 @@ HWY_AFTER_NAMESPACE();
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,41 +209,66 @@ HWY_EXPORT(Accumulate);
 HWY_EXPORT(Finish);
 HWY_EXPORT(FullTile);
 HWY_EXPORT(DiagonalTile);
+HWY_EXPORT(BackwardTileRows);
+HWY_EXPORT(BackwardScoresT);
+HWY_EXPORT(BackwardWeights);
+HWY_EXPORT(BackwardGradV);
+HWY_EXPORT(BackwardGradPT);
+HWY_EXPORT(BackwardSoftmaxGrad);
+HWY_EXPORT(BackwardGradK);
+HWY_EXPORT(BackwardGradQ);
+HWY_EXPORT(BackwardPair);
 
 namespace {
 
 constexpr size_t kKeyTile = 64;  // flash.cpp's Bc
 double g_peak_gflops = 0;        // one thread's FMA peak, measured in main before the benchmarks
 
-// W0's problem, built and bound by the library's builder, and one worker's scratch.
-struct StepFixture {
+// A workload's problem, built and bound by the library's builder as a Flash call binds it.
+struct BoundWorkload {
   AttentionInputs inputs;
   detail::BuiltProblem built;
   AttentionResult result;
+
+  explicit BoundWorkload(const Workload& w) : inputs(make_attention_inputs(w)) {
+    built = detail::build_problem("step_benchmark", inputs.q, inputs.k, inputs.v,
+                                  make_attention_options(w, Backend::Flash));
+    detail::bind_forward_outputs(built, result, false, inputs.q, inputs.k, inputs.v);
+  }
+};
+
+// One aligned block cut into parts[i] of sizes[i] floats, one after the other; its total size.
+template <size_t N>
+std::pair<hwy::AlignedFreeUniquePtr<float[]>, size_t> carve_scratch(float** const (&parts)[N],
+                                                                    const size_t (&sizes)[N]) {
+  size_t total = 0;
+  for (const size_t s : sizes) total += s;
+  auto block = hwy::AllocateAligned<float>(total);
+  float* at = block.get();
+  for (size_t i = 0; i < N; ++i) {
+    *parts[i] = at;
+    at += sizes[i];
+  }
+  return {std::move(block), total};
+}
+
+// W0's problem and one worker's scratch.
+struct StepFixture {
+  const Workload& w0 = *find_workload("W0");
+  BoundWorkload bound{w0};
   hwy::AlignedFreeUniquePtr<float[]> scratch;
   StepTile tile{};
 
-  StepFixture() : inputs(make_attention_inputs(*find_workload("W0"))) {
-    const Workload& w0 = *find_workload("W0");
-    built = detail::build_problem("step_benchmark", inputs.q, inputs.k, inputs.v,
-                                  make_attention_options(w0, Backend::Flash));
-    detail::bind_forward_outputs(built, result, false, inputs.q, inputs.k, inputs.v);
+  StepFixture() {
     const size_t br = HWY_DYNAMIC_DISPATCH(TileRows)(), d = static_cast<size_t>(w0.head_dim);
-    const size_t sizes[] = {d * br, kKeyTile * br, d * br, br, br, br, br, br, br};
-    size_t total = 0;
-    for (const size_t s : sizes) total += s;
-    scratch = hwy::AllocateAligned<float>(total);
+    auto [block, total] = carve_scratch({&tile.q_t, &tile.scores, &tile.out_t, &tile.running_max, &tile.row_sum,
+                                         &tile.correction, &tile.nan_seen, &tile.inverse, &tile.lse},
+                                        {d * br, kKeyTile * br, d * br, br, br, br, br, br, br});
+    scratch = std::move(block);
     std::fill_n(scratch.get(), total, 0.0f);
-    float* at = scratch.get();
-    float** parts[] = {&tile.q_t,       &tile.scores,   &tile.out_t,   &tile.running_max, &tile.row_sum,
-                       &tile.correction, &tile.nan_seen, &tile.inverse, &tile.lse};
-    for (size_t i = 0; i < std::size(parts); ++i) {
-      *parts[i] = at;
-      at += sizes[i];
-    }
     std::fill_n(tile.running_max, br, -std::numeric_limits<float>::infinity());
     // W0's last br queries against its last key tile: on the diagonal, as MaskCausal needs.
-    tile.problem = &built.problem;
+    tile.problem = &bound.built.problem;
     tile.br = br;
     tile.d = d;
     tile.bc = kKeyTile;
@@ -196,6 +281,41 @@ struct StepFixture {
 
 StepFixture& fixture() {
   static StepFixture f;
+  return f;
+}
+
+// W1's problem and one backward worker's scratch for a pair, its inputs filled with values of
+// the sizes a call sees (|x| <= 1), the row stats chosen so that P = exp(S - 2) / 2 stays small
+// when the weights step runs again on its own output, and D = 0.5 so that dS = P (dP - D)
+// iterated on its own output settles at a normal float, not a subnormal.
+struct BackwardFixture {
+  const Workload& w1 = *find_workload("W1");
+  BoundWorkload bound{w1};
+  hwy::AlignedFreeUniquePtr<float[]> scratch;
+  BackwardTile tile{};
+
+  BackwardFixture() {
+    const size_t br = HWY_DYNAMIC_DISPATCH(BackwardTileRows)(), d = static_cast<size_t>(w1.head_dim);
+    auto [block, total] = carve_scratch(
+        {&tile.q_t, &tile.grad_out_t, &tile.q_rows, &tile.grad_out_rows, &tile.weights_t, &tile.grad_t, &tile.k_rows,
+         &tile.grad_k, &tile.grad_v, &tile.grad_q, &tile.shift, &tile.scale, &tile.row_dot},
+        {d * br, d * br, br * d, br * d, kKeyTile * br, kKeyTile * br, kKeyTile * d, kKeyTile * d, kKeyTile * d, br * d,
+         br, br, br});
+    scratch = std::move(block);
+    for (size_t i = 0; i < total; ++i) scratch[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i)));
+    std::fill_n(tile.shift, br, 2.0f);
+    std::fill_n(tile.scale, br, 0.5f);
+    std::fill_n(tile.row_dot, br, 0.5f);
+    tile.problem = &bound.built.problem;
+    tile.br = br;
+    tile.d = d;
+    tile.bc = kKeyTile;
+    HWY_DYNAMIC_DISPATCH(BackwardPair)(tile);
+  }
+};
+
+BackwardFixture& backward_fixture() {
+  static BackwardFixture f;
   return f;
 }
 
@@ -237,6 +357,16 @@ CallTiles count_tiles(const Workload& w, size_t br) {
   return {c.items * heads, c.full * heads, c.diagonal * heads};
 }
 
+template <class Step>
+void BM_BackwardStep(benchmark::State& state, Step step, int gemms) {
+  const BackwardTile& t = backward_fixture().tile;
+  for (auto _ : state) {
+    step(t);
+    benchmark::ClobberMemory();
+  }
+  if (gemms > 0) set_flops(state, 2.0 * gemms * static_cast<double>(t.bc * t.br * t.d));
+}
+
 void BM_Call(benchmark::State& state, const Workload* w) {
   const int threads = static_cast<int>(state.range(0));
   const int saved = omp_get_max_threads();
@@ -261,6 +391,31 @@ void BM_Call(benchmark::State& state, const Workload* w) {
   state.counters["items"] = tiles.items;
 }
 
+// The whole flash backward of `w`, steady state (into the same gradients), as qkv bench times it.
+void BM_BackwardCall(benchmark::State& state, const Workload* w) {
+  const int threads = static_cast<int>(state.range(0));
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  const AttentionInputs in = make_attention_inputs(*w);
+  const AttentionOptions options = make_attention_options(*w, Backend::Flash);
+  const BackwardInputs bwd = make_backward_inputs(*w, in, options);
+  AttentionGrads grads;
+  scaled_dot_product_attention_backward_into(bwd.grad_output, in.q, in.k, in.v, bwd.forward, grads, options);
+  for (auto _ : state) {
+    scaled_dot_product_attention_backward_into(bwd.grad_output, in.q, in.k, in.v, bwd.forward, grads, options);
+    benchmark::ClobberMemory();
+  }
+  omp_set_num_threads(saved);
+  // Pairs of (query tile, key tile) a non-causal call runs: every query tile against every key tile.
+  const double br = static_cast<double>(HWY_DYNAMIC_DISPATCH(BackwardTileRows)());
+  const double pairs = static_cast<double>(w->batch * w->q_heads) * std::ceil(static_cast<double>(w->q_len) / br) *
+                       std::ceil(static_cast<double>(w->kv_len) / kKeyTile);
+  set_flops(state, backward_flops(*w), threads);
+  state.counters["time/pair"] =
+      benchmark::Counter(pairs, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["pairs"] = pairs;
+}
+
 void register_benchmarks() {
   const auto step = [](const char* name, auto function, int gemms) {
     benchmark::RegisterBenchmark(name, [function, gemms](benchmark::State& s) { BM_Step(s, function, gemms); })
@@ -281,6 +436,24 @@ void register_benchmarks() {
         ->Arg(2)
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
+  const auto backward = [](const char* name, auto function, int gemms) {
+    benchmark::RegisterBenchmark(name,
+                                 [function, gemms](benchmark::State& s) { BM_BackwardStep(s, function, gemms); })
+        ->Unit(benchmark::kNanosecond);
+  };
+  backward("Bwd/ScoresT", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardScoresT)(t); }, 1);
+  backward("Bwd/Weights", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardWeights)(t); }, 0);
+  backward("Bwd/GradV", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardGradV)(t); }, 1);
+  backward("Bwd/GradPT", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardGradPT)(t); }, 1);
+  backward("Bwd/SoftmaxGrad", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardSoftmaxGrad)(t); }, 0);
+  backward("Bwd/GradK", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardGradK)(t); }, 1);
+  backward("Bwd/GradQ", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardGradQ)(t); }, 1);
+  backward("Bwd/Pair", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardPair)(t); }, 5);
+  benchmark::RegisterBenchmark("Call/W1-bwd", BM_BackwardCall, find_workload("W1"))
+      ->Arg(1)
+      ->Arg(2)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
 }
 
 }  // namespace
