@@ -44,6 +44,12 @@ void PanelScaled(size_t m, size_t depth, const float* a, size_t a_row, size_t a_
 }
 size_t PanelWidth() { return tile_gemm::kTileVectors * Lanes(); }
 
+// C (m x n, n whole vectors) (+)= A B by Gemm's choice of panels (3-vector ones, then 4, 2 or 1).
+void GemmOf(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b, size_t ldb,
+            float* c, size_t ldc, bool accumulate) {
+  tile_gemm::Gemm(m, n, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv_test
@@ -53,7 +59,9 @@ HWY_AFTER_NAMESPACE();
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -69,6 +77,7 @@ HWY_EXPORT(Pack);
 HWY_EXPORT(Unpack);
 HWY_EXPORT(PanelScaled);
 HWY_EXPORT(PanelWidth);
+HWY_EXPORT(GemmOf);
 
 namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -193,6 +202,48 @@ TEST(Steps, MicroGemmFoldsTheRescaleIntoItsLoad) {
                                         n, c.data(), n, scale.data());
       for (size_t i = 0; i < m * n; ++i) ASSERT_NEAR(c[i], want[i], 1e-5 * (1 + static_cast<double>(depth))) << i;
     }
+  });
+}
+
+// Every panel split Gemm makes: 1 to 9 vectors wide (on AVX-512: 3-vector panels, then a 4-vector
+// one, 2 + 2, a 2 or a 1), m across the register tiles' row counts and their tails, A either way
+// round. C's rows are wider than n: the columns past n must keep their sentinel, and without
+// accumulate C starts as NaN, so an element left unwritten fails.
+TEST(Steps, MicroGemmEveryPanelSplit) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  on_every_target([&] {
+    const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
+    for (size_t vectors = 1; vectors <= 9; ++vectors)
+      for (int repeat = 0; repeat < 4; ++repeat) {
+        const size_t n = vectors * lanes, ldc = n + lanes;
+        const size_t m = static_cast<size_t>(rng.integer(1, 30)), depth = static_cast<size_t>(rng.integer(1, 40));
+        const bool transposed_a = rng.chance(0.5), accumulate = rng.chance(0.5);
+        std::vector<float> a(m * depth), b(depth * n), c(m * ldc);
+        for (auto* v : {&a, &b, &c})
+          for (float& x : *v) x = static_cast<float>(rng.uniform(-1, 1));
+        std::vector<double> want(m * ldc);
+        for (size_t r = 0; r < m; ++r)
+          for (size_t x = 0; x < ldc; ++x) {
+            if (x >= n) {
+              want[r * ldc + x] = c[r * ldc + x];
+              continue;
+            }
+            double sum = accumulate ? static_cast<double>(c[r * ldc + x]) : 0.0;
+            for (size_t k = 0; k < depth; ++k)
+              sum += static_cast<double>(transposed_a ? a[k * m + r] : a[r * depth + k]) * b[k * n + x];
+            want[r * ldc + x] = sum;
+          }
+        if (!accumulate)
+          for (size_t r = 0; r < m; ++r)
+            std::fill_n(c.begin() + static_cast<std::ptrdiff_t>(r * ldc), n, std::numeric_limits<float>::quiet_NaN());
+        HWY_DYNAMIC_DISPATCH(GemmOf)(m, n, depth, a.data(), transposed_a ? 1 : depth, transposed_a ? m : 1, b.data(),
+                                     n, c.data(), ldc, accumulate);
+        for (size_t i = 0; i < m * ldc; ++i)
+          ASSERT_NEAR(c[i], want[i], 1e-5 * (1 + static_cast<double>(depth)))
+              << "vectors " << vectors << ", m " << m << ", depth " << depth << ", row " << i / ldc << ", column "
+              << i % ldc;
+      }
   });
 }
 

@@ -39,6 +39,8 @@ constexpr size_t kTileRows = 8;
 constexpr size_t kTileRows = 4;
 #endif
 constexpr size_t kTileVectors = 3;
+// The 32-register targets also run 4-vector panels (PanelRows).
+constexpr bool kFourVectorPanels = kTileRows >= 8;
 
 // C[R x V*L] (+)= A[R x depth] B[depth x V*L], L = lanes; C is overwritten when !accumulate.
 // A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
@@ -86,32 +88,44 @@ HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_ro
   }
 }
 
-// The remainder of an A panel: `rows` < kTileRows, each row count its own unrolled tile.
+// Rows of a V-vector panel's register tile: kTileRows, but 6 for a 4-vector panel on AVX-512
+// (6 x 4 = 24 accumulators + 4 B loads + 1 broadcast = 29 of 32 registers), which does 24 FMAs
+// per 6 broadcasts and 4 loads where the 2 + 2 panels it replaces did 16 per 8 and 2.
+template <size_t V>
+constexpr size_t PanelRows() {
+  static_assert(V <= kTileVectors || (V == 4 && kFourVectorPanels), "no register tile for this panel width");
+  return V == 4 ? 6 : kTileRows;
+}
+
+// The remainder of an A panel: `rows` < PanelRows<V>(), each row count its own unrolled tile.
 template <size_t V, size_t R = 1>
 HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
                               const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
                               const float* c_scale) {
-  if constexpr (R < kTileRows) {
+  if constexpr (R < PanelRows<V>()) {
     if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
     MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
   }
 }
 
-// C[m x V*L] (+)= A[m x depth] B: panels of kTileRows rows, then the tail. c_scale as MicroTile's.
+// C[m x V*L] (+)= A[m x depth] B: panels of PanelRows<V>() rows, then the tail. c_scale as
+// MicroTile's.
 template <size_t V>
 HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
                           size_t ldb, float* c, size_t ldc, bool accumulate, const float* c_scale = nullptr) {
+  constexpr size_t kRows = PanelRows<V>();
   size_t r = 0;
-  for (; r + kTileRows <= m; r += kTileRows)
-    MicroTile<kTileRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
+  for (; r + kRows <= m; r += kRows)
+    MicroTile<kRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
   if (r < m)
     MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
 }
 
 // C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
-// vectors, then a block of the 1 or 2 left; but 3 k + 1 vectors end in 2 + 2, not 3 + 1 (d = 64
-// on AVX-512 is 4 vectors: three of the flash backward's five products): a one-vector panel does
-// kTileRows FMAs per kTileRows broadcasts and 1 load, and waits on loads.
+// vectors, then a block of the 1 or 2 left; but 3 k + 1 vectors end in one 4-vector panel on
+// AVX-512 and in 2 + 2 on the 16-register targets, not 3 + 1 (d = 64 on AVX-512 is 4 vectors:
+// three of the flash backward's five products): a one-vector panel does kTileRows FMAs per
+// kTileRows broadcasts and 1 load, and waits on loads.
 HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
                      size_t ldb, float* c, size_t ldc, bool accumulate) {
   const size_t lanes = hn::Lanes(DF());
@@ -121,6 +135,9 @@ HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_
   size_t col = 0;
   for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes)
     PanelGemm<kTileVectors>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  if constexpr (kFourVectorPanels) {
+    if (vectors_left == 4) return PanelGemm<4>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  }
   for (; vectors_left >= 2; vectors_left -= 2, col += 2 * lanes)
     PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
   if (vectors_left == 1) PanelGemm<1>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
