@@ -503,14 +503,23 @@ HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, si
   const VF minus_inf = hn::Set(df, kMinusInf);
   bool max_grew = false;
   for (size_t n = 0; n < br; n += lanes) {
-    VF tile_max = minus_inf;
-    VF tile_nan = hn::Zero(df);
-    for (size_t j = 0; j < cols; ++j) {
+    // Two chains of Max over the key lines, even and odd: one chain waits on Max's latency.
+    VF tile_max = minus_inf, odd_max = minus_inf;
+    auto tile_nan = hn::IsNaN(minus_inf);  // no lane
+    size_t j = 0;
+    for (; j + 2 <= cols; j += 2) {
+      const VF score = hn::Load(df, scores + j * br + n), next = hn::Load(df, scores + (j + 1) * br + n);
+      tile_max = hn::Max(tile_max, score);
+      odd_max = hn::Max(odd_max, next);
+      tile_nan = hn::Or(tile_nan, hn::Or(hn::IsNaN(score), hn::IsNaN(next)));
+    }
+    if (j < cols) {
       const VF score = hn::Load(df, scores + j * br + n);
       tile_max = hn::Max(tile_max, score);
-      tile_nan = hn::IfThenElse(hn::IsNaN(score), hn::Set(df, 1.0f), tile_nan);
+      tile_nan = hn::Or(tile_nan, hn::IsNaN(score));
     }
-    hn::Store(hn::Max(hn::Load(df, nan_seen + n), tile_nan), df, nan_seen + n);
+    tile_max = hn::Max(tile_max, odd_max);
+    hn::Store(hn::IfThenElse(tile_nan, hn::Set(df, 1.0f), hn::Load(df, nan_seen + n)), df, nan_seen + n);
     // A query that has seen no visible key yet keeps -inf and is exponentiated against 0
     // instead, so its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
     const VF old_max = hn::Load(df, running_max + n);
