@@ -66,6 +66,7 @@
 
 #include "attention/flash.hpp"
 #include "attention/problem.hpp"
+#include "attention/query_tiles.hpp"
 
 namespace qkv::detail::flash {
 
@@ -344,7 +345,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
                     float* HWY_RESTRICT scratch) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  // The width of this tile: the vectors its queries fill (flash_attention's QueryTiles).
+  // The width of this tile: the vectors its queries fill (QueryTiles, query_tiles.hpp).
   const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
   const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
@@ -395,29 +396,6 @@ HWY_EXPORT(VectorLanes);
 HWY_EXPORT(FlashQueryTile);
 HWY_EXPORT(StridedResidues);
 HWY_EXPORT(CompiledTarget);
-
-namespace {
-
-// A head's queries as query tiles of whole vectors, as even as can be: the fewest tiles of at
-// most kTileVectors vectors, the first `wider` of them one vector wider than the rest. W0's 256
-// queries are 4 x 48 + 2 x 32, not 5 x 48 + 16: a one-vector tile's micro-GEMM (8 broadcasts and
-// 1 load per 8 FMAs) waits on loads, and that 16-query tile took 18% of W0's tile time for 11%
-// of its work.
-struct QueryTiles {
-  int64_t lanes, count, narrow, wider;  // narrow: the vectors of a tile past the first `wider`
-  QueryTiles(int64_t nq, int64_t lanes, int64_t max_vectors) : lanes(lanes) {
-    const int64_t vectors = (nq + lanes - 1) / lanes;
-    count = (vectors + max_vectors - 1) / max_vectors;
-    narrow = vectors / count;
-    wider = vectors % count;
-  }
-  int64_t first_query(int64_t tile) const { return lanes * (tile * narrow + std::min(tile, wider)); }
-  int64_t rows(int64_t tile, int64_t nq) const {
-    return std::min(lanes * (narrow + (tile < wider ? 1 : 0)), nq - first_query(tile));
-  }
-};
-
-}  // namespace
 
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
@@ -471,7 +449,7 @@ void flash_attention(const AttentionProblem& problem) {
     const int64_t tile = query_tiles - 1 - item % query_tiles;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
                                          bh % problem.q_heads, tiling.first_query(tile),
-                                         static_cast<size_t>(tiling.rows(tile, nq)), block_of_this_thread());
+                                         static_cast<size_t>(tiling.rows(tile)), block_of_this_thread());
   });
 }
 

@@ -68,6 +68,7 @@
 
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
+#include "attention/query_tiles.hpp"
 
 namespace qkv::detail::flash_backward {
 
@@ -355,34 +356,38 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
                       const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
   const size_t br = BackwardTileRowsFor(p), lanes = hn::Lanes(DF());
-  const int64_t nq = p.q_len, group = p.q_heads / p.kv_heads;
-  const flash_backward::ScratchLayout layout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim));
+  const int64_t group = p.q_heads / p.kv_heads;
+  const flash_backward::ScratchLayout layout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
+                                             static_cast<size_t>(p.value_dim));
+  // A head's queries in tiles of br, a short remainder sharing the last whole tile's vectors
+  // (query_tiles.hpp): W1's 512 as 4 x 96 + 2 x 64, not 5 x 96 + 32. Each tile runs on the
+  // vectors its queries fill: the same scratch, its own Br.
+  const QueryTiles tiling(p.q_len, static_cast<int64_t>(lanes), static_cast<int64_t>(br / lanes));
   const Scratch w(scratch, br, layout);
-  // A head's last query tile, when narrower, runs on the vectors its queries fill (as the
-  // forward's, flash.cpp): the same scratch, a narrower Br.
-  const size_t last_rows = static_cast<size_t>(nq) % br;
-  const Scratch last(scratch, (last_rows + lanes - 1) / lanes * lanes, layout);
   std::fill_n(w.grad_q, br * w.dk_pad, 0.0f);  // each FlushGradQ leaves it zero again
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
     const KeyBlock keys = StartKeyTile(p, b, g, j0, 1, cols, w);
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
-      for (int64_t i0 = 0; i0 < nq; i0 += static_cast<int64_t>(br)) {
-        const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(br), nq - i0));
+      for (int64_t tile = 0; tile < tiling.count; ++tile) {
+        const int64_t i0 = tiling.first_query(tile);
+        const size_t rows = static_cast<size_t>(tiling.rows(tile));
         const int64_t i_last = i0 + static_cast<int64_t>(rows) - 1;
         if (step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols)) == step::TileClass::Hidden)
           continue;
-        const Scratch& tile_w = rows < br ? last : w;
+        const Scratch tile_w(scratch, static_cast<size_t>(tiling.vectors(tile)) * lanes, layout);
         PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
         for (size_t at = 0; at < cols; at += kKeyTile) {  // the block's key tiles, in key order
           const size_t tile_cols = std::min(kKeyTile, cols - at);
           const int64_t t0 = j0 + static_cast<int64_t>(at);
-          const step::TileClass tile = step::ClassifyMaskTile(p, b, h, i0, i_last, t0, t0 + static_cast<int64_t>(tile_cols));
-          if (tile == step::TileClass::Hidden) continue;
+          const step::TileClass tile_class =
+              step::ClassifyMaskTile(p, b, h, i0, i_last, t0, t0 + static_cast<int64_t>(tile_cols));
+          if (tile_class == step::TileClass::Hidden) continue;
           const KeyBlock tile_keys{t0, tile_cols, keys.k_rows + at * w.dk_pad, keys.grad_k + at * w.dk_pad,
                                    keys.grad_v + at * w.dv_pad, keys.k_finite};
-          BackwardPair(bp, {}, b, h, i0, rows, tile_keys, {tile != step::TileClass::Full, -1}, grad_q_out, tile_w);
+          BackwardPair(bp, {}, b, h, i0, rows, tile_keys, {tile_class != step::TileClass::Full, -1}, grad_q_out,
+                       tile_w);
         }
         FlushGradQ(p, b, h, i0, 1, rows, grad_q_out, tile_w);
       }
