@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every libFuzzer target of a QKV_FUZZ build for a bounded time each and prints its
-# figures (executions, coverage, corpus, crashes). Usage: fuzz/run.sh <build dir> <seconds each>
+# Runs every libFuzzer target of a QKV_FUZZ build for a bounded time each, FUZZ_JOBS (2) at a
+# time, and prints its figures (executions, coverage, corpus, crashes). Usage:
+# fuzz/run.sh <build dir> <seconds each>
 # The working corpus (build dir/corpus/<target>) starts from the committed seeds (fuzz/corpus/)
 # and grows across runs; a target with a dictionary (fuzz/<target>.dict) gets it; crashes land
 # in <build dir>/artifacts/ and fail the run.
@@ -11,29 +12,45 @@ here=$(cd "$(dirname "$0")" && pwd)
 # One OpenMP thread: the kernels' thread pool adds nothing to what is fuzzed, and the CI has 2 cores.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 mkdir -p "$build/artifacts" "$build/logs"
-status=0
-for target in fuzz_attention fuzz_model_load fuzz_mask_expression fuzz_explorer_api; do
-  corpus="$build/corpus/$target"
+# Two targets at a time, one per core (each still runs its full time): 4 x 30 s in CI take 60 s.
+jobs=${FUZZ_JOBS:-2}
+
+# Runs one target, then prints its figures (and the log's end when it failed) to its summary
+# file; the exit status is the fuzzer's.
+fuzz_one() {
+  local target=$1 corpus="$build/corpus/$1" log="$build/logs/$1.log" summary="$build/logs/$1.summary"
   mkdir -p "$corpus"
-  log="$build/logs/$target.log"
   # A target's dictionary (fuzz/<target>.dict: the grammar's words), when it has one.
-  dict=()
+  local dict=()
   if [ -f "$here/$target.dict" ]; then dict=(-dict="$here/$target.dict"); fi
-  set +e
+  local result=0
   "$build/fuzz/$target" "${dict[@]}" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=3072 -print_final_stats=1 \
-    -artifact_prefix="$build/artifacts/$target-" "$corpus" "$here/corpus/$target" >"$log" 2>&1
-  result=$?
-  set -e
+    -artifact_prefix="$build/artifacts/$target-" "$corpus" "$here/corpus/$target" >"$log" 2>&1 || result=$?
+  local runs last cov ft corp
   runs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
-  last=$(grep -E '^#[0-9]+' "$log" | tail -1)
+  last=$(grep -E '^#[0-9]+' "$log" | tail -1 || true)
   cov=$(echo "$last" | grep -o 'cov: [0-9]*' | grep -o '[0-9]*' || echo "?")
   ft=$(echo "$last" | grep -o 'ft: [0-9]*' | grep -o '[0-9]*' || echo "?")
   corp=$(echo "$last" | grep -o 'corp: [0-9]*' | grep -o '[0-9]*' || echo "?")
-  echo "fuzz: $target: ${seconds} s, $runs executions, coverage $cov edges, $ft features, corpus $corp inputs, exit $result"
-  if [ $result -ne 0 ]; then
-    echo "fuzz: $target FAILED; the log's end ($log):"
-    tail -40 "$log"
-    status=1
-  fi
+  {
+    echo "fuzz: $target: ${seconds} s, $runs executions, coverage $cov edges, $ft features, corpus $corp inputs, exit $result"
+    if [ $result -ne 0 ]; then
+      echo "fuzz: $target FAILED; the log's end ($log):"
+      tail -40 "$log"
+    fi
+  } >"$summary"
+  return $result
+}
+
+targets=(fuzz_attention fuzz_model_load fuzz_mask_expression fuzz_explorer_api)
+status=0
+for ((first = 0; first < ${#targets[@]}; first += jobs)); do
+  pids=()
+  for target in "${targets[@]:first:jobs}"; do
+    fuzz_one "$target" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for target in "${targets[@]:first:jobs}"; do cat "$build/logs/$target.summary"; done
 done
 exit $status
