@@ -14,11 +14,16 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 mkdir -p "$build/artifacts" "$build/logs"
 # Two targets at a time, one per core (each still runs its full time): 4 x 30 s in CI take 60 s.
 jobs=${FUZZ_JOBS:-2}
+if ! [[ $jobs =~ ^[1-9][0-9]*$ ]]; then
+  echo "fuzz/run.sh: FUZZ_JOBS must be a whole number >= 1, not '$jobs'" >&2
+  exit 2
+fi
 
 # Runs one target, then prints its figures (and the log's end when it failed) to its summary
 # file; the exit status is the fuzzer's.
 fuzz_one() {
   local target=$1 corpus="$build/corpus/$1" log="$build/logs/$1.log" summary="$build/logs/$1.summary"
+  rm -f "$summary"
   mkdir -p "$corpus"
   # A target's dictionary (fuzz/<target>.dict: the grammar's words), when it has one.
   local dict=()
@@ -51,6 +56,8 @@ for ((first = 0; first < ${#targets[@]}; first += jobs)); do
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  for target in "${targets[@]:first:jobs}"; do cat "$build/logs/$target.summary"; done
+  for target in "${targets[@]:first:jobs}"; do
+    cat "$build/logs/$target.summary" 2>/dev/null || echo "fuzz: $target: no summary (the run stopped early)"
+  done
 done
 exit $status

@@ -206,8 +206,7 @@ TEST(Steps, MicroGemmFoldsTheRescaleIntoItsLoad) {
 }
 
 // Every panel split Gemm makes: 1 to 9 vectors wide (on AVX-512: 3-vector panels, then a 4-vector
-// one, 2 + 2, a 2 or a 1), m across the register tiles' row counts and their tails, A either way
-// round. C's rows are wider than n: the columns past n must keep their sentinel, and without
+// one, 2 + 2, a 2 or a 1), m from 1 to 17 (every register tile's tails), A either way round. C's rows are wider than n: the columns past n must keep their sentinel, and without
 // accumulate C starts as NaN, so an element left unwritten fails.
 TEST(Steps, MicroGemmEveryPanelSplit) {
   Random rng;
@@ -215,9 +214,9 @@ TEST(Steps, MicroGemmEveryPanelSplit) {
   on_every_target([&] {
     const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
     for (size_t vectors = 1; vectors <= 9; ++vectors)
-      for (int repeat = 0; repeat < 4; ++repeat) {
+      for (size_t m = 1; m <= 17; ++m) {  // every tail of the 4-, 6- and 8-row tiles, and two whole panels
         const size_t n = vectors * lanes, ldc = n + lanes;
-        const size_t m = static_cast<size_t>(rng.integer(1, 30)), depth = static_cast<size_t>(rng.integer(1, 40));
+        const size_t depth = static_cast<size_t>(rng.integer(1, 40));
         const bool transposed_a = rng.chance(0.5), accumulate = rng.chance(0.5);
         std::vector<float> a(m * depth), b(depth * n), c(m * ldc);
         for (auto* v : {&a, &b, &c})
