@@ -326,9 +326,10 @@ void set_flops(benchmark::State& state, double flops, int threads = 1) {
       benchmark::Counter(flops / (g_peak_gflops * 1e9 * threads), benchmark::Counter::kIsIterationInvariantRate);
 }
 
-template <class Step>
-void BM_Step(benchmark::State& state, Step step, int gemms) {
-  const StepTile& t = fixture().tile;
+// One step, or a composition of steps, on a fixture's tile (StepTile or BackwardTile); `gemms`
+// micro-GEMMs of 2 Bc Br d FLOPs each.
+template <class Tile, class Step>
+void BM_Step(benchmark::State& state, const Tile& t, Step step, int gemms) {
   for (auto _ : state) {
     step(t);
     benchmark::ClobberMemory();
@@ -355,16 +356,6 @@ CallTiles count_tiles(const Workload& w, size_t br) {
   }
   const double heads = static_cast<double>(w.batch * w.q_heads);
   return {c.items * heads, c.full * heads, c.diagonal * heads};
-}
-
-template <class Step>
-void BM_BackwardStep(benchmark::State& state, Step step, int gemms) {
-  const BackwardTile& t = backward_fixture().tile;
-  for (auto _ : state) {
-    step(t);
-    benchmark::ClobberMemory();
-  }
-  if (gemms > 0) set_flops(state, 2.0 * gemms * static_cast<double>(t.bc * t.br * t.d));
 }
 
 void BM_Call(benchmark::State& state, const Workload* w) {
@@ -418,8 +409,9 @@ void BM_BackwardCall(benchmark::State& state, const Workload* w) {
 
 void register_benchmarks() {
   const auto step = [](const char* name, auto function, int gemms) {
-    benchmark::RegisterBenchmark(name, [function, gemms](benchmark::State& s) { BM_Step(s, function, gemms); })
-        ->Unit(benchmark::kNanosecond);
+    benchmark::RegisterBenchmark(name, [function, gemms](benchmark::State& s) {
+      BM_Step(s, fixture().tile, function, gemms);
+    })->Unit(benchmark::kNanosecond);
   };
   step("Step/PackQ", [](const StepTile& t) { HWY_DYNAMIC_DISPATCH(PackQ)(t); }, 0);
   step("Step/Scores", [](const StepTile& t) { HWY_DYNAMIC_DISPATCH(Scores)(t); }, 1);
@@ -437,9 +429,9 @@ void register_benchmarks() {
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
   const auto backward = [](const char* name, auto function, int gemms) {
-    benchmark::RegisterBenchmark(name,
-                                 [function, gemms](benchmark::State& s) { BM_BackwardStep(s, function, gemms); })
-        ->Unit(benchmark::kNanosecond);
+    benchmark::RegisterBenchmark(name, [function, gemms](benchmark::State& s) {
+      BM_Step(s, backward_fixture().tile, function, gemms);
+    })->Unit(benchmark::kNanosecond);
   };
   backward("Bwd/ScoresT", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardScoresT)(t); }, 1);
   backward("Bwd/Weights", [](const BackwardTile& t) { HWY_DYNAMIC_DISPATCH(BackwardWeights)(t); }, 0);
