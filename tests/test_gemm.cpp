@@ -4,6 +4,7 @@
 // poisoned; then its callers (nn::Linear, the reference kernel forward and backward) run on each
 // path through the test hook.
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 #include <omp.h>
 
 #include <cmath>
@@ -111,20 +112,28 @@ TEST(Gemm, EveryPathMatchesFloat64) {
   const int threads_before = omp_get_max_threads();
   for (GemmPath path : built_paths()) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
-    for (int threads : {1, 2}) {
-      omp_set_num_threads(threads);
-      SCOPED_TRACE("threads " + std::to_string(threads));
-      for (bool trans_a : {false, true}) {
-        for (bool trans_b : {false, true}) {
-          if (!qkv::detail::gemm_path_can_take(path, trans_a, trans_b)) continue;
-          for (const auto& [m, n, k] : kShapes) {
-            const float alpha = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
-            const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[static_cast<size_t>(rng.integer(0, 2))];
-            const GemmCase g = make_gemm_case(rng, trans_a, trans_b, m, n, k, alpha, beta);
-            std::vector<float> c = g.c;
-            qkv::detail::sgemm_on(path, trans_a, trans_b, m, n, k, alpha, g.a.data(), g.lda, g.b.data(), g.ldb, beta,
-                                  c.data(), g.ldc);
-            expect_matches_float64(g, c);
+    // The Small kernel is ours, SIMD per target (its tile and its sums differ): every runnable
+    // target in turn; the libraries dispatch on their own (0: the CPU's choice).
+    const std::vector<int64_t> targets = path == GemmPath::Small ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
+    for (int64_t target : targets) {
+      std::optional<qkv_test::ForcedTarget> forced;
+      if (target != 0) forced.emplace(target);
+      SCOPED_TRACE(std::string("SIMD target ") + (target != 0 ? hwy::TargetName(target) : "as the CPU"));
+      for (int threads : {1, 2}) {
+        omp_set_num_threads(threads);
+        SCOPED_TRACE("threads " + std::to_string(threads));
+        for (bool trans_a : {false, true}) {
+          for (bool trans_b : {false, true}) {
+            if (!qkv::detail::gemm_path_can_take(path, trans_a, trans_b)) continue;
+            for (const auto& [m, n, k] : kShapes) {
+              const float alpha = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
+              const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[static_cast<size_t>(rng.integer(0, 2))];
+              const GemmCase g = make_gemm_case(rng, trans_a, trans_b, m, n, k, alpha, beta);
+              std::vector<float> c = g.c;
+              qkv::detail::sgemm_on(path, trans_a, trans_b, m, n, k, alpha, g.a.data(), g.lda, g.b.data(), g.ldb,
+                                    beta, c.data(), g.ldc);
+              expect_matches_float64(g, c);
+            }
           }
         }
       }
@@ -156,6 +165,8 @@ TEST(Gemm, ChoiceAndTestHook) {
   // Few rows go to Small, except to oneDNN where Small runs its 16-register tile (see gemm.cpp).
   const bool small_wins = large == GemmPath::OpenBlas || qkv::detail::small_rows_gemm_has_wide_tile();
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 20, 1536, 512), small_wins ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 512), small_wins ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 65, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
