@@ -3,10 +3,12 @@
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
 //     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
-//     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, 32 rows where the
-//     CPU runs Small's AVX-512 tile (Zen 5: within the noise of oneDNN up to about 32 rows; at 64
-//     oneDNN 1.15-1.4x Small on one thread), and none elsewhere: on AVX2 (Zen 3) oneDNN took
-//     0.82-0.90 x Small's time on W5 (in-process A/B, 1 and 2 threads).
+//     64 rows: against OpenBLAS, which packs W even for one row; and against oneDNN where the CPU
+//     runs Small's AVX-512 tile (Ice Lake, NT m x 512 x 512, after Small's register fix: on two
+//     threads oneDNN took 1.6-4.5x Small's time up to 64 rows and 1.3x at 128; on one thread
+//     1.0x at 32 and 48 rows, 0.93 at 64; Zen 5 before that fix: within the noise up to about 32
+//     rows). None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x Small's time on W5
+//     (in-process A/B, 1 and 2 threads).
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -32,7 +34,7 @@ namespace {
 
 // At most this many rows of A go to the Small kernel: beyond, packing W pays for itself.
 #ifdef QKV_HAVE_DNNL
-int64_t small_max_rows() { return small_rows_gemm_has_wide_tile() ? 32 : 0; }
+int64_t small_max_rows() { return small_rows_gemm_has_wide_tile() ? 64 : 0; }
 #else
 int64_t small_max_rows() { return 64; }
 #endif
