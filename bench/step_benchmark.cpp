@@ -105,7 +105,7 @@ void MaskCausal(const StepTile& t) {
 }
 
 bool Softmax(const StepTile& t) {
-  return step::SoftmaxColumnsUpdate(t.scores, t.bc, t.br, t.running_max, t.row_sum, t.correction, t.nan_seen);
+  return step::SoftmaxColumnsUpdate<kTileVectors>(t.scores, t.bc, t.running_max, t.row_sum, t.correction, t.nan_seen);
 }
 
 void Rescale(const StepTile& t) { step::RescaleColumns(t.out_t, t.d, t.br, t.correction); }

@@ -225,7 +225,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew (by the
   // correction factors, applied as the next product loads Ot).
   const bool max_grew =
-      step::SoftmaxColumnsUpdate(w.scores, cols, br, w.running_max, w.row_sum, w.correction, w.nan_seen);
+      step::SoftmaxColumnsUpdate<V>(w.scores, cols, w.running_max, w.row_sum, w.correction, w.nan_seen);
   // 4. Dropout on P (scaling exp(s - m) is scaling exp(s - m) / l at the end).
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.scores + j * br, rows);

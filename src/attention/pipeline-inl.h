@@ -489,54 +489,74 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
   return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33654f)), hn::Mul(e, two_to_n));
 }
 
-// ---- Step "softmax", queries in the lanes (flash): one tile of Bc key lines of br queries.
-// For each query: the new running max over the tile, the factor exp(old - new) that moves what
-// was accumulated to it (into `correction`), P = exp(S - max) in place (hidden keys give exactly
-// 0) and the running sum. A NaN score is noted in nan_seen (Max drops NaN) and poisons its
-// row at the finish, as the reference's softmax does. (Noting it from the tile's sum instead,
-// which ExpSoftmax's NaN makes NaN, measured no faster.) Returns whether any query's max grew.
-HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, size_t br, float* HWY_RESTRICT running_max,
+// ---- Step "softmax", queries in the lanes (flash): one tile of Bc key lines of V vectors of
+// queries (br = V lanes). For each query: the new running max over the tile, the factor
+// exp(old - new) that moves what was accumulated to it (into `correction`), P = exp(S - max) in
+// place (hidden keys give exactly 0) and the running sum. A NaN score is noted in nan_seen (Max
+// drops NaN) and poisons its row at the finish, as the reference's softmax does. (Noting it from
+// the tile's sum instead, which ExpSoftmax's NaN makes NaN, measured no faster.) Returns whether
+// any query's max grew. Both passes go key line by key line over all V vectors, so each step has
+// V independent chains (the max's: 2 V, even and odd lines): one vector at a time, the
+// exponentials of a 64-key tile waited on the max pass and on each other's latency.
+template <size_t V>
+HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
                                      float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction,
                                      float* HWY_RESTRICT nan_seen) {
   const DF df;
-  const size_t lanes = hn::Lanes(df);
+  const size_t lanes = hn::Lanes(df), br = V * lanes;
   const VF minus_inf = hn::Set(df, kMinusInf);
+  VF tile_max[V], odd_max[V];
+  hn::Mask<DF> tile_nan[V];
+  HWY_UNROLL(4)
+  for (size_t n = 0; n < V; ++n) tile_max[n] = odd_max[n] = minus_inf, tile_nan[n] = hn::FirstN(df, 0);
+  size_t j = 0;
+  for (; j + 2 <= cols; j += 2) {
+    HWY_UNROLL(4)
+    for (size_t n = 0; n < V; ++n) {
+      const VF score = hn::Load(df, scores + j * br + n * lanes), next = hn::Load(df, scores + (j + 1) * br + n * lanes);
+      tile_max[n] = hn::Max(tile_max[n], score);
+      odd_max[n] = hn::Max(odd_max[n], next);
+      tile_nan[n] = hn::Or(tile_nan[n], hn::Or(hn::IsNaN(score), hn::IsNaN(next)));
+    }
+  }
+  if (j < cols) {
+    HWY_UNROLL(4)
+    for (size_t n = 0; n < V; ++n) {
+      const VF score = hn::Load(df, scores + j * br + n * lanes);
+      tile_max[n] = hn::Max(tile_max[n], score);
+      tile_nan[n] = hn::Or(tile_nan[n], hn::IsNaN(score));
+    }
+  }
   bool max_grew = false;
-  for (size_t n = 0; n < br; n += lanes) {
-    // Two chains of Max over the key lines, even and odd: one chain waits on Max's latency.
-    VF tile_max = minus_inf, odd_max = minus_inf;
-    auto tile_nan = hn::IsNaN(minus_inf);  // no lane
-    size_t j = 0;
-    for (; j + 2 <= cols; j += 2) {
-      const VF score = hn::Load(df, scores + j * br + n), next = hn::Load(df, scores + (j + 1) * br + n);
-      tile_max = hn::Max(tile_max, score);
-      odd_max = hn::Max(odd_max, next);
-      tile_nan = hn::Or(tile_nan, hn::Or(hn::IsNaN(score), hn::IsNaN(next)));
-    }
-    if (j < cols) {
-      const VF score = hn::Load(df, scores + j * br + n);
-      tile_max = hn::Max(tile_max, score);
-      tile_nan = hn::Or(tile_nan, hn::IsNaN(score));
-    }
-    tile_max = hn::Max(tile_max, odd_max);
-    hn::Store(hn::IfThenElse(tile_nan, hn::Set(df, 1.0f), hn::Load(df, nan_seen + n)), df, nan_seen + n);
+  VF safe_max[V], tile_sum[V];
+  HWY_UNROLL(4)
+  for (size_t n = 0; n < V; ++n) {
+    const size_t at = n * lanes;
+    hn::Store(hn::IfThenElse(tile_nan[n], hn::Set(df, 1.0f), hn::Load(df, nan_seen + at)), df, nan_seen + at);
     // A query that has seen no visible key yet keeps -inf and is exponentiated against 0
     // instead, so its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
-    const VF old_max = hn::Load(df, running_max + n);
-    const VF new_max = hn::Max(old_max, tile_max);
-    const VF safe_max = hn::IfThenZeroElse(hn::Eq(new_max, minus_inf), new_max);
-    const VF factor = hn::Exp(df, hn::Sub(old_max, safe_max));  // 1 when the max did not grow
+    const VF old_max = hn::Load(df, running_max + at);
+    const VF new_max = hn::Max(old_max, hn::Max(tile_max[n], odd_max[n]));
+    safe_max[n] = hn::IfThenZeroElse(hn::Eq(new_max, minus_inf), new_max);
+    const VF factor = hn::Exp(df, hn::Sub(old_max, safe_max[n]));  // 1 when the max did not grow
     max_grew = max_grew || !hn::AllTrue(df, hn::Eq(old_max, new_max));
-    hn::Store(new_max, df, running_max + n);
-    hn::Store(factor, df, correction + n);
-    VF tile_sum = hn::Zero(df);
-    for (size_t j = 0; j < cols; ++j) {
-      float* s = scores + j * br + n;
-      const VF weight = ExpSoftmax(df, hn::Sub(hn::Load(df, s), safe_max));
+    hn::Store(new_max, df, running_max + at);
+    hn::Store(factor, df, correction + at);
+    tile_sum[n] = hn::Zero(df);
+  }
+  for (j = 0; j < cols; ++j) {
+    HWY_UNROLL(4)
+    for (size_t n = 0; n < V; ++n) {
+      float* s = scores + j * br + n * lanes;
+      const VF weight = ExpSoftmax(df, hn::Sub(hn::Load(df, s), safe_max[n]));
       hn::Store(weight, df, s);
-      tile_sum = hn::Add(tile_sum, weight);
+      tile_sum[n] = hn::Add(tile_sum[n], weight);
     }
-    hn::Store(hn::MulAdd(hn::Load(df, row_sum + n), factor, tile_sum), df, row_sum + n);
+  }
+  HWY_UNROLL(4)
+  for (size_t n = 0; n < V; ++n) {
+    const size_t at = n * lanes;
+    hn::Store(hn::MulAdd(hn::Load(df, row_sum + at), hn::Load(df, correction + at), tile_sum[n]), df, row_sum + at);
   }
   return max_grew;
 }
