@@ -41,6 +41,7 @@ constexpr bool kWideTile = false;
 #endif
 
 bool WideTile() { return kWideTile; }
+size_t TileOutputs() { return kOutputs; }
 
 #if HWY_TARGET != HWY_SCALAR
 using D4 = hn::Full128<float>;
@@ -66,16 +67,17 @@ HWY_INLINE V4 SumsOf4(V4 a, V4 b, V4 c, V4 d) {
 }
 #endif
 
-// sums[r O + o] = sum_i x[r, i] w[o, i] for r < R, o < O: x rows ldx apart, w rows ldw apart, k
-// terms. Not inlined, and its loops unrolled down to the sums: the k loop holds R x O
-// accumulators, O W vectors and an x vector, and inlined into its callers (as it was) GCC kept
-// their scalars (alpha, beta, a pointer) in vector registers, spilled a W vector that R FMAs a
-// step reloaded, and stored every accumulator to the stack to sum it with a scalar tail loop.
-// The k % lanes tail is one more step on zero-padded copies, and the sums go by fours
-// (SumsOf4): W5's 20-row products took 0.60-0.72 of the time (in-process A/B, one thread).
+// y[r, o] = alpha sum_i x[r, i] w[o, i] + beta y[r, o] for r < R, o < O (y not read when beta is
+// 0): x rows ldx apart, w rows ldw apart, y rows ldy apart, k terms. Not inlined, and its loops
+// unrolled down to the stores: the k loop holds R x O accumulators, O W vectors and an x vector,
+// and inlined into the loop over tiles (as it was) GCC kept that loop's scalars (alpha, beta, a
+// pointer) in vector registers, spilled a W vector that R FMAs a step reloaded, and stored every
+// accumulator to the stack to sum it with a scalar tail loop. The k % lanes tail is one more
+// step on zero-padded copies, and the sums and y go by fours (SumsOf4): W5's 20-row products
+// took 0.60-0.72 of the time (in-process A/B, one thread).
 template <size_t R, size_t O>
-HWY_NOINLINE void DotTile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
-                          float* HWY_RESTRICT sums) {
+HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
+                       float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   VF acc[R][O];
@@ -105,41 +107,38 @@ HWY_NOINLINE void DotTile(const float* HWY_RESTRICT x, size_t ldx, const float* 
     for (size_t o = 0; o < O; ++o) std::copy(w + o * ldw + i, w + o * ldw + k, w_tail + o * lanes);
     step(x_tail, lanes, w_tail, lanes);
   }
+  // y = alpha sums + beta y, y not read when beta is 0.
 #if HWY_TARGET == HWY_SCALAR
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) sums[r * O + o] = hn::GetLane(acc[r][o]);
+  for (size_t r = 0; r < R; ++r) {
+    for (size_t o = 0; o < O; ++o) {
+      const float sum = hn::GetLane(acc[r][o]);
+      float& out = y[r * ldy + o];
+      out = beta == 0.0f ? alpha * sum : alpha * sum + beta * out;
+    }
+  }
 #else
   // Each row's sums by fours: a vector's halves added down to 128 bits, then four of them
-  // transposed and added (SumsOf4), one lane per output.
+  // transposed and added (SumsOf4), one lane per output, and y's four outputs updated at once.
+  const D4 d4;
   HWY_UNROLL(16)
   for (size_t r = 0; r < R; ++r) {
     HWY_UNROLL(16)
     for (size_t o = 0; o < O; o += 4) {
       V4 part[4];  // outputs o .. o + 3, zero past O
       HWY_UNROLL(4)
-      for (size_t x = 0; x < 4; ++x)
-        part[x] = o + x < O ? To128(df, acc[r][std::min(o + x, O - 1)]) : hn::Zero(D4());
-      HWY_ALIGN float four[4];
-      hn::Store(SumsOf4(part[0], part[1], part[2], part[3]), D4(), four);
-      for (size_t x = 0; x < 4 && o + x < O; ++x) sums[r * O + o + x] = four[x];
+      for (size_t x = 0; x < 4; ++x) part[x] = o + x < O ? To128(df, acc[r][std::min(o + x, O - 1)]) : hn::Zero(d4);
+      const V4 sums = hn::Mul(hn::Set(d4, alpha), SumsOf4(part[0], part[1], part[2], part[3]));
+      float* HWY_RESTRICT out = y + r * ldy + o;
+      if (o + 4 <= O) {
+        hn::StoreU(beta == 0.0f ? sums : hn::MulAdd(hn::Set(d4, beta), hn::LoadU(d4, out), sums), d4, out);
+      } else {
+        HWY_ALIGN float four[4];
+        hn::Store(sums, d4, four);
+        for (size_t x = 0; o + x < O; ++x) out[x] = beta == 0.0f ? four[x] : four[x] + beta * out[x];
+      }
     }
   }
 #endif
-}
-
-// y[r, o] = alpha sum_i x[r, i] w[o, i] + beta y[r, o] for r < R, o < O (y not read when beta is
-// 0): x rows ldx apart, w rows ldw apart, k terms.
-template <size_t R, size_t O>
-HWY_INLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
-                     float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
-  float sums[R * O];
-  DotTile<R, O>(x, ldx, w, ldw, k, sums);
-  for (size_t r = 0; r < R; ++r) {
-    for (size_t o = 0; o < O; ++o) {
-      float& out = y[r * ldy + o];
-      out = beta == 0.0f ? alpha * sums[r * O + o] : alpha * sums[r * O + o] + beta * out;
-    }
-  }
 }
 
 // Outputs [o_begin, o_end) of every row: full tiles, then the rows and outputs left over.
@@ -172,22 +171,33 @@ namespace qkv::detail {
 
 HWY_EXPORT(OutputBlock);
 HWY_EXPORT(WideTile);
+HWY_EXPORT(TileOutputs);
 
 bool small_rows_gemm_has_wide_tile() { return HWY_DYNAMIC_DISPATCH(WideTile)(); }
 
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
                      float alpha, float beta, float* y, int64_t ldy) {
-  // Threads take blocks of outputs as they free up (dynamic: one slow thread on a busy machine
-  // does not hold the others back); below about a million multiply-adds one thread is faster.
+  // Threads take blocks of about kBlock outputs as they free up (dynamic: one slow thread on a
+  // busy machine does not hold the others back); below about a million multiply-adds one thread
+  // is faster. Threaded, the blocks are as many as a multiple of the threads, each a whole number
+  // of tiles: W5's 512 outputs are 12 blocks of 44 (the last 28), not 11 of 48, which left one
+  // of two threads a sixth block while the other waited.
   constexpr int64_t kBlock = 48, kMinWorkForThreads = int64_t{1} << 20;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const bool threaded = rows * n * k >= kMinWorkForThreads && blocks > 1 && omp_get_max_threads() > 1;
+  const int64_t threads = omp_get_max_threads();
+  const bool threaded = rows * n * k >= kMinWorkForThreads && n > kBlock && threads > 1;
+  int64_t block_size = kBlock;
+  if (threaded) {
+    const int64_t tile = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(TileOutputs)());
+    const int64_t blocks = (n + kBlock - 1) / kBlock, even = (blocks + threads - 1) / threads * threads;
+    block_size = ((n + even - 1) / even + tile - 1) / tile * tile;
+  }
+  const int64_t blocks = (n + block_size - 1) / block_size;
 #pragma omp parallel for schedule(dynamic, 1) if (threaded)
   for (int64_t block = 0; block < blocks; ++block) {
     HWY_DYNAMIC_DISPATCH(OutputBlock)(x, static_cast<size_t>(ldx), static_cast<size_t>(rows), static_cast<size_t>(k),
                                       w, static_cast<size_t>(ldw), alpha, beta, y, static_cast<size_t>(ldy),
-                                      static_cast<size_t>(block * kBlock),
-                                      static_cast<size_t>(std::min(n, (block + 1) * kBlock)));
+                                      static_cast<size_t>(block * block_size),
+                                      static_cast<size_t>(std::min(n, (block + 1) * block_size)));
   }
 }
 
