@@ -3,18 +3,21 @@
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
 //     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
-//     64 rows: against OpenBLAS, which packs W even for one row; and against oneDNN where the CPU
-//     runs Small's AVX-512 tile (Ice Lake, NT m x 512 x 512, after Small's register fix: on two
-//     threads oneDNN took 1.6-4.5x Small's time up to 64 rows and 1.3x at 128; on one thread
-//     1.0x at 32 and 48 rows, 0.93 at 64; Zen 5 before that fix: within the noise up to about 32
-//     rows). None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x Small's time on W5
-//     (in-process A/B, 1 and 2 threads).
+//     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs
+//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and more than one thread runs (Ice
+//     Lake, NT m x n x k, after Small's register fix, oneDNN's time over Small's: two threads,
+//     64 x 512 x 512 1.6x, 64 x 256 x 256 1.4x, 64 x 2048 x 512 1.6x, but 64 x 512 x 64 0.85x and
+//     64 x 64 x 64 0.58x, each tile's sums outweighing its 4 steps over k; one thread, 64 rows,
+//     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows 0.78x (one thread, 20 x 256 x 128) to 4.5x). None on AVX2 with
+//     oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x Small's time on W5 (in-process A/B, 1 and 2
+//     threads).
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
 #include "gemm.hpp"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -32,12 +35,16 @@ namespace qkv::detail {
 
 namespace {
 
-// At most this many rows of A go to the Small kernel: beyond, packing W pays for itself.
+// Whether the Small kernel takes x W^T with m rows and depth k: few rows, as the header says.
+bool small_takes(int64_t m, int64_t k) {
 #ifdef QKV_HAVE_DNNL
-int64_t small_max_rows() { return small_rows_gemm_has_wide_tile() ? 64 : 0; }
+  if (!small_rows_gemm_has_wide_tile()) return false;
+  return m <= 32 || (m <= 64 && k >= 256 && omp_get_max_threads() > 1);
 #else
-int64_t small_max_rows() { return 64; }
+  (void)k;
+  return m <= 64;
 #endif
+}
 
 // The test override: -1 none, else a GemmPath.
 std::atomic<int> forced_path{-1};
@@ -97,8 +104,8 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
   return false;
 }
 
-GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t /*n*/, int64_t /*k*/) {
-  if (!trans_a && trans_b && m <= small_max_rows()) return GemmPath::Small;
+GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t /*n*/, int64_t k) {
+  if (!trans_a && trans_b && small_takes(m, k)) return GemmPath::Small;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }

@@ -165,8 +165,18 @@ TEST(Gemm, ChoiceAndTestHook) {
   // Few rows go to Small, except to oneDNN where Small runs its 16-register tile (see gemm.cpp).
   const bool small_wins = large == GemmPath::OpenBlas || qkv::detail::small_rows_gemm_has_wide_tile();
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 20, 1536, 512), small_wins ? GemmPath::Small : large);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 512), small_wins ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 64, 64), small_wins ? GemmPath::Small : large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 65, 512, 512), large);
+  // 33-64 rows: Small where its AVX-512 tile beats oneDNN, deep products on several threads.
+  const int threads_before = omp_get_max_threads();
+  omp_set_num_threads(2);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 256), small_wins ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 255),
+            large == GemmPath::OpenBlas ? GemmPath::Small : large);
+  omp_set_num_threads(1);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 512),
+            large == GemmPath::OpenBlas ? GemmPath::Small : large);
+  omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
