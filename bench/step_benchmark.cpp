@@ -200,6 +200,9 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::bench {
 
 HWY_EXPORT(TileRows);
+// From this namespace: HWY_DYNAMIC_DISPATCH of a qualified name does not compile when a single
+// SIMD target is built (-march=native: Highway then dispatches statically).
+size_t tile_rows() { return HWY_DYNAMIC_DISPATCH(TileRows)(); }
 HWY_EXPORT(PackQ);
 HWY_EXPORT(Scores);
 HWY_EXPORT(MaskCausal);
@@ -461,7 +464,7 @@ int main(int argc, char** argv) {
   qkv::bench::g_peak_gflops = peak.gflops;
   benchmark::AddCustomContext("fma_peak_1_thread_gflops", std::to_string(peak.gflops));
   benchmark::AddCustomContext("simd_target", peak.target);
-  benchmark::AddCustomContext("query_tile_rows", std::to_string(HWY_DYNAMIC_DISPATCH(qkv::bench::TileRows)()));
+  benchmark::AddCustomContext("query_tile_rows", std::to_string(qkv::bench::tile_rows()));
   qkv::bench::register_benchmarks();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

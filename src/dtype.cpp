@@ -48,6 +48,10 @@ namespace qkv {
 namespace detail {
 HWY_EXPORT(WidenBF16);
 HWY_EXPORT(WidenF16);
+// The dispatches, from this namespace: HWY_DYNAMIC_DISPATCH of a qualified name does not compile
+// when a single SIMD target is built (-march=native: Highway then dispatches statically).
+void widen_bf16(const void* from, float* to, size_t count) { HWY_DYNAMIC_DISPATCH(WidenBF16)(from, to, count); }
+void widen_f16(const void* from, float* to, size_t count) { HWY_DYNAMIC_DISPATCH(WidenF16)(from, to, count); }
 }  // namespace detail
 
 std::string_view to_string(DType dtype) {
@@ -141,8 +145,8 @@ void convert(const void* from, DType from_type, void* to, DType to_type, size_t 
     }
     return;
   }
-  if (from_type == DType::BF16) return HWY_DYNAMIC_DISPATCH(detail::WidenBF16)(from, static_cast<float*>(to), count);
-  if (from_type == DType::F16) return HWY_DYNAMIC_DISPATCH(detail::WidenF16)(from, static_cast<float*>(to), count);
+  if (from_type == DType::BF16) return detail::widen_bf16(from, static_cast<float*>(to), count);
+  if (from_type == DType::F16) return detail::widen_f16(from, static_cast<float*>(to), count);
   const auto* source = static_cast<const float*>(from);
   auto* destination = static_cast<uint16_t*>(to);
   if (to_type == DType::BF16) {

@@ -468,6 +468,18 @@ HWY_EXPORT(LinearForwardHead);
 HWY_EXPORT(LinearQueryGradsHead);
 HWY_EXPORT(LinearKeyGradsGroup);
 
+// The dispatches, from this namespace: HWY_DYNAMIC_DISPATCH of a qualified name does not compile
+// when a single SIMD target is built (-march=native: Highway then dispatches statically).
+void linear_forward_head(const linear::Problem& p, int64_t b, int64_t h, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(LinearForwardHead)(p, b, h, scratch);
+}
+void linear_query_grads_head(const linear::Problem& p, int64_t b, int64_t h, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(LinearQueryGradsHead)(p, b, h, scratch);
+}
+void linear_key_grads_group(const linear::Problem& p, int64_t b, int64_t g, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(LinearKeyGradsGroup)(p, b, g, scratch);
+}
+
 namespace {
 
 void check_options(const char* who, const LinearAttentionOptions& options) {
@@ -554,7 +566,7 @@ void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Te
   detail::linear::Problem& p = built.problem;
   p.output = detail::rows_of<float>(output);
   detail::run_items(p, p.batch * p.q_heads, detail::head_flops(p), [&](int64_t item, float* scratch) {
-    HWY_DYNAMIC_DISPATCH(detail::LinearForwardHead)(p, item / p.q_heads, item % p.q_heads, scratch);
+    detail::linear_forward_head(p, item / p.q_heads, item % p.q_heads, scratch);
   });
 }
 
@@ -590,12 +602,11 @@ void linear_attention_backward_into(const Tensor& q, const Tensor& k, const Tens
   p.g_ext = g_ext.data();
   const double flops = 2 * detail::head_flops(p);
   detail::run_items(p, p.batch * p.q_heads, flops, [&](int64_t item, float* scratch) {
-    HWY_DYNAMIC_DISPATCH(detail::LinearQueryGradsHead)(p, item / p.q_heads, item % p.q_heads, scratch);
+    detail::linear_query_grads_head(p, item / p.q_heads, item % p.q_heads, scratch);
   });
   detail::run_items(p, p.batch * p.kv_heads, flops * static_cast<double>(p.q_heads / p.kv_heads),
                     [&](int64_t item, float* scratch) {
-                      HWY_DYNAMIC_DISPATCH(detail::LinearKeyGradsGroup)(p, item / p.kv_heads, item % p.kv_heads,
-                                                                        scratch);
+                      detail::linear_key_grads_group(p, item / p.kv_heads, item % p.kv_heads, scratch);
                     });
 }
 
