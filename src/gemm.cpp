@@ -4,13 +4,13 @@
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
 //     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
 //     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs
-//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and more than one thread runs (Ice
+//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and more than one thread runs. Ice
 //     Lake, NT m x n x k, after Small's register fix, oneDNN's time over Small's: two threads,
 //     64 x 512 x 512 1.6x, 64 x 256 x 256 1.4x, 64 x 2048 x 512 1.6x, but 64 x 512 x 64 0.85x and
-//     64 x 64 x 64 0.58x, each tile's sums outweighing its 4 steps over k; one thread, 64 rows,
-//     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows 0.78x (one thread, 20 x 256 x 128) to 4.5x). None on AVX2 with
-//     oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x Small's time on W5 (in-process A/B, 1 and 2
-//     threads).
+//     64 x 64 x 64 0.58x (each tile's sums outweigh its 4 steps over k); one thread, 64 rows,
+//     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows, 0.78x (one thread,
+//     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
+//     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.

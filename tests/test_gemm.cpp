@@ -114,7 +114,8 @@ TEST(Gemm, EveryPathMatchesFloat64) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
     // The Small kernel is ours, SIMD per target (its tile and its sums differ): every runnable
     // target in turn; the libraries dispatch on their own (0: the CPU's choice).
-    const std::vector<int64_t> targets = path == GemmPath::Small ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
+    const std::vector<int64_t> targets =
+        path == GemmPath::Small ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
     for (int64_t target : targets) {
       std::optional<qkv_test::ForcedTarget> forced;
       if (target != 0) forced.emplace(target);

@@ -513,7 +513,8 @@ HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, fl
   for (; j + 2 <= cols; j += 2) {
     HWY_UNROLL(4)
     for (size_t n = 0; n < V; ++n) {
-      const VF score = hn::Load(df, scores + j * br + n * lanes), next = hn::Load(df, scores + (j + 1) * br + n * lanes);
+      const VF score = hn::Load(df, scores + j * br + n * lanes);
+      const VF next = hn::Load(df, scores + (j + 1) * br + n * lanes);
       tile_max[n] = hn::Max(tile_max[n], score);
       odd_max[n] = hn::Max(odd_max[n], next);
       tile_nan[n] = hn::Or(tile_nan[n], hn::Or(hn::IsNaN(score), hn::IsNaN(next)));
