@@ -50,8 +50,10 @@ HWY_EXPORT(WidenBF16);
 HWY_EXPORT(WidenF16);
 // The dispatches, from this namespace: HWY_DYNAMIC_DISPATCH of a qualified name does not compile
 // when a single SIMD target is built (-march=native: Highway then dispatches statically).
+namespace {
 void widen_bf16(const void* from, float* to, size_t count) { HWY_DYNAMIC_DISPATCH(WidenBF16)(from, to, count); }
 void widen_f16(const void* from, float* to, size_t count) { HWY_DYNAMIC_DISPATCH(WidenF16)(from, to, count); }
+}  // namespace
 }  // namespace detail
 
 std::string_view to_string(DType dtype) {

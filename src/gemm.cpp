@@ -4,7 +4,7 @@
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
 //     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
 //     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs
-//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and more than one thread runs. Ice
+//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and Small runs them on several threads. Ice
 //     Lake, NT m x n x k, after Small's register fix, oneDNN's time over Small's: two threads,
 //     64 x 512 x 512 1.6x, 64 x 256 x 256 1.4x, 64 x 2048 x 512 1.6x, but 64 x 512 x 64 0.85x and
 //     64 x 64 x 64 0.58x (each tile's sums outweigh its 4 steps over k); one thread, 64 rows,
@@ -17,7 +17,6 @@
 #include "gemm.hpp"
 
 #include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -35,13 +34,14 @@ namespace qkv::detail {
 
 namespace {
 
-// Whether the Small kernel takes x W^T with m rows and depth k: few rows, as the header says.
-bool small_takes(int64_t m, int64_t k) {
+// Whether the Small kernel takes x W^T with m rows, n outputs and depth k: few rows, as the
+// header says (33-64 rows only where Small will run them on several threads).
+bool small_takes(int64_t m, int64_t n, int64_t k) {
 #ifdef QKV_HAVE_DNNL
   if (!small_rows_gemm_has_wide_tile()) return false;
-  return m <= 32 || (m <= 64 && k >= 256 && omp_get_max_threads() > 1);
+  return m <= 32 || (m <= 64 && k >= 256 && small_rows_gemm_threads(m, n, k));
 #else
-  (void)k;
+  (void)n, (void)k;
   return m <= 64;
 #endif
 }
@@ -104,8 +104,8 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
   return false;
 }
 
-GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t /*n*/, int64_t k) {
-  if (!trans_a && trans_b && small_takes(m, k)) return GemmPath::Small;
+GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  if (!trans_a && trans_b && small_takes(m, n, k)) return GemmPath::Small;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }

@@ -73,8 +73,8 @@ HWY_INLINE V4 SumsOf4(V4 a, V4 b, V4 c, V4 d) {
 // and inlined into the loop over tiles (as it was) GCC kept that loop's scalars (alpha, beta, a
 // pointer) in vector registers, spilled a W vector that R FMAs a step reloaded, and stored every
 // accumulator to the stack to sum it with a scalar tail loop. The k % lanes tail is one more
-// step on zero-padded copies, and the sums and y go by fours (SumsOf4): W5's 20-row products
-// took 0.60-0.72 of the time (in-process A/B, one thread).
+// step on zero-padded copies, and the sums go by fours (SumsOf4): W5's 20-row products took
+// 0.60-0.72 of the time (in-process A/B, one thread).
 template <size_t R, size_t O>
 HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
                        float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
@@ -118,7 +118,8 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
   }
 #else
   // Each row's sums by fours: a vector's halves added down to 128 bits, then four of them
-  // transposed and added (SumsOf4), one lane per output, and y's four outputs updated at once.
+  // transposed and added (SumsOf4), one lane per output; y's outputs updated four at once where
+  // the tile is four wide (AVX-512), else (3 wide, or a leftover output) one by one.
   const D4 d4;
   HWY_UNROLL(16)
   for (size_t r = 0; r < R; ++r) {
@@ -126,7 +127,7 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
     for (size_t o = 0; o < O; o += 4) {
       V4 part[4];  // outputs o .. o + 3, zero past O
       HWY_UNROLL(4)
-      for (size_t x = 0; x < 4; ++x) part[x] = o + x < O ? To128(df, acc[r][std::min(o + x, O - 1)]) : hn::Zero(d4);
+      for (size_t q = 0; q < 4; ++q) part[q] = o + q < O ? To128(df, acc[r][std::min(o + q, O - 1)]) : hn::Zero(d4);
       const V4 sums = hn::Mul(hn::Set(d4, alpha), SumsOf4(part[0], part[1], part[2], part[3]));
       float* HWY_RESTRICT out = y + r * ldy + o;
       if (o + 4 <= O) {
@@ -134,7 +135,7 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
       } else {
         HWY_ALIGN float four[4];
         hn::Store(sums, d4, four);
-        for (size_t x = 0; o + x < O; ++x) out[x] = beta == 0.0f ? four[x] : four[x] + beta * out[x];
+        for (size_t q = 0; o + q < O; ++q) out[q] = beta == 0.0f ? four[q] : four[q] + beta * out[q];
       }
     }
   }
@@ -175,16 +176,25 @@ HWY_EXPORT(TileOutputs);
 
 bool small_rows_gemm_has_wide_tile() { return HWY_DYNAMIC_DISPATCH(WideTile)(); }
 
+namespace {
+// Outputs per block of work: about this many (below, with several threads).
+constexpr int64_t kBlock = 48;
+}  // namespace
+
+bool small_rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
+  constexpr int64_t kMinWorkForThreads = int64_t{1} << 20;  // multiply-adds
+  return rows * n * k >= kMinWorkForThreads && n > kBlock && omp_get_max_threads() > 1;
+}
+
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
                      float alpha, float beta, float* y, int64_t ldy) {
   // Threads take blocks of about kBlock outputs as they free up (dynamic: one slow thread on a
   // busy machine does not hold the others back); below about a million multiply-adds one thread
-  // is faster. Threaded, the blocks are as many as a multiple of the threads, each a whole number
-  // of tiles: W5's 512 outputs are 12 blocks of 44 (the last 28), not 11 of 48, which left one
-  // of two threads a sixth block while the other waited.
-  constexpr int64_t kBlock = 48, kMinWorkForThreads = int64_t{1} << 20;
+  // is faster. Threaded, the blocks are about as many as a multiple of the threads (rounded to
+  // whole tiles): W5's 512 outputs are 12 blocks of 44 (the last 28), not 11 of 48, which left
+  // one of two threads a sixth block while the other waited.
   const int64_t threads = omp_get_max_threads();
-  const bool threaded = rows * n * k >= kMinWorkForThreads && n > kBlock && threads > 1;
+  const bool threaded = small_rows_gemm_threads(rows, n, k);
   int64_t block_size = kBlock;
   if (threaded) {
     const int64_t tile = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(TileOutputs)());

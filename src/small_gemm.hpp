@@ -18,6 +18,10 @@ namespace qkv::detail {
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
                      float alpha, float beta, float* y, int64_t ldy);
 
+// Whether small_rows_gemm runs a product of rows x n x k on several threads (enough work and
+// outputs, and more than one OpenMP thread); below that one thread is faster.
+bool small_rows_gemm_threads(int64_t rows, int64_t n, int64_t k);
+
 // Whether the SIMD target this CPU dispatches to runs the kernel's AVX-512 tile (5 rows x 4
 // outputs, 20 accumulators); the other targets run 4 x 3 (12 of 16 registers).
 bool small_rows_gemm_has_wide_tile();

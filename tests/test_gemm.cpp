@@ -118,7 +118,11 @@ TEST(Gemm, EveryPathMatchesFloat64) {
         path == GemmPath::Small ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
     for (int64_t target : targets) {
       std::optional<qkv_test::ForcedTarget> forced;
-      if (target != 0) forced.emplace(target);
+      if (target != 0) {
+        forced.emplace(target);
+        // Highway's chosen target is one for the whole library: flash's is Small's.
+        ASSERT_EQ(qkv::detail::flash_attention_target(), target) << "the target was not forced";
+      }
       SCOPED_TRACE(std::string("SIMD target ") + (target != 0 ? hwy::TargetName(target) : "as the CPU"));
       for (int threads : {1, 2}) {
         omp_set_num_threads(threads);
@@ -173,6 +177,11 @@ TEST(Gemm, ChoiceAndTestHook) {
   omp_set_num_threads(2);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 256), small_wins ? GemmPath::Small : large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 255),
+            large == GemmPath::OpenBlas ? GemmPath::Small : large);
+  // ... and only where Small would thread them: too few outputs or multiply-adds run on one.
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 48, 256),
+            large == GemmPath::OpenBlas ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 40, 64, 256),
             large == GemmPath::OpenBlas ? GemmPath::Small : large);
   omp_set_num_threads(1);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 512),

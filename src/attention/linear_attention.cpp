@@ -470,6 +470,7 @@ HWY_EXPORT(LinearKeyGradsGroup);
 
 // The dispatches, from this namespace: HWY_DYNAMIC_DISPATCH of a qualified name does not compile
 // when a single SIMD target is built (-march=native: Highway then dispatches statically).
+namespace {
 void linear_forward_head(const linear::Problem& p, int64_t b, int64_t h, float* scratch) {
   HWY_DYNAMIC_DISPATCH(LinearForwardHead)(p, b, h, scratch);
 }
@@ -479,6 +480,7 @@ void linear_query_grads_head(const linear::Problem& p, int64_t b, int64_t h, flo
 void linear_key_grads_group(const linear::Problem& p, int64_t b, int64_t g, float* scratch) {
   HWY_DYNAMIC_DISPATCH(LinearKeyGradsGroup)(p, b, g, scratch);
 }
+}  // namespace
 
 namespace {
 
