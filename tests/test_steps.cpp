@@ -50,6 +50,16 @@ void GemmOf(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size
   tile_gemm::Gemm(m, n, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
 }
 
+// MaskBand on a line of n floats (a whole number of vectors) of batch 0, band and key length given.
+void MaskBandOf(int64_t band_lo, int64_t band_hi, int64_t key_length, int64_t i0, int64_t j0, int64_t query_step,
+                int64_t key_step, float* s, size_t n) {
+  qkv::detail::AttentionProblem p{};
+  p.band_lo = band_lo;
+  p.band_hi = band_hi;
+  p.key_lengths = {key_length};
+  step::MaskBand(p, {0, 0, i0, j0, query_step, key_step}, s, n);
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv_test
@@ -57,12 +67,14 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <gtest/gtest.h>
+#include <hwy/aligned_allocator.h>
 #include <hwy/targets.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -78,6 +90,7 @@ HWY_EXPORT(Unpack);
 HWY_EXPORT(PanelScaled);
 HWY_EXPORT(PanelWidth);
 HWY_EXPORT(GemmOf);
+HWY_EXPORT(MaskBandOf);
 
 namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -135,6 +148,45 @@ TEST(Steps, ExpSoftmaxEdges) {
     for (size_t i = 2; i <= 5; ++i) EXPECT_EQ(y[i], 0.0f) << "x = " << x[i];  // hidden keys: exactly 0
     EXPECT_TRUE(std::isnan(y[6]));
     for (size_t i = 7; i <= 9; ++i) EXPECT_NEAR(y[i], std::exp(static_cast<double>(x[i])), 2e-7 * std::exp(x[i]));
+  });
+}
+
+// The band and key length against their rule, element by element: random lines of every step the
+// kernels use (flash's (1, 0), decode's (0, 1), the strided residues' (S, 0)) and (0, S), bands
+// from empty to unbounded, edges inside, before and past the line; a hidden element is -inf
+// whatever it held (NaN too), a visible one keeps its bits.
+TEST(Steps, MaskBandAgainstItsRule) {
+  on_every_target([] {
+    const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
+    Random random;
+    SCOPED_TRACE(random.note());
+    const int64_t far = qkv::Mask::kUnbounded;
+    const int64_t steps[][2] = {{1, 0}, {0, 1}, {3, 0}, {0, 5}, {64, 0}};
+    for (int trial = 0; trial < 3000; ++trial) {
+      const size_t n = lanes * static_cast<size_t>(random.integer(1, 4));
+      const auto edge = [&] {
+        const int64_t pick = random.integer(0, 7);
+        return pick == 0 ? -far : pick == 1 ? far : random.integer(-150, 150);
+      };
+      int64_t lo = edge(), hi = edge();
+      if (random.chance(0.25)) std::swap(lo, hi);  // sometimes an empty band
+      const int64_t key_length = random.integer(0, 199);
+      const int64_t i0 = random.integer(0, 199), j0 = random.integer(0, 199);
+      const auto& step = steps[random.integer(0, 4)];
+      const hwy::AlignedFreeUniquePtr<float[]> s = hwy::AllocateAligned<float>(n);  // lines are whole vectors
+      std::vector<float> expected(n);
+      for (size_t x = 0; x < n; ++x) s[x] = random.chance(0.1) ? kNaN : static_cast<float>(random.uniform(-3.0, 3.0));
+      for (size_t x = 0; x < n; ++x) {
+        const int64_t i = i0 + static_cast<int64_t>(x) * step[0], j = j0 + static_cast<int64_t>(x) * step[1];
+        expected[x] = (lo <= j - i && j - i <= hi && j < key_length) ? s[x] : -kFloatInf;
+      }
+      HWY_DYNAMIC_DISPATCH(MaskBandOf)(lo, hi, key_length, i0, j0, step[0], step[1], s.get(), n);
+      for (size_t x = 0; x < n; ++x)
+        ASSERT_EQ(std::memcmp(&s[x], &expected[x], sizeof(float)), 0)
+            << "x = " << x << " of " << n << ", band [" << lo << ", " << hi << "], key length " << key_length
+            << ", i0 " << i0 << ", j0 " << j0 << ", steps (" << step[0] << ", " << step[1] << "): " << s[x]
+            << " where " << expected[x];
+    }
   });
 }
 
