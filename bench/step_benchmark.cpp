@@ -94,8 +94,8 @@ void PackQ(const StepTile& t) {
 
 void Scores(const StepTile& t) {
   const detail::AttentionProblem& p = *t.problem;
-  PanelGemm<kTileVectors>(t.bc, t.d, p.k.row(0, 0, t.j0), static_cast<size_t>(p.k.row_stride), 1, t.q_t, t.br,
-                          t.scores, t.br, false);
+  PanelGemm<kTileVectors, true>(t.bc, t.d, p.k.row(0, 0, t.j0), static_cast<size_t>(p.k.row_stride), 1, t.q_t,
+                                t.br, t.scores, t.br, false);
 }
 
 void MaskCausal(const StepTile& t) {
@@ -112,8 +112,8 @@ void Rescale(const StepTile& t) { step::RescaleColumns(t.out_t, t.d, t.br, t.cor
 
 void Accumulate(const StepTile& t) {
   const detail::AttentionProblem& p = *t.problem;
-  PanelGemm<kTileVectors>(t.d, t.bc, p.v.row(0, 0, t.j0), 1, static_cast<size_t>(p.v.row_stride), t.scores, t.br,
-                          t.out_t, t.br, true);
+  PanelGemm<kTileVectors, true>(t.d, t.bc, p.v.row(0, 0, t.j0), 1, static_cast<size_t>(p.v.row_stride), t.scores,
+                                t.br, t.out_t, t.br, true);
 }
 
 void Finish(const StepTile& t) {

@@ -211,7 +211,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };
 
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place.
-  PanelGemm<V>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
+  PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
   // 2. Modifiers and mask, one key line over the tile's queries at a time.
   const bool some_hidden = mask.band || mask.hide >= 0 || !p.terms.empty();
   if (some_hidden || p.softcap > 0 || p.alibi_slopes)
@@ -235,8 +235,8 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
   } else {
-    PanelGemm<V>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
-                 max_grew ? w.correction : nullptr);
+    PanelGemm<V, true>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
+                       max_grew ? w.correction : nullptr);
   }
 }
 

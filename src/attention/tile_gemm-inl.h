@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 
 #include "hwy/highway.h"
@@ -48,7 +49,20 @@ constexpr bool kFourVectorPanels = kTileRows >= 8;
 // rescale of Ot to a grown running max, folded into the load of the accumulators: a separate
 // pass over Ot cost a load, a multiply and a store per element). Unaligned loads: on aligned
 // data they cost the same, and callers need not align.
-template <size_t R, size_t V>
+// kPrefetchA: A is streamed from L2 or beyond (flash's K and V tiles, read in place), so the tile
+// fetches the A lines it or the next panel will read into L1 while it computes: with rows along
+// k (a_depth 1: K) the next panel's rows, a line of each every 16 floats; with rows along the
+// depth (V^T) the row kPrefetchAhead depth steps ahead. The hardware prefetchers did not keep up
+// when K and V come from L3 (W3's are 4 MB a KV head): W3 took 0.82-0.94 of its time on two
+// threads (docs/performance.md).
+constexpr size_t kLineFloats = 64 / sizeof(float);
+constexpr size_t kPrefetchAhead = 16;
+// The line `floats` after p into L1. Past a tile's last panel that is the next tile's rows, or
+// past the end of the tensor, which a prefetch may touch: the address is computed as an integer.
+HWY_INLINE void PrefetchFloatsAhead(const float* p, size_t floats) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), 0, 3);
+}
+template <size_t R, size_t V, bool kPrefetchA = false>
 HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
                           const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
                           bool accumulate, const float* HWY_RESTRICT c_scale = nullptr) {
@@ -71,6 +85,16 @@ HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_ro
   for (size_t k = 0; k < depth; ++k) {
     const float* HWY_RESTRICT b_row = b + k * ldb;
     const float* HWY_RESTRICT a_col = a + k * a_depth;
+    if constexpr (kPrefetchA) {
+      if (a_depth == 1) {
+        if (k % kLineFloats == 0) {
+          HWY_UNROLL(16)
+          for (size_t r = 0; r < R; ++r) PrefetchFloatsAhead(a_col, (R + r) * a_row);
+        }
+      } else {
+        PrefetchFloatsAhead(a_col, kPrefetchAhead * a_depth);
+      }
+    }
     VF b_vec[V];
     HWY_UNROLL(16)
     for (size_t n = 0; n < V; ++n) b_vec[n] = hn::LoadU(df, b_row + n * lanes);
@@ -98,27 +122,30 @@ constexpr size_t PanelRows() {
 }
 
 // The remainder of an A panel: `rows` < PanelRows<V>(), each row count its own unrolled tile.
-template <size_t V, size_t R = 1>
+template <size_t V, bool kPrefetchA, size_t R = 1>
 HWY_INLINE void MicroTileTail(size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
                               const float* b, size_t ldb, float* c, size_t ldc, bool accumulate,
                               const float* c_scale) {
   if constexpr (R < PanelRows<V>()) {
-    if (rows == R) return MicroTile<R, V>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
-    MicroTileTail<V, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
+    if (rows == R)
+      return MicroTile<R, V, kPrefetchA>(depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
+    MicroTileTail<V, kPrefetchA, R + 1>(rows, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate, c_scale);
   }
 }
 
-// C[m x V*L] (+)= A[m x depth] B: panels of PanelRows<V>() rows, then the tail. c_scale as
-// MicroTile's.
-template <size_t V>
+// C[m x V*L] (+)= A[m x depth] B: panels of PanelRows<V>() rows, then the tail. c_scale and
+// kPrefetchA as MicroTile's.
+template <size_t V, bool kPrefetchA = false>
 HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
                           size_t ldb, float* c, size_t ldc, bool accumulate, const float* c_scale = nullptr) {
   constexpr size_t kRows = PanelRows<V>();
   size_t r = 0;
   for (; r + kRows <= m; r += kRows)
-    MicroTile<kRows, V>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
+    MicroTile<kRows, V, kPrefetchA>(depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate,
+                                    c_scale);
   if (r < m)
-    MicroTileTail<V>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate, c_scale);
+    MicroTileTail<V, kPrefetchA>(m - r, depth, a + r * a_row, a_row, a_depth, b, ldb, c + r * ldc, ldc, accumulate,
+                                 c_scale);
 }
 
 // C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
