@@ -43,6 +43,17 @@ constexpr size_t kTileVectors = 3;
 // The 32-register targets also run 4-vector panels (PanelRows).
 constexpr bool kFourVectorPanels = kTileRows >= 8;
 
+// MicroTile's software prefetch (kPrefetchA): floats per 64-byte line, and how many depth steps
+// ahead an A whose depth steps are rows apart (V^T) is fetched.
+constexpr size_t kLineFloats = 64 / sizeof(float);
+constexpr size_t kPrefetchAhead = 16;
+// The line `floats` after p into L1. Past a tile's last panel that is the next tile's rows, or
+// past the end of the tensor or scratch, which a prefetch may touch: the address is computed as
+// an integer.
+HWY_INLINE void PrefetchFloatsAhead(const float* p, size_t floats) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), 0, 3);
+}
+
 // C[R x V*L] (+)= A[R x depth] B[depth x V*L], L = lanes; C is overwritten when !accumulate.
 // A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
 // With c_scale, what C held is first multiplied column by column by c_scale[0 .. V*L) (flash's
@@ -50,18 +61,14 @@ constexpr bool kFourVectorPanels = kTileRows >= 8;
 // pass over Ot cost a load, a multiply and a store per element). Unaligned loads: on aligned
 // data they cost the same, and callers need not align.
 // kPrefetchA: A is streamed from L2 or beyond (flash's K and V tiles, read in place), so the tile
-// fetches the A lines it or the next panel will read into L1 while it computes: with rows along
-// k (a_depth 1: K) the next panel's rows, a line of each every 16 floats; with rows along the
-// depth (V^T) the row kPrefetchAhead depth steps ahead. The hardware prefetchers did not keep up
-// when K and V come from L3 (W3's are 4 MB a KV head): W3 took 0.82-0.94 of its time on two
-// threads (docs/performance.md).
-constexpr size_t kLineFloats = 64 / sizeof(float);
-constexpr size_t kPrefetchAhead = 16;
-// The line `floats` after p into L1. Past a tile's last panel that is the next tile's rows, or
-// past the end of the tensor, which a prefetch may touch: the address is computed as an integer.
-HWY_INLINE void PrefetchFloatsAhead(const float* p, size_t floats) {
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), 0, 3);
-}
+// fetches into L1 the A lines it or the next panel will read while it computes. When A's rows
+// are contiguous (a_depth 1: K), the next panel's rows, one line of each every kLineFloats depth
+// steps (an unaligned row's last line is left to the hardware); when its depth steps are rows
+// apart (a_row 1: V^T, a step is a V row), the row kPrefetchAhead steps ahead (a line that an
+// earlier panel already fetched costs a load slot). The hardware prefetchers did not keep up
+// when K and V come from L3 (W3's, together 4 MB a KV head): W3 took 0.82-0.94 of its time on
+// two threads (docs/performance.md). 16-bit K/V are widened into L1 scratch first, where the
+// prefetches find their lines already in place.
 template <size_t R, size_t V, bool kPrefetchA = false>
 HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
                           const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
