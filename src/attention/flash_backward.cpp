@@ -25,14 +25,16 @@
 // thread count only decides the number of chunks.
 //
 // Layout: queries along the SIMD lanes as in flash.cpp (Qt, dOt (d, Br)) for the two products
-// whose output is a (Bc, Br) tile, rows padded to whole vectors (Q, dO (Br, d_pad), scale K
-// (Bc, Dk_pad)) for the three whose output runs along d. All five are one register-tiled
-// micro-GEMM, "broadcast an element of A, load a row of B", A read with any strides:
+// whose output is a (Bc, Br) tile; for the three whose output runs along d, Q, dO and K rows read
+// in place, or copied into scratch padded to whole vectors where they are not whole (a short
+// query tile, a d that is not whole vectors; K also where a hidden key's K is not finite). All
+// five are one register-tiled micro-GEMM, "broadcast an element of A, load a row of B", A read
+// with any strides:
 //   S^T  = K Qt          (Bc x Br, depth Dk)   A = K rows in place
 //   dP^T = V dOt         (Bc x Br, depth Dv)   A = V rows in place
 //   dV  += P'^T dO       (Bc x Dv, depth Br)   A = P'^T tile
 //   dK  += dS^T Q        (Bc x Dk, depth Br)   A = dS^T tile
-//   dQ   = dS (scale K)  (Br x Dk, depth Bc)   A = dS^T tile read transposed
+//   dQ  += dS K          (Br x Dk, depth Bc)   A = dS^T tile read transposed; scaled when added
 // A query tile is packed once per block of kKeyBlock keys (4 tiles) and runs against each of its
 // tiles: the packing is redone per block rather than kept for all of Nq, and per 64-key tile it
 // took about a tenth of the time (bench/step_benchmark.cpp times one transpose at 0.5 us).
@@ -85,12 +87,12 @@ constexpr size_t kKeyBlock = 4 * kKeyTile;
 // One worker's scratch, offsets in floats from a 64-byte aligned base, every part on its own
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
 struct ScratchLayout {
-  size_t dk_pad, dv_pad;
+  size_t dk, dv, dk_pad, dv_pad;
   size_t q_t, grad_out_t, q_rows, grad_out_rows, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k, grad_v,
       grad_q, shift, scale, row_dot, total;
 
-  ScratchLayout(size_t br, size_t dk, size_t dv)
-      : dk_pad(round_to_cache_line(dk)), dv_pad(round_to_cache_line(dv)) {
+  ScratchLayout(size_t br, size_t dk_, size_t dv_)
+      : dk(dk_), dv(dv_), dk_pad(round_to_cache_line(dk_)), dv_pad(round_to_cache_line(dv_)) {
     size_t at = 0;
     auto take = [&](size_t floats) {
       const size_t start = at;
@@ -99,13 +101,13 @@ struct ScratchLayout {
     };
     q_t = take(dk * br);                  // Qt (Dk, Br), scale * Q^T
     grad_out_t = take(dv * br);           // dOt (Dv, Br)
-    q_rows = take(br * dk_pad);           // Q (Br, Dk_pad)
-    grad_out_rows = take(br * dv_pad);    // dO (Br, Dv_pad)
+    q_rows = take(br * dk_pad);           // Q (Br, Dk_pad), where not read in place
+    grad_out_rows = take(br * dv_pad);    // dO (Br, Dv_pad), where not read in place
     weights_t = take(kKeyTile * br);      // S^T then P^T (Bc, Br)
     dropped_t = take(kKeyTile * br);      // P'^T (Bc, Br), with dropout
     grad_t = take(kKeyTile * br);         // dP'^T then dS^T (Bc, Br)
     softcap_t = take(kKeyTile * br);      // softcap's slope 1 - tanh^2 (Bc, Br)
-    k_rows = take(kKeyBlock * dk_pad);    // scale * K block (kKeyBlock, Dk_pad)
+    k_rows = take(kKeyBlock * dk_pad);    // scale * K block (kKeyBlock, Dk_pad), where not read in place
     grad_k = take(kKeyBlock * dk_pad);    // dK of the key block (kKeyBlock, Dk_pad), without the scale
     grad_v = take(kKeyBlock * dv_pad);    // dV of the key block (kKeyBlock, Dv_pad)
     grad_q = take(br * dk_pad);           // dQ of the query tile over a block of key tiles (Br, Dk_pad)
@@ -152,27 +154,54 @@ size_t BackwardTileRowsFor(const AttentionProblem& p) {
   return band < 4.0 * static_cast<double>(most) ? kTileVectors * hn::Lanes(DF()) : most;
 }
 
+// n rounded up to whole vectors of this target.
+size_t WholeVectors(size_t n) {
+  const size_t lanes = hn::Lanes(DF());
+  return (n + lanes - 1) / lanes * lanes;
+}
+
 // One worker's view of its scratch block (flash_backward::ScratchLayout).
 struct Scratch {
   size_t br, dk_pad, dv_pad;
+  size_t dk_cols, dv_cols;  // Dk and Dv rounded up to whole vectors: the columns the products compute
   float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows, *grad_k,
       *grad_v, *grad_q, *shift, *scale, *row_dot;
   Scratch(float* s, size_t br_, const flash_backward::ScratchLayout& l)
-      : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
+      : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(WholeVectors(l.dk)), dv_cols(WholeVectors(l.dv)),
+        q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
         q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), weights_t(s + l.weights_t),
         dropped_t(s + l.dropped_t), grad_t(s + l.grad_t), softcap_t(s + l.softcap_t), k_rows(s + l.k_rows),
         grad_k(s + l.grad_k), grad_v(s + l.grad_v), grad_q(s + l.grad_q), shift(s + l.shift), scale(s + l.scale),
         row_dot(s + l.row_dot) {}
 };
 
-// The keys of a pair: cols keys from j0, their scale * K rows (k_rows, Dk_pad apart) and the
-// dK, dV accumulators of those rows in the worker's scratch; k_finite when no K element is NaN/Inf.
+// The keys of a pair: cols keys from j0; the K rows dQ = dS K reads (k_rows, k_stride apart) and
+// the factor dQ's sum still needs (grad_q_scale): K in place and the scale, or scale * K packed
+// in scratch and 1 where a key's K is not finite (k_finite false) or Dk is not whole vectors; the
+// dK, dV accumulators of those rows in the worker's scratch.
 struct KeyBlock {
   int64_t j0;
   size_t cols;
   const float* k_rows;
+  size_t k_stride;
+  float grad_q_scale;
   float *grad_k, *grad_v;
   bool k_finite;
+
+  // `count` of these keys from the at-th, the first of them key `first`.
+  KeyBlock Part(size_t at, size_t count, int64_t first, const Scratch& w) const {
+    return {first, count, k_rows + at * k_stride, k_stride, grad_q_scale, grad_k + at * w.dk_pad,
+            grad_v + at * w.dv_pad, k_finite};
+  }
+};
+
+// The rows of Q and dO that dK += dS^T Q and dV += P'^T dO read (the products' B), q_stride and
+// grad_out_stride floats apart.
+struct QueryRows {
+  const float* q;
+  size_t q_stride;
+  const float* grad_out;
+  size_t grad_out_stride;
 };
 
 // Copies `rows` rows of `d` floats of head (b, h) from row i0 into a padded (br, d_pad) block.
@@ -183,17 +212,26 @@ HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64
 }
 
 // The query tile i0, i0 + step, ... (`rows` queries) of head (b, h): Qt = scale * Q^T and dOt
-// (queries in lanes), Q and dO rows (padded), and per query the weights' shift and scale and D.
-// Padding lanes see nothing (shift +inf, scale 0).
-void PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
-                   const float* HWY_RESTRICT row_dot_all, const Scratch& w) {
+// (queries in lanes), and per query the weights' shift and scale and D; returns where Q's and
+// dO's rows are. A whole tile (rows = Br, Dk and Dv whole vectors) is read in place; any other is
+// copied into scratch, padded with zeros (padding queries have P = dS = 0, but 0 x NaN from a row
+// past the tile would not be). Padding lanes see nothing (shift +inf, scale 0). Read in place,
+// with K (StartKeyTile), W1-bwd and W2-bwd took 0.95-1.01 of the time of copying them (Ice Lake,
+// in-process A/B, 1 and 2 threads).
+QueryRows PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int64_t i0, int64_t step,
+                        size_t rows, const float* HWY_RESTRICT row_dot_all, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const Rows<const float> q = step::EveryStepRows(p.q, i0, step), grad_out = step::EveryStepRows(bp.grad_output, i0, step);
   step::PackTransposed(q, b, h, 0, rows, dk, w.br, p.scale, w.q_t);
   step::PackTransposed(grad_out, b, h, 0, rows, dv, w.br, 1.0f, w.grad_out_t);
-  PackRows(q, b, h, 0, rows, dk, w.dk_pad, w.br, w.q_rows);
-  PackRows(grad_out, b, h, 0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
+  QueryRows in_rows{q.row(b, h, 0), static_cast<size_t>(q.row_stride), grad_out.row(b, h, 0),
+                    static_cast<size_t>(grad_out.row_stride)};
+  if (rows != w.br || w.dk_cols != dk || w.dv_cols != dv) {
+    PackRows(q, b, h, 0, rows, dk, w.dk_pad, w.br, w.q_rows);
+    PackRows(grad_out, b, h, 0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
+    in_rows = {w.q_rows, w.dk_pad, w.grad_out_rows, w.dv_pad};
+  }
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
   for (size_t i = 0; i < w.br; ++i) {
     const int64_t row = row0 + static_cast<int64_t>(i) * step;
@@ -201,6 +239,7 @@ void PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h, int
     w.scale[i] = i < rows ? bp.row_scale[row] : 0.0f;
     w.row_dot[i] = i < rows ? row_dot_all[row] : 0.0f;
   }
+  return in_rows;
 }
 
 // D = dO . O of rows [row_begin, row_end) of (B, Hq, Nq), into row_dot, summed in float64 as the
@@ -251,19 +290,27 @@ void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t 
   }
 }
 
-// The query tile's dQ accumulator (w.grad_q, Br x Dk_pad) added into the rows i0, i0 + step, ...
-// of grad_q_out, then zeroed for the next block of key tiles.
-void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
-                const Rows<float>& grad_q_out, const Scratch& w) {
+// to[c] = factor * from[c], plus what to[c] held when `add`, for c < n.
+void ScaleInto(float* HWY_RESTRICT to, const float* HWY_RESTRICT from, size_t n, float factor, bool add) {
   const DF df;
-  const size_t lanes = hn::Lanes(df), dk = static_cast<size_t>(p.head_dim);
-  for (size_t i = 0; i < rows; ++i) {
-    float* HWY_RESTRICT to = grad_q_out.row(b, h, i0 + static_cast<int64_t>(i) * step);
-    const float* HWY_RESTRICT from = w.grad_q + i * w.dk_pad;
-    size_t c = 0;
-    for (; c + lanes <= dk; c += lanes) hn::StoreU(hn::Add(hn::LoadU(df, to + c), hn::Load(df, from + c)), df, to + c);
-    for (; c < dk; ++c) to[c] += from[c];
+  const size_t lanes = hn::Lanes(df);
+  const auto f = hn::Set(df, factor);
+  size_t c = 0;
+  for (; c + lanes <= n; c += lanes) {
+    const auto scaled = hn::Mul(f, hn::LoadU(df, from + c));
+    hn::StoreU(add ? hn::Add(hn::LoadU(df, to + c), scaled) : scaled, df, to + c);
   }
+  for (; c < n; ++c) to[c] = add ? to[c] + factor * from[c] : factor * from[c];
+}
+
+// The query tile's dQ accumulator (w.grad_q, Br x Dk_pad) times `factor` (KeyBlock's
+// grad_q_scale) added into the rows i0, i0 + step, ... of grad_q_out, then zeroed for the next
+// block of key tiles.
+void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
+                float factor, const Rows<float>& grad_q_out, const Scratch& w) {
+  for (size_t i = 0; i < rows; ++i)
+    ScaleInto(grad_q_out.row(b, h, i0 + static_cast<int64_t>(i) * step), w.grad_q + i * w.dk_pad,
+              static_cast<size_t>(p.head_dim), factor, true);
   std::fill_n(w.grad_q, rows * w.dk_pad, 0.0f);
 }
 
@@ -273,7 +320,8 @@ void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int
 // times), or, where a hidden key's K is not finite, into grad_q_out's rows (of queries i0 + x *
 // query_step) directly.
 void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
-                  const KeyBlock& keys, const TileMask& mask, const Rows<float>& grad_q_out, const Scratch& w) {
+                  const QueryRows& query_rows, const KeyBlock& keys, const TileMask& mask,
+                  const Rows<float>& grad_q_out, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const size_t cols = keys.cols;
@@ -294,7 +342,8 @@ void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
     dropped = w.dropped_t;
   }
   // ---- Forward 6: "O += P' V".  dV += P'^T dO;  dP'^T = V_tile dOt.
-  Gemm(cols, w.dv_pad, br, dropped, br, 1, w.grad_out_rows, w.dv_pad, keys.grad_v, w.dv_pad, true);
+  Gemm(cols, w.dv_cols, br, dropped, br, 1, query_rows.grad_out, query_rows.grad_out_stride, keys.grad_v, w.dv_pad,
+       true);
   Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride * ks), 1, w.grad_out_t, br, w.grad_t, br,
        false);
   // ---- Forward 5, dropout: dP = keep ? dP' / (1 - p) : 0.  Forward 4-2: dS = P (dP - D), 0 where
@@ -302,31 +351,35 @@ void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.grad_t + j * br, rows);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, softcap_slope);
-  // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ = dS (scale K).
-  Gemm(cols, w.dk_pad, br, w.grad_t, br, 1, w.q_rows, w.dk_pad, keys.grad_k, w.dk_pad, true);
+  // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ += dS K (scaled when
+  // flushed, or K packed scaled).
+  Gemm(cols, w.dk_cols, br, w.grad_t, br, 1, query_rows.q, query_rows.q_stride, keys.grad_k, w.dk_pad, true);
   if (keys.k_finite) {
-    Gemm(rows, w.dk_pad, cols, w.grad_t, 1, br, keys.k_rows, w.dk_pad, w.grad_q, w.dk_pad, true);
-  } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row
+    Gemm(rows, w.dk_cols, cols, w.grad_t, 1, br, keys.k_rows, keys.k_stride, w.grad_q, w.dk_pad, true);
+  } else {  // a hidden key's K may be NaN or Inf: skip zero dS so it reaches no row (K packed, scaled)
     const Rows<float> grad_q = step::EveryStepRows(grad_q_out, i0, walk.query_step);
-    accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, keys.k_rows, static_cast<int64_t>(w.dk_pad),
+    accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, keys.k_rows, static_cast<int64_t>(keys.k_stride),
                               grad_q.row(b, h, 0), static_cast<size_t>(grad_q.row_stride), 1);
   }
 }
 
-// The key tile of keys j0, j0 + step, ... (cols of them) of kv head (b, g): scale * K packed
-// (padded) for the dQ product, dK and dV accumulators at 0.
+// The key tile of keys j0, j0 + step, ... (cols of them) of kv head (b, g): K for the dQ product
+// (KeyBlock: in place, or scale * K packed and padded), dK and dV accumulators at 0.
 KeyBlock StartKeyTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, int64_t step, size_t cols,
                       const Scratch& w) {
   const size_t dk = static_cast<size_t>(p.head_dim);
+  const int64_t k_stride = p.k.row_stride * step;
+  const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, k_stride);
+  std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
+  std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
+  if (k_finite && w.dk_cols == dk)
+    return {j0, cols, p.k.row(b, g, j0), static_cast<size_t>(k_stride), p.scale, w.grad_k, w.grad_v, true};
   for (size_t j = 0; j < cols; ++j) {
     const float* k_row = p.k.row(b, g, j0 + static_cast<int64_t>(j) * step);
     for (size_t c = 0; c < dk; ++c) w.k_rows[j * w.dk_pad + c] = p.scale * k_row[c];
     std::fill(w.k_rows + j * w.dk_pad + dk, w.k_rows + (j + 1) * w.dk_pad, 0.0f);
   }
-  const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, p.k.row_stride * step);
-  std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
-  std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
-  return {j0, cols, w.k_rows, w.grad_k, w.grad_v, k_finite};
+  return {j0, cols, w.k_rows, w.dk_pad, 1.0f, w.grad_k, w.grad_v, k_finite};
 }
 
 // The key tile's gradients, summed over every query of the group, into the rows of keys j0,
@@ -335,16 +388,9 @@ void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int
                    bool add, const Scratch& w) {
   const AttentionProblem& p = bp.forward;
   for (size_t j = 0; j < cols; ++j) {
-    float* grad_k_row = bp.grad_k.row(b, g, j0 + static_cast<int64_t>(j) * step);
-    float* grad_v_row = bp.grad_v.row(b, g, j0 + static_cast<int64_t>(j) * step);
-    for (int64_t c = 0; c < p.head_dim; ++c) {
-      const float grad = p.scale * w.grad_k[j * w.dk_pad + static_cast<size_t>(c)];
-      grad_k_row[c] = add ? grad_k_row[c] + grad : grad;
-    }
-    for (int64_t c = 0; c < p.value_dim; ++c) {
-      const float grad = w.grad_v[j * w.dv_pad + static_cast<size_t>(c)];
-      grad_v_row[c] = add ? grad_v_row[c] + grad : grad;
-    }
+    const int64_t key = j0 + static_cast<int64_t>(j) * step;
+    ScaleInto(bp.grad_k.row(b, g, key), w.grad_k + j * w.dk_pad, static_cast<size_t>(p.head_dim), p.scale, add);
+    ScaleInto(bp.grad_v.row(b, g, key), w.grad_v + j * w.dv_pad, static_cast<size_t>(p.value_dim), 1.0f, add);
   }
 }
 
@@ -377,19 +423,17 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
         if (step::ClassifyMaskTile(p, b, h, i0, i_last, j0, j0 + static_cast<int64_t>(cols)) == step::TileClass::Hidden)
           continue;
         const Scratch tile_w(scratch, static_cast<size_t>(tiling.vectors(tile)) * lanes, layout);
-        PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
+        const QueryRows query_rows = PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
         for (size_t at = 0; at < cols; at += kKeyTile) {  // the block's key tiles, in key order
           const size_t tile_cols = std::min(kKeyTile, cols - at);
           const int64_t t0 = j0 + static_cast<int64_t>(at);
           const step::TileClass tile_class =
               step::ClassifyMaskTile(p, b, h, i0, i_last, t0, t0 + static_cast<int64_t>(tile_cols));
           if (tile_class == step::TileClass::Hidden) continue;
-          const KeyBlock tile_keys{t0, tile_cols, keys.k_rows + at * w.dk_pad, keys.grad_k + at * w.dk_pad,
-                                   keys.grad_v + at * w.dv_pad, keys.k_finite};
-          BackwardPair(bp, {}, b, h, i0, rows, tile_keys, {tile_class != step::TileClass::Full, -1}, grad_q_out,
-                       tile_w);
+          BackwardPair(bp, {}, b, h, i0, rows, query_rows, keys.Part(at, tile_cols, t0, w),
+                       {tile_class != step::TileClass::Full, -1}, grad_q_out, tile_w);
         }
-        FlushGradQ(p, b, h, i0, 1, rows, grad_q_out, tile_w);
+        FlushGradQ(p, b, h, i0, 1, rows, keys.grad_q_scale, grad_q_out, tile_w);
       }
     FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
   }
@@ -414,13 +458,11 @@ void ResiduePair(const AttentionBackwardProblem& bp, const StridedSplit& split, 
   const step::TileClass band = step::ClassifyTile(p, b, i0, i_last, j0, j_last + 1);
   const TileVisibility rest = p.rule.classify(b, h, i0, i_last, j0, j_last, split.rest);
   if (band == step::TileClass::Hidden || rest == TileVisibility::Full) return;
-  const size_t at = static_cast<size_t>(c_lo - c0);
-  const KeyBlock keys{j0, static_cast<size_t>(c_hi - c_lo), block.k_rows + at * w.dk_pad, block.grad_k + at * w.dk_pad,
-                      block.grad_v + at * w.dv_pad, block.k_finite};
-  PackQueryTile(bp, b, h, i0, stride, rows, row_dot_all, w);
-  BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, keys,
+  const QueryRows query_rows = PackQueryTile(bp, b, h, i0, stride, rows, row_dot_all, w);
+  BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, query_rows,
+               block.Part(static_cast<size_t>(c_lo - c0), static_cast<size_t>(c_hi - c_lo), j0, w),
                {band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1}, bp.grad_q, w);
-  FlushGradQ(p, b, h, i0, stride, rows, bp.grad_q, w);
+  FlushGradQ(p, b, h, i0, stride, rows, block.grad_q_scale, bp.grad_q, w);
 }
 
 // Residues [first, last) of the queries of kv head (b, g)'s group: every residue's key tiles, each
