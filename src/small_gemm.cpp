@@ -32,10 +32,13 @@ using VF = hn::Vec<DF>;
 // register file: 5 x 4 + 5 = 25 of AVX-512's 32; 4 x 3 + 4 = 16 of the 16-register targets
 // (W5's 20 rows are 5 tiles of 4; 3 x 3 left 2 rows to 1 x 3 tiles, 3 accumulators that wait on
 // the FMA latency: W5 on AVX2 took 0.87-0.89 x the time with 4 x 3, in-process A/B).
+#undef QKV_SMALL_GEMM_WIDE_TILE  // once per target
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3_ZEN4
+#define QKV_SMALL_GEMM_WIDE_TILE 1
 constexpr size_t kRows = 5, kOutputs = 4;
 constexpr bool kWideTile = true;
 #else
+#define QKV_SMALL_GEMM_WIDE_TILE 0
 constexpr size_t kRows = 4, kOutputs = 3;
 constexpr bool kWideTile = false;
 #endif
@@ -64,6 +67,44 @@ HWY_INLINE V4 SumsOf4(V4 a, V4 b, V4 c, V4 d) {
   const V4 ab = hn::Add(hn::InterleaveLower(d4, a, b), hn::InterleaveUpper(d4, a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
   const V4 cd = hn::Add(hn::InterleaveLower(d4, c, d), hn::InterleaveUpper(d4, c, d));
   return hn::Add(hn::ConcatLowerLower(d4, cd, ab), hn::ConcatUpperUpper(d4, cd, ab));
+}
+#endif
+
+#if QKV_SMALL_GEMM_WIDE_TILE
+// The sums of a, b, c and d's 16 lanes each, in lanes 0-3, by one tree over all four: halves of
+// a and c (b and d) added into one vector, then 128-bit blocks of those two, then lanes within
+// the blocks; 16 vector ops where To128 of each and SumsOf4 take 25, beside the tile's 640 FMAs
+// at k = 512. NT m x 512 x 512 (m = 20, 32, 64) and 20 x 1536 x 512 took 0.95-0.97 of the time
+// (Ice Lake, one thread, in-process A/B, 2 runs of 150 alternations).
+HWY_INLINE V4 SumsOf4Wide(VF a, VF b, VF c, VF d) {
+  const DF df;
+  // a's partial sums in blocks 0-1, c's in 2-3 (likewise b and d).
+  const VF ac = hn::Add(hn::ConcatUpperLower(df, c, a), hn::ConcatLowerUpper(df, c, a));
+  const VF bd = hn::Add(hn::ConcatUpperLower(df, d, b), hn::ConcatLowerUpper(df, d, b));
+  // Block x holds four partial sums of output x.
+  const VF blocks = hn::Add(hn::OddEvenBlocks(hn::SwapAdjacentBlocks(bd), ac),
+                            hn::OddEvenBlocks(bd, hn::SwapAdjacentBlocks(ac)));
+  VF sums = hn::Add(blocks, hn::Shuffle1032(blocks));
+  sums = hn::Add(sums, hn::Shuffle2301(sums));  // every lane of block x: output x's sum
+  alignas(64) static constexpr int32_t kFirstOfBlocks[16] = {0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12};
+  const VF firsts = hn::TableLookupLanes(sums, hn::SetTableIndices(df, kFirstOfBlocks));
+  return hn::LowerHalf(hn::LowerHalf(firsts));
+}
+#endif
+
+#if HWY_TARGET != HWY_SCALAR
+// The sums of a row's accumulators o .. o + 3 (zero past O), in lanes 0-3.
+template <size_t O>
+HWY_INLINE V4 SumsAt(const VF* acc, size_t o) {
+#if QKV_SMALL_GEMM_WIDE_TILE
+  if constexpr (O % 4 == 0) return SumsOf4Wide(acc[o], acc[o + 1], acc[o + 2], acc[o + 3]);
+#endif
+  const DF df;
+  const D4 d4;
+  V4 part[4];
+  HWY_UNROLL(4)
+  for (size_t q = 0; q < 4; ++q) part[q] = o + q < O ? To128(df, acc[std::min(o + q, O - 1)]) : hn::Zero(d4);
+  return SumsOf4(part[0], part[1], part[2], part[3]);
 }
 #endif
 
@@ -125,10 +166,7 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
   for (size_t r = 0; r < R; ++r) {
     HWY_UNROLL(16)
     for (size_t o = 0; o < O; o += 4) {
-      V4 part[4];  // outputs o .. o + 3, zero past O
-      HWY_UNROLL(4)
-      for (size_t q = 0; q < 4; ++q) part[q] = o + q < O ? To128(df, acc[r][std::min(o + q, O - 1)]) : hn::Zero(d4);
-      const V4 sums = hn::Mul(hn::Set(d4, alpha), SumsOf4(part[0], part[1], part[2], part[3]));
+      const V4 sums = hn::Mul(hn::Set(d4, alpha), SumsAt<O>(acc[r], o));
       float* HWY_RESTRICT out = y + r * ldy + o;
       if (o + 4 <= O) {
         hn::StoreU(beta == 0.0f ? sums : hn::MulAdd(hn::Set(d4, beta), hn::LoadU(d4, out), sums), d4, out);
