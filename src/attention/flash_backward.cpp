@@ -425,12 +425,18 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
         const Scratch tile_w(scratch, static_cast<size_t>(tiling.vectors(tile)) * lanes, layout);
         const QueryRows query_rows = PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
         for (size_t at = 0; at < cols; at += kKeyTile) {  // the block's key tiles, in key order
-          const size_t tile_cols = std::min(kKeyTile, cols - at);
+          // The tile's keys that some query of the query tile sees (the band and key lengths), as
+          // the forward bounds a query tile's keys: a causal pair past the diagonal skips the keys
+          // all its queries would mask.
           const int64_t t0 = j0 + static_cast<int64_t>(at);
-          const step::TileClass tile_class =
-              step::ClassifyMaskTile(p, b, h, i0, i_last, t0, t0 + static_cast<int64_t>(tile_cols));
+          const int64_t t_lo = std::max(t0, p.first_visible_key(i0));
+          const int64_t t_hi = std::min(t0 + static_cast<int64_t>(std::min(kKeyTile, cols - at)),
+                                        p.last_visible_key(b, i_last));
+          if (t_lo >= t_hi) continue;
+          const step::TileClass tile_class = step::ClassifyMaskTile(p, b, h, i0, i_last, t_lo, t_hi);
           if (tile_class == step::TileClass::Hidden) continue;
-          BackwardPair(bp, {}, b, h, i0, rows, query_rows, keys.Part(at, tile_cols, t0, w),
+          BackwardPair(bp, {}, b, h, i0, rows, query_rows,
+                       keys.Part(static_cast<size_t>(t_lo - j0), static_cast<size_t>(t_hi - t_lo), t_lo, w),
                        {tile_class != step::TileClass::Full, -1}, grad_q_out, tile_w);
         }
         FlushGradQ(p, b, h, i0, 1, rows, keys.grad_q_scale, grad_q_out, tile_w);
