@@ -28,7 +28,7 @@
 //   Bwd/GradPT        dP^T = V dOt (Bc x Br, depth d)
 //   Bwd/SoftmaxGrad   dS = P (dP - D)
 //   Bwd/GradK         dK += dS^T Q (Bc x d, depth Br)
-//   Bwd/GradQ         dQ += dS (scale K) (Br x d, depth Bc: A read transposed)
+//   Bwd/GradQ         dQ += dS K (Br x d, depth Bc: A read transposed, K in place)
 //   Bwd/Pair          the seven composed as BackwardPair runs a fully visible pair
 //   Call/W1-bwd       the whole scaled_dot_product_attention_backward_into (Backend::Flash),
 //                     FLOPs 2.5 x the forward's, as qkv bench counts them; time per pair
@@ -63,12 +63,14 @@ struct StepTile {
 };
 
 // One backward worker's scratch for one (query tile, key tile) pair, as flash_backward.cpp lays
-// it out (d_pad = d for d = 64), and W1's K and V read in place.
+// it out (d_pad = d for d = 64), and W1's K and V read in place. The kernel reads a whole query
+// tile's Q and dO rows in place too: q_rows and grad_out_rows stand for them (rows d apart, as
+// W1's are).
 struct BackwardTile {
   const detail::AttentionProblem* problem;  // W1's
   size_t br, d, bc;
-  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *grad_t, *k_rows, *grad_k, *grad_v, *grad_q, *shift,
-      *scale, *row_dot;
+  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *grad_t, *grad_k, *grad_v, *grad_q, *shift, *scale,
+      *row_dot;
 };
 
 }  // namespace qkv::bench
@@ -164,7 +166,9 @@ void BackwardGradK(const BackwardTile& t) {
   Gemm(t.bc, t.d, t.br, t.grad_t, t.br, 1, t.q_rows, t.d, t.grad_k, t.d, true);
 }
 void BackwardGradQ(const BackwardTile& t) {
-  Gemm(t.br, t.d, t.bc, t.grad_t, 1, t.br, t.k_rows, t.d, t.grad_q, t.d, true);
+  const detail::AttentionProblem& p = *t.problem;
+  Gemm(t.br, t.d, t.bc, t.grad_t, 1, t.br, p.k.row(0, 0, 0), static_cast<size_t>(p.k.row_stride), t.grad_q, t.d,
+       true);
 }
 void BackwardPair(const BackwardTile& t) {
   BackwardScoresT(t);
@@ -300,10 +304,9 @@ struct BackwardFixture {
   BackwardFixture() {
     const size_t br = HWY_DYNAMIC_DISPATCH(BackwardTileRows)(), d = static_cast<size_t>(w1.head_dim);
     auto [block, total] = carve_scratch(
-        {&tile.q_t, &tile.grad_out_t, &tile.q_rows, &tile.grad_out_rows, &tile.weights_t, &tile.grad_t, &tile.k_rows,
-         &tile.grad_k, &tile.grad_v, &tile.grad_q, &tile.shift, &tile.scale, &tile.row_dot},
-        {d * br, d * br, br * d, br * d, kKeyTile * br, kKeyTile * br, kKeyTile * d, kKeyTile * d, kKeyTile * d, br * d,
-         br, br, br});
+        {&tile.q_t, &tile.grad_out_t, &tile.q_rows, &tile.grad_out_rows, &tile.weights_t, &tile.grad_t, &tile.grad_k,
+         &tile.grad_v, &tile.grad_q, &tile.shift, &tile.scale, &tile.row_dot},
+        {d * br, d * br, br * d, br * d, kKeyTile * br, kKeyTile * br, kKeyTile * d, kKeyTile * d, br * d, br, br, br});
     scratch = std::move(block);
     for (size_t i = 0; i < total; ++i) scratch[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i)));
     std::fill_n(tile.shift, br, 2.0f);

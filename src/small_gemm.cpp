@@ -114,7 +114,7 @@ HWY_INLINE V4 SumsAt(const VF* acc, size_t o) {
 // and inlined into the loop over tiles (as it was) GCC kept that loop's scalars (alpha, beta, a
 // pointer) in vector registers, spilled a W vector that R FMAs a step reloaded, and stored every
 // accumulator to the stack to sum it with a scalar tail loop. The k % lanes tail is one more
-// step on zero-padded copies, and the sums go by fours (SumsOf4): W5's 20-row products took
+// step on zero-padded copies, and the sums go by fours (SumsAt): W5's 20-row products took
 // 0.60-0.72 of the time (in-process A/B, one thread).
 template <size_t R, size_t O>
 HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
@@ -158,9 +158,10 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
     }
   }
 #else
-  // Each row's sums by fours: a vector's halves added down to 128 bits, then four of them
-  // transposed and added (SumsOf4), one lane per output; y's outputs updated four at once where
-  // the tile is four wide (AVX-512), else (3 wide, or a leftover output) one by one.
+  // Each row's sums by fours (SumsAt: on AVX-512 one tree over four accumulators, SumsOf4Wide;
+  // elsewhere a vector's halves added down to 128 bits, then four of them transposed and added,
+  // SumsOf4), one lane per output; y's outputs updated four at once where the tile is four wide
+  // (AVX-512), else (3 wide, or leftover outputs) one by one.
   const D4 d4;
   HWY_UNROLL(16)
   for (size_t r = 0; r < R; ++r) {

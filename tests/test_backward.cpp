@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -540,37 +541,42 @@ TEST(Backward, RowsThatSeeNoKeyGetZeroGradients) {
 TEST(Backward, NonFiniteValuesAtHiddenKeysStayHidden) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  // A keep mask hides keys 3 and 70 from every query; their K and V hold NaN and Inf (as a KV
-  // cache's unwritten slots may). Every gradient stays finite and equals the clean case's.
-  const Sizes s{1, 2, 1, 50, 80, 16, 8};
+  // A keep mask hides keys 3, 70 and 520 from every query; their K and V hold NaN and Inf (as a
+  // KV cache's unwritten slots may). Every gradient stays finite and equals the clean case's.
+  // Flash's key blocks of 256: the first and third hold a non-finite K (K copied, dQ skipping
+  // zero dS), the second none (K read in place); on every SIMD target.
+  const Sizes s{1, 2, 1, 100, 600, 16, 8};
+  const int64_t hidden[] = {3, 70, 520};
   Case clean = make_case(rng, s, MaskKind::None, 1.0, 0.0f);
   std::vector<float> keep_values(static_cast<size_t>(s.nq * s.nk), 1.0f);
-  for (int64_t i = 0; i < s.nq; ++i) keep_values[static_cast<size_t>(i * s.nk + 3)] = keep_values[static_cast<size_t>(i * s.nk + 70)] = 0.0f;
+  for (int64_t i = 0; i < s.nq; ++i)
+    for (int64_t key : hidden) keep_values[static_cast<size_t>(i * s.nk + key)] = 0.0f;
   clean.mask = Mask::keep(Tensor::from(keep_values, Shape{s.nq, s.nk}));
   Case dirty = clean;
   dirty.k = clean.k.clone();
   dirty.v = clean.v.clone();
-  for (int64_t x = 0; x < s.dk; ++x) {
-    dirty.k.at({0, 0, 3, x}) = std::numeric_limits<float>::quiet_NaN();
-    dirty.k.at({0, 0, 70, x}) = std::numeric_limits<float>::infinity();
-  }
-  for (int64_t x = 0; x < s.dv; ++x) {
-    dirty.v.at({0, 0, 3, x}) = std::numeric_limits<float>::infinity();
-    dirty.v.at({0, 0, 70, x}) = std::numeric_limits<float>::quiet_NaN();
+  for (size_t n = 0; n < std::size(hidden); ++n) {
+    const float poison = n % 2 == 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+    for (int64_t x = 0; x < s.dk; ++x) dirty.k.at({0, 0, hidden[n], x}) = poison;
+    for (int64_t x = 0; x < s.dv; ++x) dirty.v.at({0, 0, hidden[n], x}) = -poison;
   }
   const Tensor grad_output = rng.randn(Shape{s.batch, s.q_heads, s.nq, s.dv});
-  for (Backend backend : {Backend::Reference, Backend::Flash}) {
-    SCOPED_TRACE(std::string(qkv::to_string(backend)));
-    auto gradients = [&](const Case& c) {
-      const AttentionOptions options = options_of(c, backend);
-      const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
-      return qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
-    };
-    const AttentionGrads want = gradients(clean), got = gradients(dirty);
-    EXPECT_LT(qkv_test::max_rel_diff(got.dq, want.dq), 1e-5);
-    EXPECT_LT(qkv_test::max_rel_diff(got.dv, want.dv), 1e-5);
-    // dK of the hidden keys is 0; of the others, as in the clean case.
-    EXPECT_LT(qkv_test::max_rel_diff(got.dk, want.dk), 1e-5);
+  for (int64_t target : qkv_test::runnable_targets()) {
+    qkv_test::ForcedTarget forced(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    for (Backend backend : {Backend::Reference, Backend::Flash}) {
+      SCOPED_TRACE(std::string(qkv::to_string(backend)));
+      auto gradients = [&](const Case& c) {
+        const AttentionOptions options = options_of(c, backend);
+        const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+        return qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
+      };
+      const AttentionGrads want = gradients(clean), got = gradients(dirty);
+      EXPECT_LT(qkv_test::max_rel_diff(got.dq, want.dq), 1e-5);
+      EXPECT_LT(qkv_test::max_rel_diff(got.dv, want.dv), 1e-5);
+      // dK of the hidden keys is 0; of the others, as in the clean case.
+      EXPECT_LT(qkv_test::max_rel_diff(got.dk, want.dk), 1e-5);
+    }
   }
 }
 

@@ -27,14 +27,15 @@
 // Layout: queries along the SIMD lanes as in flash.cpp (Qt, dOt (d, Br)) for the two products
 // whose output is a (Bc, Br) tile; for the three whose output runs along d, Q, dO and K rows read
 // in place, or copied into scratch padded to whole vectors where they are not whole (a short
-// query tile, a d that is not whole vectors; K also where a hidden key's K is not finite). All
-// five are one register-tiled micro-GEMM, "broadcast an element of A, load a row of B", A read
-// with any strides:
+// query tile, a d that is not whole vectors; K also where some K of the key block is not finite).
+// All five are one register-tiled micro-GEMM, "broadcast an element of A, load a row of B", A
+// read with any strides:
 //   S^T  = K Qt          (Bc x Br, depth Dk)   A = K rows in place
 //   dP^T = V dOt         (Bc x Br, depth Dv)   A = V rows in place
 //   dV  += P'^T dO       (Bc x Dv, depth Br)   A = P'^T tile
 //   dK  += dS^T Q        (Bc x Dk, depth Br)   A = dS^T tile
-//   dQ  += dS K          (Br x Dk, depth Bc)   A = dS^T tile read transposed; scaled when added
+//   dQ  += dS K          (Br x Dk, depth Bc)   A = dS^T tile read transposed; the scale applied
+//                                              as dQ is added to the output (or K copied scaled)
 // A query tile is packed once per block of kKeyBlock keys (4 tiles) and runs against each of its
 // tiles: the packing is redone per block rather than kept for all of Nq, and per 64-key tile it
 // took about a tenth of the time (bench/step_benchmark.cpp times one transpose at 0.5 us).
@@ -77,9 +78,10 @@ namespace qkv::detail::flash_backward {
 // Bc, keys per tile: the same as the forward's (flash.cpp), for the same reasons.
 constexpr size_t kKeyTile = 64;
 
-// Keys per block: a query tile is packed (Qt, dOt, Q and dO rows: four transposes or copies of
-// Br x d) once per block and runs against its key tiles one after the other; the block's scale
-// * K and dK, dV accumulators (kKeyBlock x d each) stay in L2 across the group's query tiles.
+// Keys per block: a query tile is packed (Qt and dOt: two transposes of Br x d; Q and dO rows
+// copied too where the tile is not whole) once per block and runs against its key tiles one
+// after the other; the block's K and dK, dV accumulators (kKeyBlock x d each; K copied, scaled,
+// where it is not finite or Dk is not whole vectors) stay in L2 across the group's query tiles.
 // Packed per 64-key tile instead, W1-bwd and W2-bwd took 1.11 and 1.16 x the time of blocks of 4
 // tiles; blocks of 8 measured no better (qkv bench, 2 threads, four alternations each).
 constexpr size_t kKeyBlock = 4 * kKeyTile;
