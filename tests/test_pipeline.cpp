@@ -7,6 +7,7 @@
 
 #include <omp.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -59,41 +60,48 @@ Tensor cache_slice_view(const Tensor& packed, int64_t extra, Random& rng) {
 TEST(Pipeline, StridedViewsGiveTheBitsOfTheirPackedCopies) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  for (Backend backend : {Backend::Reference, Backend::Flash, Backend::Decode}) {
-    const int64_t nq = backend == Backend::Decode ? 3 : 37;
-    const Tensor q = rng.randn(Shape{2, 4, nq, 24}), k = rng.randn(Shape{2, 2, 70, 24}), v = rng.randn(Shape{2, 2, 70, 20});
-    AttentionOptions options;
-    options.backend = backend;
-    options.mask = Mask::causal(70 - nq) & Mask::key_lengths({70, 50});
-    options.softcap = 5;
-    options.sinks = rng.randn(Shape{4});
-    const AttentionResult packed = qkv::scaled_dot_product_attention(q, k, v, options);
-    const AttentionResult split =
-        qkv::scaled_dot_product_attention(head_split_view(q), head_split_view(k), head_split_view(v), options);
-    const AttentionResult sliced =
-        qkv::scaled_dot_product_attention(q, cache_slice_view(k, 9, rng), cache_slice_view(v, 9, rng), options);
-    // The output written through a view: (B, Nq, H, Dv) memory, seen as (B, H, Nq, Dv).
-    AttentionResult into;
-    into.output = Tensor::empty(Shape{2, nq, 4, 20}).transpose(1, 2);
-    qkv::scaled_dot_product_attention_into(q, k, v, into, options);
-    for (const AttentionResult* r : std::initializer_list<const AttentionResult*>{&split, &sliced, static_cast<const AttentionResult*>(&into)}) {
-      EXPECT_TRUE(same_bits(r->output, packed.output)) << qkv::to_string(backend);
-      EXPECT_TRUE(same_bits(r->lse, packed.lse)) << qkv::to_string(backend);
+  // Head dims that are and are not whole vectors, and a query count that fills the flash
+  // backward's query tiles on every target (whole tiles' Q and dO rows are read in place, here
+  // H x D floats apart).
+  for (const auto& [flash_nq, dk, dv] : {std::array<int64_t, 3>{37, 24, 20}, std::array<int64_t, 3>{96, 32, 32}})
+    for (Backend backend : {Backend::Reference, Backend::Flash, Backend::Decode}) {
+      SCOPED_TRACE("Nq " + std::to_string(flash_nq) + ", Dk " + std::to_string(dk) + ", Dv " + std::to_string(dv));
+      const int64_t nq = backend == Backend::Decode ? 3 : flash_nq;
+      const Tensor q = rng.randn(Shape{2, 4, nq, dk}), k = rng.randn(Shape{2, 2, 70, dk}),
+                   v = rng.randn(Shape{2, 2, 70, dv});
+      AttentionOptions options;
+      options.backend = backend;
+      options.mask = Mask::causal(70 - nq) & Mask::key_lengths({70, 50});
+      options.softcap = 5;
+      options.sinks = rng.randn(Shape{4});
+      const AttentionResult packed = qkv::scaled_dot_product_attention(q, k, v, options);
+      const AttentionResult split =
+          qkv::scaled_dot_product_attention(head_split_view(q), head_split_view(k), head_split_view(v), options);
+      const AttentionResult sliced =
+          qkv::scaled_dot_product_attention(q, cache_slice_view(k, 9, rng), cache_slice_view(v, 9, rng), options);
+      // The output written through a view: (B, Nq, H, Dv) memory, seen as (B, H, Nq, Dv).
+      AttentionResult into;
+      into.output = Tensor::empty(Shape{2, nq, 4, dv}).transpose(1, 2);
+      qkv::scaled_dot_product_attention_into(q, k, v, into, options);
+      for (const AttentionResult* r :
+           std::initializer_list<const AttentionResult*>{&split, &sliced, static_cast<const AttentionResult*>(&into)}) {
+        EXPECT_TRUE(same_bits(r->output, packed.output)) << qkv::to_string(backend);
+        EXPECT_TRUE(same_bits(r->lse, packed.lse)) << qkv::to_string(backend);
+      }
+      if (backend == Backend::Decode) continue;  // no backward of its own
+      const Tensor grad_output = rng.randn(packed.output.shape());
+      const AttentionGrads want = qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, packed, options);
+      AttentionGrads got;  // gradients written into (B, N, H, D) buffers through transposed views
+      got.dq = Tensor::empty(Shape{2, nq, 4, dk}).transpose(1, 2);
+      got.dk = Tensor::empty(Shape{2, 70, 2, dk}).transpose(1, 2);
+      got.dv = Tensor::empty(Shape{2, 70, 2, dv}).transpose(1, 2);
+      qkv::scaled_dot_product_attention_backward_into(head_split_view(grad_output), head_split_view(q),
+                                                      head_split_view(k), head_split_view(v), split, got, options);
+      EXPECT_TRUE(same_bits(got.dq, want.dq)) << qkv::to_string(backend);
+      EXPECT_TRUE(same_bits(got.dk, want.dk)) << qkv::to_string(backend);
+      EXPECT_TRUE(same_bits(got.dv, want.dv)) << qkv::to_string(backend);
+      EXPECT_TRUE(same_bits(got.dsinks, want.dsinks)) << qkv::to_string(backend);
     }
-    if (backend == Backend::Decode) continue;  // no backward of its own
-    const Tensor grad_output = rng.randn(packed.output.shape());
-    const AttentionGrads want = qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, packed, options);
-    AttentionGrads got;  // gradients written into (B, N, H, D) buffers through transposed views
-    got.dq = Tensor::empty(Shape{2, nq, 4, 24}).transpose(1, 2);
-    got.dk = Tensor::empty(Shape{2, 70, 2, 24}).transpose(1, 2);
-    got.dv = Tensor::empty(Shape{2, 70, 2, 20}).transpose(1, 2);
-    qkv::scaled_dot_product_attention_backward_into(head_split_view(grad_output), head_split_view(q),
-                                                    head_split_view(k), head_split_view(v), split, got, options);
-    EXPECT_TRUE(same_bits(got.dq, want.dq)) << qkv::to_string(backend);
-    EXPECT_TRUE(same_bits(got.dk, want.dk)) << qkv::to_string(backend);
-    EXPECT_TRUE(same_bits(got.dv, want.dv)) << qkv::to_string(backend);
-    EXPECT_TRUE(same_bits(got.dsinks, want.dsinks)) << qkv::to_string(backend);
-  }
 }
 
 // The weights float32 autograd differentiates: softmax of the float32 scores fl(s + bias),
