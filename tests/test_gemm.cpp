@@ -103,7 +103,7 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 
 // Odd sizes around every tile and vector width, and some large enough for threads. The Small
 // kernel's tiles (5 rows x 4 outputs on AVX-512, 4 x 3 elsewhere) leave every count of rows
-// (1-4) with every count of outputs (1-3) in the second line's shapes, on both tile sizes.
+// (1-4) with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes.
 const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
     {2, 6, 19}, {3, 7, 21}, {4, 10, 33}, {8, 5, 18}, {9, 14, 37}, {6, 6, 20}, {11, 7, 13}, {13, 10, 9},
