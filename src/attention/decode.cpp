@@ -108,8 +108,6 @@ constexpr int64_t kMinGatherStride = 4;
 // (keys x (Dk + Dv) floats) however many rows a group has.
 constexpr int64_t kMinKeysPerPartialRow = 16;
 
-constexpr size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
-
 // How a problem is cut into items, shared by the items and the merge.
 struct Plan {
   int64_t group;       // G = Hq / Hkv, query heads per key/value head

@@ -156,12 +156,6 @@ size_t BackwardTileRowsFor(const AttentionProblem& p) {
   return band < 4.0 * static_cast<double>(most) ? kTileVectors * hn::Lanes(DF()) : most;
 }
 
-// n rounded up to whole vectors of this target.
-size_t WholeVectors(size_t n) {
-  const size_t lanes = hn::Lanes(DF());
-  return (n + lanes - 1) / lanes * lanes;
-}
-
 // One worker's view of its scratch block (flash_backward::ScratchLayout).
 struct Scratch {
   size_t br, dk_pad, dv_pad;
@@ -169,7 +163,8 @@ struct Scratch {
   float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows, *grad_k,
       *grad_v, *grad_q, *shift, *scale, *row_dot;
   Scratch(float* s, size_t br_, const flash_backward::ScratchLayout& l)
-      : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(WholeVectors(l.dk)), dv_cols(WholeVectors(l.dv)),
+      : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(round_up(l.dk, hn::Lanes(DF()))),
+        dv_cols(round_up(l.dv, hn::Lanes(DF()))),
         q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
         q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), weights_t(s + l.weights_t),
         dropped_t(s + l.dropped_t), grad_t(s + l.grad_t), softcap_t(s + l.softcap_t), k_rows(s + l.k_rows),

@@ -70,12 +70,13 @@ inline void finish_row(const float* o, size_t o_stride, size_t dv, float max, fl
 void reference_logits_row(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, float* scores,
                           float* softcap_slope = nullptr);
 
+// n rounded up to a multiple of `multiple`.
+constexpr size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 // Scratch is laid out in whole cache lines (64 bytes), so workers never share one and every
 // part starts aligned for SIMD loads on every target.
 constexpr size_t kCacheLineFloats = 64 / sizeof(float);
-constexpr size_t round_to_cache_line(size_t floats) {
-  return (floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
-}
+constexpr size_t round_to_cache_line(size_t floats) { return round_up(floats, kCacheLineFloats); }
 
 // The threads a kernel uses for a problem of `flops`: all of OpenMP's, except below about 100 us
 // of one core's arithmetic (kMinFlopsToThread), where it runs on the calling thread alone: a
