@@ -50,6 +50,13 @@ void GemmOf(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size
   tile_gemm::Gemm(m, n, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
 }
 
+// Softcap on n floats (a whole number of vectors), slope too when given.
+void SoftcapOf(float cap, float* s, size_t n, float* slope) {
+  qkv::detail::AttentionProblem p{};
+  p.softcap = cap;
+  step::Softcap(p, s, n, slope);
+}
+
 // MaskBand on a line of n floats (a whole number of vectors) of batch 0, band and key length given.
 void MaskBandOf(int64_t band_lo, int64_t band_hi, int64_t key_length, int64_t i0, int64_t j0, int64_t query_step,
                 int64_t key_step, float* s, size_t n) {
@@ -91,6 +98,7 @@ HWY_EXPORT(PanelScaled);
 HWY_EXPORT(PanelWidth);
 HWY_EXPORT(GemmOf);
 HWY_EXPORT(MaskBandOf);
+HWY_EXPORT(SoftcapOf);
 
 namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -148,6 +156,57 @@ TEST(Steps, ExpSoftmaxEdges) {
     for (size_t i = 2; i <= 5; ++i) EXPECT_EQ(y[i], 0.0f) << "x = " << x[i];  // hidden keys: exactly 0
     EXPECT_TRUE(std::isnan(y[6]));
     for (size_t i = 7; i <= 9; ++i) EXPECT_NEAR(y[i], std::exp(static_cast<double>(x[i])), 2e-7 * std::exp(x[i]));
+  });
+}
+
+// cap * tanh(s / cap) and its slope 1 - tanh^2, for caps from tiny to huge, over scores from 0
+// to past the rational function's clamp, against float64: within 4e-7 x cap (tanh's float32
+// spacing near 1 is 6e-8) and within a few ulp of small results; +-inf give +-cap, NaN stays NaN
+// (a case x86's min and max order decides), 0 and -0 keep their sign.
+TEST(Steps, SoftcapAgainstFloat64) {
+  on_every_target([] {
+    for (float cap : {1e-3f, 0.5f, 1.0f, 30.0f, 50.0f, 1e30f}) {
+      SCOPED_TRACE("cap " + std::to_string(cap));
+      std::vector<float> s;
+      for (double r = 1e-6; r < 12.0; r *= 1.0007) {
+        s.push_back(static_cast<float>(r * cap));
+        s.push_back(static_cast<float>(-r * cap));
+      }
+      const size_t swept = s.size();
+      for (float edge : {0.0f, -0.0f, kFloatInf, -kFloatInf, kNaN, std::numeric_limits<float>::max(),
+                         -std::numeric_limits<float>::max()})
+        s.push_back(edge);
+      s = padded(s, 0.0f);
+      // Softcap's loads and stores are aligned.
+      const hwy::AlignedFreeUniquePtr<float[]> capped = hwy::AllocateAligned<float>(s.size());
+      const hwy::AlignedFreeUniquePtr<float[]> slope = hwy::AllocateAligned<float>(s.size());
+      std::copy(s.begin(), s.end(), capped.get());
+      std::fill(slope.get(), slope.get() + s.size(), kNaN);
+      HWY_DYNAMIC_DISPATCH(SoftcapOf)(cap, capped.get(), s.size(), slope.get());
+      double worst_abs = 0, worst_ulp = 0, worst_slope = 0;
+      for (size_t i = 0; i < swept; ++i) {
+        const double t = std::tanh(static_cast<double>(s[i]) / cap), exact = cap * t;
+        const double ulp = std::nextafter(std::abs(static_cast<float>(exact)), kFloatInf) - std::abs(static_cast<float>(exact));
+        worst_abs = std::max(worst_abs, std::abs(capped[i] - exact) / cap);
+        if (std::abs(t) < 0.5) worst_ulp = std::max(worst_ulp, std::abs(capped[i] - exact) / ulp);
+        worst_slope = std::max(worst_slope, std::abs(slope[i] - (1 - t * t)));
+      }
+      EXPECT_LE(worst_abs, 4e-7);
+      EXPECT_LE(worst_ulp, 6.0);
+      EXPECT_LE(worst_slope, 1e-6);
+      const float* edges = capped.get() + swept;
+      EXPECT_EQ(edges[0], 0.0f);
+      EXPECT_FALSE(std::signbit(edges[0]));
+      EXPECT_TRUE(std::signbit(edges[1]) && edges[1] == 0.0f);
+      EXPECT_FLOAT_EQ(edges[2], cap);
+      EXPECT_FLOAT_EQ(edges[3], -cap);
+      EXPECT_TRUE(std::isnan(edges[4]));
+      EXPECT_TRUE(std::isnan(slope[swept + 4]));
+      EXPECT_FLOAT_EQ(edges[5], cap);
+      EXPECT_FLOAT_EQ(edges[6], -cap);
+      EXPECT_NEAR(slope[swept + 2], 0.0f, 1e-6);  // the slope of a capped score
+      EXPECT_EQ(slope[swept], 1.0f);
+    }
   });
 }
 

@@ -424,7 +424,7 @@ void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_
 // visit those).
 HWY_INLINE void GatheredLogits(const AttentionProblem& p, int rest, const step::Line& line, float* HWY_RESTRICT s,
                                size_t cols) {
-  step::ModifyScores(p, line, s, kKeyTile);
+  step::Alibi(p, line, s, kKeyTile);
   step::MaskBand(p, line, s, kKeyTile);
   step::MaskWhereRuleShows(p.rule, rest, line, s, cols);
   step::MaskTerms(p, line, s, cols);
@@ -439,10 +439,12 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
   const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, run.j0);
   const size_t v_stride = ValueRowStride(p) * static_cast<size_t>(run.step);
-  // 1. Scores. 2. Modifiers and mask, one query's line over the tile's keys at a time; the
-  // columns past the tile's last key are hidden after the modifiers (softcap(-inf) is finite).
+  // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
+  // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
+  // (softcap(-inf) is finite).
   DecodeScores<T>(p, plan, b, g, rows, run, w);
-  const bool per_element = band || p.softcap > 0 || p.alibi_slopes || !p.terms.empty();
+  step::Softcap(p, w.scores, rows * kKeyTile);
+  const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
     float* HWY_RESTRICT s = w.scores + r * kKeyTile;
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));

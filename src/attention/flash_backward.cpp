@@ -272,17 +272,19 @@ void RowDots(const AttentionBackwardProblem& bp, int64_t row_begin, int64_t row_
   }
 }
 
-// Step "mask" of a pair's tile of weights (and softcap's slope), one key line at a time.
+// Steps "modifiers" and "mask" of a pair's tile of weights: softcap (and its slope) on the
+// whole tile, then ALiBi and the mask one key line at a time.
 void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
                 int64_t j0, size_t cols, const TileMask& mask, size_t br, float* HWY_RESTRICT weights,
                 float* HWY_RESTRICT softcap_slope) {
+  step::Softcap(p, weights, cols * br, softcap_slope);
+  if (!(mask.band || mask.hide >= 0 || p.alibi_slopes || !p.terms.empty())) return;
   for (size_t j = 0; j < cols; ++j) {
     const step::Line line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0};
-    float* slope = softcap_slope ? softcap_slope + j * br : nullptr;
     if (walk.residue) {
-      step::ResidueLogits(p, line, weights + j * br, br, rows, mask.band, mask.hide, slope);
+      step::ResidueLogits(p, line, weights + j * br, br, rows, mask.band, mask.hide);
     } else {
-      step::ScoresToLogits(p, line, weights + j * br, br, rows, mask.band, slope);
+      step::ScoresToLogits(p, line, weights + j * br, br, rows, mask.band);
     }
   }
 }

@@ -5,7 +5,8 @@
 //   step                 forward (flash, decode)            backward (flash_backward)
 //   load a K/V tile      read in place through row strides  the same
 //   scores               S = K Qt (flash) / Qs K^T (decode)  S^T = K Qt
-//   modifiers            ModifyScores: softcap, then ALiBi   the same, keeping softcap's slope
+//   modifiers            Softcap (a whole tile), then Alibi  the same, keeping softcap's slope
+//                        (per line)
 //   classify a tile      ClassifyMaskTile: hidden, partial,  the same
 //                        fully visible (band and rule)
 //   mask                 MaskBand, MaskRuleStep, MaskTerms   the same
@@ -182,21 +183,28 @@ HWY_INLINE TileClass ClassifyMaskTile(const AttentionProblem& p, int64_t b, int6
   return band == TileClass::Full && rule == TileVisibility::Full ? TileClass::Full : TileClass::Partial;
 }
 
-// tanh for softcap's hot loop: x P(x^2) / Q(x^2) on [-9, 9] (past 9, tanh is 1 to within 3e-8),
-// P of degree 4 and Q of degree 4 in x^2, fitted by iterated least squares on the relative error
-// (max 6e-8 in float64, 3.4e-7 absolute when evaluated in float32). Eight FMAs and a refined
-// reciprocal: about half the cost of an Exp-based tanh, which made softcap cost a third of W1's
-// time. NaN stays NaN.
-HWY_INLINE VF Tanh(VF x) {
+// scale * tanh(x) for softcap's hot loop: x P(x^2) / Q(x^2) on [-9, 9] (past 9, tanh is 1 to
+// within 3e-8), P of degree 4 and Q of degree 4 in x^2, fitted by iterated least squares on the
+// relative error (max 6e-8 in float64, 3.4e-7 absolute when evaluated in float32). Eight FMAs and
+// a refined reciprocal: about half the cost of an Exp-based tanh, which made softcap cost a third
+// of W1's time. `scale` multiplies P's coefficients (once per call, not per vector). NaN stays
+// NaN.
+HWY_INLINE VF ScaledTanh(VF x, float scale) {
   const DF df;
-  const VF limit = hn::Set(df, 9.0f);
-  const VF clamped = hn::Min(hn::Max(x, hn::Neg(limit)), limit);
+  const VF limit = hn::Set(df, 9.0f), minus_limit = hn::Set(df, -9.0f);
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+  // x86's min and max return their second operand when either is NaN: a NaN x passes the clamp
+  // and the rational function, with no test of its own.
+  const VF clamped = hn::Min(limit, hn::Max(minus_limit, x));
+#else
+  const VF clamped = hn::IfThenElse(hn::IsNaN(x), x, hn::Min(hn::Max(x, minus_limit), limit));
+#endif
   const VF z = hn::Mul(clamped, clamped);
-  VF numerator = hn::Set(df, 1.3663458392487726e-08f);
-  numerator = hn::MulAdd(numerator, z, hn::Set(df, 2.0831980707288183e-05f));
-  numerator = hn::MulAdd(numerator, z, hn::Set(df, 3.5091362204917125e-03f));
-  numerator = hn::MulAdd(numerator, z, hn::Set(df, 1.3392434315878096e-01f));
-  numerator = hn::MulAdd(numerator, z, hn::Set(df, 9.9999998321745998e-01f));
+  VF numerator = hn::Set(df, 1.3663458392487726e-08f * scale);
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 2.0831980707288183e-05f * scale));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 3.5091362204917125e-03f * scale));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 1.3392434315878096e-01f * scale));
+  numerator = hn::MulAdd(numerator, z, hn::Set(df, 9.9999998321745998e-01f * scale));
   VF denominator = hn::Set(df, 7.902955801997180e-07f);
   denominator = hn::MulAdd(denominator, z, hn::Set(df, 3.307789092288514e-04f));
   denominator = hn::MulAdd(denominator, z, hn::Set(df, 2.592852808456218e-02f));
@@ -204,35 +212,44 @@ HWY_INLINE VF Tanh(VF x) {
   denominator = hn::MulAdd(denominator, z, hn::Set(df, 1.0f));
   VF reciprocal = hn::ApproximateReciprocal(denominator);  // Q >= 1: no overflow, no zero
   reciprocal = hn::Mul(reciprocal, hn::NegMulAdd(denominator, reciprocal, hn::Set(df, 2.0f)));  // Newton
-  return hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(hn::Mul(clamped, numerator), reciprocal));
+  return hn::Mul(hn::Mul(clamped, numerator), reciprocal);
 }
 
-// ---- Step "modifiers": s <- softcap * tanh(s / softcap), then s <- s - slope[h] |i + Nk - Nq - j|,
-// over n floats (a whole number of vectors). When softcap_slope is given, it receives
-// d(capped)/d(raw) = 1 - tanh^2 per score, for the backward.
-HWY_INLINE void ModifyScores(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                             float* HWY_RESTRICT softcap_slope = nullptr) {
+// ---- Step "softcap": s <- softcap * tanh(s / softcap) over n floats (a whole number of
+// vectors): a whole tile at once, since softcap does not depend on positions. When
+// softcap_slope is given, it receives d(capped)/d(raw) = 1 - tanh^2 per score, for the backward.
+HWY_INLINE void Softcap(const AttentionProblem& p, float* HWY_RESTRICT s, size_t n,
+                        float* HWY_RESTRICT softcap_slope = nullptr) {
+  if (!(p.softcap > 0)) return;
   const DF df;
   const size_t lanes = hn::Lanes(df);
-  if (p.softcap > 0) {
-    const VF cap = hn::Set(df, p.softcap), inverse_cap = hn::Set(df, 1.0f / p.softcap), one = hn::Set(df, 1.0f);
-    for (size_t x = 0; x < n; x += lanes) {
-      const VF t = Tanh(hn::Mul(hn::Load(df, s + x), inverse_cap));
-      hn::Store(hn::Mul(cap, t), df, s + x);
-      if (softcap_slope) hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
+  const float cap = p.softcap;  // a local: the stores to s would make p.softcap a load per vector
+  const VF inverse_cap = hn::Set(df, 1.0f / cap), one = hn::Set(df, 1.0f);
+  for (size_t x = 0; x < n; x += lanes) {
+    const VF capped = ScaledTanh(hn::Mul(hn::Load(df, s + x), inverse_cap), cap);
+    hn::Store(capped, df, s + x);
+    if (softcap_slope) {  // the backward's logits are the forward's, bit for bit
+      const VF t = hn::Mul(capped, inverse_cap);
+      hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
     }
   }
-  if (p.alibi_slopes) {
-    // distance(x) = |i + offset - j| = |base + x * step|, step = query_step - key_step = +-1
-    const float slope = p.alibi_slopes[line.h];
-    const float base = static_cast<float>(line.i0 + p.alibi_offset() - line.j0);
-    const float step = static_cast<float>(line.query_step - line.key_step);
-    const VF steps = hn::Mul(hn::Iota(df, 0.0f), hn::Set(df, step));
-    const VF slope_vec = hn::Set(df, slope);
-    for (size_t x = 0; x < n; x += lanes) {
-      const VF distance = hn::Abs(hn::Add(steps, hn::Set(df, base + step * static_cast<float>(x))));
-      hn::Store(hn::NegMulAdd(slope_vec, distance, hn::Load(df, s + x)), df, s + x);
-    }
+}
+
+// ---- Step "ALiBi": s <- s - slope[h] |i + Nk - Nq - j| over a line's n floats (whole vectors),
+// after softcap.
+HWY_INLINE void Alibi(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n) {
+  if (!p.alibi_slopes) return;
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  // distance(x) = |i + offset - j| = |base + x * step|, step = query_step - key_step = +-1
+  const float slope = p.alibi_slopes[line.h];
+  const float base = static_cast<float>(line.i0 + p.alibi_offset() - line.j0);
+  const float step = static_cast<float>(line.query_step - line.key_step);
+  const VF steps = hn::Mul(hn::Iota(df, 0.0f), hn::Set(df, step));
+  const VF slope_vec = hn::Set(df, slope);
+  for (size_t x = 0; x < n; x += lanes) {
+    const VF distance = hn::Abs(hn::Add(steps, hn::Set(df, base + step * static_cast<float>(x))));
+    hn::Store(hn::NegMulAdd(slope_vec, distance, hn::Load(df, s + x)), df, s + x);
   }
 }
 
@@ -402,12 +419,12 @@ struct TileMask {
   int hide = -1;
 };
 
-// Modifiers and mask of a line of a strided residue (flash's and flash backward's gathered
+// ALiBi and mask of a line of a strided residue (flash's and flash backward's gathered
 // strided keys, where the strided rule holds by construction): the band when `band`, -inf where
 // node `hide` of the rule shows the key when hide >= 0 (the tiles visit those pairs), terms.
 HWY_INLINE void ResidueLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                              size_t count, bool band, int hide, float* HWY_RESTRICT softcap_slope = nullptr) {
-  ModifyScores(p, line, s, n, softcap_slope);
+                              size_t count, bool band, int hide) {
+  Alibi(p, line, s, n);
   if (band) MaskBand(p, line, s, n);
   if (hide >= 0) MaskWhereRuleShows(p.rule, hide, line, s, count);
   MaskTerms(p, line, s, count);
@@ -438,11 +455,11 @@ HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t 
   }
 }
 
-// Modifiers and mask on a whole line: n floats computed (whole vectors), `count` of them real.
+// ALiBi and mask on a whole line (softcap ran on the whole tile before): n floats computed (whole vectors), `count` of them real.
 // `band` false skips the structured mask and the rule (a tile every query of it fully sees).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                               size_t count, bool band, float* HWY_RESTRICT softcap_slope = nullptr) {
-  ModifyScores(p, line, s, n, softcap_slope);
+                               size_t count, bool band) {
+  Alibi(p, line, s, n);
   if (band) MaskBand(p, line, s, n);
   if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
   MaskTerms(p, line, s, count);
