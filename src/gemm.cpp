@@ -1,4 +1,4 @@
-// qkv::detail::sgemm (gemm.hpp): one entry point, three paths, chosen per shape class.
+// qkv::detail::sgemm (gemm.hpp): one entry point, four paths, chosen per shape class.
 //
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
@@ -11,6 +11,16 @@
 //     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows, 0.78x (one thread,
 //     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
+//   - many rows against a head dimension (m >= 256, n or k <= 64: the reference kernel's
+//     S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear (m >= 2048,
+//     n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
+//     tiles over B packed into panels. Ice Lake, two threads, the Tiled kernel's time over
+//     oneDNN's (minimum of 60 alternated calls): NT 256 x 256 x 64 0.92, 512 x 512 x 64 1.04,
+//     2048 x 2048 x 64 0.93, 4096 x 4096 x 64 0.63; NN 512 x 64 x 512 0.79, 2048 x 64 x 2048
+//     0.71; TN 512 x 64 x 512 0.89; NT 2048 x 512 x 512 0.92, 2048 x 256 x 256 0.75, NN 2048 x
+//     512 x 512 0.90, 4096 x 512 x 512 0.98. Not chosen, it lost: NT 256 x 512 x 512 1.27 and
+//     256 x 1536 x 512 1.40 (packing B, serial, weighs on few rows), 1024 x 512 x 512 1.03,
+//     2048 x 1536 x 512 1.26, 4096 x 4096 x 128 1.12; TN 512 x 512 x 2048 1.02;
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -25,6 +35,7 @@
 
 #include "qkv/error.hpp"
 #include "small_gemm.hpp"
+#include "tiled_gemm.hpp"
 
 #ifdef QKV_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -44,6 +55,12 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
   (void)n, (void)k;
   return m <= 64;
 #endif
+}
+
+// Whether the Tiled kernel takes an m x n x k product: as the header says.
+bool tiled_takes(int64_t m, int64_t n, int64_t k) {
+  if (!tiled_gemm_has_wide_panels()) return false;
+  return (m >= 256 && std::min(n, k) <= 64) || (m >= 2048 && n <= 512 && k <= 512);
 }
 
 // The test override: -1 none, else a GemmPath.
@@ -85,6 +102,7 @@ void run_onednn(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
 std::string_view to_string(GemmPath path) {
   switch (path) {
     case GemmPath::Small: return "Small";
+    case GemmPath::Tiled: return "Tiled";
     case GemmPath::OneDnn: return "oneDNN";
     case GemmPath::OpenBlas: return "OpenBLAS";
   }
@@ -94,6 +112,7 @@ std::string_view to_string(GemmPath path) {
 bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
   switch (path) {
     case GemmPath::Small: return !trans_a && trans_b;
+    case GemmPath::Tiled: return true;
 #ifdef QKV_HAVE_DNNL
     case GemmPath::OneDnn: return true;
 #else
@@ -106,6 +125,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
 
 GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!trans_a && trans_b && small_takes(m, n, k)) return GemmPath::Small;
+  if (tiled_takes(m, n, k)) return GemmPath::Tiled;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }
@@ -131,6 +151,9 @@ void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, i
   switch (path) {
     case GemmPath::Small:
       small_rows_gemm(a, lda, m, k, b, ldb, n, alpha, beta, c, ldc);
+      return;
+    case GemmPath::Tiled:
+      tiled_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;
     case GemmPath::OneDnn:
 #ifdef QKV_HAVE_DNNL

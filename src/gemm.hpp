@@ -5,6 +5,7 @@
 // whatever the environment says to one library (OPENBLAS_CORETYPE=Haswell halves OpenBLAS on an
 // AVX-512 core; oneDNN and qkv's own kernel pick their code from the CPU itself):
 //   Small     qkv's Highway kernel (small_gemm.hpp): A not transposed, B transposed, few rows
+//   Tiled     the fused kernels' micro-GEMM on packed panels of B (tiled_gemm.hpp): any transposes
 //   OneDnn    dnnl_sgemm, when qkv was built with oneDNN (QKV_HAVE_DNNL)
 //   OpenBlas  cblas_sgemm
 // docs/performance.md gives the measurements behind the choice (`qkv bench` times every path on
@@ -17,7 +18,7 @@
 
 namespace qkv::detail {
 
-enum class GemmPath { Small, OneDnn, OpenBlas };
+enum class GemmPath { Small, Tiled, OneDnn, OpenBlas };
 
 std::string_view to_string(GemmPath path);
 

@@ -101,9 +101,11 @@ cli_test(cli_memory_f16 ARGS "memory|--seq|1000|--layers|3|--heads|5|--batch|2|-
 cli_test(cli_memory_negative ARGS "memory|--seq|-5" FAIL EXPECT "--seq must be positive, got -5")
 cli_test(cli_memory_bad_dtype ARGS "memory|--dtype|f8" FAIL EXPECT "unknown --dtype 'f8'")
 
-# qkv scaling: three tiny sizes, one timed call each.
+# qkv scaling: three tiny sizes, one timed call each. The reference's scratch is its N x N
+# scores, plus from N = 256 the Tiled GEMM path's packed panels of V (N x d, src/tiled_gemm.cpp):
+# a slope of 2.00-2.09 at these sizes.
 cli_test(cli_scaling ARGS "scaling|--min-seq|64|--max-seq|256|--heads|2|--head-dim|16|--repeats|1|-o|${cli_out}/scaling.svg"
-  FILE ${cli_out}/scaling.svg KIND svg EXPECT "log-log slopes.*scratch reference 2.00")
+  FILE ${cli_out}/scaling.svg KIND svg EXPECT "log-log slopes.*scratch reference 2.0[0-9]")
 # --linear (the older spelling of --kernels ...,linear): linear's time and slope beside flash.
 # Time slopes from one call per point can come out negative on a busy machine (CI saw
 # linear -0.08 under the sanitizers): the regexes check that they are printed, not their value.

@@ -15,6 +15,7 @@
 
 #include "gemm.hpp"
 #include "small_gemm.hpp"
+#include "tiled_gemm.hpp"
 #include "kernel_cases.hpp"
 #include "oracle.hpp"
 #include "qkv/qkv.hpp"
@@ -24,7 +25,7 @@ namespace {
 using qkv::detail::GemmPath;
 using qkv_test::Random;
 
-constexpr GemmPath kAllPaths[] = {GemmPath::Small, GemmPath::OneDnn, GemmPath::OpenBlas};
+constexpr GemmPath kAllPaths[] = {GemmPath::Small, GemmPath::Tiled, GemmPath::OneDnn, GemmPath::OpenBlas};
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // Written into C's padding (the columns between n and ldc): no path may touch it.
 constexpr float kPadding = -12345.0f;
@@ -103,12 +104,15 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 
 // Odd sizes around every tile and vector width, and some large enough for threads. The Small
 // kernel's tiles (5 rows x 4 outputs on AVX-512, 4 x 3 elsewhere) leave every count of rows
-// (1-4) with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes.
+// (1-4) with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes. The
+// Tiled kernel's panels (1-4 vectors, the last partial or whole), row blocks (48 rows, threads
+// from 2^20 multiply-adds) and depth blocks (128) meet their ends in the last rows.
 const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
     {2, 6, 19}, {3, 7, 21}, {4, 10, 33}, {8, 5, 18}, {9, 14, 37}, {6, 6, 20}, {11, 7, 13}, {13, 10, 9},
     {4, 5, 24}, {14, 11, 30}, {1, 3, 40}, {2, 7, 12}, {7, 5, 22},
-    {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0}};
+    {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0},
+    {100, 64, 150}, {61, 83, 131}, {49, 16, 300}};
 
 TEST(Gemm, EveryPathMatchesFloat64) {
   Random rng;
@@ -116,10 +120,10 @@ TEST(Gemm, EveryPathMatchesFloat64) {
   const int threads_before = omp_get_max_threads();
   for (GemmPath path : built_paths()) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
-    // The Small kernel is ours, SIMD per target (its tile and its sums differ): every runnable
-    // target in turn; the libraries dispatch on their own (0: the CPU's choice).
-    const std::vector<int64_t> targets =
-        path == GemmPath::Small ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
+    // The Small and Tiled kernels are ours, SIMD per target (tiles, panels and sums differ): every
+    // runnable target in turn; the libraries dispatch on their own (0: the CPU's choice).
+    const bool ours = path == GemmPath::Small || path == GemmPath::Tiled;
+    const std::vector<int64_t> targets = ours ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
     for (int64_t target : targets) {
       std::optional<qkv_test::ForcedTarget> forced;
       if (target != 0) {
@@ -151,14 +155,18 @@ TEST(Gemm, EveryPathMatchesFloat64) {
   omp_set_num_threads(threads_before);
 }
 
-// The Small path takes A not transposed and B transposed only; oneDNN exactly when built in.
+// The Small path takes A not transposed and B transposed only; Tiled and OpenBLAS every
+// transpose; oneDNN exactly when built in.
 TEST(Gemm, PathsTakeWhatTheySay) {
   EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::Small, false, true));
   EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, false, false));
   EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, true, false));
   EXPECT_FALSE(qkv::detail::gemm_path_can_take(GemmPath::Small, true, true));
   for (bool ta : {false, true})
-    for (bool tb : {false, true}) EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OpenBlas, ta, tb));
+    for (bool tb : {false, true}) {
+      EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OpenBlas, ta, tb));
+      EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::Tiled, ta, tb));
+    }
 #ifdef QKV_HAVE_DNNL
   EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OneDnn, true, false));
 #else
@@ -166,8 +174,9 @@ TEST(Gemm, PathsTakeWhatTheySay) {
 #endif
 }
 
-// The choice: few rows of x W^T to Small, the rest to oneDNN when built in, else OpenBLAS; and the
-// test hook overrides it only where the forced path can take the call.
+// The choice: few rows of x W^T to Small, many rows against a head dimension or of a mid-size
+// Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else OpenBLAS; and the test
+// hook overrides it only where the forced path can take the call.
 TEST(Gemm, ChoiceAndTestHook) {
   const GemmPath large = qkv::detail::gemm_path_can_take(GemmPath::OneDnn, false, false) ? GemmPath::OneDnn
                                                                                            : GemmPath::OpenBlas;
@@ -192,8 +201,19 @@ TEST(Gemm, ChoiceAndTestHook) {
             large == GemmPath::OpenBlas ? GemmPath::Small : large);
   omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
+  // Tiled: m >= 256 against n or k <= 64 (the reference kernel's products), or m >= 2048 with n
+  // and k <= 512; each edge just past.
+  const GemmPath tiled = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::Tiled : large;
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);   // S = Q K^T
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 512, 64, 512), tiled);  // O = P V
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 64, 512), tiled);   // dK = dS^T Q
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 255, 512, 64), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 256, 512, 65), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), tiled);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2047, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 513, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 2048, 512, 513), large);
 
   Random rng;
   const GemmCase g = make_gemm_case(rng, false, false, 9, 11, 13, 1.0f, 0.0f);

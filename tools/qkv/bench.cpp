@@ -267,7 +267,7 @@ std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
     const Tensor a = Tensor::randn({g.m * g.k}, /*seed=*/21), b = Tensor::randn({g.k * g.n}, /*seed=*/22);
     const Tensor c = Tensor::zeros({g.m * g.n});
     GemmRow row{&g, {}, detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)};
-    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::OpenBlas}) {  // OpenBLAS last
+    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas}) {  // OpenBLAS last
       if (!detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) continue;
       progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
       row.gflops.emplace_back(path, time_gemm(path, g, a, b, c));
@@ -714,17 +714,17 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
   for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
   if (!env.gemm.empty()) {
     fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
-    fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n", "k",
-               "OpenBLAS", "oneDNN", "Small", "chosen", "x best", "x sgemm");
+    fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n",
+               "k", "OpenBLAS", "oneDNN", "Small", "Tiled", "chosen", "x best", "x sgemm");
     for (const GemmRow& g : env.gemm) {
       const auto rate = [&](GemmPath path) -> std::string {
         for (const auto& [p, r] : g.gflops)
           if (p == path) return short_number(r);
         return "-";
       };
-      fmt::print("{:<32} {}{} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6}  {:<8} {:>9} {:>7}\n", g.shape->name,
+      fmt::print("{:<32} {}{} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", g.shape->name,
                  g.shape->trans_a ? "T" : "N", g.shape->trans_b ? "T" : "N", g.shape->m, g.shape->n, g.shape->k,
-                 rate(GemmPath::OpenBlas), rate(GemmPath::OneDnn), rate(GemmPath::Small),
+                 rate(GemmPath::OpenBlas), rate(GemmPath::OneDnn), rate(GemmPath::Small), rate(GemmPath::Tiled),
                  detail::to_string(g.chosen), fixed(g.chosen_gflops() / g.best_gflops(), 2),
                  fixed(g.chosen_gflops() / env.sgemm(), 2));
     }

@@ -1,0 +1,26 @@
+// C = alpha op(A) op(B) + beta C on the fused kernels' register-tiled micro-GEMM (internal): the
+// "tiled" path of qkv::detail::sgemm (gemm.hpp), which picks it for the reference kernel's
+// products with a short side of a head dimension (S = Q K^T with k = d, P V and dS^T Q with n = d).
+//
+// Those shapes are skinny for a library sgemm (oneDNN ran them at 0.5-0.75 of its 2048^3 rate on
+// Ice Lake). Here alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a
+// last 4-vector block), each panel contiguous so that a block of its rows stays in L1 whatever
+// ldb is (B rows a power of two apart fell into a few L1 sets and missed), and threads take
+// blocks of A's rows, each running tile_gemm-inl.h's PanelGemm over every panel, a block of
+// depth at a time.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::detail {
+
+// BLAS's semantics in row-major order, as sgemm (gemm.hpp): op(A) m x k, op(B) k x n, C m x n with
+// rows ldc apart; beta == 0 does not read C. m, n, k >= 1; C must not overlap A or B.
+void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// Whether the SIMD target this CPU dispatches to has 32 vector registers (AVX-512: 8 x 3 and
+// 6 x 4 register tiles); the 16-register targets run 4 x 3 and 2 + 2 panels.
+bool tiled_gemm_has_wide_panels();
+
+}  // namespace qkv::detail
