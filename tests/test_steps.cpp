@@ -83,6 +83,7 @@ HWY_AFTER_NAMESPACE();
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -159,14 +160,17 @@ TEST(Steps, ExpSoftmaxEdges) {
   });
 }
 
-// cap * tanh(s / cap) and its slope 1 - tanh^2, for caps from tiny to huge, over scores from 0
+// cap * tanh(s / cap) and its slope 1 - tanh^2, for caps from tiny to huge (past [1e-30, 1e30],
+// where the cap is not folded into the numerator, up to float's largest), over scores from 0
 // to past the rational function's clamp, against float64: within 4e-7 x cap (tanh's float32
-// spacing near 1 is 6e-8) and within a few ulp of small results; +-inf give +-cap, NaN stays NaN
-// (a case x86's min and max order decides), 0 and -0 keep their sign.
+// spacing near 1 is 6e-8) and within a few ulp of small normal results; +-inf give +-cap, NaN
+// stays NaN (a case x86's min and max order decides), 0 and -0 keep their sign.
 TEST(Steps, SoftcapAgainstFloat64) {
   on_every_target([] {
-    for (float cap : {1e-3f, 0.5f, 1.0f, 30.0f, 50.0f, 1e30f}) {
-      SCOPED_TRACE("cap " + std::to_string(cap));
+    for (float cap : {1e-37f, 1e-3f, 0.5f, 1.0f, 30.0f, 50.0f, 1e30f, 1e36f, 3e38f}) {
+      std::ostringstream trace;
+      trace << "cap " << cap;
+      SCOPED_TRACE(trace.str());
       std::vector<float> s;
       for (double r = 1e-6; r < 12.0; r *= 1.0007) {
         s.push_back(static_cast<float>(r * cap));
@@ -186,9 +190,11 @@ TEST(Steps, SoftcapAgainstFloat64) {
       double worst_abs = 0, worst_ulp = 0, worst_slope = 0;
       for (size_t i = 0; i < swept; ++i) {
         const double t = std::tanh(static_cast<double>(s[i]) / cap), exact = cap * t;
-        const double ulp = std::nextafter(std::abs(static_cast<float>(exact)), kFloatInf) - std::abs(static_cast<float>(exact));
+        const float rounded = std::abs(static_cast<float>(exact));
+        const double ulp = std::nextafter(rounded, kFloatInf) - rounded;
         worst_abs = std::max(worst_abs, std::abs(capped[i] - exact) / cap);
-        if (std::abs(t) < 0.5) worst_ulp = std::max(worst_ulp, std::abs(capped[i] - exact) / ulp);
+        if (std::abs(t) < 0.5 && std::abs(exact) >= std::numeric_limits<float>::min())
+          worst_ulp = std::max(worst_ulp, std::abs(capped[i] - exact) / ulp);
         worst_slope = std::max(worst_slope, std::abs(slope[i] - (1 - t * t)));
       }
       EXPECT_LE(worst_abs, 4e-7);
@@ -202,8 +208,9 @@ TEST(Steps, SoftcapAgainstFloat64) {
       EXPECT_FLOAT_EQ(edges[3], -cap);
       EXPECT_TRUE(std::isnan(edges[4]));
       EXPECT_TRUE(std::isnan(slope[swept + 4]));
-      EXPECT_FLOAT_EQ(edges[5], cap);
-      EXPECT_FLOAT_EQ(edges[6], -cap);
+      const double at_max = cap * std::tanh(std::numeric_limits<float>::max() / static_cast<double>(cap));
+      EXPECT_NEAR(edges[5], at_max, 4e-7 * cap);
+      EXPECT_NEAR(edges[6], -at_max, 4e-7 * cap);
       EXPECT_NEAR(slope[swept + 2], 0.0f, 1e-6);  // the slope of a capped score
       EXPECT_EQ(slope[swept], 1.0f);
     }

@@ -419,9 +419,9 @@ void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_
     }
 }
 
-// Step "modifiers and mask" of gathered strided keys (KeyRun): what the tiles evaluate, except
-// that the strided rule holds by construction and the keys `rest` shows are hidden (the tiles
-// visit those).
+// ALiBi and the mask of gathered strided keys (KeyRun; softcap ran on the whole tile before):
+// what the tiles evaluate, except that the strided rule holds by construction and the keys
+// `rest` shows are hidden (the tiles visit those).
 HWY_INLINE void GatheredLogits(const AttentionProblem& p, int rest, const step::Line& line, float* HWY_RESTRICT s,
                                size_t cols) {
   step::Alibi(p, line, s, kKeyTile);

@@ -218,20 +218,34 @@ HWY_INLINE VF ScaledTanh(VF x, float scale) {
 // ---- Step "softcap": s <- softcap * tanh(s / softcap) over n floats (a whole number of
 // vectors): a whole tile at once, since softcap does not depend on positions. When
 // softcap_slope is given, it receives d(capped)/d(raw) = 1 - tanh^2 per score, for the backward.
+// The cap is folded into ScaledTanh's numerator for caps in [1e-30, 1e30]; past them the folded
+// coefficients would overflow (x P(x^2) reaches about 418 cap at the clamp) or go subnormal, and
+// 1 / cap may be infinite, so extreme caps divide, take tanh, multiply and keep |s| <= cap.
 HWY_INLINE void Softcap(const AttentionProblem& p, float* HWY_RESTRICT s, size_t n,
                         float* HWY_RESTRICT softcap_slope = nullptr) {
   if (!(p.softcap > 0)) return;
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const float cap = p.softcap;  // a local: the stores to s would make p.softcap a load per vector
-  const VF inverse_cap = hn::Set(df, 1.0f / cap), one = hn::Set(df, 1.0f);
-  for (size_t x = 0; x < n; x += lanes) {
-    const VF capped = ScaledTanh(hn::Mul(hn::Load(df, s + x), inverse_cap), cap);
-    hn::Store(capped, df, s + x);
-    if (softcap_slope) {  // the backward's logits are the forward's, bit for bit
-      const VF t = hn::Mul(capped, inverse_cap);
-      hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
+  const VF one = hn::Set(df, 1.0f);
+  if (cap >= 1e-30f && cap <= 1e30f) {
+    const VF inverse_cap = hn::Set(df, 1.0f / cap);
+    for (size_t x = 0; x < n; x += lanes) {
+      const VF capped = ScaledTanh(hn::Mul(hn::Load(df, s + x), inverse_cap), cap);
+      hn::Store(capped, df, s + x);
+      if (softcap_slope) {  // the backward's logits are the forward's, bit for bit
+        const VF t = hn::Mul(capped, inverse_cap);
+        hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
+      }
     }
+    return;
+  }
+  const VF cap_vec = hn::Set(df, cap);
+  for (size_t x = 0; x < n; x += lanes) {
+    const VF t = ScaledTanh(hn::Div(hn::Load(df, s + x), cap_vec), 1.0f);
+    const VF capped = hn::Mul(t, cap_vec);  // NaN stays NaN: the comparison below is false for it
+    hn::Store(hn::IfThenElse(hn::Gt(hn::Abs(capped), cap_vec), hn::CopySign(cap_vec, capped), capped), df, s + x);
+    if (softcap_slope) hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
   }
 }
 
