@@ -11,16 +11,18 @@
 //     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows, 0.78x (one thread,
 //     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
-//   - many rows against a head dimension (m >= 256, n or k <= 64: the reference kernel's
-//     S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear (m >= 2048,
-//     n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
+//   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
+//     kernel's S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear
+//     (m >= 2048, n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
 //     tiles over B packed into panels. Ice Lake, two threads, the Tiled kernel's time over
 //     oneDNN's (minimum of 60 alternated calls): NT 256 x 256 x 64 0.92, 512 x 512 x 64 1.04,
 //     2048 x 2048 x 64 0.93, 4096 x 4096 x 64 0.63; NN 512 x 64 x 512 0.79, 2048 x 64 x 2048
 //     0.71; TN 512 x 64 x 512 0.89; NT 2048 x 512 x 512 0.92, 2048 x 256 x 256 0.75, NN 2048 x
 //     512 x 512 0.90, 4096 x 512 x 512 0.98. Not chosen, it lost: NT 256 x 512 x 512 1.27 and
 //     256 x 1536 x 512 1.40 (packing B, serial, weighs on few rows), 1024 x 512 x 512 1.03,
-//     2048 x 1536 x 512 1.26, 4096 x 4096 x 128 1.12; TN 512 x 512 x 2048 1.02;
+//     2048 x 1536 x 512 1.26, 4096 x 4096 x 128 1.12, 512 x 512 x 16 1.11; TN 512 x 512 x 2048
+//     1.02, 1536 x 512 x 20 (a Linear's dW over 20 tokens) 1.08, 1536 x 512 x 8 1.16 (and at
+//     k = 32: NT 512 x 512 0.99, 2048 x 2048 1.08, TN 1536 x 512 0.78, so taken from 32 up);
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -57,10 +59,10 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
 #endif
 }
 
-// Whether the Tiled kernel takes an m x n x k product: as the header says.
+// Whether the Tiled kernel takes an m x n x k product: as this file's first comment says.
 bool tiled_takes(int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
-  return (m >= 256 && std::min(n, k) <= 64) || (m >= 2048 && n <= 512 && k <= 512);
+  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) || (m >= 2048 && n <= 512 && k <= 512);
 }
 
 // The test override: -1 none, else a GemmPath.
@@ -143,7 +145,7 @@ void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, i
   if (lda < a_cols || ldb < b_cols || ldc < n)
     throw Error(shape_text(trans_a, trans_b, m, n, k) + ": lda " + std::to_string(lda) + ", ldb " +
                 std::to_string(ldb) + ", ldc " + std::to_string(ldc) + " shorter than the rows they separate");
-  if (k == 0) {  // C = beta C, with beta == 0 never reading C
+  if (k == 0 || alpha == 0.0f) {  // C = beta C (BLAS's rule: A and B unread), beta == 0 never reading C
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
     return;

@@ -187,8 +187,8 @@ bool tiled_gemm_has_wide_panels() { return HWY_DYNAMIC_DISPATCH(WidePanels)(); }
 void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   HWY_DYNAMIC_DISPATCH(TiledGemm)(trans_a, trans_b, static_cast<size_t>(m), static_cast<size_t>(n),
-                                  static_cast<size_t>(k), alpha, a, static_cast<size_t>(lda), b, static_cast<size_t>(ldb),
-                                  beta, c, static_cast<size_t>(ldc));
+                                  static_cast<size_t>(k), alpha, a, static_cast<size_t>(lda), b,
+                                  static_cast<size_t>(ldb), beta, c, static_cast<size_t>(ldc));
 }
 
 }  // namespace qkv::detail

@@ -1,6 +1,7 @@
 // C = alpha op(A) op(B) + beta C on the fused kernels' register-tiled micro-GEMM (internal): the
-// "tiled" path of qkv::detail::sgemm (gemm.hpp), which picks it for the reference kernel's
-// products with a short side of a head dimension (S = Q K^T with k = d, P V and dS^T Q with n = d).
+// "tiled" path of qkv::detail::sgemm (gemm.hpp), which picks it (on AVX-512) for many rows against
+// a head dimension, the reference kernel's products (S = Q K^T with k = d, P V and dS^T Q with
+// n = d), and for many rows of a mid-size Linear (the rule and its measurements: gemm.cpp).
 //
 // Those shapes are skinny for a library sgemm (oneDNN ran them at 0.5-0.75 of its 2048^3 rate on
 // Ice Lake). Here alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a

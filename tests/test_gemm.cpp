@@ -1,5 +1,5 @@
 // qkv::detail::sgemm (src/gemm.hpp), the library's one GEMM entry point outside the fused kernels:
-// every path it can take (Small, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
+// every path it can take (Small, Tiled, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
 // shapes, every transpose the path takes, padded leading dimensions, alpha and beta, outputs
 // poisoned; then its callers (nn::Linear, the reference kernel forward and backward) run on each
 // path through the test hook.
@@ -112,11 +112,14 @@ const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {2, 6, 19}, {3, 7, 21}, {4, 10, 33}, {8, 5, 18}, {9, 14, 37}, {6, 6, 20}, {11, 7, 13}, {13, 10, 9},
     {4, 5, 24}, {14, 11, 30}, {1, 3, 40}, {2, 7, 12}, {7, 5, 22},
     {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0},
-    {100, 64, 150}, {61, 83, 131}, {49, 16, 300}};
+    {100, 64, 150}, {61, 83, 131}, {49, 16, 300}, {30, 200, 200}};
 
 TEST(Gemm, EveryPathMatchesFloat64) {
   Random rng;
   SCOPED_TRACE(rng.note());
+  // beta cycles through 0, 1 and -0.5 from case to case: the shapes' count is not a multiple of 3,
+  // so each shape meets all three over three transposes or thread counts in a row.
+  size_t beta_turn = 0;
   const int threads_before = omp_get_max_threads();
   for (GemmPath path : built_paths()) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
@@ -140,7 +143,7 @@ TEST(Gemm, EveryPathMatchesFloat64) {
             if (!qkv::detail::gemm_path_can_take(path, trans_a, trans_b)) continue;
             for (const auto& [m, n, k] : kShapes) {
               const float alpha = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
-              const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[static_cast<size_t>(rng.integer(0, 2))];
+              const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[beta_turn++ % 3];
               const GemmCase g = make_gemm_case(rng, trans_a, trans_b, m, n, k, alpha, beta);
               std::vector<float> c = g.c;
               qkv::detail::sgemm_on(path, trans_a, trans_b, m, n, k, alpha, g.a.data(), g.lda, g.b.data(), g.ldb,
@@ -202,14 +205,18 @@ TEST(Gemm, ChoiceAndTestHook) {
   omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
-  // Tiled: m >= 256 against n or k <= 64 (the reference kernel's products), or m >= 2048 with n
-  // and k <= 512; each edge just past.
+  // Tiled: m >= 256 against n <= 64 or 32 <= k <= 64 (the reference kernel's products), or
+  // m >= 2048 with n and k <= 512; each edge just past.
   const GemmPath tiled = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::Tiled : large;
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);   // S = Q K^T
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 512, 64, 512), tiled);  // O = P V
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 64, 512), tiled);   // dK = dS^T Q
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 255, 512, 64), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 256, 512, 65), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 32), tiled);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 31), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 1536, 512, 20), large);  // a Linear's dW, 20 tokens
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 256, 64, 8), tiled);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), tiled);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2047, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 513, 512), large);
@@ -225,6 +232,18 @@ TEST(Gemm, ChoiceAndTestHook) {
     EXPECT_EQ(took, path == GemmPath::Small ? large : path);  // Small cannot take NN: the choice stands
     expect_matches_float64(g, c);
   }
+}
+
+// alpha == 0 is C = beta C on every path, A and B unread (BLAS's rule): NaN in them stays out.
+TEST(Gemm, AlphaZeroReadsNeitherAnorB) {
+  const std::vector<float> a(12, kNaN), b(12, kNaN);
+  for (GemmPath path : built_paths())
+    for (float beta : {0.0f, -0.5f}) {
+      std::vector<float> c = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+      qkv::detail::sgemm_on(path, false, true, 3, 3, 4, 0.0f, a.data(), 4, b.data(), 4, beta, c.data(), 3);
+      for (size_t i = 0; i < c.size(); ++i)
+        EXPECT_EQ(c[i], beta * static_cast<float>(i + 1)) << qkv::detail::to_string(path) << " beta " << beta;
+    }
 }
 
 TEST(Gemm, BadArgumentsThrowNamingTheShape) {
