@@ -13,9 +13,9 @@
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
 //     kernel's S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear
-//     (m >= 2048, n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
-//     tiles over B packed into panels. Ice Lake, two threads, the Tiled kernel's time over
-//     oneDNN's (minimum of 60 alternated calls): NT 256 x 256 x 64 0.92, 512 x 512 x 64 1.04,
+//     (m >= 2048, n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused
+//     kernels' register tiles over B packed into panels. Ice Lake, two threads, the Tiled
+//     kernel's time over oneDNN's (minimum of 60-90 alternated calls): NT 256 x 256 x 64 0.92, 512 x 512 x 64 1.04,
 //     2048 x 2048 x 64 0.93, 4096 x 4096 x 64 0.63; NN 512 x 64 x 512 0.79, 2048 x 64 x 2048
 //     0.71; TN 512 x 64 x 512 0.89; NT 2048 x 512 x 512 0.92, 2048 x 256 x 256 0.75, NN 2048 x
 //     512 x 512 0.90, 4096 x 512 x 512 0.98. Not chosen, it lost: NT 256 x 512 x 512 1.27 and

@@ -58,7 +58,7 @@ HWY_INLINE void ForEachTiledPanel(size_t n, const F& f) {
 
 // The panels of alpha op(B): panel at column col is k rows of `width` floats from packed + col * k.
 void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_RESTRICT b, size_t ldb,
-           float* HWY_RESTRICT packed) {
+                float* HWY_RESTRICT packed) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const auto scale = hn::Set(df, alpha);
@@ -86,7 +86,7 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
 
 // C[rows x width] (+)= A[rows x depth] panel, on the panel width's register tile.
 HWY_INLINE void TiledPanel(size_t vectors, size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
-                             const float* panel, size_t width, float* c, size_t ldc, bool accumulate) {
+                           const float* panel, size_t width, float* c, size_t ldc, bool accumulate) {
   switch (vectors) {
     case 1: return tile_gemm::PanelGemm<1>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);
     case 2: return tile_gemm::PanelGemm<2>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);

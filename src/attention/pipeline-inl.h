@@ -244,7 +244,8 @@ HWY_INLINE void Softcap(const AttentionProblem& p, float* HWY_RESTRICT s, size_t
   for (size_t x = 0; x < n; x += lanes) {
     const VF t = ScaledTanh(hn::Div(hn::Load(df, s + x), cap_vec), 1.0f);
     const VF capped = hn::Mul(t, cap_vec);  // NaN stays NaN: the comparison below is false for it
-    hn::Store(hn::IfThenElse(hn::Gt(hn::Abs(capped), cap_vec), hn::CopySign(cap_vec, capped), capped), df, s + x);
+    const VF kept = hn::IfThenElse(hn::Gt(hn::Abs(capped), cap_vec), hn::CopySign(cap_vec, capped), capped);
+    hn::Store(kept, df, s + x);
     if (softcap_slope) hn::Store(hn::NegMulAdd(t, t, one), df, softcap_slope + x);
   }
 }
@@ -469,8 +470,9 @@ HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t 
   }
 }
 
-// ALiBi and mask on a whole line (softcap ran on the whole tile before): n floats computed (whole vectors), `count` of them real.
-// `band` false skips the structured mask and the rule (a tile every query of it fully sees).
+// ALiBi and mask on a whole line (softcap ran on the whole tile before): n floats computed
+// (whole vectors), `count` of them real. `band` false skips the structured mask and the rule (a
+// tile every query of it fully sees).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
                                size_t count, bool band) {
   Alibi(p, line, s, n);

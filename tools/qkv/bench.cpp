@@ -267,7 +267,8 @@ std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
     const Tensor a = Tensor::randn({g.m * g.k}, /*seed=*/21), b = Tensor::randn({g.k * g.n}, /*seed=*/22);
     const Tensor c = Tensor::zeros({g.m * g.n});
     GemmRow row{&g, {}, detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)};
-    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas}) {  // OpenBLAS last
+    // OpenBLAS last (its threads are let sleep after it).
+    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas}) {
       if (!detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) continue;
       progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
       row.gflops.emplace_back(path, time_gemm(path, g, a, b, c));
