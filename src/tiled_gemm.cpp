@@ -1,8 +1,7 @@
 // tiled_gemm (tiled_gemm.hpp): C = alpha op(A) op(B) + beta C on tile_gemm-inl.h's micro-GEMM.
 //
-// alpha op(B) is packed into panels, left to right: blocks of kTileVectors vectors, then what is
-// left as Gemm (tile_gemm-inl.h) splits it; panel p holds k rows of its width, contiguous, zero
-// past column n. Threads take blocks of A's rows; a block runs every panel over a block of depth
+// alpha op(B) is packed into the panels tile_gemm::ForEachPanel gives (those Gemm runs), left to
+// right; a panel holds k rows of its width, contiguous, zero past column n. Threads take blocks of A's rows; a block runs every panel over a block of depth
 // at a time (kDepthBlock: a panel's slice and the rows' slice of A stay in L1). Whole panels
 // write C in place; a last panel with a partial vector runs into scratch and is copied.
 //
@@ -33,7 +32,6 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using tile_gemm::DF;
 using tile_gemm::kFourVectorPanels;
-using tile_gemm::kTileVectors;
 
 // Depth per pass over a row block: a 3-vector panel's slice is 128 x 48 floats (24 KiB) on
 // AVX-512 (64 and 256 measured within the noise of 128 on Ice Lake).
@@ -43,26 +41,13 @@ constexpr size_t kRowQuantum = 24, kRowBlock = 48;
 // Below this many multiply-adds one thread is faster than waking a second.
 constexpr double kMinWorkForThreads = double{1 << 20};
 
-// Calls f(col, vectors) for each panel, left to right, over n columns rounded up to whole vectors.
-template <class F>
-HWY_INLINE void ForEachTiledPanel(size_t n, const F& f) {
-  const size_t lanes = hn::Lanes(DF());
-  const size_t vectors = (n + lanes - 1) / lanes;
-  size_t blocks = vectors / kTileVectors, left = vectors % kTileVectors, col = 0;
-  if (left == 1 && blocks > 0) --blocks, left += kTileVectors;
-  for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes) f(col, kTileVectors);
-  if (kFourVectorPanels && left == 4) return f(col, size_t{4});
-  for (; left >= 2; left -= 2, col += 2 * lanes) f(col, size_t{2});
-  if (left == 1) f(col, size_t{1});
-}
-
 // The panels of alpha op(B): panel at column col is k rows of `width` floats from packed + col * k.
 void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_RESTRICT b, size_t ldb,
                 float* HWY_RESTRICT packed) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const auto scale = hn::Set(df, alpha);
-  ForEachTiledPanel(n, [&](size_t col, size_t vectors) {
+  tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
     const size_t width = vectors * lanes, real = std::min(width, n - col);
     float* HWY_RESTRICT panel = packed + col * k;
     if (trans_b) {  // B is n x k: panel column j is B's row col + j
@@ -84,28 +69,13 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
   });
 }
 
-// C[rows x width] (+)= A[rows x depth] panel, on the panel width's register tile.
-HWY_INLINE void TiledPanel(size_t vectors, size_t rows, size_t depth, const float* a, size_t a_row, size_t a_depth,
-                           const float* panel, size_t width, float* c, size_t ldc, bool accumulate) {
-  switch (vectors) {
-    case 1: return tile_gemm::PanelGemm<1>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);
-    case 2: return tile_gemm::PanelGemm<2>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);
-    case 3: return tile_gemm::PanelGemm<3>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);
-    default:
-      if constexpr (kFourVectorPanels)
-        tile_gemm::PanelGemm<4>(rows, depth, a, a_row, a_depth, panel, width, c, ldc, accumulate);
-  }
-}
-
 // Rows [r0, r0 + rows) of C from the packed panels. `tail` holds rows x 4 vectors (a last
 // panel with a partial vector runs there).
-void TiledRowBlock(bool trans_a, size_t n, size_t k, const float* a, size_t lda, const float* packed, float beta,
-                   float* c, size_t ldc, size_t r0, size_t rows, float* HWY_RESTRICT tail, float* HWY_RESTRICT a_pack) {
+// `whole`: the columns C takes in place, those of the panels with no partial vector.
+void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* a, size_t lda, const float* packed,
+                   float beta, float* c, size_t ldc, size_t r0, size_t rows, float* HWY_RESTRICT tail,
+                   float* HWY_RESTRICT a_pack) {
   const size_t lanes = hn::Lanes(DF());
-  size_t whole = 0;  // columns C takes in place: the panels with no partial vector
-  ForEachTiledPanel(n, [&](size_t col, size_t vectors) {
-    if (col + vectors * lanes <= n) whole = col + vectors * lanes;
-  });
   float* c_rows = c + r0 * ldc;
   if (beta != 0.0f && beta != 1.0f)
     for (size_t r = 0; r < rows; ++r)
@@ -121,15 +91,15 @@ void TiledRowBlock(bool trans_a, size_t n, size_t k, const float* a, size_t lda,
       for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kRowBlock);
       a_slice = a_pack, a_row = 1, a_depth = kRowBlock;
     }
-    ForEachTiledPanel(n, [&](size_t col, size_t vectors) {
+    tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
       const size_t width = vectors * lanes;
       const float* panel = packed + col * k + x0 * width;
       if (col + width <= whole) {
-        TiledPanel(vectors, rows, depth, a_slice, a_row, a_depth, panel, width, c_rows + col, ldc,
-                   x0 > 0 || beta != 0.0f);
+        tile_gemm::PanelGemmOf(vectors, rows, depth, a_slice, a_row, a_depth, panel, width, c_rows + col, ldc,
+                               x0 > 0 || beta != 0.0f);
       } else {
         tail_col = col, tail_width = width;
-        TiledPanel(vectors, rows, depth, a_slice, a_row, a_depth, panel, width, tail, width, x0 > 0);
+        tile_gemm::PanelGemmOf(vectors, rows, depth, a_slice, a_row, a_depth, panel, width, tail, width, x0 > 0);
       }
     });
   }
@@ -145,7 +115,11 @@ bool WidePanels() { return kFourVectorPanels; }
 void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float alpha, const float* a, size_t lda,
                const float* b, size_t ldb, float beta, float* c, size_t ldc) {
   const size_t lanes = hn::Lanes(DF());
-  const size_t padded = (n + lanes - 1) / lanes * lanes;
+  size_t padded = 0, whole = 0;  // the panels' columns; those of the panels with no partial vector
+  tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
+    padded = col + vectors * lanes;
+    if (padded <= n) whole = padded;
+  });
   float* packed = thread_workspace(WorkspaceSlot::GemmPanels).floats(padded * k);
   TiledPackB(trans_b, n, k, alpha, b, ldb, packed);
   // Blocks of about kRowBlock rows, as many as a multiple of the threads, each a whole number of
@@ -166,7 +140,8 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
 #pragma omp for schedule(dynamic, 1)
     for (int64_t block = 0; block < blocks; ++block) {
       const size_t r0 = static_cast<size_t>(block) * block_rows;
-      TiledRowBlock(trans_a, n, k, a, lda, packed, beta, c, ldc, r0, std::min(block_rows, m - r0), tail, a_pack);
+      TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, std::min(block_rows, m - r0), tail,
+                    a_pack);
     }
   }
 }

@@ -155,26 +155,41 @@ HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, 
                                  c_scale);
 }
 
-// C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors: blocks of kTileVectors
-// vectors, then a block of the 1 or 2 left; but 3 k + 1 vectors end in one 4-vector panel on
-// AVX-512 and in 2 + 2 on the 16-register targets, not 3 + 1 (d = 64 on AVX-512 is 4 vectors:
-// three of the flash backward's five products): a one-vector panel does kTileRows FMAs per
-// kTileRows broadcasts and 1 load, and waits on loads.
+// The panels a product n columns wide runs as (n rounded up to whole vectors), left to right:
+// f(col, vectors) for each. Blocks of kTileVectors vectors, then a block of the 1 or 2 left; but
+// 3 k + 1 vectors end in one 4-vector panel on AVX-512 and in 2 + 2 on the 16-register targets,
+// not 3 + 1 (d = 64 on AVX-512 is 4 vectors: three of the flash backward's five products): a
+// one-vector panel does kTileRows FMAs per kTileRows broadcasts and 1 load, and waits on loads.
+template <class F>
+HWY_INLINE void ForEachPanel(size_t n, const F& f) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t vectors = (n + lanes - 1) / lanes;
+  size_t blocks = vectors / kTileVectors, left = vectors % kTileVectors, col = 0;
+  if (left == 1 && blocks > 0) --blocks, left += kTileVectors;
+  for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes) f(col, kTileVectors);
+  if (kFourVectorPanels && left == 4) return f(col, size_t{4});
+  for (; left >= 2; left -= 2, col += 2 * lanes) f(col, size_t{2});
+  if (left == 1) f(col, size_t{1});
+}
+
+// PanelGemm on a panel of `vectors` vectors (one that ForEachPanel gives).
+HWY_INLINE void PanelGemmOf(size_t vectors, size_t m, size_t depth, const float* a, size_t a_row, size_t a_depth,
+                            const float* b, size_t ldb, float* c, size_t ldc, bool accumulate) {
+  switch (vectors) {
+    case 1: return PanelGemm<1>(m, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+    case 2: return PanelGemm<2>(m, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+    case 3: return PanelGemm<3>(m, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+    default:
+      if constexpr (kFourVectorPanels) PanelGemm<4>(m, depth, a, a_row, a_depth, b, ldb, c, ldc, accumulate);
+  }
+}
+
+// C[m x n] (+)= A[m x depth] B[depth x n], n a whole number of vectors, panel by panel.
 HWY_INLINE void Gemm(size_t m, size_t n, size_t depth, const float* a, size_t a_row, size_t a_depth, const float* b,
                      size_t ldb, float* c, size_t ldc, bool accumulate) {
-  const size_t lanes = hn::Lanes(DF());
-  const size_t vectors = n / lanes;
-  size_t blocks = vectors / kTileVectors, vectors_left = vectors % kTileVectors;
-  if (vectors_left == 1 && blocks > 0) --blocks, vectors_left += kTileVectors;
-  size_t col = 0;
-  for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes)
-    PanelGemm<kTileVectors>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  if constexpr (kFourVectorPanels) {
-    if (vectors_left == 4) return PanelGemm<4>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  }
-  for (; vectors_left >= 2; vectors_left -= 2, col += 2 * lanes)
-    PanelGemm<2>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
-  if (vectors_left == 1) PanelGemm<1>(m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  ForEachPanel(n, [&](size_t col, size_t vectors) {
+    PanelGemmOf(vectors, m, depth, a, a_row, a_depth, b + col, ldb, c + col, ldc, accumulate);
+  });
 }
 
 // True when none of the `count` values is NaN or +-Inf (|x| < inf is false for exactly those).
