@@ -13,16 +13,18 @@
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
 //     kernel's S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear
-//     (m >= 2048, n and k <= 512), where the CPU runs AVX-512: the Tiled kernel, the fused
-//     kernels' register tiles over B packed into panels. Ice Lake, two threads, the Tiled
-//     kernel's time over oneDNN's (minimum of 60-90 alternated calls): NT 256 x 256 x 64 0.92, 512 x 512 x 64 1.04,
-//     2048 x 2048 x 64 0.93, 4096 x 4096 x 64 0.63; NN 512 x 64 x 512 0.79, 2048 x 64 x 2048
-//     0.71; TN 512 x 64 x 512 0.89; NT 2048 x 512 x 512 0.92, 2048 x 256 x 256 0.75, NN 2048 x
-//     512 x 512 0.90, 4096 x 512 x 512 0.98. Not chosen, it lost: NT 256 x 512 x 512 1.27 and
-//     256 x 1536 x 512 1.40 (packing B, serial, weighs on few rows), 1024 x 512 x 512 1.03,
-//     2048 x 1536 x 512 1.26, 4096 x 4096 x 128 1.12, 512 x 512 x 16 1.11; TN 512 x 512 x 2048
-//     1.02, 1536 x 512 x 20 (a Linear's dW over 20 tokens) 1.08, 1536 x 512 x 8 1.16 (and at
-//     k = 32: NT 512 x 512 0.99, 2048 x 2048 1.08, TN 1536 x 512 0.78, so taken from 32 up);
+//     (m >= 512, n <= 512, 32 <= k <= 512), where the CPU runs AVX-512: the Tiled kernel, the
+//     fused kernels' register tiles over B packed into panels. Ice Lake, two threads, the Tiled
+//     kernel's time over oneDNN's (minimum of 60-120 alternated calls, two runs), with B packed
+//     by all threads: NT 256 x 256 x 64 0.70-0.80, 512 x 512 x 64 0.82-0.91, 2048 x 2048 x 64
+//     0.64, 4096 x 4096 x 64 0.68; NN 512 x 64 x 512 0.70-0.75, 2048 x 64 x 2048 0.72; TN 512 x
+//     64 x 512 0.81; NT 512 x 512 x 512 0.87-0.88, NN 0.91-0.94, TN 0.85-0.91; NT 512 x 512 x 128
+//     0.83-0.88, 512 x 128 x 512 0.87-0.88, 768 x 512 x 512 0.88-1.01, 1024 x 512 x 512 0.72-0.89,
+//     2048 x 512 x 512 0.84, 4096 x 512 x 512 0.88. Not chosen, it lost or tied: NT 256 x 512 x
+//     512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384 1.05-1.10, 512 x 1536 x 512 1.04,
+//     1024 x 1536 x 512 1.24, 2048 x 1536 x 512 1.04, 4096 x 4096 x 128 1.12, 2048 x 2048 x 32
+//     1.09, 512 x 512 x 16 1.02; TN 512 x 512 x 2048 1.02; k < 32 with n > 64: TN 1536 x 512 x 8
+//     1.07, x 20 0.89 (1.08 a session before, with B packed on one thread);
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -62,7 +64,7 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
 // Whether the Tiled kernel takes an m x n x k product: as this file's first comment says.
 bool tiled_takes(int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
-  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) || (m >= 2048 && n <= 512 && k <= 512);
+  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) || (m >= 512 && n <= 512 && k >= 32 && k <= 512);
 }
 
 // The test override: -1 none, else a GemmPath.

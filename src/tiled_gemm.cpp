@@ -1,9 +1,11 @@
 // tiled_gemm (tiled_gemm.hpp): C = alpha op(A) op(B) + beta C on tile_gemm-inl.h's micro-GEMM.
 //
 // alpha op(B) is packed into the panels tile_gemm::ForEachPanel gives (those Gemm runs), left to
-// right; a panel holds k rows of its width, contiguous, zero past column n. Threads take blocks of A's rows; a block runs every panel over a block of depth
-// at a time (kDepthBlock: a panel's slice and the rows' slice of A stay in L1). Whole panels
-// write C in place; a last panel with a partial vector runs into scratch and is copied.
+// right; a panel holds k rows of its width, contiguous, zero past column n. The threads pack it
+// together, each a range of depth steps, then take blocks of A's rows; a block runs every panel
+// over a block of depth at a time (kDepthBlock: a panel's slice and the rows' slice of A stay in
+// L1). Whole panels write C in place; a last panel with a partial vector runs into scratch and is
+// copied.
 //
 // Highway's foreach_target re-includes this file once per SIMD target; the exported entry point
 // lives in the HWY_ONCE part below.
@@ -36,29 +38,50 @@ using tile_gemm::kFourVectorPanels;
 // Depth per pass over a row block: a 3-vector panel's slice is 128 x 48 floats (24 KiB) on
 // AVX-512 (64 and 256 measured within the noise of 128 on Ice Lake).
 constexpr size_t kDepthBlock = 128;
-// Rows per block of work: a multiple of both register tiles' rows (8 and 6), about this many.
-constexpr size_t kRowQuantum = 24, kRowBlock = 48;
+// Rows per block of work: about kRowBlock, starting at multiples of kRowQuantum (the 8-row
+// register tile), at most kMaxBlockRows.
+constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
 // Below this many multiply-adds one thread is faster than waking a second.
 constexpr double kMinWorkForThreads = double{1 << 20};
 
-// The panels of alpha op(B): panel at column col is k rows of `width` floats from packed + col * k.
+// Depth steps [x_begin, x_end) of the panels of alpha op(B): the panel at column col is k rows of
+// `width` floats from packed + col * k, zero past column n. Threads pack depth ranges of every
+// panel side by side. A transposed B (n x k, a Linear's W or the reference's K) is read a vector
+// of panel columns at a time, one gather per depth step from `lanes` rows of B, into a whole
+// vector store.
 void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_RESTRICT b, size_t ldb,
-                float* HWY_RESTRICT packed) {
+                float* HWY_RESTRICT packed, size_t x_begin, size_t x_end) {
   const DF df;
+  const hn::RebindToSigned<DF> di;
   const size_t lanes = hn::Lanes(df);
   const auto scale = hn::Set(df, alpha);
+  // Gathers index B's rows with int32 offsets: a vector of rows must span fewer than 2^31 floats.
+  const bool gather = trans_b && (lanes - 1) * ldb <= size_t{INT32_MAX};
   tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
     const size_t width = vectors * lanes, real = std::min(width, n - col);
     float* HWY_RESTRICT panel = packed + col * k;
+    if (gather) {
+      for (size_t v = 0; v < width; v += lanes) {
+        // Rows past B's last are read at its last and zeroed.
+        const auto live = hn::FirstN(df, real > v ? real - v : 0);
+        const auto rows = hn::Min(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(real > v ? real - v - 1 : 0)));
+        const auto offsets = hn::Mul(rows, hn::Set(di, static_cast<int32_t>(ldb)));
+        const float* HWY_RESTRICT first = b + (col + std::min(v, real - 1)) * ldb;
+        for (size_t x = x_begin; x < x_end; ++x)
+          hn::Store(hn::IfThenElseZero(live, hn::Mul(scale, hn::GatherIndex(df, first + x, offsets))), df,
+                    panel + x * width + v);
+      }
+      return;
+    }
     if (trans_b) {  // B is n x k: panel column j is B's row col + j
       for (size_t j = 0; j < real; ++j) {
         const float* HWY_RESTRICT row = b + (col + j) * ldb;
-        for (size_t x = 0; x < k; ++x) panel[x * width + j] = alpha * row[x];
+        for (size_t x = x_begin; x < x_end; ++x) panel[x * width + j] = alpha * row[x];
       }
-      for (size_t x = 0; x < k; ++x) std::fill(panel + x * width + real, panel + (x + 1) * width, 0.0f);
+      for (size_t x = x_begin; x < x_end; ++x) std::fill(panel + x * width + real, panel + (x + 1) * width, 0.0f);
       return;
     }
-    for (size_t x = 0; x < k; ++x) {  // B is k x n: panel row x is a slice of B's row x
+    for (size_t x = x_begin; x < x_end; ++x) {  // B is k x n: panel row x is a slice of B's row x
       const float* HWY_RESTRICT row = b + x * ldb + col;
       float* HWY_RESTRICT out = panel + x * width;
       size_t j = 0;
@@ -84,12 +107,12 @@ void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* 
   for (size_t x0 = 0; x0 < k; x0 += kDepthBlock) {
     const size_t depth = std::min(kDepthBlock, k - x0);
     // A's slice: in place when its rows are contiguous (broadcasts walk kTileRows rows); a
-    // transposed A's depth steps are rows lda apart, copied first to rows kRowBlock floats apart.
+    // transposed A's depth steps are rows lda apart, copied first to rows kMaxBlockRows floats apart.
     const float* a_slice = a + r0 * lda + x0;
     size_t a_row = lda, a_depth = 1;
     if (trans_a) {
-      for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kRowBlock);
-      a_slice = a_pack, a_row = 1, a_depth = kRowBlock;
+      for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kMaxBlockRows);
+      a_slice = a_pack, a_row = 1, a_depth = kMaxBlockRows;
     }
     tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
       const size_t width = vectors * lanes;
@@ -121,27 +144,30 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
     if (padded <= n) whole = padded;
   });
   float* packed = thread_workspace(WorkspaceSlot::GemmPanels).floats(padded * k);
-  TiledPackB(trans_b, n, k, alpha, b, ldb, packed);
-  // Blocks of about kRowBlock rows, as many as a multiple of the threads, each a whole number of
-  // kRowQuantum rows but the last.
+  // Blocks of rows as many as a multiple of the threads and as even as whole register tiles
+  // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
   const bool threaded = threads > 1 && static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
                                            kMinWorkForThreads;
-  size_t block_rows = kRowBlock;
-  if (threaded) {
-    const size_t blocks = (m + kRowBlock - 1) / kRowBlock, even = (blocks + threads - 1) / threads * threads;
-    block_rows = ((m + even - 1) / even + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
-  }
-  const int64_t blocks = static_cast<int64_t>((m + block_rows - 1) / block_rows);
+  size_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  if (threaded) blocks = (blocks + threads - 1) / threads * threads;
+  const auto block_start = [&](size_t block) {
+    return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
+  };
+  const size_t pack_parts = threaded ? threads : 1;
 #pragma omp parallel if (threaded)
   {
-    HWY_ALIGN float tail[kRowBlock * 4 * hn::MaxLanes(DF())];  // block_rows <= kRowBlock
-    HWY_ALIGN float a_pack[kRowBlock * kDepthBlock];  // a transposed A's slice
+    // Every thread packs its share of the depth steps; the loop's barrier waits for all of them.
+#pragma omp for schedule(static)
+    for (int64_t part = 0; part < static_cast<int64_t>(pack_parts); ++part)
+      TiledPackB(trans_b, n, k, alpha, b, ldb, packed, static_cast<size_t>(part) * k / pack_parts,
+                 static_cast<size_t>(part + 1) * k / pack_parts);
+    HWY_ALIGN float tail[kMaxBlockRows * 4 * hn::MaxLanes(DF())];
+    HWY_ALIGN float a_pack[kMaxBlockRows * kDepthBlock];  // a transposed A's slice
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t block = 0; block < blocks; ++block) {
-      const size_t r0 = static_cast<size_t>(block) * block_rows;
-      TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, std::min(block_rows, m - r0), tail,
-                    a_pack);
+    for (int64_t block = 0; block < static_cast<int64_t>(blocks); ++block) {
+      const size_t r0 = block_start(static_cast<size_t>(block)), r1 = block_start(static_cast<size_t>(block) + 1);
+      if (r1 > r0) TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, tail, a_pack);
     }
   }
 }
