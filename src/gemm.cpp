@@ -23,8 +23,10 @@
 //     2048 x 512 x 512 0.84, 4096 x 512 x 512 0.88. Not chosen, it lost or tied: NT 256 x 512 x
 //     512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384 1.05-1.10, 512 x 1536 x 512 1.04,
 //     1024 x 1536 x 512 1.24, 2048 x 1536 x 512 1.04, 4096 x 4096 x 128 1.12, 2048 x 2048 x 32
-//     1.09, 512 x 512 x 16 1.02; TN 512 x 512 x 2048 1.02; k < 32 with n > 64: TN 1536 x 512 x 8
-//     1.07, x 20 0.89 (1.08 a session before, with B packed on one thread);
+//     1.09, 512 x 512 x 16 1.02; TN 512 x 512 x 2048 1.02. k < 32 with n > 64 is left to
+//     oneDNN, mixed: TN 1536 x 512 x 8 1.07, x 20 0.89 (1.08 a session before, B packed on one
+//     thread), 2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x 16 0.79-0.81, 4096 x 256 x 16
+//     0.94-1.00; NN 2048 x 512 x 16 1.08-1.11;
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.

@@ -39,7 +39,9 @@ using tile_gemm::kFourVectorPanels;
 // AVX-512 (64 and 256 measured within the noise of 128 on Ice Lake).
 constexpr size_t kDepthBlock = 128;
 // Rows per block of work: about kRowBlock, starting at multiples of kRowQuantum (the 8-row
-// register tile), at most kMaxBlockRows.
+// register tile; a 4-vector panel's 6-row tile leaves 2 or 4 rows of a 40- or 56-row block to a
+// smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
+// kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
 // Below this many multiply-adds one thread is faster than waking a second.
 constexpr double kMinWorkForThreads = double{1 << 20};
@@ -108,11 +110,12 @@ void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* 
     const size_t depth = std::min(kDepthBlock, k - x0);
     // A's slice: in place when its rows are contiguous (broadcasts walk kTileRows rows); a
     // transposed A's depth steps are rows lda apart, copied first to rows kMaxBlockRows floats apart.
-    const float* a_slice = a + r0 * lda + x0;
-    size_t a_row = lda, a_depth = 1;
+    const float* a_slice = a_pack;
+    size_t a_row = 1, a_depth = kMaxBlockRows;
     if (trans_a) {
       for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kMaxBlockRows);
-      a_slice = a_pack, a_row = 1, a_depth = kMaxBlockRows;
+    } else {
+      a_slice = a + r0 * lda + x0, a_row = lda, a_depth = 1;
     }
     tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
       const size_t width = vectors * lanes;
