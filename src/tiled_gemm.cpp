@@ -100,8 +100,9 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
 }
 
 // Rows [r0, r0 + rows) of C from the packed panels, over depth steps [x_begin, x_end): beta
-// scales C before the first step, the partial panel's columns are written after the last. `tail`
-// holds rows x 4 vectors (a last panel with a partial vector runs there) from slice to slice.
+// scales C before the first step, the partial panel's columns are written after the last. A last
+// panel with a partial vector runs into `tail` (rows of its width; room for rows x 4 vectors),
+// which keeps it from slice to slice (unused when every panel is whole).
 // `whole`: the columns C takes in place, those of the panels with no partial vector.
 void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* a, size_t lda, const float* packed,
                    float beta, float* c, size_t ldc, size_t r0, size_t rows, size_t x_begin, size_t x_end,
@@ -191,7 +192,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
       TiledPackB(trans_b, n, k, alpha, b, ldb, packed, static_cast<size_t>(part) * k / pack_parts,
                  static_cast<size_t>(part + 1) * k / pack_parts);
     HWY_ALIGN float a_pack[kMaxBlockRows * kDepthBlock];  // a transposed A's slice
-    float* tail = tails + static_cast<size_t>(omp_get_thread_num()) * tail_floats;
+    float* tail = tail_floats > 0 ? tails + static_cast<size_t>(omp_get_thread_num()) * tail_floats : nullptr;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t group = 0; group < static_cast<int64_t>(groups); ++group) {
       const size_t first = group_block(static_cast<size_t>(group)), last = group_block(static_cast<size_t>(group) + 1);
@@ -201,7 +202,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
           const size_t r0 = block_start(block), r1 = block_start(block + 1);
           if (r1 > r0)
             TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, x0,
-                          std::min(k, x0 + slice), tail + (r0 - g0) * tail_stride, a_pack);
+                          std::min(k, x0 + slice), tail ? tail + (r0 - g0) * tail_stride : nullptr, a_pack);
         }
     }
   }

@@ -169,23 +169,30 @@ TEST(Gemm, EveryPathMatchesFloat64) {
 // Deep panels (more than 2^18 floats packed) whose C fits the workers' L2s run in groups of row
 // blocks, a depth slice of 128 at a time (tiled_gemm.cpp): beta scales C before the first
 // slice only, the partial last panel's scratch is copied out after the last only, each block
-// of a group keeps its own rows of that scratch. 100 x 70 x 3300 packs 80 x 3300 floats
-// (panels of 48 and 32 columns, the second partial) into 26 slices, the last of 100: one group
-// of 3 blocks on one thread, 2 of 2 blocks on two (3 threads run a block a group, by blocks).
+// of a group keeps its own rows of that scratch. The cases, with AVX-512's panels:
+//   100 x 70 x 3300, two threads: panels of 48 and 32 columns (the second partial), 80 x 3300
+//     floats in 26 slices, the last of 100; 2 groups of 2 blocks;
+//   145 x 5 x 16400: one partial panel of 16 columns (16400 = 128 slices + 16); one group of 4
+//     blocks on one thread, 3 groups of 2 on three.
 TEST(Gemm, TiledDeepPanelsBySlices) {
-  if (!qkv::detail::tiled_gemm_has_wide_panels()) GTEST_SKIP() << "the shape's panels are sized for the 32-register targets";
+  if (!qkv::detail::tiled_gemm_has_wide_panels()) GTEST_SKIP() << "the cases' panels are AVX-512's";
+  struct Case {
+    int64_t m, n, k;
+    int threads;
+  };
+  const Case cases[] = {{100, 70, 3300, 2}, {145, 5, 16400, 1}, {145, 5, 16400, 3}};
   Random rng;
   SCOPED_TRACE(rng.note());
-  // beta cycles through 0, 1 and -0.5: each thread count meets all three over its 4 transposes.
+  // beta cycles through 0, 1 and -0.5: each case meets all three over its 4 transposes.
   size_t beta_turn = 0;
   const int threads_before = omp_get_max_threads();
-  for (int threads : {1, 2, 3}) {
-    omp_set_num_threads(threads);
-    SCOPED_TRACE("threads " + std::to_string(threads));
+  for (const Case& shape : cases) {
+    omp_set_num_threads(shape.threads);
+    SCOPED_TRACE("threads " + std::to_string(shape.threads));
     for (bool trans_a : {false, true})
       for (bool trans_b : {false, true}) {
         const float beta = std::array<float, 3>{0.0f, 1.0f, -0.5f}[beta_turn++ % 3];
-        const GemmCase g = make_gemm_case(rng, trans_a, trans_b, 100, 70, 3300, 0.75f, beta);
+        const GemmCase g = make_gemm_case(rng, trans_a, trans_b, shape.m, shape.n, shape.k, 0.75f, beta);
         std::vector<float> c = g.c;
         qkv::detail::sgemm_on(GemmPath::Tiled, trans_a, trans_b, g.m, g.n, g.k, 0.75f, g.a.data(), g.lda,
                               g.b.data(), g.ldb, beta, c.data(), g.ldc);
@@ -242,7 +249,7 @@ TEST(Gemm, ChoiceAndTestHook) {
   omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
   // Tiled: m >= 256 against n <= 64 or 32 <= k <= 64 (the reference kernel's products), or
-  // m >= 512 with n <= 512 and 32 <= k <= 512, any k >= 32 when only A is transposed (a
+  // m >= 512 with n <= 512 and 32 <= k <= 512, 32 <= k <= 4096 when only A is transposed (a
   // Linear's dW); each edge just past.
   const GemmPath tiled = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::Tiled : large;
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);   // S = Q K^T
@@ -259,6 +266,8 @@ TEST(Gemm, ChoiceAndTestHook) {
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 513, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 2048, 512, 513), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), tiled);  // a Linear's dW, 2048 tokens
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 4096), tiled);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 4097), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 511, 512, 2048), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 513, 2048), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, true, 512, 512, 513), large);
