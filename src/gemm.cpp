@@ -13,28 +13,20 @@
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
 //     kernel's S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear
-//     (m >= 512, n <= 512, 32 <= k <= 512; with only A transposed, a Linear's dW over up to 4096
-//     tokens, 32 <= k <= 4096), where the CPU runs AVX-512: the Tiled kernel, the fused kernels'
-//     register tiles over B packed into panels. Ice Lake, two threads, the Tiled kernel's time
-//     over oneDNN's (minimum of 60-120 alternated calls, two runs), with B packed by all threads:
-//     NT 256 x 256 x 64 0.70-0.80, 512 x 512 x 64 0.82-0.91, 2048 x 2048 x 64 0.64, 4096 x 4096
-//     x 64 0.68; NN 512 x 64 x 512 0.70-0.75, 2048 x 64 x 2048 0.72; TN 512 x 64 x 512 0.81; NT
-//     512 x 512 x 512 0.87-0.88, NN 0.91-0.94, TN 0.85-0.91; NT 512 x 512 x 128 0.83-0.88, 512 x
-//     128 x 512 0.87-0.88, 768 x 512 x 512 0.88-1.01, 1024 x 512 x 512 0.72-0.89, 2048 x 512 x
-//     512 0.84, 4096 x 512 x 512 0.88. Not chosen, it lost or tied: NT 256 x 512 x 512
-//     0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384 1.05-1.10, 512 x 1536 x 512 1.04,
+//     (m >= 512, n <= 512, 32 <= k <= 512), where the CPU runs AVX-512: the Tiled kernel, the
+//     fused kernels' register tiles over B packed into panels. Ice Lake, two threads, the Tiled
+//     kernel's time over oneDNN's (minimum of 60-120 alternated calls, two runs), with B packed
+//     by all threads: NT 256 x 256 x 64 0.70-0.80, 512 x 512 x 64 0.82-0.91, 2048 x 2048 x 64
+//     0.64, 4096 x 4096 x 64 0.68; NN 512 x 64 x 512 0.70-0.75, 2048 x 64 x 2048 0.72; TN 512 x
+//     64 x 512 0.81; NT 512 x 512 x 512 0.87-0.88, NN 0.91-0.94, TN 0.85-0.91; NT 512 x 512 x 128
+//     0.83-0.88, 512 x 128 x 512 0.87-0.88, 768 x 512 x 512 0.88-1.01, 1024 x 512 x 512 0.72-0.89,
+//     2048 x 512 x 512 0.84, 4096 x 512 x 512 0.88. Not chosen, it lost or tied: NT 256 x 512 x
+//     512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384 1.05-1.10, 512 x 1536 x 512 1.04,
 //     1024 x 1536 x 512 1.24, 2048 x 1536 x 512 1.04, 4096 x 4096 x 128 1.12, 2048 x 2048 x 32
-//     1.09, 512 x 512 x 16 1.02. Deeper than 512 (medians of 30-40 per-call ratios): TN 512 x
-//     512 x 2048 0.87-0.90 (a Linear's dW; on two threads it runs by depth slices, tiled_gemm.cpp;
-//     by blocks on one thread, 0.91-1.01), 512 x 512 x 1024 0.91, 512 x 512 x 4096 0.90-1.00,
-//     512 x 256 x 2048 0.86, 1024 and 2048 x 512 x 2048 0.71-0.78 on one and two threads (by
-//     blocks); but NT 512 x 512 x 2048 0.94-0.97 and 1.24 on one thread, NT 2048 x 512 x 2048
-//     0.83-0.85 and 1.16 on one thread, NN 512 x 512 x 2048 1.03-1.04, NN 512 x 512 x 8192 1.01:
-//     deep NT and NN stay with oneDNN. The depth bound keeps the packed copy of B (k x n floats,
-//     kept by the thread for its next call) at 8 MiB. k < 32 with n > 64 is left to oneDNN,
-//     mixed: TN 1536 x 512 x 8 1.07, x 20 0.89 (1.08 a session before, B packed on one thread),
-//     2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x 16 0.79-0.81, 4096 x 256 x 16 0.94-1.00; NN
-//     2048 x 512 x 16 1.08-1.11;
+//     1.09, 512 x 512 x 16 1.02; TN 512 x 512 x 2048 1.02. k < 32 with n > 64 is left to
+//     oneDNN, mixed: TN 1536 x 512 x 8 1.07, x 20 0.89 (1.08 a session before, B packed on one
+//     thread), 2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x 16 0.79-0.81, 4096 x 256 x 16
+//     0.94-1.00; NN 2048 x 512 x 16 1.08-1.11;
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
@@ -72,10 +64,9 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
 }
 
 // Whether the Tiled kernel takes an m x n x k product: as this file's first comment says.
-bool tiled_takes(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+bool tiled_takes(int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
-  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) ||
-         (m >= 512 && n <= 512 && k >= 32 && (k <= 512 || (trans_a && !trans_b && k <= 4096)));
+  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) || (m >= 512 && n <= 512 && k >= 32 && k <= 512);
 }
 
 // The test override: -1 none, else a GemmPath.
@@ -140,7 +131,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
 
 GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!trans_a && trans_b && small_takes(m, n, k)) return GemmPath::Small;
-  if (tiled_takes(trans_a, trans_b, m, n, k)) return GemmPath::Tiled;
+  if (tiled_takes(m, n, k)) return GemmPath::Tiled;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }

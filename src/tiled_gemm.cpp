@@ -2,12 +2,10 @@
 //
 // alpha op(B) is packed into the panels tile_gemm::ForEachPanel gives (those Gemm runs), left to
 // right; a panel holds k rows of its width, contiguous, zero past column n. The threads pack it
-// together, each a range of depth steps, then take groups of blocks of A's rows; a block runs
-// every panel over a block of depth at a time (kDepthBlock: a panel's slice and the rows' slice
-// of A stay in L1). A group is one block, run over the whole depth, unless the panels are too
-// deep for the L2: then, if C fits, one group a worker runs a depth slice of each of its blocks
-// at a time. Whole panels write C in place; a last panel with a partial vector runs into the
-// worker's scratch and is copied after the last slice.
+// together, each a range of depth steps, then take blocks of A's rows; a block runs every panel
+// over a block of depth at a time (kDepthBlock: a panel's slice and the rows' slice of A stay in
+// L1). Whole panels write C in place; a last panel with a partial vector runs into scratch and is
+// copied.
 //
 // Highway's foreach_target re-includes this file once per SIMD target; the exported entry point
 // lives in the HWY_ONCE part below.
@@ -45,9 +43,6 @@ constexpr size_t kDepthBlock = 128;
 // smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
 // kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
-// Panels of more floats than this (1 MiB) are read from the L3 once for each block of rows,
-// unless C fits the workers' L2s beside a depth slice of them (kShareFloats, 512 KiB a worker).
-constexpr size_t kPanelsInL2 = size_t{1} << 18, kShareFloats = size_t{1} << 17;
 // Below this many multiply-adds one thread is faster than waking a second.
 constexpr double kMinWorkForThreads = double{1 << 20};
 
@@ -99,22 +94,20 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
   });
 }
 
-// Rows [r0, r0 + rows) of C from the packed panels, over depth steps [x_begin, x_end): beta
-// scales C before the first step, the partial panel's columns are written after the last. A last
-// panel with a partial vector runs into `tail` (rows of its width; room for rows x 4 vectors),
-// which keeps it from slice to slice (unused when every panel is whole).
+// Rows [r0, r0 + rows) of C from the packed panels. `tail` holds rows x 4 vectors (a last
+// panel with a partial vector runs there).
 // `whole`: the columns C takes in place, those of the panels with no partial vector.
 void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* a, size_t lda, const float* packed,
-                   float beta, float* c, size_t ldc, size_t r0, size_t rows, size_t x_begin, size_t x_end,
-                   float* HWY_RESTRICT tail, float* HWY_RESTRICT a_pack) {
+                   float beta, float* c, size_t ldc, size_t r0, size_t rows, float* HWY_RESTRICT tail,
+                   float* HWY_RESTRICT a_pack) {
   const size_t lanes = hn::Lanes(DF());
   float* c_rows = c + r0 * ldc;
-  if (x_begin == 0 && beta != 0.0f && beta != 1.0f)
+  if (beta != 0.0f && beta != 1.0f)
     for (size_t r = 0; r < rows; ++r)
       for (size_t j = 0; j < whole; ++j) c_rows[r * ldc + j] *= beta;
   size_t tail_col = n, tail_width = 0;
-  for (size_t x0 = x_begin; x0 < x_end; x0 += kDepthBlock) {
-    const size_t depth = std::min(kDepthBlock, x_end - x0);
+  for (size_t x0 = 0; x0 < k; x0 += kDepthBlock) {
+    const size_t depth = std::min(kDepthBlock, k - x0);
     // A's slice: in place when its rows are contiguous (broadcasts walk kTileRows rows); a
     // transposed A's depth steps are rows lda apart, copied first to rows kMaxBlockRows floats apart.
     const float* a_slice = a_pack;
@@ -136,7 +129,6 @@ void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* 
       }
     });
   }
-  if (x_end < k) return;
   for (size_t r = 0; r < rows; ++r)
     for (size_t j = tail_col; j < n; ++j) {
       const float product = tail[r * tail_width + (j - tail_col)];
@@ -154,6 +146,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
     padded = col + vectors * lanes;
     if (padded <= n) whole = padded;
   });
+  float* packed = thread_workspace(WorkspaceSlot::GemmPanels).floats(padded * k);
   // Blocks of rows as many as a multiple of the threads and as even as whole register tiles
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
@@ -164,25 +157,6 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   const auto block_start = [&](size_t block) {
     return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
   };
-  // Groups of consecutive blocks, each a worker's unit of work. Panels that fit the L2 run one
-  // block a group, every panel over the whole depth in turn. Deeper panels, when each worker's
-  // share of C fits its L2, run one group a worker, one depth slice of every block of the group
-  // at a time: each slice of the panels comes from the L3 once a worker, not once a block. (Ice
-  // Lake, two threads, TN 512 x 512 x 2048, a Linear's dW: 0.93-0.96 of the time by blocks;
-  // NT 2048 x 512 x 2048 in groups of 256 rows took 1.04-1.05 of it: A's rows, read in place,
-  // are then visited a slice at a time, block after block.)
-  const size_t workers = threaded ? threads : 1;
-  size_t groups = blocks;
-  if (padded * k > kPanelsInL2 && m * padded <= workers * kShareFloats) groups = std::min(blocks, workers);
-  const auto group_block = [&](size_t group) { return group * blocks / groups; };
-  size_t group_rows = 0;  // the most rows a group has
-  for (size_t g = 0; g < groups; ++g)
-    group_rows = std::max(group_rows, block_start(group_block(g + 1)) - block_start(group_block(g)));
-  // One tail buffer a worker, group_rows x 4 vectors (a last panel with a partial vector runs there).
-  const size_t tail_stride = 4 * hn::MaxLanes(DF());
-  const size_t tail_floats = whole < n ? group_rows * tail_stride : 0;
-  float* packed = thread_workspace(WorkspaceSlot::GemmPanels).floats(padded * k + workers * tail_floats);
-  float* tails = packed + padded * k;
   const size_t pack_parts = threaded ? threads : 1;
 #pragma omp parallel if (threaded)
   {
@@ -191,19 +165,12 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
     for (int64_t part = 0; part < static_cast<int64_t>(pack_parts); ++part)
       TiledPackB(trans_b, n, k, alpha, b, ldb, packed, static_cast<size_t>(part) * k / pack_parts,
                  static_cast<size_t>(part + 1) * k / pack_parts);
+    HWY_ALIGN float tail[kMaxBlockRows * 4 * hn::MaxLanes(DF())];
     HWY_ALIGN float a_pack[kMaxBlockRows * kDepthBlock];  // a transposed A's slice
-    float* tail = tail_floats > 0 ? tails + static_cast<size_t>(omp_get_thread_num()) * tail_floats : nullptr;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t group = 0; group < static_cast<int64_t>(groups); ++group) {
-      const size_t first = group_block(static_cast<size_t>(group)), last = group_block(static_cast<size_t>(group) + 1);
-      const size_t slice = last - first > 1 ? kDepthBlock : k, g0 = block_start(first);
-      for (size_t x0 = 0; x0 < k; x0 += slice)
-        for (size_t block = first; block < last; ++block) {
-          const size_t r0 = block_start(block), r1 = block_start(block + 1);
-          if (r1 > r0)
-            TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, x0,
-                          std::min(k, x0 + slice), tail ? tail + (r0 - g0) * tail_stride : nullptr, a_pack);
-        }
+    for (int64_t block = 0; block < static_cast<int64_t>(blocks); ++block) {
+      const size_t r0 = block_start(static_cast<size_t>(block)), r1 = block_start(static_cast<size_t>(block) + 1);
+      if (r1 > r0) TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, tail, a_pack);
     }
   }
 }

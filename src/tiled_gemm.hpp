@@ -1,16 +1,14 @@
 // C = alpha op(A) op(B) + beta C on the fused kernels' register-tiled micro-GEMM (internal): the
 // "tiled" path of qkv::detail::sgemm (gemm.hpp), which picks it (on AVX-512) for many rows against
 // a head dimension, the reference kernel's products (S = Q K^T with k = d, P V and dS^T Q with
-// n = d), for many rows of a mid-size Linear, and for a Linear's dW over many tokens (the rule and
-// its measurements: gemm.cpp).
+// n = d), and for many rows of a mid-size Linear (the rule and its measurements: gemm.cpp).
 //
 // Those shapes are skinny for a library sgemm (oneDNN ran them at 0.5-0.75 of its 2048^3 rate on
 // Ice Lake). Here alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a
 // last 4-vector block), each panel contiguous so that a block of its rows stays in L1 whatever
 // ldb is (B rows a power of two apart fell into a few L1 sets and missed), and threads take
 // blocks of A's rows, each running tile_gemm-inl.h's PanelGemm over every panel, a block of
-// depth at a time. Panels too deep for the L2 run, where C fits the workers' L2s, one group of
-// blocks a worker, a slice of the depth over every block of the group at a time.
+// depth at a time.
 #pragma once
 
 #include <cstdint>
