@@ -237,28 +237,49 @@ struct GemmRow {
   }
 };
 
-// GFLOP/s of one path on one shape: calls repeated for at least ~20 ms, the best of 3 such batches.
-double time_gemm(GemmPath path, const GemmClass& g, const Tensor& a, const Tensor& b, const Tensor& c) {
+// Each path's GFLOP/s on one shape: the best of 3 batches of calls, each batch at least ~20 ms.
+// The OpenMP paths (oneDNN, Small, Tiled) take turns batch by batch, so that a busy moment of a
+// shared machine falls on all of them rather than on one; OpenBLAS, whose threads would spin
+// beside theirs, runs its batches last, then is let sleep.
+constexpr int kGemmBatches = 3;
+std::vector<std::pair<GemmPath, double>> time_gemm_paths(const GemmClass& g, const Tensor& a, const Tensor& b,
+                                                         const Tensor& c, Progress& progress) {
   const int64_t lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
-  const auto call = [&] {
+  const double flops = 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
+  std::vector<std::pair<GemmPath, double>> out;
+  for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas})
+    if (detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) out.emplace_back(path, 0.0);
+  const auto call = [&](GemmPath path) {
     detail::sgemm_on(path, g.trans_a, g.trans_b, g.m, g.n, g.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(),
                      g.n);
   };
-  call();
-  const double flops = 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
-  double best = 0;
-  for (int batch = 0; batch < 3; ++batch) {
+  const auto batch = [&](GemmPath path) {
     int calls = 0;
     const Clock::time_point start = Clock::now();
     double ms = 0;
     while (ms < 20) {
-      call();
+      call(path);
       ++calls;
       ms = elapsed_ms(start);
     }
-    best = std::max(best, flops * calls / (ms * 1e-3) * 1e-9);
-  }
-  return best;
+    return flops * calls / (ms * 1e-3) * 1e-9;
+  };
+  const auto run = [&](bool openblas) {
+    for (int turn = -1; turn < kGemmBatches; ++turn)  // turn -1: one call each, the warm-up
+      for (auto& [path, best] : out) {
+        if ((path == GemmPath::OpenBlas) != openblas) continue;
+        progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
+        if (turn < 0) {
+          call(path);
+        } else {
+          best = std::max(best, batch(path));
+        }
+      }
+  };
+  run(false);
+  run(true);
+  let_openblas_threads_sleep();
+  return out;
 }
 
 std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
@@ -266,15 +287,8 @@ std::vector<GemmRow> measure_gemm_classes(Progress& progress) {
   for (const GemmClass& g : kGemmClasses) {
     const Tensor a = Tensor::randn({g.m * g.k}, /*seed=*/21), b = Tensor::randn({g.k * g.n}, /*seed=*/22);
     const Tensor c = Tensor::zeros({g.m * g.n});
-    GemmRow row{&g, {}, detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)};
-    // OpenBLAS last (its threads are let sleep after it).
-    for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas}) {
-      if (!detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) continue;
-      progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
-      row.gflops.emplace_back(path, time_gemm(path, g, a, b, c));
-      if (path == GemmPath::OpenBlas) let_openblas_threads_sleep();
-    }
-    rows.push_back(std::move(row));
+    rows.push_back({&g, time_gemm_paths(g, a, b, c, progress),
+                    detail::choose_gemm_path(g.trans_a, g.trans_b, g.m, g.n, g.k)});
   }
   return rows;
 }
