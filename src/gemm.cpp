@@ -12,27 +12,36 @@
 //     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
-//     kernel's S = Q K^T, P V and its backward's products), or many rows of a mid-size Linear
-//     (m >= 512, n <= 512, 32 <= k <= 512), where the CPU runs AVX-512: the Tiled kernel, the
-//     fused kernels' register tiles over B packed into panels. Ice Lake, two threads, the Tiled
-//     kernel's time over oneDNN's (minimum of 60-120 alternated calls, two runs), with B packed
-//     by all threads: NT 256 x 256 x 64 0.70-0.80, 512 x 512 x 64 0.82-0.91, 2048 x 2048 x 64
-//     0.64, 4096 x 4096 x 64 0.68; NN 512 x 64 x 512 0.70-0.75, 2048 x 64 x 2048 0.72; TN 512 x
-//     64 x 512 0.81; NT 512 x 512 x 512 0.87-0.88, NN 0.91-0.94, TN 0.85-0.91; NT 512 x 512 x 128
-//     0.83-0.88, 512 x 128 x 512 0.87-0.88, 768 x 512 x 512 0.88-1.01, 1024 x 512 x 512 0.72-0.89,
-//     2048 x 512 x 512 0.84, 4096 x 512 x 512 0.88. Not chosen, it lost or tied: NT 256 x 512 x
-//     512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384 1.05-1.10, 512 x 1536 x 512 1.04,
-//     1024 x 1536 x 512 1.24, 2048 x 1536 x 512 1.04, 4096 x 4096 x 128 1.12, 2048 x 2048 x 32
-//     1.09, 512 x 512 x 16 1.02; TN 512 x 512 x 2048 1.02. k < 32 with n > 64 is left to
-//     oneDNN, mixed: TN 1536 x 512 x 8 1.07, x 20 0.89 (1.08 a session before, B packed on one
-//     thread), 2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x 16 0.79-0.81, 4096 x 256 x 16
-//     0.94-1.00; NN 2048 x 512 x 16 1.08-1.11;
+//     kernel's S = Q K^T, P V and its backward's products), or, on more than one thread, many
+//     rows of a mid-size Linear (n <= 512, 32 <= k <= 512; x W^T from m = 512, its dx and dW
+//     from m = 1024), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
+//     tiles over B packed into panels. Ice Lake, operands 64-byte aligned as qkv's Tensors are,
+//     the Tiled kernel's time over oneDNN's (per-round ratios of 20 ms batches of calls, as
+//     `qkv bench` times them, alternated; medians of 12 rounds, two runs; two threads): NT 256 x
+//     256 x 64 0.77-0.81, 512 x 512 x 64 0.85-0.87, 2048 x 2048 x 64 0.76-0.83; NN 512 x 64 x 512
+//     0.74-0.80, 2048 x 64 x 2048 0.87-0.97; TN 512 x 64 x 512 0.95-0.96; NT 512 x 512 x 512
+//     0.89-0.90, 768 x 512 x 512 0.87, 1024 x 512 x 512 0.83-0.87, 2048 x 512 x 512 0.78-0.83,
+//     512 x 512 x 128 0.77-0.82; NN 1024 x 512 x 512 0.94-0.96, 2048 x 512 x 512 0.98-0.99; TN
+//     1024 x 512 x 512 0.92-0.95, 2048 x 512 x 512 0.87-0.89. One thread: NT 256 x 256 x 64 0.90,
+//     512 x 512 x 64 1.00, NN 512 x 64 x 512 0.84, TN 512 x 64 x 512 0.91. Not chosen, it lost
+//     or tied: one thread, NT 512, 1024 and 2048 x 512 x 512 1.13-1.22, NN 512 x 512 x 512 1.09,
+//     1024 x 512 x 512 1.08, TN 512 x 512 x 512 1.18; two threads, below 1024 rows NN 512 x 512 x
+//     512 1.01-1.05, 768 x 512 x 512 1.00, TN 512 x 512 x 512 1.09-1.20, 768 x 512 x 512 0.97;
+//     TN 512 x 512 x 1024 1.05, x 2048 1.07 (a Linear's dW), x 4096 1.12. (Earlier measurements
+//     of this rule used buffers 16 bytes past a 64-byte line, which slow oneDNN by 10-15% on
+//     these shapes and had made the Tiled path look faster than it is; misaligned, it still is
+//     not chosen: NT 256 x 512 x 512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384
+//     1.05-1.10, 512 x 1536 x 512 1.04, 1024 x 1536 x 512 1.24, 4096 x 4096 x 128 1.12, 2048 x
+//     2048 x 32 1.09, 512 x 512 x 16 1.02.) k < 32 with n > 64 is left to oneDNN, mixed
+//     (misaligned): TN 1536 x 512 x 8 1.07, x 20 0.89, 2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x
+//     16 0.79-0.81, 4096 x 256 x 16 0.94-1.00; NN 2048 x 512 x 16 1.08-1.11;
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
 //     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
 //     within the noise of each other); OpenBLAS otherwise.
 #include "gemm.hpp"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -64,9 +73,11 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
 }
 
 // Whether the Tiled kernel takes an m x n x k product: as this file's first comment says.
-bool tiled_takes(int64_t m, int64_t n, int64_t k) {
+bool tiled_takes(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
-  return (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) || (m >= 512 && n <= 512 && k >= 32 && k <= 512);
+  if (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) return true;  // against a head dimension
+  const int64_t linear_rows = !trans_a && trans_b ? 512 : 1024;     // a mid-size Linear
+  return omp_get_max_threads() > 1 && m >= linear_rows && n <= 512 && k >= 32 && k <= 512;
 }
 
 // The test override: -1 none, else a GemmPath.
@@ -131,7 +142,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
 
 GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!trans_a && trans_b && small_takes(m, n, k)) return GemmPath::Small;
-  if (tiled_takes(m, n, k)) return GemmPath::Tiled;
+  if (tiled_takes(trans_a, trans_b, m, n, k)) return GemmPath::Tiled;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
   return GemmPath::OpenBlas;
 }

@@ -213,8 +213,9 @@ TEST(Gemm, ChoiceAndTestHook) {
   omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 512, 512, 2048), large);
-  // Tiled: m >= 256 against n <= 64 or 32 <= k <= 64 (the reference kernel's products), or
-  // m >= 512 with n <= 512 and 32 <= k <= 512; each edge just past.
+  // Tiled: m >= 256 against n <= 64 or 32 <= k <= 64 (the reference kernel's products), or, on
+  // several threads, a mid-size Linear (n <= 512, 32 <= k <= 512) from 512 rows for x W^T, from
+  // 1024 for the other transposes; each edge just past.
   const GemmPath tiled = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::Tiled : large;
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);   // S = Q K^T
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 512, 64, 512), tiled);  // O = P V
@@ -225,10 +226,21 @@ TEST(Gemm, ChoiceAndTestHook) {
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 31), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 1536, 512, 20), large);  // a Linear's dW, 20 tokens
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 256, 64, 8), tiled);
+  omp_set_num_threads(2);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 512), tiled);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 511, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 1024, 512, 512), tiled);  // a Linear's dx
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 1023, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 1024, 512, 512), tiled);   // a Linear's dW
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 1023, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, true, 1024, 512, 512), tiled);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, true, 1023, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 513, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 2048, 512, 513), large);
+  omp_set_num_threads(1);  // one thread: oneDNN's own kernel is ahead on a mid-size Linear
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);
+  omp_set_num_threads(threads_before);
 
   Random rng;
   const GemmCase g = make_gemm_case(rng, false, false, 9, 11, 13, 1.0f, 0.0f);
