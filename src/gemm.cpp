@@ -12,9 +12,10 @@
 //     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
 //     Small's time on W5 (in-process A/B, 1 and 2 threads).
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
-//     kernel's S = Q K^T, P V and its backward's products), or, on more than one thread, many
-//     rows of a mid-size Linear (n <= 512, 32 <= k <= 512; x W^T from m = 512, its dx and dW
-//     from m = 1024), where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
+//     kernel's S = Q K^T, P V and its backward's products), or, on more than one thread, a
+//     mid-size Linear's products (n <= 512, 32 <= k <= 512; x W^T from m = 512, the other
+//     transposes from m = 1024: dx with m = tokens, dW with m = out features and k = tokens, TT),
+//     where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
 //     tiles over B packed into panels. Ice Lake, operands 64-byte aligned as qkv's Tensors are,
 //     the Tiled kernel's time over oneDNN's (per-round ratios of 20 ms batches of calls, as
 //     `qkv bench` times them, alternated; medians of 12 rounds, two runs; two threads): NT 256 x

@@ -185,8 +185,8 @@ TEST(Gemm, PathsTakeWhatTheySay) {
 #endif
 }
 
-// The choice: few rows of x W^T to Small, many rows against a head dimension or of a mid-size
-// Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else OpenBLAS; and the test
+// The choice: few rows of x W^T to Small, many rows against a head dimension or (on several
+// threads) of a mid-size Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else OpenBLAS; and the test
 // hook overrides it only where the forced path can take the call.
 TEST(Gemm, ChoiceAndTestHook) {
   const GemmPath large = qkv::detail::gemm_path_can_take(GemmPath::OneDnn, false, false) ? GemmPath::OneDnn
@@ -239,6 +239,8 @@ TEST(Gemm, ChoiceAndTestHook) {
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 2048, 512, 513), large);
   omp_set_num_threads(1);  // one thread: oneDNN's own kernel is ahead on a mid-size Linear
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 2048, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 2048, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(true, false, 1024, 512, 512), large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 512, 512, 64), tiled);
   omp_set_num_threads(threads_before);
 

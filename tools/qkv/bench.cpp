@@ -268,10 +268,12 @@ std::vector<std::pair<GemmPath, double>> time_gemm_paths(const GemmClass& g, con
     for (int turn = -1; turn < kGemmBatches; ++turn)  // turn -1: one call each, the warm-up
       for (auto& [path, best] : out) {
         if ((path == GemmPath::OpenBlas) != openblas) continue;
-        progress.show("gemm", fmt::format("{} {}", g.name, detail::to_string(path)), "runs");
+        const std::string name = fmt::format("{} {}", g.name, detail::to_string(path));
         if (turn < 0) {
+          progress.show("gemm", name, "warm-up");
           call(path);
         } else {
+          progress.show("gemm", name, "run", turn + 1, kGemmBatches);
           best = std::max(best, batch(path));
         }
       }
