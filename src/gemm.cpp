@@ -15,11 +15,11 @@
 //     kernel's S = Q K^T, P V and its backward's products), or, on more than one thread, a
 //     mid-size Linear's products (n <= 512, 32 <= k <= 512; x W^T from m = 512, the other
 //     transposes from m = 1024: dx with m = tokens, dW with m = out features and k = tokens, TT),
-//     where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register
-//     tiles over B packed into panels. Ice Lake, operands 64-byte aligned as qkv's Tensors are,
-//     the Tiled kernel's time over oneDNN's (per-round ratios of 20 ms batches of calls, as
-//     `qkv bench` times them, alternated; medians of 12 rounds, two runs; two threads): NT 256 x
-//     256 x 64 0.77-0.81, 512 x 512 x 64 0.85-0.87, 2048 x 2048 x 64 0.76-0.83; NN 512 x 64 x 512
+//     where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register tiles over B
+//     packed into panels. Ice Lake, operands 64-byte aligned as qkv's Tensors are, the Tiled
+//     kernel's time over oneDNN's (per-round ratios of 20 ms batches of calls, as `qkv bench`
+//     times them, alternated; medians of 12 rounds, two runs; two threads): NT 256 x 256 x 64
+//     0.77-0.81, 512 x 512 x 64 0.85-0.87, 2048 x 2048 x 64 0.76-0.83; NN 512 x 64 x 512
 //     0.74-0.80, 2048 x 64 x 2048 0.87-0.97; TN 512 x 64 x 512 0.95-0.96; NT 512 x 512 x 512
 //     0.89-0.90, 768 x 512 x 512 0.87, 1024 x 512 x 512 0.83-0.87, 2048 x 512 x 512 0.78-0.83,
 //     512 x 512 x 128 0.77-0.82; NN 1024 x 512 x 512 0.94-0.96, 2048 x 512 x 512 0.98-0.99; TN

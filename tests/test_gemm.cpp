@@ -186,8 +186,8 @@ TEST(Gemm, PathsTakeWhatTheySay) {
 }
 
 // The choice: few rows of x W^T to Small, many rows against a head dimension or (on several
-// threads) of a mid-size Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else OpenBLAS; and the test
-// hook overrides it only where the forced path can take the call.
+// threads) of a mid-size Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else
+// OpenBLAS; and the test hook overrides it only where the forced path can take the call.
 TEST(Gemm, ChoiceAndTestHook) {
   const GemmPath large = qkv::detail::gemm_path_can_take(GemmPath::OneDnn, false, false) ? GemmPath::OneDnn
                                                                                            : GemmPath::OpenBlas;
