@@ -42,7 +42,6 @@
 #include "gemm.hpp"
 
 #include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -78,7 +77,7 @@ bool tiled_takes(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
   if (m >= 256 && (n <= 64 || (k >= 32 && k <= 64))) return true;  // against a head dimension
   const int64_t linear_rows = !trans_a && trans_b ? 512 : 1024;     // a mid-size Linear
-  return omp_get_max_threads() > 1 && m >= linear_rows && n <= 512 && k >= 32 && k <= 512;
+  return m >= linear_rows && n <= 512 && k >= 32 && k <= 512 && tiled_gemm_threads(m, n, k);
 }
 
 // The test override: -1 none, else a GemmPath.

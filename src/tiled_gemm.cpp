@@ -26,6 +26,15 @@
 
 #include "memory.hpp"
 #include "tiled_gemm.hpp"
+
+namespace qkv::detail::tiled {
+// Below this many multiply-adds one thread is faster than waking a second.
+constexpr double kMinWorkForThreads = double{1 << 20};
+inline bool threaded(size_t m, size_t n, size_t k, int threads) {
+  return threads > 1 &&
+         static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kMinWorkForThreads;
+}
+}  // namespace qkv::detail::tiled
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -43,8 +52,6 @@ constexpr size_t kDepthBlock = 128;
 // smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
 // kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
-// Below this many multiply-adds one thread is faster than waking a second.
-constexpr double kMinWorkForThreads = double{1 << 20};
 
 // Depth steps [x_begin, x_end) of the panels of alpha op(B): the panel at column col is k rows of
 // `width` floats from packed + col * k, zero past column n. Threads pack depth ranges of every
@@ -150,8 +157,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   // Blocks of rows as many as a multiple of the threads and as even as whole register tiles
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
-  const bool threaded = threads > 1 && static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
-                                           kMinWorkForThreads;
+  const bool threaded = tiled::threaded(m, n, k, static_cast<int>(threads));
   size_t blocks = (m + kRowBlock - 1) / kRowBlock;
   if (threaded) blocks = (blocks + threads - 1) / threads * threads;
   const auto block_start = [&](size_t block) {
@@ -187,6 +193,11 @@ HWY_EXPORT(TiledGemm);
 HWY_EXPORT(WidePanels);
 
 bool tiled_gemm_has_wide_panels() { return HWY_DYNAMIC_DISPATCH(WidePanels)(); }
+
+bool tiled_gemm_threads(int64_t m, int64_t n, int64_t k) {
+  return tiled::threaded(static_cast<size_t>(m), static_cast<size_t>(n), static_cast<size_t>(k),
+                         omp_get_max_threads());
+}
 
 void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {

@@ -20,6 +20,10 @@ namespace qkv::detail {
 void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
+// Whether tiled_gemm runs an m x n x k product on several threads (enough multiply-adds, and
+// more than one OpenMP thread); below that one thread is faster.
+bool tiled_gemm_threads(int64_t m, int64_t n, int64_t k);
+
 // Whether the SIMD target this CPU dispatches to has 32 vector registers (AVX-512: 8 x 3 and
 // 6 x 4 register tiles); the 16-register targets run 4 x 3 and 2 + 2 panels.
 bool tiled_gemm_has_wide_panels();
