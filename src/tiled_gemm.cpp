@@ -1,11 +1,11 @@
 // tiled_gemm (tiled_gemm.hpp): C = alpha op(A) op(B) + beta C on tile_gemm-inl.h's micro-GEMM.
 //
 // alpha op(B) is packed into the panels tile_gemm::ForEachPanel gives (those Gemm runs), left to
-// right; a panel holds k rows of its width, contiguous, zero past column n. The threads pack it
-// together, each a range of depth steps, then take blocks of A's rows; a block runs every panel
-// over a block of depth at a time (kDepthBlock: a panel's slice and the rows' slice of A stay in
-// L1). Whole panels write C in place; a last panel with a partial vector runs into scratch and is
-// copied.
+// right; a panel holds k rows of its width, contiguous, zero past column n. Each thread packs its
+// own copy of small panels; larger ones the threads pack together, each a range of depth steps.
+// Then the threads take blocks of A's rows; a block runs every panel over a block of depth at a
+// time (kDepthBlock: a panel's slice and the rows' slice of A stay in L1). Whole panels write C in
+// place; a last panel with a partial vector runs into scratch and is copied.
 //
 // Highway's foreach_target re-includes this file once per SIMD target; the exported entry point
 // lives in the HWY_ONCE part below.
@@ -52,6 +52,15 @@ constexpr size_t kDepthBlock = 128;
 // smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
 // kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
+// Threads share one packed copy of alpha op(B) larger than this (512 KiB); below it each thread
+// packs its own. A shared copy is written by every thread and then read by all: each call moves the
+// other threads' parts from core to core. The duplicated packing costs threads / m of the products.
+// A Sapphire Rapids-class Xeon (AMX, 2 MiB L2), 2 threads, `qkv bench`'s GEMM table, three runs
+// alternating the two, Tiled's GFLOP/s over oneDNN's: NT 256 x 256 x 64 (64 KiB of panels)
+// 0.98-1.05 own, 0.74-0.78 shared; NT 512 x 512 x 64 0.93-0.98 against 0.84-0.87; NN 512 x 64 x 512
+// 0.95-0.99 against 0.88-0.89; TN 512 x 64 x 512 0.91-0.92 against 0.82-0.86; 2048-row shapes (512
+// KiB and more) within the noise.
+constexpr size_t kMaxOwnPanelFloats = size_t{1} << 17;
 
 // Depth steps [x_begin, x_end) of the panels of alpha op(B): the panel at column col is k rows of
 // `width` floats from packed + col * k, zero past column n. Threads pack depth ranges of every
@@ -153,7 +162,6 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
     padded = col + vectors * lanes;
     if (padded <= n) whole = padded;
   });
-  float* packed = thread_workspace(WorkspaceSlot::GemmPanels).floats(padded * k);
   // Blocks of rows as many as a multiple of the threads and as even as whole register tiles
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
@@ -163,14 +171,23 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   const auto block_start = [&](size_t block) {
     return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
   };
+  const bool own_panels = threaded && padded * k <= kMaxOwnPanelFloats;
+  float* panels = thread_workspace(WorkspaceSlot::GemmPanels).floats((own_panels ? threads : 1) * padded * k);
   const size_t pack_parts = threaded ? threads : 1;
 #pragma omp parallel if (threaded)
   {
-    // Every thread packs its share of the depth steps; the loop's barrier waits for all of them.
+    const float* packed = panels;
+    if (own_panels) {  // each thread its copy, at its offset: no barrier before the blocks
+      float* own = panels + static_cast<size_t>(omp_get_thread_num()) * padded * k;
+      TiledPackB(trans_b, n, k, alpha, b, ldb, own, 0, k);
+      packed = own;
+    } else {
+      // Every thread packs its share of the depth steps; the loop's barrier waits for all of them.
 #pragma omp for schedule(static)
-    for (int64_t part = 0; part < static_cast<int64_t>(pack_parts); ++part)
-      TiledPackB(trans_b, n, k, alpha, b, ldb, packed, static_cast<size_t>(part) * k / pack_parts,
-                 static_cast<size_t>(part + 1) * k / pack_parts);
+      for (int64_t part = 0; part < static_cast<int64_t>(pack_parts); ++part)
+        TiledPackB(trans_b, n, k, alpha, b, ldb, panels, static_cast<size_t>(part) * k / pack_parts,
+                   static_cast<size_t>(part + 1) * k / pack_parts);
+    }
     HWY_ALIGN float tail[kMaxBlockRows * 4 * hn::MaxLanes(DF())];
     HWY_ALIGN float a_pack[kMaxBlockRows * kDepthBlock];  // a transposed A's slice
 #pragma omp for schedule(dynamic, 1)
