@@ -19,6 +19,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include <omp.h>
+
 namespace qkv::detail {
 
 class ItemShares {
@@ -97,5 +99,24 @@ class ItemShares {
   int shares_count_;
   Share shares_[kMaxShares];
 };
+
+// Runs body(item) for every item in [0, items) on `workers` threads, each starting on its own
+// contiguous share and then helping the others (ItemShares). One worker runs them on the
+// calling thread with no parallel region at all: even a region of one thread costs microseconds
+// in libgomp (a decode step of a small model went from 6.4 to 1.8 us). omp_get_thread_num() is 0
+// there, as in the region's first thread.
+template <class Body>
+void for_each_item(int workers, int64_t items, const Body& body) {
+  if (workers <= 1) {
+    for (int64_t item = 0; item < items; ++item) body(item);
+    return;
+  }
+  ItemShares shares(workers, items);
+#pragma omp parallel num_threads(workers)
+  {
+    // A region given fewer threads than asked leaves some shares ownerless: the others take them.
+    shares.run(omp_get_thread_num(), body);
+  }
+}
 
 }  // namespace qkv::detail

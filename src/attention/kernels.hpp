@@ -7,8 +7,6 @@
 #include <limits>
 #include <cstdint>
 
-#include <omp.h>
-
 #include "attention/item_shares.hpp"
 #include "attention/problem.hpp"
 
@@ -86,24 +84,6 @@ constexpr size_t round_to_cache_line(size_t floats) { return round_up(floats, kC
 int threads_for(double flops);
 constexpr double kMinFlopsToThread = 1 << 23;
 
-// Runs body(item) for every item in [0, items) on `workers` threads, each starting on its own
-// contiguous share and then helping the others (item_shares.hpp). One worker runs them on the
-// calling thread with no parallel region at all: even a region of one thread costs microseconds
-// in libgomp (a decode step of a small model went from 6.4 to 1.8 us). omp_get_thread_num() is 0
-// there, as in the region's first thread.
-template <class Body>
-void for_each_item(int workers, int64_t items, const Body& body) {
-  if (workers <= 1) {
-    for (int64_t item = 0; item < items; ++item) body(item);
-    return;
-  }
-  ItemShares shares(workers, items);
-#pragma omp parallel num_threads(workers)
-  {
-    // A region given fewer threads than asked leaves some shares ownerless: the others take them.
-    shares.run(omp_get_thread_num(), body);
-  }
-}
 // For tests: the threshold threads_for uses (0: every problem threads), so that the small random
 // cases of the kernel tests really run on several threads. Returns the previous threshold.
 double set_min_flops_to_thread_for_test(double flops);
