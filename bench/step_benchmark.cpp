@@ -11,7 +11,7 @@
 // step reads the same strides and mask it reads in a call. Rows:
 //   Step/PackQ        Qt = scale Q^T for one query tile             (once per work item)
 //   Step/Scores       S^T = K Qt, the micro-GEMM                    (2 Bc Br d FLOPs)
-//   Step/MaskCausal   the band on a diagonal tile, line by line     (causal tiles only)
+//   Step/MaskCausal   the band on a diagonal tile (TileLogits)      (causal tiles only)
 //   Step/Softmax      online softmax update: max, exp, sum          (every tile)
 //   Step/Rescale      Ot times the correction                       (tiles where a max grew)
 //   Step/Accumulate   Ot += V^T P^T, the micro-GEMM                 (2 Bc Br d FLOPs)
@@ -101,9 +101,7 @@ void Scores(const StepTile& t) {
 }
 
 void MaskCausal(const StepTile& t) {
-  for (size_t j = 0; j < t.bc; ++j)
-    step::ScoresToLogits(*t.problem, {0, 0, t.i0, t.j0 + static_cast<int64_t>(j), 1, 0}, t.scores + j * t.br, t.br,
-                         t.br, true);
+  step::TileLogits(*t.problem, {1, 1, false}, {true, -1}, 0, 0, t.i0, t.br, t.j0, t.bc, t.br, t.scores);
 }
 
 bool Softmax(const StepTile& t) {

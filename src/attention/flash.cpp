@@ -216,14 +216,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   // at a time.
   step::Softcap(p, w.scores, cols * br);
   const bool some_hidden = mask.band || mask.hide >= 0 || !p.terms.empty();
-  if (some_hidden || p.alibi_slopes)
-    for (size_t j = 0; j < cols; ++j) {
-      if (walk.residue) {
-        step::ResidueLogits(p, line(j), w.scores + j * br, br, rows, mask.band, mask.hide);
-      } else {
-        step::ScoresToLogits(p, line(j), w.scores + j * br, br, rows, mask.band);
-      }
-    }
+  step::TileLogits(p, walk, mask, b, h, i0, rows, j0, cols, br, w.scores);
   // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew (by the
   // correction factors, applied as the next product loads Ot).
   const bool max_grew =

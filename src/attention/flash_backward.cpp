@@ -278,15 +278,7 @@ void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t 
                 int64_t j0, size_t cols, const TileMask& mask, size_t br, float* HWY_RESTRICT weights,
                 float* HWY_RESTRICT softcap_slope) {
   step::Softcap(p, weights, cols * br, softcap_slope);
-  if (!(mask.band || mask.hide >= 0 || p.alibi_slopes || !p.terms.empty())) return;
-  for (size_t j = 0; j < cols; ++j) {
-    const step::Line line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0};
-    if (walk.residue) {
-      step::ResidueLogits(p, line, weights + j * br, br, rows, mask.band, mask.hide);
-    } else {
-      step::ScoresToLogits(p, line, weights + j * br, br, rows, mask.band);
-    }
-  }
+  step::TileLogits(p, walk, mask, b, h, i0, rows, j0, cols, br, weights);
 }
 
 // to[c] = factor * from[c], plus what to[c] held when `add`, for c < n.

@@ -10,6 +10,8 @@
 //   classify a tile      ClassifyMaskTile: hidden, partial,  the same
 //                        fully visible (band and rule)
 //   mask                 MaskBand, MaskRuleStep, MaskTerms   the same
+//                        (flash: TileLogits, a tile's band
+//                        at once with MaskBandLines)
 //   softmax              online: *SoftmaxUpdate*             RecomputeWeights from row stats
 //   dropout              Dropout on P                        Dropout on P and on dP
 //   accumulate           O += P V (GEMM, or skipping zeros   dV, dS, dK, dQ
@@ -269,8 +271,52 @@ HWY_INLINE void Alibi(const AttentionProblem& p, const Line& line, float* HWY_RE
 }
 
 // ---- Step "mask", structured part: -inf where the band (band_lo <= j - i <= band_hi) or the
-// key length (j < key_lengths[b]) hides the key, over n floats (a whole number of vectors).
+// key length (j < key_lengths[b]) hides the key; only hidden elements are written.
+//
+// A tile of key lines (flash's, its backward's, their strided residues'): line l the key
+// j0 + l key_step over queries i0 + x q (q > 0, x < br, whole vectors), lines br floats apart.
+// Each line sees its key in one run of lanes, x in [ceil((j - i0 - band_hi) / q),
+// floor((j - i0 - band_lo) / q)] (empty past the key length): the vectors outside the run are
+// stored -inf whole, the one or two it cuts by a masked store, those inside are not touched. A
+// causal diagonal tile (64 key lines of 48 queries) took 425-434 ns when each line was masked by
+// its own call, whatever that call did per lane (Sapphire Rapids-class core, qkv_step_benchmark's
+// Step/MaskCausal).
+HWY_INLINE int64_t FloorDiv(int64_t a, int64_t q) { return a >= 0 ? a / q : -((-a + q - 1) / q); }
+
+HWY_INLINE void MaskBandLines(const AttentionProblem& p, int64_t b, int64_t i0, int64_t q, int64_t j0,
+                              int64_t key_step, float* HWY_RESTRICT s, size_t br, size_t lines) {
+  const DF df;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df)), count = static_cast<int64_t>(br);
+  const VF minus_inf = hn::Set(df, kMinusInf);
+  const int64_t key_length = p.key_lengths[static_cast<size_t>(b)];
+  // Edges within +-2^61 (Mask's unbounded is 2^60), so that j - i0 - edge cannot overflow.
+  constexpr int64_t kFar = int64_t{1} << 61;
+  const int64_t hi = std::clamp(p.band_hi, -kFar, kFar), lo = std::clamp(p.band_lo, -kFar, kFar);
+  for (size_t l = 0; l < lines; ++l) {
+    const int64_t key = j0 + static_cast<int64_t>(l) * key_step, from_i0 = key - i0;
+    int64_t first = 0, end = 0;  // the visible run of lanes
+    if (key < key_length) {      // ceil((j - i0 - hi) / q), floor((j - i0 - lo) / q) + 1; q = 1 without division
+      first = std::clamp<int64_t>(q == 1 ? from_i0 - hi : -FloorDiv(hi - from_i0, q), 0, count);
+      end = std::clamp<int64_t>((q == 1 ? from_i0 - lo : FloorDiv(from_i0 - lo, q)) + 1, first, count);
+    }
+    float* HWY_RESTRICT line = s + l * br;
+    for (int64_t x = 0; x < count; x += lanes) {
+      if (x >= first && x + lanes <= end) continue;  // all visible
+      if (x + lanes <= first || x >= end) {          // all hidden
+        hn::Store(minus_inf, df, line + x);
+        continue;
+      }
+      const auto seen = hn::AndNot(hn::FirstN(df, static_cast<size_t>(std::max<int64_t>(first - x, 0))),
+                                   hn::FirstN(df, static_cast<size_t>(std::min(end - x, lanes))));
+      hn::BlendedStore(minus_inf, hn::Not(seen), df, line + x);
+    }
+  }
+}
+
+// One line of n floats (whole vectors): a line of one key over queries as above, any other
+// (decode's one query over keys) lane by lane.
 HWY_INLINE void MaskBand(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n) {
+  if (line.key_step == 0 && line.query_step > 0) return MaskBandLines(p, line.b, line.i0, line.query_step, line.j0, 0, s, n, 1);
   const DF df;
   const DI di;
   const size_t lanes = hn::Lanes(df);
@@ -286,7 +332,7 @@ HWY_INLINE void MaskBand(const AttentionProblem& p, const Line& line, float* HWY
     const auto key = hn::Add(hn::Mul(lanes_index, hn::Set(di, key_step)), hn::Set(di, ClampEdge(line.key(x))));
     const auto visible = hn::And(hn::And(hn::Not(hn::Lt(diagonal, lo)), hn::Not(hn::Gt(diagonal, hi))),
                                  hn::Lt(key, key_len));
-    hn::Store(hn::IfThenElse(hn::RebindMask(df, visible), hn::Load(df, s + x), minus_inf), df, s + x);
+    hn::BlendedStore(minus_inf, hn::RebindMask(df, hn::Not(visible)), df, s + x);
   }
 }
 
@@ -434,17 +480,6 @@ struct TileMask {
   int hide = -1;
 };
 
-// ALiBi and mask of a line of a strided residue (flash's and flash backward's gathered
-// strided keys, where the strided rule holds by construction): the band when `band`, -inf where
-// node `hide` of the rule shows the key when hide >= 0 (the tiles visit those pairs), terms.
-HWY_INLINE void ResidueLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                              size_t count, bool band, int hide) {
-  Alibi(p, line, s, n);
-  if (band) MaskBand(p, line, s, n);
-  if (hide >= 0) MaskWhereRuleShows(p.rule, hide, line, s, count);
-  MaskTerms(p, line, s, count);
-}
-
 // Rows first, first + step, ... of an operand, as rows 0, 1, ... of a view (a residue's queries or keys).
 template <class T>
 HWY_INLINE Rows<T> EveryStepRows(const Rows<T>& rows, int64_t first, int64_t step) {
@@ -479,6 +514,29 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
   if (band) MaskBand(p, line, s, n);
   if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
   MaskTerms(p, line, s, count);
+}
+
+// ALiBi and mask on a tile of key lines (flash's and its backward's; softcap ran on the whole
+// tile before): line l the key j0 + l walk.key_step over br queries i0 + x walk.query_step,
+// `rows` of them real, lines br floats apart. The band and key lengths for all lines at once
+// (MaskBandLines), then line by line ALiBi, the rule (a residue's: -inf where node `hide` of the
+// rule shows the key, the pairs the tiles visit; the strided rule holds by construction) and the
+// tensor terms. The band first gives what the reference's order (ALiBi, band, rule, terms) gives:
+// ALiBi adds a finite value to -inf. `mask.band` false skips the band and the rule (a tile every
+// query of it fully sees).
+HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t b, int64_t h,
+                           int64_t i0, size_t rows, int64_t j0, size_t cols, size_t br, float* HWY_RESTRICT s) {
+  if (mask.band) MaskBandLines(p, b, i0, walk.query_step, j0, walk.key_step, s, br, cols);
+  const bool rule = walk.residue ? mask.hide >= 0 : mask.band && !p.rule.empty();
+  if (!rule && !p.alibi_slopes && p.terms.empty()) return;
+  for (size_t l = 0; l < cols; ++l) {
+    const Line line{b, h, i0, j0 + static_cast<int64_t>(l) * walk.key_step, walk.query_step, 0};
+    float* HWY_RESTRICT scores = s + l * br;
+    Alibi(p, line, scores, br);
+    if (walk.residue && mask.hide >= 0) MaskWhereRuleShows(p.rule, mask.hide, line, scores, rows);
+    if (!walk.residue && rule) MaskRuleStep(p, line, scores, br, rows);
+    MaskTerms(p, line, scores, rows);
+  }
 }
 
 // ---- Step "dropout": a kept weight is scaled by 1 / (1 - p), a dropped one is 0, over the
