@@ -132,7 +132,7 @@ void FullTile(const StepTile& t) {
   Accumulate(t);
 }
 
-// A diagonal tile of a causal call: the band masked line by line, and (as a new tile's max
+// A diagonal tile of a causal call: the band masked (TileLogits), and (as a new tile's max
 // usually grows there) the rescale every time.
 void DiagonalTile(const StepTile& t) {
   Scores(t);

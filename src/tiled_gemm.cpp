@@ -53,14 +53,15 @@ constexpr size_t kDepthBlock = 128;
 // smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
 // kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
-// Threads share one packed copy of alpha op(B) larger than this (512 KiB); below it each thread
-// packs its own. A shared copy is written by every thread and then read by all: each call moves the
-// other threads' parts from core to core. The duplicated packing costs threads / m of the products.
-// A Sapphire Rapids-class Xeon (AMX, 2 MiB L2), 2 threads, `qkv bench`'s GEMM table, three runs
-// alternating the two, Tiled's GFLOP/s over oneDNN's: NT 256 x 256 x 64 (64 KiB of panels)
-// 0.98-1.05 own, 0.74-0.78 shared; NT 512 x 512 x 64 0.93-0.98 against 0.84-0.87; NN 512 x 64 x 512
-// 0.95-0.99 against 0.88-0.89; TN 512 x 64 x 512 0.91-0.92 against 0.82-0.86; 2048-row shapes (512
-// KiB and more) within the noise.
+// Threads share one packed copy of alpha op(B) larger than this (512 KiB); at most this, each
+// thread packs its own (when it has a row block's worth of rows: kRowBlock per thread). A shared
+// copy is written by every thread and then read by all: each call moves the other threads' parts
+// from core to core. The duplicated packing costs threads / m of the products. A Sapphire
+// Rapids-class Xeon (AMX, 2 MiB L2), 2 threads, `qkv bench`'s GEMM table, three runs alternating
+// the two, Tiled's GFLOP/s over oneDNN's: NT 256 x 256 x 64 (64 KiB of panels) 0.98-1.05 own,
+// 0.74-0.78 shared; NT 512 x 512 x 64 0.93-0.98 against 0.84-0.87; NN 512 x 64 x 512 0.95-0.99
+// against 0.88-0.89; TN 512 x 64 x 512 0.91-0.92 against 0.82-0.86; 2048-row shapes (512 KiB and
+// more) within the noise.
 constexpr size_t kMaxOwnPanelFloats = size_t{1} << 17;
 
 // Depth steps [x_begin, x_end) of the panels of alpha op(B): the panel at column col is k rows of
@@ -172,7 +173,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   const auto block_start = [&](size_t block) {
     return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
   };
-  const bool own_panels = threaded && padded * k <= kMaxOwnPanelFloats;
+  const bool own_panels = threaded && padded * k <= kMaxOwnPanelFloats && m >= kRowBlock * threads;
   float* panels = thread_workspace(WorkspaceSlot::GemmPanels).floats((own_panels ? threads : 1) * padded * k);
   const size_t pack_parts = threaded ? threads : 1;
   // Blocks dealt in contiguous shares (item_shares.hpp): a thread keeps its rows of A and C in its

@@ -106,8 +106,9 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 // kernel's tiles (5 rows x 4 outputs on AVX-512, 4 x 3 elsewhere) leave every count of rows
 // (1-4) with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes. The
 // Tiled kernel's panels (1-4 vectors, the last partial or whole), row blocks (about 48 rows,
-// threads from 2^20 multiply-adds, each packing its own panels up to 512 KiB, 30 x 200 x 200, or
-// sharing larger ones, 7 x 400 x 400) and depth blocks (128) meet their ends in the last rows; on
+// threads from 2^20 multiply-adds, each packing its own panels up to 512 KiB from 48 rows a
+// thread, 257 x 129 x 65 and 97 x 45 x 260, or sharing larger ones, 7 x 400 x 400, or those of
+// fewer rows, 30 x 200 x 200) and depth blocks (128) meet their ends in the last rows; on
 // one thread 137 rows make blocks of 48, 40 and 49 (longer than 48: a transposed A's copy and the
 // tail scratch hold up to 56); on 3 threads, 7 x 400 x 400 splits its rows into [0, 0), [0, 7)
 // and [7, 7).

@@ -67,6 +67,28 @@ void MaskBandOf(int64_t band_lo, int64_t band_hi, int64_t key_length, int64_t i0
   step::MaskBand(p, {0, 0, i0, j0, query_step, key_step}, s, n);
 }
 
+// TileLogits on `lines` key lines of br floats (line l: key j0 + l key_step over queries i0 + x
+// query_step) of batch 0, head 0: band and key length given, ALiBi with `slope` when non-zero
+// (offset alibi_offset); `alibi_only` runs just the ALiBi step per line instead, the first half of
+// what TileLogits must give.
+void TileLogitsOf(int64_t band_lo, int64_t band_hi, int64_t key_length, float slope, int64_t alibi_offset, int64_t i0,
+                  int64_t j0, int64_t query_step, int64_t key_step, float* s, size_t br, size_t lines,
+                  bool alibi_only) {
+  qkv::detail::AttentionProblem p{};
+  p.band_lo = band_lo;
+  p.band_hi = band_hi;
+  p.key_lengths = {key_length};
+  p.alibi_slopes = slope != 0.0f ? &slope : nullptr;
+  p.q_len = 0;
+  p.kv_len = alibi_offset;
+  if (alibi_only) {
+    for (size_t l = 0; l < lines; ++l)
+      step::Alibi(p, {0, 0, i0, j0 + static_cast<int64_t>(l) * key_step, query_step, 0}, s + l * br, br);
+    return;
+  }
+  step::TileLogits(p, {query_step, key_step, false}, {true, -1}, 0, 0, i0, br, j0, lines, br, s);
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv_test
@@ -99,11 +121,19 @@ HWY_EXPORT(PanelScaled);
 HWY_EXPORT(PanelWidth);
 HWY_EXPORT(GemmOf);
 HWY_EXPORT(MaskBandOf);
+HWY_EXPORT(TileLogitsOf);
 HWY_EXPORT(SoftcapOf);
 
 namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kFloatInf = std::numeric_limits<float>::infinity();
+
+// A band edge for the mask tests: unbounded either way (a quarter of the time), else inside,
+// before or past the lines they draw.
+int64_t random_edge(Random& random) {
+  const int64_t far = qkv::Mask::kUnbounded, pick = random.integer(0, 7);
+  return pick == 0 ? -far : pick == 1 ? far : random.integer(-150, 150);
+}
 
 // Runs body() once per SIMD target this CPU can run, that target forced.
 template <class Body>
@@ -227,15 +257,10 @@ TEST(Steps, MaskBandAgainstItsRule) {
     const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
     Random random;
     SCOPED_TRACE(random.note());
-    const int64_t far = qkv::Mask::kUnbounded;
     const int64_t steps[][2] = {{1, 0}, {0, 1}, {3, 0}, {0, 5}, {64, 0}};
     for (int trial = 0; trial < 3000; ++trial) {
       const size_t n = lanes * static_cast<size_t>(random.integer(1, 4));
-      const auto edge = [&] {
-        const int64_t pick = random.integer(0, 7);
-        return pick == 0 ? -far : pick == 1 ? far : random.integer(-150, 150);
-      };
-      const int64_t lo = edge(), hi = edge();
+      const int64_t lo = random_edge(random), hi = random_edge(random);
       const int64_t key_length = random.integer(0, 199);
       const int64_t i0 = random.integer(0, 199), j0 = random.integer(0, 199);
       const auto& step = steps[random.integer(0, 4)];
@@ -252,6 +277,47 @@ TEST(Steps, MaskBandAgainstItsRule) {
             << "x = " << x << " of " << n << ", band [" << lo << ", " << hi << "], key length " << key_length
             << ", i0 " << i0 << ", j0 " << j0 << ", steps (" << step[0] << ", " << step[1] << "): " << s[x]
             << " where " << expected[x];
+    }
+  });
+}
+
+// A tile's logits (TileLogits: ALiBi per line, then the band of every line at once) against ALiBi
+// alone followed by the band's rule element by element: tiles of 1-70 key lines, each line's key
+// key_step past the last one, the walks the kernels use ((1, 1) in the tiles, (S, S) in strided
+// residues), bands empty to unbounded, key lengths cutting the tile; a hidden element is -inf
+// whatever it held (NaN too), a visible one has exactly ALiBi's bits.
+TEST(Steps, TileLogitsAgainstTheBandRule) {
+  on_every_target([] {
+    const size_t lanes = HWY_DYNAMIC_DISPATCH(Lanes)();
+    Random random;
+    SCOPED_TRACE(random.note());
+    for (int trial = 0; trial < 600; ++trial) {
+      const size_t br = lanes * static_cast<size_t>(random.integer(1, 4));
+      const size_t lines = static_cast<size_t>(random.integer(1, 70));
+      const int64_t lo = random_edge(random), hi = random_edge(random), key_length = random.integer(0, 260);
+      const int64_t step = random.chance(0.7) ? 1 : random.integer(2, 70);
+      const int64_t i0 = random.integer(0, 199), j0 = random.integer(0, 199);
+      const float slope = random.chance(0.5) ? static_cast<float>(random.uniform(-1.0, 1.0)) : 0.0f;
+      const int64_t offset = random.integer(-50, 50);
+      const size_t n = br * lines;
+      const hwy::AlignedFreeUniquePtr<float[]> s = hwy::AllocateAligned<float>(n);
+      const hwy::AlignedFreeUniquePtr<float[]> expected = hwy::AllocateAligned<float>(n);
+      for (size_t x = 0; x < n; ++x) s[x] = random.chance(0.1) ? kNaN : static_cast<float>(random.uniform(-3.0, 3.0));
+      std::copy_n(s.get(), n, expected.get());
+      HWY_DYNAMIC_DISPATCH(TileLogitsOf)(lo, hi, key_length, slope, offset, i0, j0, step, step, expected.get(), br,
+                                         lines, true);
+      for (size_t l = 0; l < lines; ++l)
+        for (size_t x = 0; x < br; ++x) {
+          const int64_t i = i0 + static_cast<int64_t>(x) * step, j = j0 + static_cast<int64_t>(l) * step;
+          if (!(lo <= j - i && j - i <= hi && j < key_length)) expected[l * br + x] = -kFloatInf;
+        }
+      HWY_DYNAMIC_DISPATCH(TileLogitsOf)(lo, hi, key_length, slope, offset, i0, j0, step, step, s.get(), br, lines,
+                                         false);
+      for (size_t x = 0; x < n; ++x)
+        ASSERT_EQ(std::memcmp(&s[x], &expected[x], sizeof(float)), 0)
+            << "line " << x / br << ", lane " << x % br << " of " << lines << " x " << br << ", band [" << lo << ", "
+            << hi << "], key length " << key_length << ", i0 " << i0 << ", j0 " << j0 << ", step " << step
+            << ", slope " << slope << ": " << s[x] << " where " << expected[x];
     }
   });
 }

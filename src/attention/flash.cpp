@@ -212,8 +212,8 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
 
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place.
   PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
-  // 2. Softcap on the whole tile, then ALiBi and the mask, one key line over the tile's queries
-  // at a time.
+  // 2. Softcap on the whole tile, then ALiBi and the mask (TileLogits: the band for the whole
+  // tile at once, the rest one key line over the tile's queries at a time).
   step::Softcap(p, w.scores, cols * br);
   const bool some_hidden = mask.band || mask.hide >= 0 || !p.terms.empty();
   step::TileLogits(p, walk, mask, b, h, i0, rows, j0, cols, br, w.scores);

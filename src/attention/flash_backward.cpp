@@ -273,7 +273,7 @@ void RowDots(const AttentionBackwardProblem& bp, int64_t row_begin, int64_t row_
 }
 
 // Steps "modifiers" and "mask" of a pair's tile of weights: softcap (and its slope) on the
-// whole tile, then ALiBi and the mask one key line at a time.
+// whole tile, then ALiBi and the mask (TileLogits, as the forward).
 void PairLogits(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
                 int64_t j0, size_t cols, const TileMask& mask, size_t br, float* HWY_RESTRICT weights,
                 float* HWY_RESTRICT softcap_slope) {
