@@ -295,7 +295,8 @@ HWY_INLINE void MaskBandLines(const AttentionProblem& p, int64_t b, int64_t i0, 
   for (size_t l = 0; l < lines; ++l) {
     const int64_t key = j0 + static_cast<int64_t>(l) * key_step, from_i0 = key - i0;
     int64_t first = 0, end = 0;  // the visible run of lanes
-    if (key < key_length) {      // ceil((j - i0 - hi) / q), floor((j - i0 - lo) / q) + 1; q = 1 without division
+    // ceil((j - i0 - hi) / q) and floor((j - i0 - lo) / q) + 1, without a division when q = 1
+    if (key < key_length) {
       first = std::clamp<int64_t>(q == 1 ? from_i0 - hi : -FloorDiv(hi - from_i0, q), 0, count);
       end = std::clamp<int64_t>((q == 1 ? from_i0 - lo : FloorDiv(from_i0 - lo, q)) + 1, first, count);
     }
@@ -316,7 +317,8 @@ HWY_INLINE void MaskBandLines(const AttentionProblem& p, int64_t b, int64_t i0, 
 // One line of n floats (whole vectors): a line of one key over queries as above, any other
 // (decode's one query over keys) lane by lane.
 HWY_INLINE void MaskBand(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n) {
-  if (line.key_step == 0 && line.query_step > 0) return MaskBandLines(p, line.b, line.i0, line.query_step, line.j0, 0, s, n, 1);
+  if (line.key_step == 0 && line.query_step > 0)
+    return MaskBandLines(p, line.b, line.i0, line.query_step, line.j0, 0, s, n, 1);
   const DF df;
   const DI di;
   const size_t lanes = hn::Lanes(df);
