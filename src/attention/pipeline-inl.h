@@ -537,10 +537,11 @@ HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const Ti
   const bool rule = walk.residue ? mask.hide >= 0 : mask.band && !p.rule.empty();
   if (!rule && p.terms.empty()) return;
   for (size_t l = 0; l < cols; ++l) {
+    const Line at = line(l);
     float* HWY_RESTRICT scores = s + l * br;
-    if (walk.residue && mask.hide >= 0) MaskWhereRuleShows(p.rule, mask.hide, line(l), scores, rows);
-    if (!walk.residue && rule) MaskRuleStep(p, line(l), scores, br, rows);
-    MaskTerms(p, line(l), scores, rows);
+    if (walk.residue && mask.hide >= 0) MaskWhereRuleShows(p.rule, mask.hide, at, scores, rows);
+    if (!walk.residue && rule) MaskRuleStep(p, at, scores, br, rows);
+    MaskTerms(p, at, scores, rows);
   }
 }
 
