@@ -59,7 +59,7 @@ struct StepTile {
   const detail::AttentionProblem* problem;  // W0's, causal
   size_t br, d, bc;
   int64_t i0, j0;  // the query tile and key tile (i0 < j0 + bc: on the diagonal)
-  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *inverse, *lse;
+  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *inverse, *lse;
 };
 
 // One backward worker's scratch for one (query tile, key tile) pair, as flash_backward.cpp lays
@@ -105,7 +105,7 @@ void MaskCausal(const StepTile& t) {
 }
 
 bool Softmax(const StepTile& t) {
-  return step::SoftmaxColumnsUpdate<kTileVectors>(t.scores, t.bc, t.running_max, t.row_sum, t.correction, t.nan_seen);
+  return step::SoftmaxColumnsUpdate<kTileVectors>(t.scores, t.bc, t.running_max, t.row_sum, t.correction);
 }
 
 void Rescale(const StepTile& t) { step::RescaleColumns(t.out_t, t.d, t.br, t.correction); }
@@ -118,7 +118,7 @@ void Accumulate(const StepTile& t) {
 
 void Finish(const StepTile& t) {
   const detail::AttentionProblem& p = *t.problem;
-  step::FinishColumns(t.running_max, t.row_sum, t.nan_seen, t.br, t.inverse, t.lse);
+  step::FinishColumns(t.running_max, t.row_sum, t.br, t.inverse, t.lse);
   step::UnpackTransposed(t.out_t, t.br, t.br, t.d, t.inverse, p.output, 0, 0, t.i0);
   std::copy_n(t.lse, t.br, p.lse + t.i0);
   std::copy_n(t.running_max, t.br, p.row_max + t.i0);
@@ -267,8 +267,8 @@ struct StepFixture {
   StepFixture() {
     const size_t br = HWY_DYNAMIC_DISPATCH(TileRows)(), d = static_cast<size_t>(w0.head_dim);
     auto [block, total] = carve_scratch({&tile.q_t, &tile.scores, &tile.out_t, &tile.running_max, &tile.row_sum,
-                                         &tile.correction, &tile.nan_seen, &tile.inverse, &tile.lse},
-                                        {d * br, kKeyTile * br, d * br, br, br, br, br, br, br});
+                                         &tile.correction, &tile.inverse, &tile.lse},
+                                        {d * br, kKeyTile * br, d * br, br, br, br, br, br});
     scratch = std::move(block);
     std::fill_n(scratch.get(), total, 0.0f);
     std::fill_n(tile.running_max, br, -std::numeric_limits<float>::infinity());

@@ -193,7 +193,8 @@ TEST_P(AttentionProperties, GroupedQueryEqualsRepeatedHeads) {
   }
 }
 
-// A NaN in one query row changes only that row: every other row is bit-identical and finite.
+// A NaN in one query row changes only that row: every other row is bit-identical and finite,
+// and that row is NaN everywhere: output, lse and the row stats the backward reads.
 TEST_P(AttentionProperties, NaNInOneQueryStaysInItsRow) {
   Random rng;
   SCOPED_TRACE(rng.note());
@@ -207,13 +208,46 @@ TEST_P(AttentionProperties, NaNInOneQueryStaysInItsRow) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Nq; ++i) {
-        if (b == nb && h == nh && i == ni) continue;
+        if (b == nb && h == nh && i == ni) {
+          for (int64_t d = 0; d < Dv; ++d) EXPECT_TRUE(std::isnan(dirty.output.at({b, h, i, d})));
+          for (const Tensor* stat : {&dirty.lse, &dirty.row_max, &dirty.row_sum})
+            EXPECT_TRUE(std::isnan(stat->at({b, h, i})));
+          continue;
+        }
         for (int64_t d = 0; d < Dv; ++d) {
           EXPECT_TRUE(std::isfinite(dirty.output.at({b, h, i, d})));
           EXPECT_EQ(dirty.output.at({b, h, i, d}), clean.output.at({b, h, i, d}));
         }
         EXPECT_EQ(dirty.lse.at({b, h, i}), clean.lse.at({b, h, i}));
       }
+}
+
+// A NaN in one key's row reaches exactly the queries that see that key: under a causal mask,
+// the rows at or after it are NaN everywhere (output, lse, row_max and row_sum: a kernel whose
+// running max skips NaN must still poison its stats), the rows before it equal a clean run bit
+// for bit. The key sits at a random row, so it falls anywhere in a flash key tile.
+TEST_P(AttentionProperties, NaNInOneKeyReachesTheRowsThatSeeIt) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int64_t B = 1, H = 2, N = 75, D = 16;
+  const Tensor q = rng.randn({B, H, N, D}), k = rng.randn({B, H, N, D}), v = rng.randn({B, H, N, D});
+  const int64_t nh = rng.integer(0, H - 1), nj = rng.integer(1, N - 2);
+  const Tensor k_nan = k.clone();
+  k_nan.at({0, nh, nj, rng.integer(0, D - 1)}) = NAN;
+  const AttentionResult clean = attend(q, k, v, GetParam(), Mask::causal());
+  const AttentionResult dirty = attend(q, k_nan, v, GetParam(), Mask::causal());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < N; ++i) {
+      if (h == nh && i >= nj) {
+        for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(dirty.output.at({0, h, i, d}))) << "row " << i;
+        for (const Tensor* stat : {&dirty.lse, &dirty.row_max, &dirty.row_sum})
+          EXPECT_TRUE(std::isnan(stat->at({0, h, i}))) << "row " << i;
+        continue;
+      }
+      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(dirty.output.at({0, h, i, d}), clean.output.at({0, h, i, d}));
+      EXPECT_EQ(dirty.lse.at({0, h, i}), clean.lse.at({0, h, i}));
+      EXPECT_EQ(dirty.row_max.at({0, h, i}), clean.row_max.at({0, h, i}));
+    }
 }
 
 // NaN or Inf in the keys and values of a KV cache's unwritten slots (past key_lengths), or at

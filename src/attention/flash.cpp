@@ -36,9 +36,9 @@
 // per query in many tiles, so they are computed apart, in a first pass by residues. Queries
 // r, r + S, ... all meet keys kr, kr + S, ... (kr = r + O mod S): a dense block, run with the
 // same key-tile step on lines of steps (S, 0) (queries S apart in the lanes), residue tiles of
-// ResidueTileRows() queries. The pass leaves each row's softmax state (unnormalised O, max,
-// sum, NaN seen) in the output rows, row_max, row_sum and lse; the second pass, the tiles,
-// evaluates `rest` (a band rest folded into the band) and starts each row from that state.
+// ResidueTileRows() queries. The pass leaves each row's softmax state (unnormalised O, max and
+// sum, which a NaN score has made NaN) in the output rows, row_max and row_sum; the second pass,
+// the tiles, evaluates `rest` (a band rest folded into the band) and starts each row from it.
 //
 // Highway's foreach_target re-includes this file once per SIMD target (see hwy/examples/
 // skeleton.cc); the threading and the exported entry point live in the HWY_ONCE part below.
@@ -81,7 +81,7 @@ constexpr int64_t kResiduesPerItem = 8;
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on
 // its own cache line. br = queries per tile (per target), dk/dv = head and value dims.
 struct ScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, nan_seen, k_wide, v_wide;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, k_wide, v_wide;
   size_t total;
 
   ScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false) {
@@ -97,7 +97,6 @@ struct ScratchLayout {
     running_max = take(br);            // per query
     row_sum = take(br);                // per query
     correction = take(br);             // per query: exp(old max - new max), then 1 / l
-    nan_seen = take(br);               // per query: 1 once a visible score was NaN
     k_wide = take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
     v_wide = take(wide_kv ? kKeyTile * dv : 0);
     total = at;
@@ -132,11 +131,11 @@ int64_t CompiledTarget() { return HWY_TARGET; }
 
 // One worker's view of its scratch block (flash::ScratchLayout).
 struct Scratch {
-  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *nan_seen, *k_wide, *v_wide;
+  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *k_wide, *v_wide;
   Scratch(float* base, const flash::ScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
-        row_sum(base + l.row_sum), correction(base + l.correction), nan_seen(base + l.nan_seen),
-        k_wide(base + l.k_wide), v_wide(base + l.v_wide) {}
+        row_sum(base + l.row_sum), correction(base + l.correction), k_wide(base + l.k_wide),
+        v_wide(base + l.v_wide) {}
 };
 
 // Step "load a tile" for 16-bit K/V: rows [j0, j0 + cols) of head (b, g) widened into `to`
@@ -219,8 +218,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   step::TileLogits(p, walk, mask, b, h, i0, rows, j0, cols, br, w.scores);
   // 3. Online softmax, one lane per query; Ot moves to the new max when some max grew (by the
   // correction factors, applied as the next product loads Ot).
-  const bool max_grew =
-      step::SoftmaxColumnsUpdate<V>(w.scores, cols, w.running_max, w.row_sum, w.correction, w.nan_seen);
+  const bool max_grew = step::SoftmaxColumnsUpdate<V>(w.scores, cols, w.running_max, w.row_sum, w.correction);
   // 4. Dropout on P (scaling exp(s - m) is scaling exp(s - m) / l at the end).
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.scores + j * br, rows);
@@ -244,14 +242,13 @@ void StartQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   std::fill_n(w.out_t, static_cast<size_t>(p.value_dim) * br, 0.0f);
   std::fill_n(w.running_max, br, step::InitialMax(p, h));
   std::fill_n(w.row_sum, br, step::InitialSum(p));
-  std::fill_n(w.nan_seen, br, 0.0f);
 }
 
 // ---- The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp), gathered
 // by residues: queries i0, i0 + S, ... meet keys j0, j0 + S, ... (j0 = i0 + O mod S), a dense
 // block that runs as flash tiles of lines with steps (S, 0), which every pipeline step reads.
-// The residues run first and leave their softmax state (O unnormalised, max, sum, and whether a
-// NaN was seen, in the output rows, row_max, row_sum and lse) for the tiles, which evaluate
+// The residues run first and leave their softmax state (O unnormalised, max and sum, in the
+// output rows, row_max and row_sum) for the tiles, which evaluate
 // `rest` and continue from it; a residue hides what `rest` shows, so no pair counts twice.
 
 // One residue tile: queries i0 + x S (x < rows <= ResidueTileRows()) of head (b, h).
@@ -283,7 +280,6 @@ void StridedResidueTile(const AttentionProblem& p, const StridedSplit& split, in
     const int64_t i = i0 + static_cast<int64_t>(x) * stride;
     p.row_max[row0 + i] = w.running_max[x];
     p.row_sum[row0 + i] = w.row_sum[x];
-    p.lse[row0 + i] = w.nan_seen[x];
   }
 }
 
@@ -353,7 +349,6 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
     step::PackTransposed(partial, b, h, i0, rows, dv, br, 1.0f, w.out_t);
     std::copy_n(p.row_max + row0, rows, w.running_max);
     std::copy_n(p.row_sum + row0, rows, w.row_sum);
-    std::copy_n(p.lse + row0, rows, w.nan_seen);
   }
 
   if (vectors == 1) {
@@ -367,7 +362,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
   // ---- Finish each query: O = Ot^T / l, then lse and the row stats, each the tile's `rows`
   // contiguous floats of its (B, Hq, Nq) array written as one run (W0 on two threads: about 1%
   // faster than a store of each per row).
-  step::FinishColumns(w.running_max, w.row_sum, w.nan_seen, br, w.correction, w.scores);
+  step::FinishColumns(w.running_max, w.row_sum, br, w.correction, w.scores);
   step::UnpackTransposed(w.out_t, br, rows, dv, w.correction, p.output, b, h, i0);
   std::copy_n(w.scores, rows, p.lse + row0);
   std::copy_n(w.running_max, rows, p.row_max + row0);

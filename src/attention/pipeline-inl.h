@@ -559,29 +559,39 @@ HWY_INLINE float InitialMax(const AttentionProblem& p, int64_t h) { return p.sin
 HWY_INLINE float InitialSum(const AttentionProblem& p) { return p.sinks ? 1.0f : 0.0f; }
 
 // ---- Step "softmax"'s exponential: e^x for x <= 88 (softmax passes s - max <= 0), within 1 ulp
-// (0.86 at worst over [-87.3, 0], against a double exp, with FMA; 1.2 on targets without, which
-// round each product apart: tests/test_steps.cpp), in 15 vector ops where Highway's general
-// Exp takes about 25 (a W0 tile's softmax: 0.96 us of its 4.5 with hn::Exp, qkv_step_benchmark).
+// (0.85 at worst over [-87.3, 0], against a double exp, with FMA; 1.14 on targets without, which
+// round each product apart: tests/test_steps.cpp), in 12 vector ops on AVX-512 and 14 elsewhere,
+// where Highway's general Exp takes about 25 (a W0 tile's softmax: 0.96 us of its 4.5 with
+// hn::Exp, qkv_step_benchmark).
 // x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is
-// exact); e^r by its Taylor series to degree 7 (Horner); 2^n put in the exponent bits. The
-// rounding adds 1.5 * 2^23 + 127, which leaves n + 127 in the low mantissa bits, ready to shift
-// into the exponent. Below ln(FLT_MIN) (-87.34: 2^n would not be a normal float) the result is 0,
-// -inf included; NaN stays NaN.
+// exact); e^r = 1 + r + r^2 q(r), q of degree 4 fitted for the least worst relative error over
+// that interval (4e-9; degree-7 Taylor, one FMA more, had 1.4e-9; degree 3's 1e-7 would cost up
+// to an ulp), which keeps e^0 exactly 1. 2^n is applied by AVX-512's scalef, or elsewhere put in
+// the exponent bits: the rounding adds 1.5 * 2^23 + 127, which leaves n + 127 in the low mantissa
+// bits, ready to shift into the exponent. Below ln(FLT_MIN) (-87.34: 2^n would not be a normal
+// float) the result is 0, -inf included; NaN stays NaN.
 template <class D, class V>
 HWY_INLINE V ExpSoftmax(D d, V x) {
-  const hn::RebindToSigned<D> di;
   const V shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), hn::Set(d, 12582912.0f + 127.0f));
   const V n = hn::Sub(shifted, hn::Set(d, 12582912.0f + 127.0f));
   V r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
   r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
-  V e = hn::Set(d, 1.0f / 5040);
-  e = hn::MulAdd(e, r, hn::Set(d, 1.0f / 720));
-  e = hn::MulAdd(e, r, hn::Set(d, 1.0f / 120));
-  e = hn::MulAdd(e, r, hn::Set(d, 1.0f / 24));
-  e = hn::MulAdd(e, r, hn::Set(d, 1.0f / 6));
-  e = hn::MulAdd(e, r, hn::Set(d, 0.5f));
+  V e = hn::Set(d, 1.381461275741458e-3f);
+  e = hn::MulAdd(e, r, hn::Set(d, 8.368710055947304e-3f));
+  e = hn::MulAdd(e, r, hn::Set(d, 4.166838899254799e-2f));
+  e = hn::MulAdd(e, r, hn::Set(d, 1.666652113199234e-1f));
+  e = hn::MulAdd(e, r, hn::Set(d, 4.999999403953552e-1f));
   e = hn::MulAdd(e, r, hn::Set(d, 1.0f));
   e = hn::MulAdd(e, r, hn::Set(d, 1.0f));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (hn::MaxLanes(D()) == 16) {
+    // One compare (not less than the bound: true for NaN, which passes) and one zero-masked
+    // scalef, where the exponent bits take a shift, a multiply, a compare and a blend.
+    const __mmask16 normal = _mm512_cmp_ps_mask(x.raw, hn::Set(d, -87.33654f).raw, _CMP_NLT_UQ);
+    return V{_mm512_maskz_scalef_ps(normal, e.raw, n.raw)};
+  }
+#endif
+  const hn::RebindToSigned<D> di;
   const V two_to_n = hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, shifted)));
   return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33654f)), hn::Mul(e, two_to_n));
 }
@@ -589,48 +599,40 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
 // ---- Step "softmax", queries in the lanes (flash): one tile of Bc key lines of V vectors of
 // queries (br = V lanes). For each query: the new running max over the tile, the factor
 // exp(old - new) that moves what was accumulated to it (into `correction`), P = exp(S - max) in
-// place (hidden keys give exactly 0) and the running sum. A NaN score is noted in nan_seen (Max
-// drops NaN) and poisons its row at the finish, as the reference's softmax does. (Noting it from
-// the tile's sum instead, which ExpSoftmax's NaN makes NaN, measured no faster.) Returns whether
-// any query's max grew. Both passes go key line by key line over all V vectors, so each step has
-// V independent chains (the max's: 2 V, even and odd lines): one vector at a time, the
+// place (hidden keys give exactly 0) and the running sum. A NaN score, whatever the max, has a NaN
+// weight, so it makes its query's running sum NaN for good, and FinishColumns poisons the row
+// from that, as the reference's softmax does (a +inf score too: inf - inf). (Noting NaN in the
+// max pass took two of its three vector ops: 0.1 us of a 0.6 us step on the Sapphire Rapids-class
+// Xeon, where every 512-bit op takes one of the two FMA ports' slots.) Returns whether any
+// query's max grew. Both passes go key line by key line over all V vectors, so each step has V
+// independent chains (the max's: 2 V, even and odd lines): one vector at a time, the
 // exponentials of a 64-key tile waited on the max pass and on each other's latency.
 template <size_t V>
 HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
-                                     float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction,
-                                     float* HWY_RESTRICT nan_seen) {
+                                     float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction) {
   const DF df;
   const size_t lanes = hn::Lanes(df), br = V * lanes;
   const VF minus_inf = hn::Set(df, kMinusInf);
   VF tile_max[V], odd_max[V];
-  hn::Mask<DF> tile_nan[V];
   HWY_UNROLL(4)
-  for (size_t n = 0; n < V; ++n) tile_max[n] = odd_max[n] = minus_inf, tile_nan[n] = hn::FirstN(df, 0);
+  for (size_t n = 0; n < V; ++n) tile_max[n] = odd_max[n] = minus_inf;
   size_t j = 0;
   for (; j + 2 <= cols; j += 2) {
     HWY_UNROLL(4)
     for (size_t n = 0; n < V; ++n) {
-      const VF score = hn::Load(df, scores + j * br + n * lanes);
-      const VF next = hn::Load(df, scores + (j + 1) * br + n * lanes);
-      tile_max[n] = hn::Max(tile_max[n], score);
-      odd_max[n] = hn::Max(odd_max[n], next);
-      tile_nan[n] = hn::Or(tile_nan[n], hn::Or(hn::IsNaN(score), hn::IsNaN(next)));
+      tile_max[n] = hn::Max(tile_max[n], hn::Load(df, scores + j * br + n * lanes));
+      odd_max[n] = hn::Max(odd_max[n], hn::Load(df, scores + (j + 1) * br + n * lanes));
     }
   }
   if (j < cols) {
     HWY_UNROLL(4)
-    for (size_t n = 0; n < V; ++n) {
-      const VF score = hn::Load(df, scores + j * br + n * lanes);
-      tile_max[n] = hn::Max(tile_max[n], score);
-      tile_nan[n] = hn::Or(tile_nan[n], hn::IsNaN(score));
-    }
+    for (size_t n = 0; n < V; ++n) tile_max[n] = hn::Max(tile_max[n], hn::Load(df, scores + j * br + n * lanes));
   }
   bool max_grew = false;
   VF safe_max[V], tile_sum[V];
   HWY_UNROLL(4)
   for (size_t n = 0; n < V; ++n) {
     const size_t at = n * lanes;
-    hn::Store(hn::IfThenElse(tile_nan[n], hn::Set(df, 1.0f), hn::Load(df, nan_seen + at)), df, nan_seen + at);
     // A query that has seen no visible key yet keeps -inf and is exponentiated against 0
     // instead, so its scores (all -inf) give exp = 0, never the NaN of exp(-inf - -inf).
     const VF old_max = hn::Load(df, running_max + at);
@@ -673,10 +675,9 @@ HWY_INLINE void RescaleColumns(float* HWY_RESTRICT out_t, size_t d, size_t br, c
 // ---- Step "finish", queries in the lanes (flash): finish_row's values for br queries at once
 // (a scalar log per row took 1-2% of W0): 1 / l into `inverse`, lse = max + log l into `lse`,
 // and the row stats left in running_max and row_sum for the backward. A query that saw nothing
-// (l = 0) gets 0 and lse -inf; one that saw a NaN score NaN everywhere.
-HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRICT row_sum,
-                              const float* HWY_RESTRICT nan_seen, size_t br, float* HWY_RESTRICT inverse,
-                              float* HWY_RESTRICT lse) {
+// (l = 0) gets 0 and lse -inf; one that saw a NaN score (its sum is NaN) NaN everywhere.
+HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRICT row_sum, size_t br,
+                              float* HWY_RESTRICT inverse, float* HWY_RESTRICT lse) {
   const DF df;
   const VF one = hn::Set(df, 1.0f), nan = hn::Set(df, std::numeric_limits<float>::quiet_NaN());
   for (size_t n = 0; n < br; n += hn::Lanes(df)) {
@@ -684,7 +685,7 @@ HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRI
     const auto empty = hn::Eq(sum, hn::Zero(df));
     const VF safe_sum = hn::IfThenElse(empty, one, sum);
     const VF log_sum_exp = hn::Add(max, hn::Log(df, safe_sum));
-    const auto poisoned = hn::Gt(hn::Load(df, nan_seen + n), hn::Zero(df));
+    const auto poisoned = hn::IsNaN(sum);
     hn::Store(hn::IfThenElse(poisoned, nan, hn::IfThenZeroElse(empty, hn::Div(one, safe_sum))), df, inverse + n);
     hn::Store(hn::IfThenElse(poisoned, nan, hn::IfThenElse(empty, hn::Set(df, kMinusInf), log_sum_exp)), df, lse + n);
     hn::Store(hn::IfThenElse(poisoned, nan, max), df, running_max + n);
