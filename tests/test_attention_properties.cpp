@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "oracle.hpp"
@@ -222,32 +224,40 @@ TEST_P(AttentionProperties, NaNInOneQueryStaysInItsRow) {
       }
 }
 
-// A NaN in one key's row reaches exactly the queries that see that key: under a causal mask,
-// the rows at or after it are NaN everywhere (output, lse, row_max and row_sum: a kernel whose
-// running max skips NaN must still poison its stats), the rows before it equal a clean run bit
-// for bit. The key sits at a random row, so it falls anywhere in a flash key tile.
+// A NaN in one key's row reaches exactly the queries that see that key: those rows are NaN
+// everywhere (output, lse, row_max and row_sum: a kernel whose running max skips NaN must still
+// poison its stats), the others equal a clean run bit for bit. Under a causal mask (the key at a
+// random row, anywhere in a flash key tile) and under window | strided(64), which flash computes
+// by strided residues first and carries their softmax state into the window's tiles.
 TEST_P(AttentionProperties, NaNInOneKeyReachesTheRowsThatSeeIt) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  const int64_t B = 1, H = 2, N = 75, D = 16;
+  const int64_t B = 1, H = 2, N = 150, D = 16, S = 64;
   const Tensor q = rng.randn({B, H, N, D}), k = rng.randn({B, H, N, D}), v = rng.randn({B, H, N, D});
   const int64_t nh = rng.integer(0, H - 1), nj = rng.integer(1, N - 2);
   const Tensor k_nan = k.clone();
   k_nan.at({0, nh, nj, rng.integer(0, D - 1)}) = NAN;
-  const AttentionResult clean = attend(q, k, v, GetParam(), Mask::causal());
-  const AttentionResult dirty = attend(q, k_nan, v, GetParam(), Mask::causal());
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < N; ++i) {
-      if (h == nh && i >= nj) {
-        for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(dirty.output.at({0, h, i, d}))) << "row " << i;
-        for (const Tensor* stat : {&dirty.lse, &dirty.row_max, &dirty.row_sum})
-          EXPECT_TRUE(std::isnan(stat->at({0, h, i}))) << "row " << i;
-        continue;
+  const std::vector<std::pair<Mask, std::function<bool(int64_t, int64_t)>>> masks = {
+      {Mask::causal(), [](int64_t i, int64_t j) { return j <= i; }},
+      {Mask::window(7, 0) | Mask::strided(S),
+       [](int64_t i, int64_t j) { return (j <= i && i - j <= 7) || ((i - j) % S + S) % S == 0; }}};
+  for (const auto& [mask, sees] : masks) {
+    SCOPED_TRACE(mask.str() + ", NaN key " + std::to_string(nj) + " of head " + std::to_string(nh));
+    const AttentionResult clean = attend(q, k, v, GetParam(), mask);
+    const AttentionResult dirty = attend(q, k_nan, v, GetParam(), mask);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < N; ++i) {
+        if (h == nh && sees(i, nj)) {
+          for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(dirty.output.at({0, h, i, d}))) << "row " << i;
+          for (const Tensor* stat : {&dirty.lse, &dirty.row_max, &dirty.row_sum})
+            EXPECT_TRUE(std::isnan(stat->at({0, h, i}))) << "row " << i;
+          continue;
+        }
+        for (int64_t d = 0; d < D; ++d) EXPECT_EQ(dirty.output.at({0, h, i, d}), clean.output.at({0, h, i, d}));
+        for (const auto stat : {&AttentionResult::lse, &AttentionResult::row_max, &AttentionResult::row_sum})
+          EXPECT_EQ((dirty.*stat).at({0, h, i}), (clean.*stat).at({0, h, i})) << "row " << i;
       }
-      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(dirty.output.at({0, h, i, d}), clean.output.at({0, h, i, d}));
-      EXPECT_EQ(dirty.lse.at({0, h, i}), clean.lse.at({0, h, i}));
-      EXPECT_EQ(dirty.row_max.at({0, h, i}), clean.row_max.at({0, h, i}));
-    }
+  }
 }
 
 // NaN or Inf in the keys and values of a KV cache's unwritten slots (past key_lengths), or at

@@ -583,7 +583,7 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
   e = hn::MulAdd(e, r, hn::Set(d, 4.999999403953552e-1f));
   e = hn::MulAdd(e, r, hn::Set(d, 1.0f));
   e = hn::MulAdd(e, r, hn::Set(d, 1.0f));
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
   if constexpr (hn::MaxLanes(D()) == 16) {
     // One compare (not less than the bound: true for NaN, which passes) and one zero-masked
     // scalef, where the exponent bits take a shift, a multiply, a compare and a blend.
@@ -599,14 +599,15 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
 // ---- Step "softmax", queries in the lanes (flash): one tile of Bc key lines of V vectors of
 // queries (br = V lanes). For each query: the new running max over the tile, the factor
 // exp(old - new) that moves what was accumulated to it (into `correction`), P = exp(S - max) in
-// place (hidden keys give exactly 0) and the running sum. A NaN score, whatever the max, has a NaN
-// weight, so it makes its query's running sum NaN for good, and FinishColumns poisons the row
-// from that, as the reference's softmax does (a +inf score too: inf - inf). (Noting NaN in the
-// max pass took two of its three vector ops: 0.1 us of a 0.6 us step on the Sapphire Rapids-class
-// Xeon, where every 512-bit op takes one of the two FMA ports' slots.) Returns whether any
-// query's max grew. Both passes go key line by key line over all V vectors, so each step has V
-// independent chains (the max's: 2 V, even and odd lines): one vector at a time, the
-// exponentials of a 64-key tile waited on the max pass and on each other's latency.
+// place (hidden keys give exactly 0) and the running sum. Returns whether any query's max grew.
+// A NaN score, whatever the max, has a NaN weight, which makes its query's running sum NaN for
+// good; FinishColumns poisons the row from that, as the reference's softmax does. (A +inf score's
+// weight, exp(inf - inf), is NaN too: output, lse and row_sum NaN in both kernels, row_max NaN
+// here and +inf in the reference.) Noting NaN in the max pass instead took two of its three
+// vector ops, 0.1 us of a 0.6 us step on the Sapphire Rapids-class Xeon, where every 512-bit op
+// takes one of the two FMA ports' slots. Both passes go key line by key line over all V vectors,
+// so each step has V independent chains (the max's: 2 V, even and odd lines): one vector at a
+// time, the exponentials of a 64-key tile waited on the max pass and on each other's latency.
 template <size_t V>
 HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
                                      float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction) {
