@@ -248,8 +248,8 @@ void StartQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
 // by residues: queries i0, i0 + S, ... meet keys j0, j0 + S, ... (j0 = i0 + O mod S), a dense
 // block that runs as flash tiles of lines with steps (S, 0), which every pipeline step reads.
 // The residues run first and leave their softmax state (O unnormalised, max and sum, in the
-// output rows, row_max and row_sum) for the tiles, which evaluate
-// `rest` and continue from it; a residue hides what `rest` shows, so no pair counts twice.
+// output rows, row_max and row_sum) for the tiles, which evaluate `rest` and continue from it;
+// a residue hides what `rest` shows, so no pair counts twice.
 
 // One residue tile: queries i0 + x S (x < rows <= ResidueTileRows()) of head (b, h).
 void StridedResidueTile(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t i0,

@@ -604,10 +604,11 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
 // good; FinishColumns poisons the row from that, as the reference's softmax does. (A +inf score's
 // weight, exp(inf - inf), is NaN too: output, lse and row_sum NaN in both kernels, row_max NaN
 // here and +inf in the reference.) Noting NaN in the max pass instead took two of its three
-// vector ops, 0.1 us of a 0.6 us step on the Sapphire Rapids-class Xeon, where every 512-bit op
-// takes one of the two FMA ports' slots. Both passes go key line by key line over all V vectors,
-// so each step has V independent chains (the max's: 2 V, even and odd lines): one vector at a
-// time, the exponentials of a 64-key tile waited on the max pass and on each other's latency.
+// vector ops per vector, which on the Sapphire Rapids-class Xeon, where every 512-bit op takes
+// one of the two FMA ports' slots, cost time (docs/performance.md). Both passes go key line by
+// key line over all V vectors, so each step has V independent chains (the max's: 2 V, even and
+// odd lines): one vector at a time, the exponentials of a 64-key tile waited on the max pass and
+// on each other's latency.
 template <size_t V>
 HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
                                      float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction) {
