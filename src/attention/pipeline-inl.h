@@ -539,8 +539,11 @@ HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const Ti
   for (size_t l = 0; l < cols; ++l) {
     const Line at = line(l);
     float* HWY_RESTRICT scores = s + l * br;
-    if (walk.residue && mask.hide >= 0) MaskWhereRuleShows(p.rule, mask.hide, at, scores, rows);
-    if (!walk.residue && rule) MaskRuleStep(p, at, scores, br, rows);
+    if (rule && walk.residue) {
+      MaskWhereRuleShows(p.rule, mask.hide, at, scores, rows);
+    } else if (rule) {
+      MaskRuleStep(p, at, scores, br, rows);
+    }
     MaskTerms(p, at, scores, rows);
   }
 }
