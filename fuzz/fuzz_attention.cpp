@@ -1,9 +1,10 @@
 // libFuzzer target: the public attention call (qkv::scaled_dot_product_attention and its
 // backward) on arguments decoded from the fuzz input - ranks, shapes (zero sizes included),
 // grouped-query heads, strided views, every kind of mask and their combinations, scale,
-// dropout, need_weights and backend. Every outcome must be a result or a qkv::Error; a crash,
-// a sanitizer report or any other exception is a bug (docs/reliability.md). The input is read
-// with FuzzedDataProvider, so any bytes decode to some call.
+// dropout, need_weights, backend and matmul precision (AMX tiles where the CPU has them). Every
+// outcome must be a result or a qkv::Error; a crash, a sanitizer report or any other exception
+// is a bug (docs/reliability.md). The input is read with FuzzedDataProvider, so any bytes decode
+// to some call.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -121,6 +122,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     options.need_weights = in.ConsumeBool();
     options.backend = static_cast<qkv::Backend>(in.ConsumeIntegralInRange<int>(0, 3));
+    options.precision = static_cast<qkv::MatmulPrecision>(in.ConsumeIntegralInRange<int>(0, 2));
 
     const qkv::AttentionResult result = qkv::scaled_dot_product_attention(q, k, v, options);
     // The documented shapes: output L + (Nq, Dv), lse L + (Nq).

@@ -54,6 +54,7 @@ struct Case {
   uint64_t seed = 0;
   float softcap = 0;
   Tensor alibi_slopes, sinks;  // (Hq) or undefined
+  qkv::MatmulPrecision precision = qkv::MatmulPrecision::Highest;
 
   // The modifiers as the oracle reads them.
   qkv_test::OracleModifiers modifiers() const {
@@ -76,6 +77,7 @@ inline qkv::AttentionOptions options_of(const Case& c, qkv::Backend backend = qk
   options.softcap = c.softcap;
   options.alibi_slopes = c.alibi_slopes;
   options.sinks = c.sinks;
+  options.precision = c.precision;
   return options;
 }
 

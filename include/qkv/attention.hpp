@@ -22,6 +22,19 @@ enum class Backend {
 std::string_view to_string(Backend backend);
 std::ostream& operator<<(std::ostream& os, Backend backend);
 
+// How precise the float32 products Q K^T and P V must be, as torch.set_float32_matmul_precision's
+// levels. Lower levels permit a faster path; they never promise one. Today: the Flash forward on a
+// CPU with AMX (Intel Sapphire Rapids and later) runs both products on AMX tiles at High and
+// Medium; every other kernel (Reference, Decode, the backward) and every other CPU computes in
+// float32 at every level.
+enum class MatmulPrecision {
+  Highest,  // float32 products (the default)
+  High,     // each float32 operand as the sum of two bfloat16 (about 16 significant bits)
+  Medium,   // each float32 operand rounded to one bfloat16 (8 significant bits)
+};
+std::string_view to_string(MatmulPrecision precision);
+std::ostream& operator<<(std::ostream& os, MatmulPrecision precision);
+
 struct AttentionOptions {
   Mask mask;                        // none by default
   std::optional<float> scale;       // default 1 / sqrt(Dk)
@@ -29,6 +42,7 @@ struct AttentionOptions {
   uint64_t seed = 0;                // picks the dropped elements, see dropout_keeps()
   bool need_weights = false;        // also return the attention weights
   Backend backend = Backend::Auto;
+  MatmulPrecision precision = MatmulPrecision::Highest;
 
   // Score modifiers, applied to each scaled score s = scale * q.k in this order, then the mask:
   float softcap = 0;    // > 0: s <- softcap * tanh(s / softcap) (Gemma 2, Grok); 0: off

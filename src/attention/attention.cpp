@@ -29,6 +29,17 @@ std::string_view to_string(Backend backend) {
 
 std::ostream& operator<<(std::ostream& os, Backend backend) { return os << to_string(backend); }
 
+std::string_view to_string(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::Highest: return "highest";
+    case MatmulPrecision::High: return "high";
+    case MatmulPrecision::Medium: return "medium";
+  }
+  return "unknown";
+}
+
+std::ostream& operator<<(std::ostream& os, MatmulPrecision precision) { return os << to_string(precision); }
+
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
   return detail::counter_uniform(seed, static_cast<uint64_t>(batch), static_cast<uint64_t>(head),
                                  static_cast<uint64_t>(query), static_cast<uint64_t>(key)) >= p;

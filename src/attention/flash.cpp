@@ -64,6 +64,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention/amx.hpp"
 #include "attention/flash.hpp"
 #include "attention/problem.hpp"
 #include "attention/query_tiles.hpp"
@@ -103,6 +104,33 @@ struct ScratchLayout {
   }
 };
 
+// The largest AMX block a worker takes (AmxLayout::total, in bytes).
+constexpr size_t kMaxAmxBlockBytes = size_t{64} << 20;
+
+// One worker's block for the AMX products (MatmulPrecision High or Medium on a CPU with AMX,
+// attention/amx.hpp), offsets in bf16 elements from a 64-byte aligned base: which K/V head
+// (b, g) its splits hold (two int64), the query tile's Q parts, one key tile's P parts, and the
+// head's K and V^T parts. K and V are split once per head a worker meets (consecutive items share
+// it), 2 (Nk + Bc) (Dk + Dv) bytes a part.
+struct AmxLayout {
+  size_t dk_pad = 0, n_pad = 0;                  // Dk rounded up to 32, keys with room past Nk
+  size_t q = 0, p = 0, k = 0, v = 0, total = 0;  // offsets; total in elements
+  size_t q_part = 0, p_part = 0, k_part = 0, v_part = 0;
+
+  AmxLayout() = default;
+  AmxLayout(int parts, size_t br, size_t dk, size_t dv, size_t nk) {
+    constexpr size_t kLine = 32;  // elements per cache line
+    const auto lines = [](size_t elements) { return (elements + kLine - 1) / kLine * kLine; };
+    dk_pad = (dk + amx::kDepth - 1) / amx::kDepth * amx::kDepth;
+    // A key tile from any j0 < Nk reads Bc keys of the splits: zeros past Nk.
+    n_pad = (nk + kKeyTile - 1) / kKeyTile * kKeyTile + kKeyTile;
+    q_part = lines(dk_pad * br), p_part = lines(kKeyTile * br), k_part = lines(n_pad * dk_pad),
+    v_part = lines(dv * n_pad);
+    const size_t count = static_cast<size_t>(parts);
+    q = kLine, p = q + count * q_part, k = p + count * p_part, v = k + count * k_part, total = v + count * v_part;
+  }
+};
+
 }  // namespace qkv::detail::flash
 #endif
 
@@ -129,9 +157,12 @@ size_t VectorLanes() { return hn::Lanes(DF()); }
 // This target's HWY_TARGET bit, so tests can see which code a dispatch reaches.
 int64_t CompiledTarget() { return HWY_TARGET; }
 
-// One worker's view of its scratch block (flash::ScratchLayout).
+// One worker's view of its scratch block (flash::ScratchLayout), and of its AMX block when the
+// item's products run on AMX tiles (else amx is null).
 struct Scratch {
   float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *k_wide, *v_wide;
+  uint16_t* amx = nullptr;
+  const flash::AmxLayout* amx_layout = nullptr;
   Scratch(float* base, const flash::ScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
         row_sum(base + l.row_sum), correction(base + l.correction), k_wide(base + l.k_wide),
@@ -196,6 +227,32 @@ bool HiddenValuesFinite(const AttentionProblem& p, const Walk& walk, const TileM
          step::RowsFinite(kv.v + (all_to - j0) * kv.v_stride, static_cast<size_t>(j_end - all_to), dv, kv.v_stride);
 }
 
+// Whether the AMX product may run a tile of cols keys from j0 in whole steps of 32 keys: the
+// keys past cols that the last step takes (with zero weights) must have finite V rows, as 0 x inf
+// is NaN. Past Nk the splits hold zeros.
+bool AmxPaddingFinite(const AttentionProblem& p, int64_t j0, size_t cols, const KvTile& kv) {
+  const int64_t end = j0 + static_cast<int64_t>(cols);
+  const int64_t padded = std::min(p.kv_len, j0 + static_cast<int64_t>((cols + amx::kDepth - 1) / amx::kDepth * amx::kDepth));
+  return padded <= end ||
+         step::RowsFinite(kv.v + cols * kv.v_stride, static_cast<size_t>(padded - end), static_cast<size_t>(p.value_dim),
+                          kv.v_stride);
+}
+
+// The AMX block's splits of K and V for head (b, g): made when the worker's block holds another
+// head's (the first int64 pair of the block says which).
+void AmxSplitHead(const AttentionProblem& p, int64_t b, int64_t g, const Scratch& w) {
+  int64_t* held = reinterpret_cast<int64_t*>(w.amx);
+  if (held[0] == b && held[1] == g) return;
+  const flash::AmxLayout& at = *w.amx_layout;
+  const size_t nk = static_cast<size_t>(p.kv_len), dk = static_cast<size_t>(p.head_dim),
+               dv = static_cast<size_t>(p.value_dim);
+  amx::split_rows(p.amx_parts, p.k.row(b, g, 0), static_cast<size_t>(p.k.row_stride), nk, dk, w.amx + at.k, at.dk_pad,
+                  at.n_pad, at.dk_pad, at.k_part);
+  amx::split_transposed(p.amx_parts, p.v.row(b, g, 0), static_cast<size_t>(p.v.row_stride), nk, dv, w.amx + at.v,
+                        at.n_pad, at.n_pad, at.v_part);
+  held[0] = b, held[1] = g;
+}
+
 // One key tile (cols keys from j0) of a query tile (V vectors of queries from i0, `rows` real):
 // scores, modifiers and mask, the online softmax update, dropout, and Ot += V^T P^T.
 template <size_t V>
@@ -209,8 +266,19 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   const float* HWY_RESTRICT v_tile = kv.v;
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };
 
-  // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place.
-  PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
+  // The AMX products (w.amx set) take the tiles of consecutive keys; a residue's keys are S apart.
+  const bool amx_tile = w.amx != nullptr && walk.key_step == 1 && !walk.residue;
+  const flash::AmxLayout* amx_at = w.amx_layout;
+
+  // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place, or
+  // its parts on AMX tiles (whole blocks of 16 keys: the rows past cols are never read).
+  if (amx_tile) {
+    amx::scores(p.amx_parts, w.amx + amx_at->k + static_cast<size_t>(j0) * amx_at->dk_pad, amx_at->dk_pad,
+                amx_at->k_part, (cols + amx::kRows - 1) / amx::kRows, w.amx + amx_at->q, amx_at->q_part,
+                amx_at->dk_pad / amx::kDepth, br, w.scores);
+  } else {
+    PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
+  }
   // 2. Softcap on the whole tile, then ALiBi and the mask (TileLogits: the band for the whole
   // tile at once, the rest one key line over the tile's queries at a time).
   step::Softcap(p, w.scores, cols * br);
@@ -227,6 +295,13 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   if ((some_hidden || p.dropout_p > 0) && !HiddenValuesFinite(p, walk, mask, b, i0, rows, j0, cols, kv)) {
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
+  } else if (amx_tile && dv % amx::kRows == 0 && AmxPaddingFinite(p, j0, cols, kv)) {
+    // On AMX tiles: P^T's parts (zero past cols), then Ot += V^T P^T over whole steps of 32 keys.
+    if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
+    const size_t key_steps = (cols + amx::kDepth - 1) / amx::kDepth;
+    amx::split_pairs(p.amx_parts, w.scores, br, cols, key_steps * amx::kDepth / 2, w.amx + amx_at->p, amx_at->p_part);
+    amx::accumulate(p.amx_parts, w.amx + amx_at->v + j0, amx_at->n_pad, amx_at->v_part, dv / amx::kRows,
+                    w.amx + amx_at->p, amx_at->p_part, key_steps, br, w.out_t);
   } else {
     PanelGemm<V, true>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
                        max_grew ? w.correction : nullptr);
@@ -332,13 +407,17 @@ void QueryTileKeys(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, 
 // One work item: query head h of batch b, queries [i0, i0 + rows), rows <= Br. `scratch` is
 // this worker's block, laid out by flash::ScratchLayout. `carried`: the strided residues ran
 // first and left each row's softmax state in the outputs; continue from it.
+// `amx`: this worker's AMX block (flash::AmxLayout `amx_layout`) when the products run on AMX
+// tiles, else null.
 void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t h, int64_t i0, size_t rows,
-                    float* HWY_RESTRICT scratch) {
+                    float* HWY_RESTRICT scratch, uint16_t* amx, const flash::AmxLayout* amx_layout) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   // The width of this tile: the vectors its queries fill (QueryTiles, query_tiles.hpp).
   const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
-  const Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
+  Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
+  // AMX tiles hold 16 query lanes a row: only targets with 16 float lanes take them.
+  if (amx != nullptr && lanes == amx::kRows) w.amx = amx, w.amx_layout = amx_layout;
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
 
   // ---- Set up: Qt = scale * Q^T, Ot = 0, each query's softmax started (with its sink, if any),
@@ -351,6 +430,14 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
     std::copy_n(p.row_sum + row0, rows, w.row_sum);
   }
 
+  // AMX: the tile state for this item, the head's K and V split (if this worker has not yet), Qt's.
+  if (w.amx) {
+    amx::configure();
+    AmxSplitHead(p, b, p.kv_head_of(h), w);
+    amx::split_pairs(p.amx_parts, w.q_t, br, dk, w.amx_layout->dk_pad / 2, w.amx + w.amx_layout->q,
+                     w.amx_layout->q_part);
+  }
+
   if (vectors == 1) {
     QueryTileKeys<1>(p, b, h, i0, rows, w);
   } else if (vectors == 2) {
@@ -358,6 +445,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
   } else {
     QueryTileKeys<kTileVectors>(p, b, h, i0, rows, w);
   }
+  if (w.amx) amx::release();
 
   // ---- Finish each query: O = Ot^T / l, then lse and the row stats, each the tile's `rows`
   // contiguous floats of its (B, Hq, Nq) array written as one run (W0 on two threads: about 1%
@@ -430,6 +518,32 @@ void flash_attention(const AttentionProblem& problem) {
   }
   const AttentionProblem& tiles = tiles_problem ? *tiles_problem : problem;
 
+  // The AMX products (MatmulPrecision High or Medium, a CPU with AMX, 16 float lanes): each
+  // worker's block, none of them holding a head's splits yet. A block grows with Nk (a head's K
+  // and V split); past kMaxAmxBlockBytes (64K keys at d = 128 with two parts) the products stay
+  // float32, so that a lower precision never needs more memory than that.
+  flash::AmxLayout amx_layout;
+  bool amx_on = problem.amx_parts > 0 && lanes == static_cast<int64_t>(amx::kRows) && amx::available();
+  if (amx_on) {
+    amx_layout = flash::AmxLayout(problem.amx_parts, br, static_cast<size_t>(problem.head_dim),
+                                  static_cast<size_t>(problem.value_dim), static_cast<size_t>(problem.kv_len));
+    amx_on = amx_layout.total * sizeof(uint16_t) <= flash::kMaxAmxBlockBytes;
+  }
+  size_t amx_block = 0;  // in bf16 elements
+  uint16_t* amx_blocks = nullptr;
+  if (amx_on) {
+    amx_block = amx_layout.total;
+    amx_blocks = reinterpret_cast<uint16_t*>(
+        thread_workspace(WorkspaceSlot::FlashAmx).floats(static_cast<size_t>(workers) * amx_block / 2));
+    for (int worker = 0; worker < workers; ++worker) {
+      int64_t* held = reinterpret_cast<int64_t*>(amx_blocks + static_cast<size_t>(worker) * amx_block);
+      held[0] = held[1] = -1;
+    }
+  }
+  const auto amx_block_of_this_thread = [&]() -> uint16_t* {
+    return amx_on ? amx_blocks + static_cast<size_t>(omp_get_thread_num()) * amx_block : nullptr;
+  };
+
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache (a
   // thread's share is whole heads, item_shares.hpp); within a head the last query tiles come
   // first: under a causal mask they see the most keys, so a share runs its longest items first
@@ -439,7 +553,8 @@ void flash_attention(const AttentionProblem& problem) {
     const int64_t tile = query_tiles - 1 - item % query_tiles;
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), bh / problem.q_heads,
                                          bh % problem.q_heads, tiling.first_query(tile),
-                                         static_cast<size_t>(tiling.rows(tile)), block_of_this_thread());
+                                         static_cast<size_t>(tiling.rows(tile)), block_of_this_thread(),
+                                         amx_block_of_this_thread(), &amx_layout);
   });
 }
 

@@ -252,6 +252,10 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
       .rule = std::move(rule),
       .dropout_p = options.dropout_p, .seed = options.seed,
+      .amx_parts = k.dtype() != DType::F32                       ? 0
+                   : options.precision == MatmulPrecision::High   ? 2
+                   : options.precision == MatmulPrecision::Medium ? 1
+                                                                  : 0,
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
       .kv_dtype = k.dtype(), .k_bits = k_bits, .v_bits = v_bits,
   };

@@ -50,6 +50,10 @@ struct AttentionProblem {
 
   float dropout_p;  // 0: no dropout
   uint64_t seed;
+  // The bfloat16 parts each float32 operand of the flash forward's products may be split into
+  // on AMX tiles (attention/amx.hpp): 2 at MatmulPrecision::High, 1 at Medium, 0 (float32) at
+  // Highest and when K and V are 16-bit.
+  int amx_parts = 0;
 
   Rows<float> output;  // (B, Hq, Nq, Dv)
   float* weights;      // (B, Hq, Nq, Nk) packed, or nullptr when not asked for

@@ -1,0 +1,238 @@
+// The flash forward's products on AMX tiles (amx.hpp). This file alone is compiled with the AMX
+// and AVX512-BF16 instruction sets; flash.cpp calls it only when available() says the CPU and
+// the OS allow them.
+#include "attention/amx.hpp"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+namespace qkv::detail::amx {
+namespace {
+
+constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature's state
+constexpr long kXfeatureXtiledata = 18;     // the AMX tile data
+
+bool detect() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512 = (ebx >> 16 & 1) && (ebx >> 17 & 1) && (ebx >> 30 & 1) && (ebx >> 31 & 1);  // F, DQ, BW, VL
+  const bool amx = (edx >> 22 & 1) && (edx >> 24 & 1);                        // AMX-BF16, AMX-TILE
+  if (!avx512 || !amx || eax < 1) return false;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512-BF16
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// ---- Splitting float32 into bf16 parts. hi = x with its low 16 bits cleared (exact in bf16),
+// the next part the rest, x - hi (exact in float32); the last part is rounded to nearest even by
+// the conversion. The rest is taken only where hi != x: an infinity is all hi (inf - inf would be
+// NaN), and a NaN leaves a NaN rest whatever its hi.
+struct Parts {
+  __m512 part[2];
+};
+inline Parts split(__m512 x, int parts) {
+  if (parts == 1) return {{x, _mm512_setzero_ps()}};
+  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(-65536)));
+  return {{hi, _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(hi, x, _CMP_NEQ_UQ), x, hi)}};
+}
+inline void store_bf16(uint16_t* dst, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// ---- The products. Tiles 0 .. QB - 1 accumulate (one per 16 query lanes), 3 .. 2 + QB hold
+// one part of the B operand for each, 6 and 7 the parts of the A operand. A tile's registers
+// are not renamed: consecutive products go to different accumulators, so that none waits on the
+// one before.
+template <int QB>
+inline void zero_accumulators() {
+  _tile_zero(0);
+  if constexpr (QB > 1) _tile_zero(1);
+  if constexpr (QB > 2) _tile_zero(2);
+}
+template <int QB>
+inline void load_accumulators(const float* c, size_t stride) {
+  _tile_loadd(0, c, stride);
+  if constexpr (QB > 1) _tile_loadd(1, c + 16, stride);
+  if constexpr (QB > 2) _tile_loadd(2, c + 32, stride);
+}
+template <int QB>
+inline void store_accumulators(float* c, size_t stride) {
+  _tile_stored(0, c, stride);
+  if constexpr (QB > 1) _tile_stored(1, c + 16, stride);
+  if constexpr (QB > 2) _tile_stored(2, c + 32, stride);
+}
+template <int QB>
+inline void load_b(const uint16_t* b, size_t stride) {  // query block x at b + 32 x (16 pairs)
+  _tile_loadd(3, b, stride);
+  if constexpr (QB > 1) _tile_loadd(4, b + 32, stride);
+  if constexpr (QB > 2) _tile_loadd(5, b + 64, stride);
+}
+// (GCC's _tile_dpbf16ps pastes its arguments into the instruction's text: literal numbers only.)
+template <int QB, int A>
+inline void products() {
+  static_assert(A == 6 || A == 7);
+  if constexpr (A == 6) {
+    _tile_dpbf16ps(0, 6, 3);
+    if constexpr (QB > 1) _tile_dpbf16ps(1, 6, 4);
+    if constexpr (QB > 2) _tile_dpbf16ps(2, 6, 5);
+  } else {
+    _tile_dpbf16ps(0, 7, 3);
+    if constexpr (QB > 1) _tile_dpbf16ps(1, 7, 4);
+    if constexpr (QB > 2) _tile_dpbf16ps(2, 7, 5);
+  }
+}
+
+// One depth block (32 steps) of C += A B in parts: a and b at the block's part 0, parts a_part
+// and b_part apart. With 2 parts: a_hi b_hi + a_lo b_hi + a_hi b_lo (a_lo b_lo, about 2^-16 of
+// the rest, is left out, as torch's "high" does).
+template <int P, int QB>
+inline void depth_block(const uint16_t* a, size_t a_stride, size_t a_part, const uint16_t* b, size_t b_stride,
+                        size_t b_part) {
+  _tile_loadd(6, a, a_stride);
+  if constexpr (P > 1) _tile_loadd(7, a + a_part, a_stride);
+  load_b<QB>(b, b_stride);
+  products<QB, 6>();
+  if constexpr (P > 1) {
+    products<QB, 7>();
+    load_b<QB>(b + b_part, b_stride);
+    products<QB, 6>();
+  }
+}
+
+template <int P, int QB>
+void scores_tiles(const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q, size_t q_part,
+                  size_t depth_steps, size_t br, float* st) {
+  const size_t q_stride = br * 2 * sizeof(uint16_t);  // a row of B: a pair of depth steps for br queries
+  for (size_t kb = 0; kb < key_blocks; ++kb) {
+    zero_accumulators<QB>();
+    const uint16_t* k_rows = k + kb * kRows * k_row;
+    for (size_t x = 0; x < depth_steps; ++x)
+      depth_block<P, QB>(k_rows + x * kDepth, k_row * sizeof(uint16_t), k_part, q + x * (kDepth / 2) * br * 2,
+                         q_stride, q_part);
+    store_accumulators<QB>(st + kb * kRows * br, br * sizeof(float));
+  }
+}
+
+template <int P, int QB>
+void accumulate_tiles(const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
+                      size_t p_part, size_t key_steps, size_t br, float* ot) {
+  const size_t p_stride = br * 2 * sizeof(uint16_t);
+  for (size_t db = 0; db < dv_blocks; ++db) {
+    float* c = ot + db * kRows * br;
+    load_accumulators<QB>(c, br * sizeof(float));
+    const uint16_t* vt_rows = vt + db * kRows * vt_row;
+    for (size_t x = 0; x < key_steps; ++x)
+      depth_block<P, QB>(vt_rows + x * kDepth, vt_row * sizeof(uint16_t), vt_part, p + x * (kDepth / 2) * br * 2,
+                         p_stride, p_part);
+    store_accumulators<QB>(c, br * sizeof(float));
+  }
+}
+
+template <class F>
+void by_query_blocks(size_t br, const F& f) {
+  switch (br / 16) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    default: return f(std::integral_constant<int, 3>());
+  }
+}
+
+}  // namespace
+
+bool available() {
+  static const bool usable = detect();
+  return usable;
+}
+
+// The tile configuration: palette 1, every tile 16 rows of 64 bytes. A constant in memory:
+// GCC's _tile_loadconfig tells the compiler it reads only the first 8 bytes, so stores into a
+// local configuration could be dropped as dead.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+static_assert(sizeof(TileConfig) == 64 && kDepth * sizeof(uint16_t) == 64 && kRows == 16);
+
+void configure() { _tile_loadconfig(&kTileConfig); }
+
+void release() { _tile_release(); }
+
+void split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
+                size_t rows_pad, size_t cols_pad, size_t part_stride) {
+  for (size_t r = 0; r < rows_pad; ++r) {
+    for (size_t c = 0; c < cols_pad; c += 16) {
+      const size_t live = r < rows && c < cols ? std::min<size_t>(16, cols - c) : 0;
+      const __m512 x = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live) - 1), live ? src + r * src_row + c : src);
+      const Parts s = split(x, parts);
+      for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + r * dst_row + c, s.part[p]);
+    }
+  }
+}
+
+void split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
+                      size_t dst_row, size_t rows_pad, size_t part_stride) {
+  const bool gather = 15 * src_row <= static_cast<size_t>(std::numeric_limits<int32_t>::max());
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(gather ? src_row : 0)));
+  for (size_t r = 0; r < rows_pad; r += 16) {
+    const size_t live = r < rows ? std::min<size_t>(16, rows - r) : 0;
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    for (size_t c = 0; c < cols; ++c) {
+      __m512 x = _mm512_setzero_ps();
+      if (live && gather) {
+        x = _mm512_mask_i32gather_ps(x, mask, offsets, src + r * src_row + c, sizeof(float));
+      } else if (live) {
+        alignas(64) float column[16] = {};
+        for (size_t l = 0; l < live; ++l) column[l] = src[(r + l) * src_row + c];
+        x = _mm512_load_ps(column);
+      }
+      const Parts s = split(x, parts);
+      for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + c * dst_row + r, s.part[p]);
+    }
+  }
+}
+
+void split_pairs(int parts, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
+                 size_t part_stride) {
+  // Element 2i of a pair row is the even row's lane i, element 2i + 1 the odd row's.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (size_t x = 0; x < pairs; ++x) {
+    for (size_t q = 0; q < br; q += 16) {
+      const __m512 even = 2 * x < valid ? _mm512_loadu_ps(src + 2 * x * br + q) : _mm512_setzero_ps();
+      const __m512 odd = 2 * x + 1 < valid ? _mm512_loadu_ps(src + (2 * x + 1) * br + q) : _mm512_setzero_ps();
+      const Parts e = split(even, parts), o = split(odd, parts);
+      for (int p = 0; p < parts; ++p) {
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o.part[p], e.part[p]));
+        _mm512_storeu_si512(dst + p * part_stride + (x * br + q) * 2, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  }
+}
+
+void scores(int parts, const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q,
+            size_t q_part, size_t depth_steps, size_t br, float* st) {
+  by_query_blocks(br, [&](auto qb) {
+    if (parts == 1) return scores_tiles<1, qb()>(k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
+    scores_tiles<2, qb()>(k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
+  });
+}
+
+void accumulate(int parts, const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
+                size_t p_part, size_t key_steps, size_t br, float* ot) {
+  by_query_blocks(br, [&](auto qb) {
+    if (parts == 1) return accumulate_tiles<1, qb()>(vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
+    accumulate_tiles<2, qb()>(vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
+  });
+}
+
+}  // namespace qkv::detail::amx
