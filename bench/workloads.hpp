@@ -216,11 +216,13 @@ inline LinearAttentionOptions make_linear_options(const Workload& w) {
   return options;
 }
 
-inline AttentionOptions make_attention_options(const Workload& w, Backend backend) {
+inline AttentionOptions make_attention_options(const Workload& w, Backend backend,
+                                               MatmulPrecision precision = MatmulPrecision::Highest) {
   AttentionOptions options;
   if (w.causal) options.mask = Mask::causal();
   if (w.is_sparse()) options.mask = Mask::parse(w.mask_expression());
   options.backend = backend;
+  options.precision = precision;
   switch (w.modifier) {
     case Modifier::None:
       break;

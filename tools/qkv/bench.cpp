@@ -47,6 +47,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "attention/amx.hpp"
 #include "commands.hpp"
 #include "fma_peak.hpp"
 #include "gemm.hpp"
@@ -66,7 +67,14 @@ struct BenchOptions {
   int reference_runs = 0;              // 0: 5, or 3 when the reference's first call took > 1 s
   bool no_reference = false;
   bool no_gemm = false;                // skip the table of GEMM paths per shape class
+  std::string precision = "highest";  // of the attention workloads' products (MatmulPrecision)
 };
+
+MatmulPrecision precision_named(const std::string& name) {
+  if (name == "high") return MatmulPrecision::High;
+  if (name == "medium") return MatmulPrecision::Medium;
+  return MatmulPrecision::Highest;
+}
 
 // Sizes of the same-run baselines. 2048^3 is large enough for OpenBLAS to reach its peak rate;
 // 256 MiB is far larger than any last-level cache, so memcpy runs at memory speed.
@@ -355,11 +363,13 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 }
 
 // "Flash", "Decode", or a hedged answer when the outputs cannot tell.
-std::string auto_kernel(const Workload& w, const bench::AttentionInputs& in, const DecodeProbe& decode) {
+std::string auto_kernel(const Workload& w, const bench::AttentionInputs& in, const DecodeProbe& decode,
+                        MatmulPrecision precision) {
   if (!decode.built) return "Flash";
   const auto output_of = [&](Backend backend) -> std::optional<Tensor> {
     try {
-      return scaled_dot_product_attention(in.q, in.k, in.v, bench::make_attention_options(w, backend)).output;
+      return scaled_dot_product_attention(in.q, in.k, in.v, bench::make_attention_options(w, backend, precision))
+          .output;
     } catch (const Error&) {
       return std::nullopt;  // this kernel does not take this shape, so Auto did not run it
     }
@@ -424,8 +434,9 @@ Timings measure(const std::function<void()>& call_fresh, const std::function<voi
 }
 
 Row measure_attention(const Workload& w, const bench::AttentionInputs& in, Backend backend, int runs,
-                      const std::function<int(double)>& runs_after_first, std::string kernel, Progress& progress) {
-  const AttentionOptions options = bench::make_attention_options(w, backend);
+                      const std::function<int(double)>& runs_after_first, std::string kernel, Progress& progress,
+                      MatmulPrecision precision) {
+  const AttentionOptions options = bench::make_attention_options(w, backend, precision);
   AttentionResult reused;  // the steady state writes here every run
   const std::string name(to_string(backend));
   const Timings t = measure(
@@ -514,6 +525,7 @@ struct Environment {
   Baselines start, end;  // the baselines before and after the workloads
   std::vector<GemmRow> gemm;
   std::vector<std::string> warnings;
+  MatmulPrecision precision = MatmulPrecision::Highest;  // of the attention workloads
   // What the ratios divide by: the higher of the two, so a load that slowed one measurement makes
   // a ratio smaller, never larger.
   Baselines best() const {
@@ -638,14 +650,15 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
       "\"sgemm_size\": {}, \"sgemm_gflops\": {}, \"sgemm_library\": {}, \"sgemm_openblas_gflops\": {}, "
       "\"sgemm_onednn_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, "
       "\"sgemm_gflops_start\": {}, \"sgemm_gflops_end\": {}, \"memcpy_gbs_start\": {}, \"memcpy_gbs_end\": {}, "
-      "\"warnings\": {}}}\n",
+      "\"warnings\": {}, \"matmul_precision\": {}}}\n",
       json_string(version()), env.omp_threads, env.openblas_threads,
       env.coretype.empty() ? "null" : json_string(env.coretype), json_string(env.openblas_core), json_string(env.openblas_config),
       env.decode.built ? "true" : "false", number(env.peak()), env.fma.threads, env.fma.lanes,
       json_string(env.fma.target), kSgemmSize, number(env.sgemm()), json_string(env.sgemm_library()),
       number(env.best().openblas_gflops), number(if_built(env.best().onednn_gflops)), kMemcpyBytes,
       number(env.best().memcpy_gbs), number(env.start.sgemm_gflops()), number(env.end.sgemm_gflops()),
-      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), json_strings(env.warnings));
+      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), json_strings(env.warnings),
+      json_string(std::string(to_string(env.precision))));
   for (const GemmRow& g : env.gemm) {
     std::string rates;
     for (const auto& [path, rate] : g.gflops)
@@ -729,6 +742,11 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
              "  the ratios divide by the higher (a wide spread means a loaded machine)\n",
              env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs);
   for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
+  if (env.precision != MatmulPrecision::Highest)
+    fmt::print("Matmul precision of the attention workloads: {} ({}); the backward, Decode, Reference and the "
+               "modules compute in float32\n",
+               to_string(env.precision),
+               detail::amx::available() ? "the Flash forward's products on AMX tiles" : "no AMX here: float32 too");
   if (!env.gemm.empty()) {
     fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
     fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n",
@@ -760,7 +778,10 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3, 4, 9, 10, 11 and 15), from this run:\n");
+    fmt::print("\nTargets (issues 3, 4, 9, 10, 11 and 15), from this run{}:\n",
+               env.precision == MatmulPrecision::Highest
+                   ? ""
+                   : fmt::format(" at matmul precision {} (the issues set them at highest)", to_string(env.precision)));
     for (const Target& target : measured) {
       fmt::print("  {:<42} {:<26} {:>5}  (target {} {:.2f})  {}\n", target.name, target.measure,
                  fixed(target.value, 2), target.at_least ? ">=" : "<=", target.limit,
@@ -804,6 +825,7 @@ void run_bench(const BenchOptions& options) {
   env.openblas_core = openblas_get_corename();
   env.openblas_config = openblas_get_config();
   env.decode = probe_decode();
+  env.precision = precision_named(options.precision);
   const auto baselines = [&] {
     Baselines out;
     for (GemmPath path : sgemm_libraries()) {
@@ -848,14 +870,16 @@ void run_bench(const BenchOptions& options) {
       continue;
     }
     progress.show(w->id, "Auto", "which kernel");
-    const std::string kernel = auto_kernel(*w, inputs, env.decode);
+    const std::string kernel = auto_kernel(*w, inputs, env.decode, env.precision);
     if (!w->has_reference) {  // the sweep (GB/s of the fast path) and shapes whose scores would not fit
-      rows.push_back(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress));
+      rows.push_back(
+          measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress, env.precision));
       if (w->backward) rows.push_back(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress));
       continue;
     }
-    add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress), [&] {
-      return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress);
+    add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress, env.precision), [&] {
+      return measure_attention(*w, inputs, Backend::Reference, 0, reference_runs, "Reference", progress,
+                               env.precision);
     });
     if (!w->backward) continue;
     add_pair(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress),
@@ -900,6 +924,10 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   bench->add_flag("--no-reference", options->no_reference, "Skip the Reference backend");
   bench->add_flag("--no-gemm", options->no_gemm, "Skip the table of qkv's GEMM paths per shape class");
+  bench->add_option("--precision", options->precision,
+                    "Matmul precision of the attention workloads' forward (AttentionOptions::precision): highest "
+                    "(float32, the default), high or medium (bfloat16 parts on AMX tiles where the CPU has them)")
+      ->check(CLI::IsMember({"highest", "high", "medium"}));
   bench->callback([options] { run_bench(*options); });
 }
 
