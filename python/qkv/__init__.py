@@ -157,7 +157,8 @@ def _attention_half_kv(query, key_bits, value_bits, dtype, mask, scale, backend,
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
                                  window=None, seed=0, backend="auto", return_lse=False, softcap=0.0,
-                                 alibi_slopes=None, sinks=None, return_row_stats=False, allow_cast=False):
+                                 alibi_slopes=None, sinks=None, return_row_stats=False, allow_cast=False,
+                                 precision="highest"):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
@@ -182,6 +183,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     alibi_slopes: (Hq) floats, s <- s - slopes[h] * |i + Nk - Nq - j| (ALiBi); None = off.
     sinks: (Hq) floats, a logit per head that joins each row's softmax denominator but carries no
       value (gpt-oss, StreamingLLM); None = off.
+
+    precision: how precise the float32 products Q K^T and P V must be, as
+      torch.set_float32_matmul_precision's levels: "highest" (float32, the default), "high"
+      (each operand as the sum of two bfloat16, about 16 significant bits) or "medium" (one
+      bfloat16). A permission, not a promise: today the flash forward on CPUs with AMX (Intel
+      Sapphire Rapids and later) runs both products on AMX tiles at "high" and "medium"; everything
+      else computes in float32 (docs/performance.md).
 
     return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
       (-inf where a query sees no key; the sink included): with the output, it is what
@@ -220,7 +228,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     output, weights, lse, row_max, row_sum = _core.attention(
         query, key, value, mask, None if scale is None else float(scale), float(dropout_p), int(seed),
         bool(need_weights), _backend(backend), float(softcap), _per_head(alibi_slopes, "alibi_slopes"),
-        _per_head(sinks, "sinks"))
+        _per_head(sinks, "sinks"), str(precision))
     if not (need_weights or return_lse or return_row_stats):
         return output
     return ((output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()) +

@@ -128,15 +128,23 @@ qkv::AttentionOptions make_options(const qkv::Mask& mask, std::optional<float> s
   return options;
 }
 
+// AttentionOptions::precision from its name, as torch.set_float32_matmul_precision spells them.
+qkv::MatmulPrecision precision_named(const std::string& name) {
+  for (qkv::MatmulPrecision p : {qkv::MatmulPrecision::Highest, qkv::MatmulPrecision::High, qkv::MatmulPrecision::Medium})
+    if (name == qkv::to_string(p)) return p;
+  throw qkv::Error("precision must be \"highest\", \"high\" or \"medium\", got \"" + name + "\"");
+}
+
 // scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse,
 // row_max, row_sum); weights is None unless need_weights. The backward needs output and the row
 // statistics (row_max and row_sum keep it exact under huge biases; lse alone serves otherwise).
 py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
                     std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
                     qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
-                    const std::optional<FloatArray>& sinks) {
+                    const std::optional<FloatArray>& sinks, const std::string& precision) {
   qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
   options.need_weights = need_weights;
+  options.precision = precision_named(precision);
   const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult result;
   {
@@ -376,7 +384,7 @@ does; `&` binds tighter). A union with an additive array is an error.
 
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
         py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
         "qkv::scaled_dot_product_attention: returns (output, weights or None, lse, row_max, row_sum).");
   m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("mask"),
