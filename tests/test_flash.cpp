@@ -9,6 +9,7 @@
 // test_decode.cpp.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
+#include <omp.h>
 
 #include <cstdint>
 #include <iostream>
@@ -182,6 +183,43 @@ TEST(Flash, EmptyProblems) {
   cases.push_back(make_case(rng, {2, 2, 2, 0, 5, 8, 8}, MaskKind::Causal, 1.0, 0.0f));
   cases.push_back(make_case(rng, {0, 2, 2, 5, 5, 8, 8}, MaskKind::None, 1.0, 0.0f));
   check_everywhere(cases);
+}
+
+}  // namespace
+
+namespace {
+
+// The kernels called from inside the caller's own OpenMP region, each thread its own small call
+// (one worker, no region of the kernel's): each finds its scratch as worker 0 of its call, not
+// by the caller's thread number (which indexed past a one-worker workspace: AddressSanitizer
+// reports it), and decode's merge binds no barrier to the caller's region. Every thread's
+// results equal the same calls made outside.
+TEST(Kernels, InsideTheCallersOpenMPRegion) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Tensor q = rng.randn(Shape{1, 2, 40, 32}), k = rng.randn(Shape{1, 2, 300, 32}), v = rng.randn(Shape{1, 2, 300, 32});
+  const Tensor q1 = rng.randn(Shape{1, 2, 1, 32});
+  qkv::AttentionOptions flash, decode;
+  flash.backend = qkv::Backend::Flash;
+  decode.backend = qkv::Backend::Decode;
+  const qkv::AttentionResult want_flash = qkv::scaled_dot_product_attention(q, k, v, flash);
+  const qkv::AttentionResult want_decode = qkv::scaled_dot_product_attention(q1, k, v, decode);
+  const Tensor grad = rng.randn(want_flash.output.shape());
+  const qkv::AttentionGrads want_grads = qkv::scaled_dot_product_attention_backward(grad, q, k, v, want_flash, flash);
+  constexpr int kThreads = 3;
+  std::vector<int> same(kThreads, 0);
+#pragma omp parallel num_threads(kThreads)
+  {
+    const int t = omp_get_thread_num();
+    const qkv::AttentionResult f = qkv::scaled_dot_product_attention(q, k, v, flash);
+    const qkv::AttentionResult d = qkv::scaled_dot_product_attention(q1, k, v, decode);
+    const qkv::AttentionGrads g = qkv::scaled_dot_product_attention_backward(grad, q, k, v, f, flash);
+    same[static_cast<size_t>(t)] = f.output.to_vector() == want_flash.output.to_vector() &&
+                                   d.output.to_vector() == want_decode.output.to_vector() &&
+                                   g.dq.to_vector() == want_grads.dq.to_vector() &&
+                                   g.dk.to_vector() == want_grads.dk.to_vector();
+  }
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(same[static_cast<size_t>(t)]) << "thread " << t;
 }
 
 }  // namespace

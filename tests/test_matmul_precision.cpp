@@ -166,6 +166,53 @@ TEST(MatmulPrecision, InfiniteValuesBehindTheMask) {
   }
 }
 
+// NaN and infinities in Q, K and V: a head or query tile holding one keeps to float32, so every
+// NaN and infinity of the output is where Highest has it, and the finite values are within the
+// precision's tolerance of Highest's.
+TEST(MatmulPrecision, NonFiniteOperandsAsHighest) {
+  SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (MatmulPrecision precision : {MatmulPrecision::High, MatmulPrecision::Medium}) {
+    // Each value in a head of its own (a head meeting one keeps to float32 from there on).
+    Case c = qkv_test::make_case(rng, {1, 4, 4, 150, 150, 64, 64}, MaskKind::Causal, 1.0, 0.0f);
+    const double bound = 4 * operand_error(precision) * (1 + max_abs_product_sum(c));
+    const auto at = [](int64_t head, int64_t row, int64_t d) { return (head * 150 + row) * 64 + d; };
+    c.q.data()[at(0, 100, 5)] = nan;       // query 100 of head 0
+    c.k.data()[at(1, 120, 7)] = -inf;      // key 120 of head 1: scores of +-inf
+    c.v.data()[at(2, 90, 3)] = inf;        // key 90 of head 2: inf in column 3 of the rows that weigh it
+    c.v.data()[at(3, 140, 9)] = 3.4e38f;   // key 140 of head 3: finite, but inf as a bf16
+    KernelOutputs highest, lower;
+    qkv::detail::flash_attention(qkv_test::problem_of(c, highest));
+    qkv::detail::flash_attention(qkv_test::problem_of(with_precision(c, precision), lower));
+    int64_t non_finite = 0;
+    for (size_t x = 0; x < highest.output.size(); ++x) {
+      const float want = highest.output[x], got = lower.output[x];
+      if (std::isnan(want) || std::isinf(want)) {
+        ++non_finite;
+        EXPECT_TRUE(std::isnan(want) ? std::isnan(got) : got == want) << "element " << x << ": " << got << " for " << want;
+      } else {
+        EXPECT_NEAR(got, want, bound * std::max(1.0f, std::abs(want))) << "element " << x;
+      }
+    }
+    EXPECT_GT(non_finite, 0);
+  }
+}
+
+// Two calls on the same shapes with different keys: the second must not reuse the first's splits.
+TEST(MatmulPrecision, EachCallSplitsItsOwnKeys) {
+  SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Case first = with_precision(qkv_test::make_case(rng, {1, 2, 1, 100, 100, 64, 64}, MaskKind::None, 1.0, 0.0f),
+                                    MatmulPrecision::High);
+  Case second = first;
+  second.k = rng.randn(first.k.shape());
+  second.name += " (new keys)";
+  check_precision({first, second});
+}
+
 // The AMX products ran: High's output differs from Highest's (float32 products) in some element
 // and by no more than the tolerance, and Medium's by more than High's.
 TEST(MatmulPrecision, TheTilesRun) {

@@ -147,10 +147,11 @@ def _half_bits(x):
 
 
 def _attention_half_kv(query, key_bits, value_bits, dtype, mask, scale, backend, softcap, alibi_slopes, sinks,
-                       return_lse):
+                       return_lse, precision="highest"):
     output, lse = _core.attention_half_kv(query, key_bits, value_bits, dtype, mask,
                                           None if scale is None else float(scale), _backend(backend), float(softcap),
-                                          _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"))
+                                          _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"),
+                                          str(precision).lower())
     return (output, lse) if return_lse else output
 
 
@@ -220,7 +221,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _check_gqa(query, key_half[0], enable_gqa)
         mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
         return _attention_half_kv(query, key_half[0], value_half[0], key_half[1], mask, scale, backend, softcap,
-                                  alibi_slopes, sinks, return_lse)
+                                  alibi_slopes, sinks, return_lse, precision)
     query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
                          _as_float32(value, "value", allow_cast))
     _check_gqa(query, key, enable_gqa)
@@ -228,7 +229,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     output, weights, lse, row_max, row_sum = _core.attention(
         query, key, value, mask, None if scale is None else float(scale), float(dropout_p), int(seed),
         bool(need_weights), _backend(backend), float(softcap), _per_head(alibi_slopes, "alibi_slopes"),
-        _per_head(sinks, "sinks"), str(precision))
+        _per_head(sinks, "sinks"), str(precision).lower())
     if not (need_weights or return_lse or return_row_stats):
         return output
     return ((output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()) +

@@ -159,8 +159,10 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
 // weights, no dropout (the backward refuses 16-bit K/V).
 py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsArray& v, const std::string& dtype,
                             const qkv::Mask& mask, std::optional<float> scale, qkv::Backend backend, float softcap,
-                            const std::optional<FloatArray>& alibi_slopes, const std::optional<FloatArray>& sinks) {
-  const qkv::AttentionOptions options = make_options(mask, scale, 0.0f, 0, backend, softcap, alibi_slopes, sinks);
+                            const std::optional<FloatArray>& alibi_slopes, const std::optional<FloatArray>& sinks,
+                            const std::string& precision) {
+  qkv::AttentionOptions options = make_options(mask, scale, 0.0f, 0, backend, softcap, alibi_slopes, sinks);
+  options.precision = precision_named(precision);
   const qkv::DType type = qkv::dtype_from_string(dtype);
   const qkv::Tensor qt = to_tensor(q), kt = bits_tensor(k, type), vt = bits_tensor(v, type);
   qkv::AttentionResult result;
@@ -398,7 +400,7 @@ does; `&` binds tighter). A union with an additive array is an error.
         "qkv::linear_attention_backward: returns (dq, dk, dv).");
   m.def("attention_half_kv", &attention_half_kv, py::arg("q"), py::arg("k_bits"), py::arg("v_bits"),
         py::arg("dtype"), py::arg("mask"), py::arg("scale"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
         "qkv::scaled_dot_product_attention with K and V given as bf16 or f16 bits: returns (output, lse).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",

@@ -1,6 +1,8 @@
-// The flash forward's products on AMX tiles (amx.hpp). This file alone is compiled with the AMX
-// and AVX512-BF16 instruction sets; flash.cpp calls it only when available() says the CPU and
-// the OS allow them.
+// The flash forward's products on AMX tiles (amx.hpp). Only the functions between the target
+// pragmas below use AMX and AVX-512 instructions; flash.cpp calls them only when available()
+// (compiled for any x86-64) says the CPU and the OS allow them. No compile flag of this file
+// enables those instructions, so nothing the compiler emits here for shared inline functions can
+// reach a CPU without them.
 #include "attention/amx.hpp"
 
 #include <cpuid.h>
@@ -9,8 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
-#include <type_traits>
 
 namespace qkv::detail::amx {
 namespace {
@@ -22,23 +24,51 @@ bool detect() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool avx512 = (ebx >> 16 & 1) && (ebx >> 17 & 1) && (ebx >> 30 & 1) && (ebx >> 31 & 1);  // F, DQ, BW, VL
-  const bool amx = (edx >> 22 & 1) && (edx >> 24 & 1);                        // AMX-BF16, AMX-TILE
+  const bool amx = (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
   if (!avx512 || !amx || eax < 1) return false;
   if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512-BF16
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// ---- Splitting float32 into bf16 parts. hi = x with its low 16 bits cleared (exact in bf16),
-// the next part the rest, x - hi (exact in float32); the last part is rounded to nearest even by
-// the conversion. The rest is taken only where hi != x: an infinity is all hi (inf - inf would be
-// NaN), and a NaN leaves a NaN rest whatever its hi.
+}  // namespace
+
+bool available() {
+  static const bool usable = detect();
+  return usable;
+}
+
+// ---- From here on, AMX and AVX-512 (with BF16) code.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#endif
+
+namespace {
+
+// ---- Splitting float32 into bf16 parts. For K, V and Qt (`round`): hi = x rounded to the
+// nearest bf16, lo = x - hi (exact in float32, |lo| <= 2^-9 |x|), rounded to nearest again when
+// stored; for P (in [0, 1], split per tile, where speed matters): hi = x with its low 16 bits
+// cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. `bad` marks the lanes
+// the parts cannot hold: NaN, +-inf, and finite values that round to inf in bf16 (|x| >= the
+// largest bf16 + half an ulp); flash then keeps that head or query tile to float32.
 struct Parts {
   __m512 part[2];
+  __mmask16 bad;
 };
-inline Parts split(__m512 x, int parts) {
-  if (parts == 1) return {{x, _mm512_setzero_ps()}};
-  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(-65536)));
-  return {{hi, _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(hi, x, _CMP_NEQ_UQ), x, hi)}};
+// bf16 -> float32 (the maskz forms: GCC 12 warns that the unmasked ones read an undefined vector).
+inline __m512 widen(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bf16), 16));
+}
+inline Parts split(__m512 x, int parts, bool round) {
+  const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 bad = round ? _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(0x7F7F8000)) : 0;
+  if (parts == 1) return {{x, _mm512_setzero_ps()}, bad};
+  const __m512 hi = round ? widen(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)))
+                          : _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(-65536)));
+  return {{hi, _mm512_sub_ps(x, hi)}, bad};
 }
 inline void store_bf16(uint16_t* dst, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
@@ -88,8 +118,8 @@ inline void products() {
 }
 
 // One depth block (32 steps) of C += A B in parts: a and b at the block's part 0, parts a_part
-// and b_part apart. With 2 parts: a_hi b_hi + a_lo b_hi + a_hi b_lo (a_lo b_lo, about 2^-16 of
-// the rest, is left out, as torch's "high" does).
+// and b_part apart. With 2 parts: a_hi b_hi + a_lo b_hi + a_hi b_lo; a_lo b_lo is left out, as
+// torch's "high" does: at most 2^-18 of |a b| for two rounded splits, 2^-16 with P's truncated one.
 template <int P, int QB>
 inline void depth_block(const uint16_t* a, size_t a_stride, size_t a_part, const uint16_t* b, size_t b_stride,
                         size_t b_part) {
@@ -133,21 +163,7 @@ void accumulate_tiles(const uint16_t* vt, size_t vt_row, size_t vt_part, size_t 
   }
 }
 
-template <class F>
-void by_query_blocks(size_t br, const F& f) {
-  switch (br / 16) {
-    case 1: return f(std::integral_constant<int, 1>());
-    case 2: return f(std::integral_constant<int, 2>());
-    default: return f(std::integral_constant<int, 3>());
-  }
-}
-
 }  // namespace
-
-bool available() {
-  static const bool usable = detect();
-  return usable;
-}
 
 // The tile configuration: palette 1, every tile 16 rows of 64 bytes. A constant in memory:
 // GCC's _tile_loadconfig tells the compiler it reads only the first 8 bytes, so stores into a
@@ -165,24 +181,28 @@ void configure() { _tile_loadconfig(&kTileConfig); }
 
 void release() { _tile_release(); }
 
-void split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
+bool split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
                 size_t rows_pad, size_t cols_pad, size_t part_stride) {
+  __mmask16 bad = 0;
   for (size_t r = 0; r < rows_pad; ++r) {
     for (size_t c = 0; c < cols_pad; c += 16) {
       const size_t live = r < rows && c < cols ? std::min<size_t>(16, cols - c) : 0;
       const __m512 x = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live) - 1), live ? src + r * src_row + c : src);
-      const Parts s = split(x, parts);
+      const Parts s = split(x, parts, true);
+      bad |= s.bad;
       for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + r * dst_row + c, s.part[p]);
     }
   }
+  return bad == 0;
 }
 
-void split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
+bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
                       size_t dst_row, size_t rows_pad, size_t part_stride) {
   const bool gather = 15 * src_row <= static_cast<size_t>(std::numeric_limits<int32_t>::max());
   const __m512i offsets = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(static_cast<int32_t>(gather ? src_row : 0)));
+  __mmask16 bad = 0;
   for (size_t r = 0; r < rows_pad; r += 16) {
     const size_t live = r < rows ? std::min<size_t>(16, rows - r) : 0;
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
@@ -195,44 +215,72 @@ void split_transposed(int parts, const float* src, size_t src_row, size_t rows, 
         for (size_t l = 0; l < live; ++l) column[l] = src[(r + l) * src_row + c];
         x = _mm512_load_ps(column);
       }
-      const Parts s = split(x, parts);
+      const Parts s = split(x, parts, true);
+      bad |= s.bad;
       for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + c * dst_row + r, s.part[p]);
     }
   }
+  return bad == 0;
 }
 
-void split_pairs(int parts, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
+bool split_pairs(int parts, bool round, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
                  size_t part_stride) {
   // Element 2i of a pair row is the even row's lane i, element 2i + 1 the odd row's.
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __mmask16 bad = 0;
   for (size_t x = 0; x < pairs; ++x) {
     for (size_t q = 0; q < br; q += 16) {
       const __m512 even = 2 * x < valid ? _mm512_loadu_ps(src + 2 * x * br + q) : _mm512_setzero_ps();
       const __m512 odd = 2 * x + 1 < valid ? _mm512_loadu_ps(src + (2 * x + 1) * br + q) : _mm512_setzero_ps();
-      const Parts e = split(even, parts), o = split(odd, parts);
+      const Parts e = split(even, parts, round), o = split(odd, parts, round);
+      bad |= e.bad | o.bad;
       for (int p = 0; p < parts; ++p) {
         const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o.part[p], e.part[p]));
         _mm512_storeu_si512(dst + p * part_stride + (x * br + q) * 2, _mm512_permutexvar_epi16(interleave, both));
       }
     }
   }
+  return bad == 0;
 }
+
+namespace {
+// Runs Tiles::run<P, QB>(args...) for `parts` parts and br / 16 query blocks (br <= 48).
+template <class Tiles, class... Args>
+void by_shape(int parts, size_t br, Args... args) {
+  switch (br / kRows * 2 + (parts == 1 ? 0 : 1)) {
+    case 2: return Tiles::template run<1, 1>(args...);
+    case 3: return Tiles::template run<2, 1>(args...);
+    case 4: return Tiles::template run<1, 2>(args...);
+    case 5: return Tiles::template run<2, 2>(args...);
+    case 6: return Tiles::template run<1, 3>(args...);
+    default: return Tiles::template run<2, 3>(args...);
+  }
+}
+struct Scores {
+  template <int P, int QB, class... Args>
+  static void run(Args... args) { scores_tiles<P, QB>(args...); }
+};
+struct Accumulate {
+  template <int P, int QB, class... Args>
+  static void run(Args... args) { accumulate_tiles<P, QB>(args...); }
+};
+}  // namespace
 
 void scores(int parts, const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q,
             size_t q_part, size_t depth_steps, size_t br, float* st) {
-  by_query_blocks(br, [&](auto qb) {
-    if (parts == 1) return scores_tiles<1, qb()>(k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
-    scores_tiles<2, qb()>(k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
-  });
+  by_shape<Scores>(parts, br, k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
 }
 
 void accumulate(int parts, const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
                 size_t p_part, size_t key_steps, size_t br, float* ot) {
-  by_query_blocks(br, [&](auto qb) {
-    if (parts == 1) return accumulate_tiles<1, qb()>(vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
-    accumulate_tiles<2, qb()>(vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
-  });
+  by_shape<Accumulate>(parts, br, vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
 }
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 
 }  // namespace qkv::detail::amx

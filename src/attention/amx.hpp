@@ -1,15 +1,15 @@
 // The flash forward's two products on AMX tiles (Intel Sapphire Rapids and later), for callers
 // that allow a lower matmul precision (AttentionOptions::precision, as torch's
 // set_float32_matmul_precision): each float32 operand is split into `parts` bfloat16 numbers
-// (x ~ hi + lo, hi its first 8 significant bits), and the products of the parts that matter are
-// summed in float32 by the tile unit: 1 part (Medium) is one bf16 product, 2 parts (High) are
+// (x ~ hi + lo, hi x rounded to bf16), and the products of the parts that matter are summed in
+// float32 by the tile unit: 1 part (Medium) is one bf16 product, 2 parts (High) are
 // hi hi' + hi lo' + lo hi', about 16 significant bits.
 //
 // The layouts are the flash kernel's (flash.cpp): St = K Qt (Bc keys x Br query lanes) and
 // Ot (Dv x Br) stay float32 in the worker's scratch, so every other step of the pipeline runs on
 // them unchanged; only the operands are split, into bf16 arrays the tiles read:
-//   K parts   [part][key][dk_pad]          rows of K, zero past Dk (per K/V head, once)
-//   V^T parts [part][dv][n_pad]            V transposed, keys contiguous, zero past Nk (per head)
+//   K parts   [part][key][dk_pad]          rows of K, zero past Dk (per K/V head, as far as needed)
+//   V^T parts [part][dv][n_pad]            V transposed, keys contiguous, zero past Nk (likewise)
 //   Q parts   [part][dk_pad / 2][br][2]    Qt's rows in pairs, interleaved (per query tile)
 //   P parts   [part][keys / 2][br][2]      P^T's rows in pairs, interleaved (per key tile)
 // (the tile unit's B operand holds pairs of consecutive depth steps side by side).
@@ -32,16 +32,21 @@ bool available();
 void configure();
 void release();
 
+// The splits return false when a value is NaN, +-inf, or rounds to inf in bf16: the parts do not
+// hold it, and the caller keeps that work to float32.
+//
 // dst[part][r][c] (rows dst_row apart, parts part_stride apart) for r < rows_pad, c < cols_pad:
 // the parts of src[r][c] (rows src_row apart) for r < rows, c < cols; zero elsewhere.
-void split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
+bool split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
                 size_t rows_pad, size_t cols_pad, size_t part_stride);
-// dst[part][c][r] (rows dst_row apart) for c < cols, r < rows_pad: src transposed, as split_rows.
-void split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
+// dst[part][c][r] (rows dst_row apart) for c < cols, r < rows_pad (a multiple of 16): src
+// transposed, as split_rows.
+bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
                       size_t dst_row, size_t rows_pad, size_t part_stride);
 // dst[part][x][q][2] = the parts of (src[2x][q], src[2x + 1][q]) for x < pairs, q < br (a
-// multiple of 16), src rows br floats apart; rows from `valid` on read as zero.
-void split_pairs(int parts, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
+// multiple of 16), src rows br floats apart; rows from `valid` on read as zero. `round`: hi
+// rounded to nearest (Qt), else truncated (P, in [0, 1]: faster; its check is skipped, true).
+bool split_pairs(int parts, bool round, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
                  size_t part_stride);
 
 // St[16 kb + r][q] = sum over the depth of K[16 kb + r] . Qt[., q] for kb < key_blocks, q < br

@@ -704,30 +704,38 @@ void decode_attention(const AttentionProblem& problem) {
   const StridedSplit* gather = tiles_problem ? &split : nullptr;
 
   // The work of every thread: the items, then (after a barrier, so every partial is written)
-  // the merge. One worker runs it on the calling thread, without a parallel
-  // region (the orphaned loops then run serially): a small step pays no thread wake-up.
+  // the merge. One worker runs both on the calling thread, without a parallel region: a small
+  // step pays no thread wake-up.
   // Items in (batch, kv head, chunk) order, dealt in contiguous shares with stealing
   // (item_shares.hpp): a thread keeps its heads from call to call, and masks that make chunks
   // unequal still balance.
   ItemShares shares(workers, items);
-  auto work = [&] {
-    const int worker = omp_get_thread_num();
+  const auto run_items = [&](int worker) {
     float* block_start = scratch + static_cast<size_t>(worker) * block;
     shares.run(worker, [&](int64_t item) {
       const int64_t bg = item / plan.chunks;
       HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
                                         item % plan.chunks, partials, block_start);
     });
-    if (plan.chunks > 1) {
+  };
+  const int64_t merged_rows = plan.chunks > 1 ? groups * plan.rows : 0;
+  // One worker: no OpenMP construct at all (a barrier or loop here would bind to a region the
+  // caller may be running in, and omp_get_thread_num() would be the caller's number).
+  if (workers == 1) {
+    run_items(0);
+    for (int64_t row = 0; row < merged_rows; ++row) merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);
+    return;
+  }
+#pragma omp parallel num_threads(workers)
+  {
+    run_items(omp_get_thread_num());
+    if (merged_rows > 0) {
 #pragma omp barrier  // every partial written
 #pragma omp for schedule(static)
-      for (int64_t row = 0; row < groups * plan.rows; ++row)
+      for (int64_t row = 0; row < merged_rows; ++row)
         merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);
     }
-  };
-  if (workers == 1) return work();
-#pragma omp parallel num_threads(workers)
-  work();
+  }
 }
 
 // Measured on Zen 5 (Hq = 32, d = 128, Nk from 256 to 16384, MHA and GQA): decode beats flash

@@ -104,14 +104,22 @@ struct ScratchLayout {
   }
 };
 
-// The largest AMX block a worker takes (AmxLayout::total, in bytes).
+// The largest AMX block a worker takes (AmxLayout::total, in bytes), and all workers' together:
+// past either, or when the allocation fails, the products stay float32.
 constexpr size_t kMaxAmxBlockBytes = size_t{64} << 20;
+constexpr size_t kMaxAmxBytes = size_t{1} << 30;
+
+// The header of a worker's AMX block: the K/V head (b, g) its splits are of, how many keys are
+// split, and whether every value split so far fits the parts (else that head stays float32).
+struct AmxHeld {
+  int64_t b, g, keys, fits;
+};
 
 // One worker's block for the AMX products (MatmulPrecision High or Medium on a CPU with AMX,
-// attention/amx.hpp), offsets in bf16 elements from a 64-byte aligned base: which K/V head
-// (b, g) its splits hold (two int64), the query tile's Q parts, one key tile's P parts, and the
-// head's K and V^T parts. K and V are split once per head a worker meets (consecutive items share
-// it), 2 (Nk + Bc) (Dk + Dv) bytes a part.
+// attention/amx.hpp), offsets in bf16 elements from a 64-byte aligned base: a header (AmxHeld),
+// the query tile's Q parts, one key tile's P parts, and one K/V head's K and V^T parts, split as
+// far as the worker's tiles have needed (consecutive items share the head): 2 n_pad (dk_pad + Dv)
+// bytes a part.
 struct AmxLayout {
   size_t dk_pad = 0, n_pad = 0;                  // Dk rounded up to 32, keys with room past Nk
   size_t q = 0, p = 0, k = 0, v = 0, total = 0;  // offsets; total in elements
@@ -227,30 +235,28 @@ bool HiddenValuesFinite(const AttentionProblem& p, const Walk& walk, const TileM
          step::RowsFinite(kv.v + (all_to - j0) * kv.v_stride, static_cast<size_t>(j_end - all_to), dv, kv.v_stride);
 }
 
-// Whether the AMX product may run a tile of cols keys from j0 in whole steps of 32 keys: the
-// keys past cols that the last step takes (with zero weights) must have finite V rows, as 0 x inf
-// is NaN. Past Nk the splits hold zeros.
-bool AmxPaddingFinite(const AttentionProblem& p, int64_t j0, size_t cols, const KvTile& kv) {
-  const int64_t end = j0 + static_cast<int64_t>(cols);
-  const int64_t padded = std::min(p.kv_len, j0 + static_cast<int64_t>((cols + amx::kDepth - 1) / amx::kDepth * amx::kDepth));
-  return padded <= end ||
-         step::RowsFinite(kv.v + cols * kv.v_stride, static_cast<size_t>(padded - end), static_cast<size_t>(p.value_dim),
-                          kv.v_stride);
-}
-
-// The AMX block's splits of K and V for head (b, g): made when the worker's block holds another
-// head's (the first int64 pair of the block says which).
-void AmxSplitHead(const AttentionProblem& p, int64_t b, int64_t g, const Scratch& w) {
-  int64_t* held = reinterpret_cast<int64_t*>(w.amx);
-  if (held[0] == b && held[1] == g) return;
+// The AMX block's splits of head (b, g)'s K and V up to key `need` (whole key tiles, zeros past
+// Nk), starting over when the block held another head's. Whether the head's keys split so far
+// all fit the parts (no NaN, no inf, none rounding to inf): if not, its tiles stay float32.
+bool AmxSplitKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t need, const Scratch& w) {
+  auto* held = reinterpret_cast<flash::AmxHeld*>(w.amx);
+  if (held->b != b || held->g != g) *held = {b, g, 0, 1};
+  if (need <= held->keys || !held->fits) return held->fits != 0;
   const flash::AmxLayout& at = *w.amx_layout;
-  const size_t nk = static_cast<size_t>(p.kv_len), dk = static_cast<size_t>(p.head_dim),
-               dv = static_cast<size_t>(p.value_dim);
-  amx::split_rows(p.amx_parts, p.k.row(b, g, 0), static_cast<size_t>(p.k.row_stride), nk, dk, w.amx + at.k, at.dk_pad,
-                  at.n_pad, at.dk_pad, at.k_part);
-  amx::split_transposed(p.amx_parts, p.v.row(b, g, 0), static_cast<size_t>(p.v.row_stride), nk, dv, w.amx + at.v,
-                        at.n_pad, at.n_pad, at.v_part);
-  held[0] = b, held[1] = g;
+  const int64_t tile = static_cast<int64_t>(kKeyTile);
+  const int64_t from = held->keys, to = std::min((need + tile - 1) / tile * tile, static_cast<int64_t>(at.n_pad));
+  const int64_t rows = std::clamp<int64_t>(p.kv_len - from, 0, to - from);
+  const int64_t first = rows > 0 ? from : 0;  // a row that exists, read only when rows > 0
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const bool k_fits = amx::split_rows(p.amx_parts, p.k.row(b, g, first), static_cast<size_t>(p.k.row_stride),
+                                      static_cast<size_t>(rows), dk, w.amx + at.k + static_cast<size_t>(from) * at.dk_pad,
+                                      at.dk_pad, static_cast<size_t>(to - from), at.dk_pad, at.k_part);
+  const bool v_fits = amx::split_transposed(p.amx_parts, p.v.row(b, g, first), static_cast<size_t>(p.v.row_stride),
+                                            static_cast<size_t>(rows), dv, w.amx + at.v + from, at.n_pad,
+                                            static_cast<size_t>(to - from), at.v_part);
+  held->keys = to;
+  held->fits = k_fits && v_fits;
+  return held->fits != 0;
 }
 
 // One key tile (cols keys from j0) of a query tile (V vectors of queries from i0, `rows` real):
@@ -266,8 +272,10 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   const float* HWY_RESTRICT v_tile = kv.v;
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };
 
-  // The AMX products (w.amx set) take the tiles of consecutive keys; a residue's keys are S apart.
-  const bool amx_tile = w.amx != nullptr && walk.key_step == 1 && !walk.residue;
+  // The AMX products (w.amx set) take the tiles of consecutive keys (a residue's are S apart)
+  // whose head's K and V, split through the tile's last 64 keys, fit the parts.
+  const bool amx_tile = w.amx != nullptr && walk.key_step == 1 && !walk.residue &&
+                        AmxSplitKeys(p, b, g, j0 + static_cast<int64_t>(kKeyTile), w);
   const flash::AmxLayout* amx_at = w.amx_layout;
 
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place, or
@@ -295,11 +303,13 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   if ((some_hidden || p.dropout_p > 0) && !HiddenValuesFinite(p, walk, mask, b, i0, rows, j0, cols, kv)) {
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     accumulate_skipping_zeros(rows, cols, dv, w.scores, 1, br, v_tile, kv.v_stride, w.out_t, 1, br);
-  } else if (amx_tile && dv % amx::kRows == 0 && AmxPaddingFinite(p, j0, cols, kv)) {
-    // On AMX tiles: P^T's parts (zero past cols), then Ot += V^T P^T over whole steps of 32 keys.
+  } else if (amx_tile && dv % amx::kRows == 0) {
+    // On AMX tiles: P^T's parts (zero past cols), then Ot += V^T P^T over whole steps of 32 keys
+    // (the keys past cols that the last step takes have zero weights and finite, split V rows).
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     const size_t key_steps = (cols + amx::kDepth - 1) / amx::kDepth;
-    amx::split_pairs(p.amx_parts, w.scores, br, cols, key_steps * amx::kDepth / 2, w.amx + amx_at->p, amx_at->p_part);
+    amx::split_pairs(p.amx_parts, false, w.scores, br, cols, key_steps * amx::kDepth / 2, w.amx + amx_at->p,
+                     amx_at->p_part);
     amx::accumulate(p.amx_parts, w.amx + amx_at->v + j0, amx_at->n_pad, amx_at->v_part, dv / amx::kRows,
                     w.amx + amx_at->p, amx_at->p_part, key_steps, br, w.out_t);
   } else {
@@ -430,12 +440,14 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
     std::copy_n(p.row_sum + row0, rows, w.row_sum);
   }
 
-  // AMX: the tile state for this item, the head's K and V split (if this worker has not yet), Qt's.
+  // AMX: Qt's parts (a query tile holding NaN or inf stays float32), then the tile state.
   if (w.amx) {
-    amx::configure();
-    AmxSplitHead(p, b, p.kv_head_of(h), w);
-    amx::split_pairs(p.amx_parts, w.q_t, br, dk, w.amx_layout->dk_pad / 2, w.amx + w.amx_layout->q,
-                     w.amx_layout->q_part);
+    if (amx::split_pairs(p.amx_parts, true, w.q_t, br, dk, w.amx_layout->dk_pad / 2, w.amx + w.amx_layout->q,
+                         w.amx_layout->q_part)) {
+      amx::configure();
+    } else {
+      w.amx = nullptr;
+    }
   }
 
   if (vectors == 1) {
@@ -498,7 +510,7 @@ void flash_attention(const AttentionProblem& problem) {
                            problem.kv_dtype != DType::F32).total;
   // The calling thread's workspace holds every worker's block and is kept for the next call.
   float* scratch = thread_workspace(WorkspaceSlot::FlashScratch).floats(static_cast<size_t>(workers) * block);
-  const auto block_of_this_thread = [&] { return scratch + static_cast<size_t>(omp_get_thread_num()) * block; };
+  const auto block_of_this_thread = [&] { return scratch + static_cast<size_t>(worker_index(workers)) * block; };
 
   // A `rest | strided(S)` rule with S >= Bc: the strided keys first, by residues (b, h, first
   // query), then the tiles see `rest` (a band folded into the band) and continue each row.
@@ -520,28 +532,29 @@ void flash_attention(const AttentionProblem& problem) {
 
   // The AMX products (MatmulPrecision High or Medium, a CPU with AMX, 16 float lanes): each
   // worker's block, none of them holding a head's splits yet. A block grows with Nk (a head's K
-  // and V split); past kMaxAmxBlockBytes (64K keys at d = 128 with two parts) the products stay
-  // float32, so that a lower precision never needs more memory than that.
+  // and V split), and stays in the calling thread's workspace for the next call as flash's scratch
+  // does (qkv::release_workspaces frees it). Past kMaxAmxBlockBytes a worker (64K keys at d = 128
+  // with two parts) or kMaxAmxBytes in all, or when the allocation fails, the products stay
+  // float32: a lower precision never fails where Highest runs.
   flash::AmxLayout amx_layout;
-  bool amx_on = problem.amx_parts > 0 && lanes == static_cast<int64_t>(amx::kRows) && amx::available();
-  if (amx_on) {
+  uint16_t* amx_blocks = nullptr;
+  if (problem.amx_parts > 0 && lanes == static_cast<int64_t>(amx::kRows) && amx::available()) {
     amx_layout = flash::AmxLayout(problem.amx_parts, br, static_cast<size_t>(problem.head_dim),
                                   static_cast<size_t>(problem.value_dim), static_cast<size_t>(problem.kv_len));
-    amx_on = amx_layout.total * sizeof(uint16_t) <= flash::kMaxAmxBlockBytes;
-  }
-  size_t amx_block = 0;  // in bf16 elements
-  uint16_t* amx_blocks = nullptr;
-  if (amx_on) {
-    amx_block = amx_layout.total;
-    amx_blocks = reinterpret_cast<uint16_t*>(
-        thread_workspace(WorkspaceSlot::FlashAmx).floats(static_cast<size_t>(workers) * amx_block / 2));
-    for (int worker = 0; worker < workers; ++worker) {
-      int64_t* held = reinterpret_cast<int64_t*>(amx_blocks + static_cast<size_t>(worker) * amx_block);
-      held[0] = held[1] = -1;
+    const size_t bytes = amx_layout.total * sizeof(uint16_t);
+    if (bytes <= flash::kMaxAmxBlockBytes && static_cast<size_t>(workers) * bytes <= flash::kMaxAmxBytes) {
+      try {
+        amx_blocks = reinterpret_cast<uint16_t*>(
+            thread_workspace(WorkspaceSlot::FlashAmx).floats(static_cast<size_t>(workers) * amx_layout.total / 2));
+      } catch (const Error&) {
+        amx_blocks = nullptr;
+      }
     }
+    for (int worker = 0; amx_blocks != nullptr && worker < workers; ++worker)
+      *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {-1, -1, 0, 1};
   }
   const auto amx_block_of_this_thread = [&]() -> uint16_t* {
-    return amx_on ? amx_blocks + static_cast<size_t>(omp_get_thread_num()) * amx_block : nullptr;
+    return amx_blocks != nullptr ? amx_blocks + static_cast<size_t>(worker_index(workers)) * amx_layout.total : nullptr;
   };
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache (a

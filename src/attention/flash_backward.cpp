@@ -536,7 +536,7 @@ void backward_residues(const AttentionBackwardProblem& bp, const StridedSplit& s
     const int64_t pair = item / groups, first = item % groups * kResiduesPerItem;
     HWY_DYNAMIC_DISPATCH(BackwardResidues)(bp, split, pair / p.kv_heads, pair % p.kv_heads, first,
                                            std::min(residues, first + kResiduesPerItem), row_dot,
-                                           blocks + static_cast<size_t>(omp_get_thread_num()) * block);
+                                           blocks + static_cast<size_t>(worker_index(workers)) * block);
   });
 }
 
@@ -604,7 +604,7 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
         std::fill_n(bp.grad_v.row(b, g, j), dv, 0.0f);
       }
     if (key_begin >= key_end) return;
-    float* block_start = blocks + static_cast<size_t>(omp_get_thread_num()) * block;
+    float* block_start = blocks + static_cast<size_t>(worker_index(workers)) * block;
     HWY_DYNAMIC_DISPATCH(BackwardKeyChunk)(bp, b, g, key_begin, key_end, row_dot,
                                            grad_q_of_chunk(bp, splits, partials, partial_floats, chunk), block_start);
   });

@@ -100,11 +100,17 @@ class ItemShares {
   Share shares_[kMaxShares];
 };
 
+// The index of the worker running a for_each_item body, for its scratch block: its thread's
+// number in for_each_item's region, and 0 on the serial path (one worker, no region), where
+// omp_get_thread_num() would give the caller's number in a region of its own.
+inline int worker_index(int workers) { return workers > 1 ? omp_get_thread_num() : 0; }
+
 // Runs body(item) for every item in [0, items) on `workers` threads, each starting on its own
 // contiguous share and then helping the others (ItemShares). One worker runs them on the
 // calling thread with no parallel region at all: even a region of one thread costs microseconds
-// in libgomp (a decode step of a small model went from 6.4 to 1.8 us). omp_get_thread_num() is 0
-// there, as in the region's first thread.
+// in libgomp (a decode step of a small model went from 6.4 to 1.8 us). Bodies find their scratch
+// by worker_index(workers): omp_get_thread_num() there is the caller's number, not 0, when the
+// caller runs in an OpenMP region of its own.
 template <class Body>
 void for_each_item(int workers, int64_t items, const Body& body) {
   if (workers <= 1) {

@@ -3,7 +3,8 @@
 "highest" is the default, bit for bit. "high" and "medium" permit bfloat16 parts on AMX tiles
 (the flash forward, on CPUs with AMX; elsewhere float32 still): against PyTorch in float64, the
 error stays within what each operand's precision allows (2^-16 relative for "high", 2^-8 for
-"medium", times the largest sum_d |q_d k_d| scale), on every backend. A bad name is an error.
+"medium", times the largest sum_d |q_d k_d| scale), on Auto and Flash. Names are case-blind; a
+bad one is an error, with 16-bit keys and values too.
 """
 import math
 
@@ -25,9 +26,11 @@ def float64_attention(q, k, v, causal):
 
 @pytest.mark.parametrize("precision, operand_error", [("high", 2.0 ** -16), ("medium", 2.0 ** -8)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", ["auto", "flash", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "flash"])
 def test_lower_precision_within_its_bound(precision, operand_error, causal, backend):
-    rng = np.random.default_rng()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((2, 4, 130, 64), dtype=np.float32) for _ in range(3))
     want = float64_attention(q, k, v, causal)
     got = qkv.scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend, precision=precision)
@@ -43,7 +46,17 @@ def test_highest_is_the_default_bit_for_bit():
     assert np.array_equal(default, highest)
 
 
-def test_a_bad_precision_names_the_choices():
+def test_names_in_any_case_and_16_bit_keys():
+    q = np.ones((1, 4, 8), dtype=np.float32)
+    out = qkv.scaled_dot_product_attention(q, q, q, precision="HIGH")
+    assert np.allclose(out, 1.0)
+    half = q.astype(np.float16)
+    assert np.allclose(qkv.scaled_dot_product_attention(q, half, half, precision="medium"), 1.0)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_a_bad_precision_names_the_choices(kv_dtype):
     q = np.zeros((1, 4, 8), dtype=np.float32)
+    kv = q.astype(kv_dtype)
     with pytest.raises(qkv.Error, match='precision must be "highest", "high" or "medium", got "low"'):
-        qkv.scaled_dot_product_attention(q, q, q, precision="low")
+        qkv.scaled_dot_product_attention(q, kv, kv, precision="low")
