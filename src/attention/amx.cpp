@@ -50,7 +50,7 @@ namespace {
 
 // ---- Splitting float32 into bf16 parts. For K, V and Qt (`round`): hi = x rounded to the
 // nearest bf16, lo = x - hi (exact in float32, |lo| <= 2^-9 |x|), rounded to nearest again when
-// stored; for P (in [0, 1], split per tile, where speed matters): hi = x with its low 16 bits
+// stored; for P (the weights, split per tile, where speed matters): hi = x with its low 16 bits
 // cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. `bad` marks the lanes
 // the parts cannot hold: NaN, +-inf, and finite values that round to inf in bf16 (|x| >= the
 // largest bf16 + half an ulp); flash then keeps that head or query tile to float32.

@@ -45,7 +45,7 @@ bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, 
                       size_t dst_row, size_t rows_pad, size_t part_stride);
 // dst[part][x][q][2] = the parts of (src[2x][q], src[2x + 1][q]) for x < pairs, q < br (a
 // multiple of 16), src rows br floats apart; rows from `valid` on read as zero. `round`: hi
-// rounded to nearest (Qt), else truncated (P, in [0, 1]: faster; its check is skipped, true).
+// rounded to nearest (Qt), else truncated (P, the weights: faster; its check is skipped, true).
 bool split_pairs(int parts, bool round, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
                  size_t part_stride);
 
