@@ -258,6 +258,18 @@ TEST(MatmulPrecision, Names) {
   EXPECT_EQ(to_string(MatmulPrecision::Highest), "highest");
   EXPECT_EQ(to_string(MatmulPrecision::High), "high");
   EXPECT_EQ(to_string(MatmulPrecision::Medium), "medium");
+  for (MatmulPrecision precision : {MatmulPrecision::Highest, MatmulPrecision::High, MatmulPrecision::Medium})
+    EXPECT_EQ(qkv::matmul_precision_from_string(to_string(precision)), precision);
+  EXPECT_THROW(
+      {
+        try {
+          qkv::matmul_precision_from_string("low");
+        } catch (const qkv::Error& e) {
+          EXPECT_STREQ(e.what(), "unknown matmul precision 'low': expected highest, high or medium");
+          throw;
+        }
+      },
+      qkv::Error);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ enum class MatmulPrecision {
   Medium,   // each float32 operand rounded to one bfloat16 (8 significant bits)
 };
 std::string_view to_string(MatmulPrecision precision);
+MatmulPrecision matmul_precision_from_string(std::string_view name);  // "highest", "high", "medium"
 std::ostream& operator<<(std::ostream& os, MatmulPrecision precision);
 
 struct AttentionOptions {

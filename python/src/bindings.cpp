@@ -128,13 +128,6 @@ qkv::AttentionOptions make_options(const qkv::Mask& mask, std::optional<float> s
   return options;
 }
 
-// AttentionOptions::precision from its name, as torch.set_float32_matmul_precision spells them.
-qkv::MatmulPrecision precision_named(const std::string& name) {
-  for (qkv::MatmulPrecision p : {qkv::MatmulPrecision::Highest, qkv::MatmulPrecision::High, qkv::MatmulPrecision::Medium})
-    if (name == qkv::to_string(p)) return p;
-  throw qkv::Error("precision must be \"highest\", \"high\" or \"medium\", got \"" + name + "\"");
-}
-
 // scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse,
 // row_max, row_sum); weights is None unless need_weights. The backward needs output and the row
 // statistics (row_max and row_sum keep it exact under huge biases; lse alone serves otherwise).
@@ -144,7 +137,7 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
                     const std::optional<FloatArray>& sinks, const std::string& precision) {
   qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
   options.need_weights = need_weights;
-  options.precision = precision_named(precision);
+  options.precision = qkv::matmul_precision_from_string(precision);
   const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult result;
   {
@@ -162,7 +155,7 @@ py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsA
                             const std::optional<FloatArray>& alibi_slopes, const std::optional<FloatArray>& sinks,
                             const std::string& precision) {
   qkv::AttentionOptions options = make_options(mask, scale, 0.0f, 0, backend, softcap, alibi_slopes, sinks);
-  options.precision = precision_named(precision);
+  options.precision = qkv::matmul_precision_from_string(precision);
   const qkv::DType type = qkv::dtype_from_string(dtype);
   const qkv::Tensor qt = to_tensor(q), kt = bits_tensor(k, type), vt = bits_tensor(v, type);
   qkv::AttentionResult result;

@@ -40,6 +40,12 @@ std::string_view to_string(MatmulPrecision precision) {
 
 std::ostream& operator<<(std::ostream& os, MatmulPrecision precision) { return os << to_string(precision); }
 
+MatmulPrecision matmul_precision_from_string(std::string_view name) {
+  for (MatmulPrecision precision : {MatmulPrecision::Highest, MatmulPrecision::High, MatmulPrecision::Medium})
+    if (name == to_string(precision)) return precision;
+  throw Error("unknown matmul precision '" + std::string(name) + "': expected highest, high or medium");
+}
+
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
   return detail::counter_uniform(seed, static_cast<uint64_t>(batch), static_cast<uint64_t>(head),
                                  static_cast<uint64_t>(query), static_cast<uint64_t>(key)) >= p;

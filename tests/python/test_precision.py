@@ -58,5 +58,5 @@ def test_names_in_any_case_and_16_bit_keys():
 def test_a_bad_precision_names_the_choices(kv_dtype):
     q = np.zeros((1, 4, 8), dtype=np.float32)
     kv = q.astype(kv_dtype)
-    with pytest.raises(qkv.Error, match='precision must be "highest", "high" or "medium", got "low"'):
+    with pytest.raises(qkv.Error, match="unknown matmul precision 'low': expected highest, high or medium"):
         qkv.scaled_dot_product_attention(q, kv, kv, precision="low")

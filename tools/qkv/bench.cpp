@@ -70,11 +70,6 @@ struct BenchOptions {
   std::string precision = "highest";  // of the attention workloads' products (MatmulPrecision)
 };
 
-MatmulPrecision precision_named(const std::string& name) {
-  if (name == "high") return MatmulPrecision::High;
-  if (name == "medium") return MatmulPrecision::Medium;
-  return MatmulPrecision::Highest;
-}
 
 // Sizes of the same-run baselines. 2048^3 is large enough for OpenBLAS to reach its peak rate;
 // 256 MiB is far larger than any last-level cache, so memcpy runs at memory speed.
@@ -825,7 +820,7 @@ void run_bench(const BenchOptions& options) {
   env.openblas_core = openblas_get_corename();
   env.openblas_config = openblas_get_config();
   env.decode = probe_decode();
-  env.precision = precision_named(options.precision);
+  env.precision = matmul_precision_from_string(options.precision);
   const auto baselines = [&] {
     Baselines out;
     for (GemmPath path : sgemm_libraries()) {
