@@ -1,5 +1,5 @@
-// The flash forward's products on AMX tiles (amx.hpp). Only the functions between the target
-// pragmas below use AMX and AVX-512 instructions; flash.cpp calls them only when available()
+// The flash kernels' products on AMX tiles (amx.hpp). Only the functions between the target
+// pragmas below use AMX and AVX-512 instructions; the kernels call them only when available()
 // (compiled for any x86-64) says the CPU and the OS allow them. No compile flag of this file
 // enables those instructions, so nothing the compiler emits here for shared inline functions can
 // reach a CPU without them.
@@ -134,32 +134,22 @@ inline void depth_block(const uint16_t* a, size_t a_stride, size_t a_part, const
   }
 }
 
+// C (16 row_blocks x 16 QB) = or += A B, B's rows b_stride bytes apart.
 template <int P, int QB>
-void scores_tiles(const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q, size_t q_part,
-                  size_t depth_steps, size_t br, float* st) {
-  const size_t q_stride = br * 2 * sizeof(uint16_t);  // a row of B: a pair of depth steps for br queries
-  for (size_t kb = 0; kb < key_blocks; ++kb) {
-    zero_accumulators<QB>();
-    const uint16_t* k_rows = k + kb * kRows * k_row;
+void product_tiles(const uint16_t* a, size_t a_row, size_t a_part, size_t row_blocks, const uint16_t* b,
+                   size_t b_stride, size_t b_part, size_t depth_steps, float* c, size_t c_row, bool add) {
+  for (size_t rb = 0; rb < row_blocks; ++rb) {
+    float* c_rows = c + rb * kRows * c_row;
+    if (add) {
+      load_accumulators<QB>(c_rows, c_row * sizeof(float));
+    } else {
+      zero_accumulators<QB>();
+    }
+    const uint16_t* a_rows = a + rb * kRows * a_row;
     for (size_t x = 0; x < depth_steps; ++x)
-      depth_block<P, QB>(k_rows + x * kDepth, k_row * sizeof(uint16_t), k_part, q + x * (kDepth / 2) * br * 2,
-                         q_stride, q_part);
-    store_accumulators<QB>(st + kb * kRows * br, br * sizeof(float));
-  }
-}
-
-template <int P, int QB>
-void accumulate_tiles(const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
-                      size_t p_part, size_t key_steps, size_t br, float* ot) {
-  const size_t p_stride = br * 2 * sizeof(uint16_t);
-  for (size_t db = 0; db < dv_blocks; ++db) {
-    float* c = ot + db * kRows * br;
-    load_accumulators<QB>(c, br * sizeof(float));
-    const uint16_t* vt_rows = vt + db * kRows * vt_row;
-    for (size_t x = 0; x < key_steps; ++x)
-      depth_block<P, QB>(vt_rows + x * kDepth, vt_row * sizeof(uint16_t), vt_part, p + x * (kDepth / 2) * br * 2,
-                         p_stride, p_part);
-    store_accumulators<QB>(c, br * sizeof(float));
+      depth_block<P, QB>(a_rows + x * kDepth, a_row * sizeof(uint16_t), a_part, b + x * (kDepth / 2) * (b_stride / sizeof(uint16_t)),
+                         b_stride, b_part);
+    store_accumulators<QB>(c_rows, c_row * sizeof(float));
   }
 }
 
@@ -223,58 +213,44 @@ bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, 
   return bad == 0;
 }
 
-bool split_pairs(int parts, bool round, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
-                 size_t part_stride) {
+bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t width, size_t valid, size_t pairs,
+                 uint16_t* dst, size_t part_stride) {
   // Element 2i of a pair row is the even row's lane i, element 2i + 1 the odd row's.
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __mmask16 bad = 0;
   for (size_t x = 0; x < pairs; ++x) {
-    for (size_t q = 0; q < br; q += 16) {
-      const __m512 even = 2 * x < valid ? _mm512_loadu_ps(src + 2 * x * br + q) : _mm512_setzero_ps();
-      const __m512 odd = 2 * x + 1 < valid ? _mm512_loadu_ps(src + (2 * x + 1) * br + q) : _mm512_setzero_ps();
+    for (size_t n = 0; n < width; n += 16) {
+      const __m512 even = 2 * x < valid ? _mm512_loadu_ps(src + 2 * x * src_row + n) : _mm512_setzero_ps();
+      const __m512 odd = 2 * x + 1 < valid ? _mm512_loadu_ps(src + (2 * x + 1) * src_row + n) : _mm512_setzero_ps();
       const Parts e = split(even, parts, round), o = split(odd, parts, round);
       bad |= e.bad | o.bad;
       for (int p = 0; p < parts; ++p) {
         const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o.part[p], e.part[p]));
-        _mm512_storeu_si512(dst + p * part_stride + (x * br + q) * 2, _mm512_permutexvar_epi16(interleave, both));
+        _mm512_storeu_si512(dst + p * part_stride + (x * width + n) * 2, _mm512_permutexvar_epi16(interleave, both));
       }
     }
   }
   return bad == 0;
 }
 
-namespace {
-// Runs Tiles::run<P, QB>(args...) for `parts` parts and br / 16 query blocks (br <= 48).
-template <class Tiles, class... Args>
-void by_shape(int parts, size_t br, Args... args) {
-  switch (br / kRows * 2 + (parts == 1 ? 0 : 1)) {
-    case 2: return Tiles::template run<1, 1>(args...);
-    case 3: return Tiles::template run<2, 1>(args...);
-    case 4: return Tiles::template run<1, 2>(args...);
-    case 5: return Tiles::template run<2, 2>(args...);
-    case 6: return Tiles::template run<1, 3>(args...);
-    default: return Tiles::template run<2, 3>(args...);
+void product(int parts, const uint16_t* a, size_t a_row, size_t a_part, size_t row_blocks, const uint16_t* b,
+             size_t b_part, size_t depth_steps, size_t cols, float* c, size_t c_row, bool add) {
+  // By column blocks of at most 48 (three accumulators, three B tiles, two A tiles: 8 tiles).
+  const size_t b_stride = cols * 2 * sizeof(uint16_t);  // a row of B: a pair of depth steps
+  for (size_t n = 0; n < cols; n += 3 * kRows) {
+    const size_t width = std::min(cols - n, 3 * kRows);
+    const uint16_t* b_cols = b + n * 2;
+    float* c_cols = c + n;
+    switch (width / kRows * 2 + (parts == 1 ? 0 : 1)) {
+      case 2: product_tiles<1, 1>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add); break;
+      case 3: product_tiles<2, 1>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add); break;
+      case 4: product_tiles<1, 2>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add); break;
+      case 5: product_tiles<2, 2>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add); break;
+      case 6: product_tiles<1, 3>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add); break;
+      default: product_tiles<2, 3>(a, a_row, a_part, row_blocks, b_cols, b_stride, b_part, depth_steps, c_cols, c_row, add);
+    }
   }
-}
-struct Scores {
-  template <int P, int QB, class... Args>
-  static void run(Args... args) { scores_tiles<P, QB>(args...); }
-};
-struct Accumulate {
-  template <int P, int QB, class... Args>
-  static void run(Args... args) { accumulate_tiles<P, QB>(args...); }
-};
-}  // namespace
-
-void scores(int parts, const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q,
-            size_t q_part, size_t depth_steps, size_t br, float* st) {
-  by_shape<Scores>(parts, br, k, k_row, k_part, key_blocks, q, q_part, depth_steps, br, st);
-}
-
-void accumulate(int parts, const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
-                size_t p_part, size_t key_steps, size_t br, float* ot) {
-  by_shape<Accumulate>(parts, br, vt, vt_row, vt_part, dv_blocks, p, p_part, key_steps, br, ot);
 }
 
 #if defined(__clang__)

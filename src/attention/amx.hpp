@@ -1,13 +1,14 @@
-// The flash forward's two products on AMX tiles (Intel Sapphire Rapids and later), for callers
+// The flash kernels' products on AMX tiles (Intel Sapphire Rapids and later), for callers
 // that allow a lower matmul precision (AttentionOptions::precision, as torch's
 // set_float32_matmul_precision): each float32 operand is split into `parts` bfloat16 numbers
 // (x ~ hi + lo, hi x rounded to bf16), and the products of the parts that matter are summed in
 // float32 by the tile unit: 1 part (Medium) is one bf16 product, 2 parts (High) are
 // hi hi' + hi lo' + lo hi', about 16 significant bits.
 //
-// The layouts are the flash kernel's (flash.cpp): St = K Qt (Bc keys x Br query lanes) and
-// Ot (Dv x Br) stay float32 in the worker's scratch, so every other step of the pipeline runs on
-// them unchanged; only the operands are split, into bf16 arrays the tiles read:
+// The layouts are the flash kernels' (flash.cpp, flash_backward.cpp): St = K Qt (Bc keys x Br
+// query lanes), Ot (Dv x Br) and the backward's accumulators stay float32 in the worker's
+// scratch, so every other step of the pipeline runs on them unchanged; only the operands are
+// split, into bf16 arrays the tiles read (the forward's):
 //   K parts   [part][key][dk_pad]          rows of K, zero past Dk (per K/V head, as far as needed)
 //   V^T parts [part][dv][n_pad]            V transposed, keys contiguous, zero past Nk (likewise)
 //   Q parts   [part][dk_pad / 2][br][2]    Qt's rows in pairs, interleaved (per query tile)
@@ -43,20 +44,21 @@ bool split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t
 // transposed, as split_rows.
 bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
                       size_t dst_row, size_t rows_pad, size_t part_stride);
-// dst[part][x][q][2] = the parts of (src[2x][q], src[2x + 1][q]) for x < pairs, q < br (a
-// multiple of 16), src rows br floats apart; rows from `valid` on read as zero. `round`: hi
-// rounded to nearest (Qt), else truncated (P, the weights: faster; its check is skipped, true).
-bool split_pairs(int parts, bool round, const float* src, size_t br, size_t valid, size_t pairs, uint16_t* dst,
-                 size_t part_stride);
+// dst[part][x][n][2] = the parts of (src[2x][n], src[2x + 1][n]) for x < pairs, n < width (a
+// multiple of 16), src rows src_row floats apart, dst rows (pairs) 2 width elements apart; rows
+// from `valid` on read as zero. `round`: hi rounded to nearest (Qt), else truncated (P, the
+// weights: faster; its check is skipped, true).
+bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t width, size_t valid, size_t pairs,
+                 uint16_t* dst, size_t part_stride);
 
-// St[16 kb + r][q] = sum over the depth of K[16 kb + r] . Qt[., q] for kb < key_blocks, q < br
-// (16 <= br <= 48), rows br floats apart: k at the tile's first key (rows k_row elements apart,
-// dk_pad = 32 depth_steps), q the query tile's parts.
-void scores(int parts, const uint16_t* k, size_t k_row, size_t k_part, size_t key_blocks, const uint16_t* q,
-            size_t q_part, size_t depth_steps, size_t br, float* st);
-// Ot[c][q] += sum over keys of V^T[c][key] P^T[key][q] for c < 16 dv_blocks, q < br: vt at the
-// tile's first key (rows vt_row elements apart), p its parts (32 key_steps keys).
-void accumulate(int parts, const uint16_t* vt, size_t vt_row, size_t vt_part, size_t dv_blocks, const uint16_t* p,
-                size_t p_part, size_t key_steps, size_t br, float* ot);
+// C[r][n] = (add: C[r][n] +) sum over 32 depth_steps of A[r][x] B[x][n], for r < 16 row_blocks
+// and n < cols (a multiple of 16), C rows c_row floats apart. A: split rows (split_rows), a_row
+// elements apart, parts a_part apart; B: split pairs of cols columns (split_pairs), parts b_part
+// apart. Every product of the flash kernels is one call:
+//   forward   St  = K Qt           A = K parts,    B = Qt's (depth Dk)
+//             Ot += V^T P^T        A = V^T parts,  B = P^T's (depth: keys)
+//   backward  dV += P'^T dO, dK += dS^T Q, dQ^T += K^T dS^T, and St, dP^T as the forward's.
+void product(int parts, const uint16_t* a, size_t a_row, size_t a_part, size_t row_blocks, const uint16_t* b,
+             size_t b_part, size_t depth_steps, size_t cols, float* c, size_t c_row, bool add);
 
 }  // namespace qkv::detail::amx

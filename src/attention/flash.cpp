@@ -281,9 +281,9 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   // 1. S^T = K_tile Qt: (cols, Br), already scaled (Qt carries the scale); K read in place, or
   // its parts on AMX tiles (whole blocks of 16 keys: the rows past cols are never read).
   if (amx_tile) {
-    amx::scores(p.amx_parts, w.amx + amx_at->k + static_cast<size_t>(j0) * amx_at->dk_pad, amx_at->dk_pad,
-                amx_at->k_part, (cols + amx::kRows - 1) / amx::kRows, w.amx + amx_at->q, amx_at->q_part,
-                amx_at->dk_pad / amx::kDepth, br, w.scores);
+    amx::product(p.amx_parts, w.amx + amx_at->k + static_cast<size_t>(j0) * amx_at->dk_pad, amx_at->dk_pad,
+                 amx_at->k_part, (cols + amx::kRows - 1) / amx::kRows, w.amx + amx_at->q, amx_at->q_part,
+                 amx_at->dk_pad / amx::kDepth, br, w.scores, br, false);
   } else {
     PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
   }
@@ -308,10 +308,10 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
     // (the keys past cols that the last step takes have zero weights and finite, split V rows).
     if (max_grew) step::RescaleColumns(w.out_t, dv, br, w.correction);
     const size_t key_steps = (cols + amx::kDepth - 1) / amx::kDepth;
-    amx::split_pairs(p.amx_parts, false, w.scores, br, cols, key_steps * amx::kDepth / 2, w.amx + amx_at->p,
+    amx::split_pairs(p.amx_parts, false, w.scores, br, br, cols, key_steps * amx::kDepth / 2, w.amx + amx_at->p,
                      amx_at->p_part);
-    amx::accumulate(p.amx_parts, w.amx + amx_at->v + j0, amx_at->n_pad, amx_at->v_part, dv / amx::kRows,
-                    w.amx + amx_at->p, amx_at->p_part, key_steps, br, w.out_t);
+    amx::product(p.amx_parts, w.amx + amx_at->v + j0, amx_at->n_pad, amx_at->v_part, dv / amx::kRows,
+                 w.amx + amx_at->p, amx_at->p_part, key_steps, br, w.out_t, br, true);
   } else {
     PanelGemm<V, true>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
                        max_grew ? w.correction : nullptr);
@@ -442,7 +442,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
 
   // AMX: Qt's parts (a query tile holding NaN or inf stays float32), then the tile state.
   if (w.amx) {
-    if (amx::split_pairs(p.amx_parts, true, w.q_t, br, dk, w.amx_layout->dk_pad / 2, w.amx + w.amx_layout->q,
+    if (amx::split_pairs(p.amx_parts, true, w.q_t, br, br, dk, w.amx_layout->dk_pad / 2, w.amx + w.amx_layout->q,
                          w.amx_layout->q_part)) {
       amx::configure();
     } else {
