@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/amx.hpp"
 #include "attention/flash.hpp"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
@@ -647,6 +648,52 @@ inline void check_everywhere(Kernel kernel, const std::vector<Case>& cases) {
     }
   }
   omp_set_num_threads(threads_before);
+}
+
+// ---- Lower matmul precision (MatmulPrecision High, Medium: products on AMX tiles)
+
+// Why the AMX products cannot run in this process, or "": no AMX (or no tile state from the
+// OS), or a dispatched SIMD target without 16 float lanes. Tests of them skip with the reason.
+inline std::string without_amx() {
+  if (!qkv::detail::amx::available()) return "no AMX on this CPU (or no tile state from the OS)";
+  if (qkv::detail::flash_attention_target() > HWY_AVX3) return "the dispatched target has no 16 float lanes";
+  return "";
+}
+
+#define QKV_SKIP_WITHOUT_AMX() \
+  if (const std::string why = qkv_test::without_amx(); !why.empty()) GTEST_SKIP() << why
+
+// `c` at a lower matmul precision, named so.
+inline Case with_precision(Case c, qkv::MatmulPrecision precision) {
+  c.precision = precision;
+  c.name += " precision=" + std::string(qkv::to_string(precision));
+  return c;
+}
+
+// The relative error each operand of a product keeps at `precision`: 2^-16 for High's two bf16
+// parts, 2^-8 for Medium's one.
+inline double operand_error(qkv::MatmulPrecision precision) {
+  return precision == qkv::MatmulPrecision::High ? std::ldexp(1.0, -16) : std::ldexp(1.0, -8);
+}
+
+// The largest sum_d |a_d b_d| over rows a of a (B, Ha, Na, D) array and rows b of the (B, Hb,
+// Nb, D) array that head of a's group meets (grouped-query heads): how large a product's rounding
+// can get when each operand is kept to a relative error.
+inline double max_abs_dot_sum(const Tensor& a, const Tensor& b) {
+  const int64_t batch = a.size(0), ha = a.size(1), hb = b.size(1), na = a.size(2), nb = b.size(2), d = a.size(3);
+  const std::vector<double> x = to_doubles(a), y = to_doubles(b);
+  double largest = 0;
+  for (int64_t n = 0; n < batch; ++n)
+    for (int64_t h = 0; h < ha; ++h)
+      for (int64_t i = 0; i < na; ++i)
+        for (int64_t j = 0; j < nb; ++j) {
+          const double* x_row = x.data() + ((n * ha + h) * na + i) * d;
+          const double* y_row = y.data() + ((n * hb + h / (ha / hb)) * nb + j) * d;
+          double sum = 0;
+          for (int64_t c = 0; c < d; ++c) sum += std::abs(x_row[c] * y_row[c]);
+          largest = std::max(largest, sum);
+        }
+  return largest;
 }
 
 }  // namespace qkv_test

@@ -311,6 +311,7 @@ struct BackwardCase {
   std::vector<float> grad_output, row_shift, row_scale;
   Grads64 want;
   double reference_error[3] = {0, 0, 0};  // dq, dk, dv against `want`
+  double precision_allowance = 0;         // at a lower matmul precision: see precision_allowance()
 };
 
 struct GradVectors {
@@ -342,6 +343,19 @@ GradVectors run_backward(void (*kernel)(const qkv::detail::AttentionBackwardProb
   return g;
 }
 
+// At a lower matmul precision (c.precision: the products on AMX tiles) each operand of a product
+// is kept to e relative (qkv_test::operand_error), so a recomputed score is off by about
+// 2 e scale sum_d |q_d k_d| and dP by 2 e sum_c |dO_c v_c|, and P, dS and the gradients follow:
+// the allowance, relative as compare() measures, is 2 e (1 + the largest of each sum). Measured
+// over this file's cases (High and Medium, 2520 comparisons, logits up to x10) the gradients
+// were off by at most 0.13 of it; with one of High's cross products dropped, by up to 78.
+double precision_allowance(const Case& c, const std::vector<float>& grad_output) {
+  if (c.precision == qkv::MatmulPrecision::Highest) return 0;
+  const Tensor g = Tensor::from(grad_output, Shape{c.q.size(0), c.q.size(1), c.q.size(2), c.v.size(3)});
+  return 2 * qkv_test::operand_error(c.precision) *
+         (1 + c.scale * qkv_test::max_abs_dot_sum(c.q, c.k) + qkv_test::max_abs_dot_sum(g, c.v));
+}
+
 BackwardCase prepare(Case c, Random& rng) {
   BackwardCase bc;
   bc.c = std::move(c);
@@ -353,6 +367,7 @@ BackwardCase prepare(Case c, Random& rng) {
                                 bc.row_shift.data(), bc.row_scale.data());
   bc.grad_output = rng.normals(rows * bc.c.v.size(3));
   bc.want = analytic_backward(bc.c, std::vector<double>(bc.grad_output.begin(), bc.grad_output.end()));
+  bc.precision_allowance = precision_allowance(bc.c, bc.grad_output);
   const GradVectors reference = run_backward(qkv::detail::reference_attention_backward, bc);
   const std::vector<float>* got[3] = {&reference.dq, &reference.dk, &reference.dv};
   const std::vector<double>* want[3] = {&bc.want.dq, &bc.want.dk, &bc.want.dv};
@@ -390,7 +405,10 @@ void check_flash(const BackwardCase& bc) {
     // dsinks sums over every row of a head: as dQ's error, times the rows it adds.
     const double error = n < 3 ? bc.reference_error[n] : bc.reference_error[0] * static_cast<double>(bc.c.q.size(2));
     const double from_logits = n < 3 ? logit_error * largest_weight_terms(*weight_terms[n], *want[n]) : 0.0;
-    const double tolerance = std::max({kFlashFloor, qkv_test::kToleranceFactor * error, from_logits});
+    // dsinks comes from the forward's row stats and D, no product: no precision allowance.
+    const double from_precision = n < 3 ? bc.precision_allowance : 0.0;
+    const double tolerance =
+        std::max({kFlashFloor, qkv_test::kToleranceFactor * error, from_logits, from_precision});
     const qkv_test::Comparison c = qkv_test::compare(*got[n], *want[n], tolerance);
     EXPECT_TRUE(c.ok) << bc.c.name << " " << names[n] << " (reference error " << bc.reference_error[n] << "):\n"
                       << c.detail;
@@ -493,6 +511,161 @@ TEST(Backward, FlashIsBitIdenticalOnRepeat) {
     }
   }
   omp_set_num_threads(threads_before);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lower matmul precision (MatmulPrecision High, Medium): the five products on AMX tiles, against
+// the float64 backward with precision_allowance's tolerance. Dims that are multiples of 16 take
+// the tiles, others stay float32; lengths past a key block (256) and odd ones, so pairs start
+// and end mid-block and mid-tile.
+
+using qkv_test::with_precision;
+
+Sizes amx_sizes(Random& rng) {
+  const int64_t lengths[] = {1, 17, 100, 257, 300};
+  auto length = [&] { return rng.chance(0.5) ? lengths[rng.integer(0, 4)] : rng.integer(1, 320); };
+  const int64_t dims[] = {16, 32, 64, 80, 128};
+  auto dim = [&] { return rng.chance(0.9) ? dims[rng.integer(0, 4)] : rng.integer(1, 130); };
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, length(), length(), dim(), dim()};
+}
+
+TEST(Backward, LowerPrecisionEveryMaskKind) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<BackwardCase> cases;
+  for (qkv::MatmulPrecision precision : {qkv::MatmulPrecision::High, qkv::MatmulPrecision::Medium})
+    for (MaskKind kind : kAllMasks)
+      cases.push_back(prepare(with_precision(make_case(rng, amx_sizes(rng), kind, 1.0, 0.0f), precision), rng));
+  check_flash_everywhere(cases);
+}
+
+TEST(Backward, LowerPrecisionModifiersDropoutAndLongRows) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  using qkv_test::Modifier;
+  std::vector<BackwardCase> cases;
+  for (qkv::MatmulPrecision precision : {qkv::MatmulPrecision::High, qkv::MatmulPrecision::Medium}) {
+    for (Modifier m : qkv_test::kAllModifiers)
+      cases.push_back(prepare(
+          with_precision(make_case(rng, amx_sizes(rng), MaskKind::Causal, 1.0, rng.chance(0.5) ? 0.2f : 0.0f, m),
+                         precision),
+          rng));
+    cases.push_back(
+        prepare(with_precision(make_case(rng, {1, 2, 1, 600, 600, 64, 64}, MaskKind::Causal, 1.0, 0.0f), precision), rng));
+    cases.push_back(
+        prepare(with_precision(make_case(rng, {2, 4, 2, 150, 530, 48, 32}, MaskKind::Window, 1.0, 0.1f), precision), rng));
+    cases.push_back(prepare(
+        with_precision(qkv_test::strided_residue_case(rng, {1, 2, 1, 700, 700, 32, 32}, 0, 0.0f, Modifier::Alibi),
+                       precision),
+        rng));
+  }
+  // Scores in the tens: High only (Medium's bound is then no test).
+  cases.push_back(prepare(
+      with_precision(make_case(rng, {1, 2, 2, 200, 333, 96, 32}, MaskKind::None, 10.0, 0.0f), qkv::MatmulPrecision::High),
+      rng));
+  check_flash_everywhere(cases);
+}
+
+// The tiles ran: High's gradients differ from Highest's somewhere, by little; Medium's by more.
+TEST(Backward, LowerPrecisionTheTilesRun) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const BackwardCase base = prepare(make_case(rng, {1, 2, 1, 300, 300, 64, 64}, MaskKind::Causal, 1.0, 0.0f), rng);
+  const qkv::MatmulPrecision levels[3] = {qkv::MatmulPrecision::Highest, qkv::MatmulPrecision::High,
+                                          qkv::MatmulPrecision::Medium};
+  GradVectors grads[3];
+  for (int n = 0; n < 3; ++n) {
+    BackwardCase at = base;
+    at.c.precision = levels[n];
+    grads[n] = run_backward(qkv::detail::flash_attention_backward, at);
+  }
+  for (auto member : {&GradVectors::dq, &GradVectors::dk, &GradVectors::dv}) {
+    double largest[3] = {};
+    for (int n = 1; n < 3; ++n)
+      for (size_t x = 0; x < (grads[0].*member).size(); ++x)
+        largest[n] = std::max(largest[n], static_cast<double>(std::abs((grads[n].*member)[x] - (grads[0].*member)[x])));
+    EXPECT_GT(largest[1], 0.0) << "High gave Highest's bits: the AMX tiles did not run";
+    EXPECT_LT(largest[1], 1e-2);
+    EXPECT_GT(largest[2], 4 * largest[1]) << "Medium is no coarser than High";
+  }
+}
+
+// Where the tiles do not run the precision is only a permission: Highest's bits (dims that are
+// no multiple of 16; every case on a CPU without AMX).
+TEST(Backward, LowerPrecisionChangesNothingWhereTheTilesDoNotRun) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<Sizes> sizes{{1, 2, 1, 130, 300, 33, 40}};
+  if (!qkv_test::without_amx().empty()) sizes.push_back({1, 2, 1, 130, 300, 64, 64});
+  for (const Sizes& s : sizes) {
+    const BackwardCase highest = prepare(make_case(rng, s, MaskKind::Causal, 1.0, 0.0f), rng);
+    BackwardCase high = highest;
+    high.c.precision = qkv::MatmulPrecision::High;
+    const GradVectors a = run_backward(qkv::detail::flash_attention_backward, highest);
+    const GradVectors b = run_backward(qkv::detail::flash_attention_backward, high);
+    EXPECT_EQ(std::memcmp(a.dq.data(), b.dq.data(), a.dq.size() * sizeof(float)), 0) << qkv_test::describe(s);
+    EXPECT_EQ(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(float)), 0) << qkv_test::describe(s);
+    EXPECT_EQ(std::memcmp(a.dv.data(), b.dv.data(), a.dv.size() * sizeof(float)), 0) << qkv_test::describe(s);
+  }
+}
+
+// NaN and infinities: in K and V at hidden keys (a KV cache's unwritten slots) the gradients stay
+// as the clean case's, to the precision; in Q and dO (seen) they land where Highest puts them, a
+// key block or query tile holding one keeping to float32.
+TEST(Backward, LowerPrecisionNonFiniteValues) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const Sizes s{1, 2, 1, 100, 600, 32, 16};
+  Case clean = with_precision(make_case(rng, s, MaskKind::None, 1.0, 0.0f), qkv::MatmulPrecision::High);
+  std::vector<float> keep_values(static_cast<size_t>(s.nq * s.nk), 1.0f);
+  for (int64_t i = 0; i < s.nq; ++i)
+    for (int64_t key : {3, 520}) keep_values[static_cast<size_t>(i * s.nk + key)] = 0.0f;
+  clean.mask = Mask::keep(Tensor::from(keep_values, Shape{s.nq, s.nk}));
+  Case dirty = clean;
+  dirty.k = clean.k.clone();
+  dirty.v = clean.v.clone();
+  for (int64_t x = 0; x < s.dk; ++x) dirty.k.at({0, 0, 3, x}) = nan;
+  for (int64_t x = 0; x < s.dv; ++x) dirty.v.at({0, 0, 520, x}) = inf;
+  const Tensor grad_output = rng.randn(Shape{s.batch, s.q_heads, s.nq, s.dv});
+  auto gradients = [&](const Case& c, const Tensor& g) {
+    const AttentionOptions options = options_of(c, Backend::Flash);
+    const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+    return qkv::scaled_dot_product_attention_backward(g, c.q, c.k, c.v, forward, options);
+  };
+  const AttentionGrads want = gradients(clean, grad_output), got = gradients(dirty, grad_output);
+  EXPECT_LT(qkv_test::max_rel_diff(got.dq, want.dq), 1e-3);
+  EXPECT_LT(qkv_test::max_rel_diff(got.dk, want.dk), 1e-3);
+  EXPECT_LT(qkv_test::max_rel_diff(got.dv, want.dv), 1e-3);
+
+  // Seen: NaN in query 40 of head 0, inf in dO of query 70 of head 1.
+  Case seen = with_precision(make_case(rng, s, MaskKind::Causal, 1.0, 0.0f), qkv::MatmulPrecision::High);
+  seen.q = seen.q.clone();
+  seen.q.at({0, 0, 40, 5}) = nan;
+  Tensor grad_seen = grad_output.clone();
+  grad_seen.at({0, 1, 70, 2}) = inf;
+  Case highest = seen;
+  highest.precision = qkv::MatmulPrecision::Highest;
+  const AttentionGrads lower = gradients(seen, grad_seen), exact = gradients(highest, grad_seen);
+  for (auto [name, a, b] : {std::tuple{"dq", &lower.dq, &exact.dq}, {"dk", &lower.dk, &exact.dk},
+                            {"dv", &lower.dv, &exact.dv}}) {
+    int64_t non_finite = 0;
+    for (int64_t x = 0; x < a->numel(); ++x) {
+      const float want_x = b->data()[x], got_x = a->data()[x];
+      if (std::isfinite(want_x)) {
+        EXPECT_NEAR(got_x, want_x, 1e-3 * std::max(1.0f, std::abs(want_x))) << name << " element " << x;
+      } else {
+        ++non_finite;
+        EXPECT_TRUE(std::isnan(want_x) ? std::isnan(got_x) : got_x == want_x) << name << " element " << x;
+      }
+    }
+    EXPECT_GT(non_finite, 0) << name;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -40,29 +40,10 @@ using qkv_test::MaskKind;
 using qkv_test::Random;
 using qkv_test::Sizes;
 
-// The relative error each operand of a product keeps at `precision`.
-double operand_error(MatmulPrecision precision) {
-  return precision == MatmulPrecision::High ? std::ldexp(1.0, -16) : std::ldexp(1.0, -8);
-}
+using qkv_test::operand_error;
 
 // scale * max over (b, h, i, j) of sum_d |q_d k_d|: how large a score's rounding can get.
-double max_abs_product_sum(const Case& c) {
-  const int64_t batch = c.q.size(0), hq = c.q.size(1), hkv = c.k.size(1);
-  const int64_t nq = c.q.size(2), nk = c.k.size(2), dk = c.q.size(3);
-  const std::vector<double> q = qkv_test::to_doubles(c.q), k = qkv_test::to_doubles(c.k);
-  double largest = 0;
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < hq; ++h)
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t j = 0; j < nk; ++j) {
-          const double* q_row = q.data() + ((b * hq + h) * nq + i) * dk;
-          const double* k_row = k.data() + ((b * hkv + h / (hq / hkv)) * nk + j) * dk;
-          double sum = 0;
-          for (int64_t d = 0; d < dk; ++d) sum += std::abs(q_row[d] * k_row[d]);
-          largest = std::max(largest, sum * c.scale);
-        }
-  return largest;
-}
+double max_abs_product_sum(const Case& c) { return c.scale * qkv_test::max_abs_dot_sum(c.q, c.k); }
 
 // Runs flash on `run` at its precision on 1 and 2 threads, against the oracle's values for
 // `truth` (the same problem, but for values the mask hides), with the precision's tolerance
@@ -97,18 +78,10 @@ Sizes random_sizes(Random& rng) {
   return {rng.integer(1, 3), kv_heads * rng.integer(1, 3), kv_heads, length(), length(), dim(), dim()};
 }
 
-Case with_precision(Case c, MatmulPrecision precision) {
-  c.precision = precision;
-  c.name += " precision=" + std::string(to_string(precision));
-  return c;
-}
-
-#define SKIP_WITHOUT_AMX()                                                                              \
-  if (!qkv::detail::amx::available()) GTEST_SKIP() << "no AMX on this CPU (or no tile state from the OS)"; \
-  if (qkv::detail::flash_attention_target() > HWY_AVX3) GTEST_SKIP() << "the dispatched target has no 16 float lanes"
+using qkv_test::with_precision;
 
 TEST(MatmulPrecision, EveryMaskKindOnRandomShapes) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   std::vector<Case> cases;
@@ -119,7 +92,7 @@ TEST(MatmulPrecision, EveryMaskKindOnRandomShapes) {
 }
 
 TEST(MatmulPrecision, ModifiersDropoutAndLongRows) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   using qkv_test::Modifier;
@@ -148,7 +121,7 @@ TEST(MatmulPrecision, ModifiersDropoutAndLongRows) {
 // take keys 48 .. 63 with zero weights: 0 x inf is NaN, so that tile must keep to float32 there.
 // Every row is finite and matches the oracle of the same problem with zeros in those rows.
 TEST(MatmulPrecision, InfiniteValuesBehindTheMask) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   for (MatmulPrecision precision : {MatmulPrecision::High, MatmulPrecision::Medium}) {
@@ -170,7 +143,7 @@ TEST(MatmulPrecision, InfiniteValuesBehindTheMask) {
 // NaN and infinity of the output is where Highest has it, and the finite values are within the
 // precision's tolerance of Highest's.
 TEST(MatmulPrecision, NonFiniteOperandsAsHighest) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
@@ -202,7 +175,7 @@ TEST(MatmulPrecision, NonFiniteOperandsAsHighest) {
 
 // Two calls on the same shapes with different keys: the second must not reuse the first's splits.
 TEST(MatmulPrecision, EachCallSplitsItsOwnKeys) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   const Case first = with_precision(qkv_test::make_case(rng, {1, 2, 1, 100, 100, 64, 64}, MaskKind::None, 1.0, 0.0f),
@@ -216,7 +189,7 @@ TEST(MatmulPrecision, EachCallSplitsItsOwnKeys) {
 // The AMX products ran: High's output differs from Highest's (float32 products) in some element
 // and by no more than the tolerance, and Medium's by more than High's.
 TEST(MatmulPrecision, TheTilesRun) {
-  SKIP_WITHOUT_AMX();
+  QKV_SKIP_WITHOUT_AMX();
   Random rng;
   SCOPED_TRACE(rng.note());
   const Case base = qkv_test::make_case(rng, {1, 2, 1, 150, 150, 64, 64}, MaskKind::None, 1.0, 0.0f);

@@ -23,10 +23,10 @@ std::string_view to_string(Backend backend);
 std::ostream& operator<<(std::ostream& os, Backend backend);
 
 // How precise the float32 products Q K^T and P V must be, as torch.set_float32_matmul_precision's
-// levels. Lower levels permit a faster path; they never promise one. Today: the Flash forward on a
-// CPU with AMX (Intel Sapphire Rapids and later) runs both products on AMX tiles at High and
-// Medium; every other kernel (Reference, Decode, the backward) and every other CPU computes in
-// float32 at every level.
+// levels. Lower levels permit a faster path; they never promise one. Today: on a CPU with AMX
+// (Intel Sapphire Rapids and later) the Flash forward runs its two products and the Flash
+// backward its five on AMX tiles at High and Medium; every other kernel (Reference, Decode) and
+// every other CPU computes in float32 at every level.
 enum class MatmulPrecision {
   Highest,  // float32 products (the default)
   High,     // each float32 operand as the sum of two bfloat16 (about 16 significant bits)

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "memory.hpp"
+
 namespace qkv::detail::amx {
 namespace {
 
@@ -35,6 +37,17 @@ bool detect() {
 bool available() {
   static const bool usable = detect();
   return usable;
+}
+
+uint16_t* worker_blocks(size_t elements, int workers) {
+  constexpr size_t kMaxBlockBytes = size_t{64} << 20, kMaxBytes = size_t{1} << 30;
+  const size_t bytes = elements * sizeof(uint16_t), count = static_cast<size_t>(std::max(workers, 1));
+  if (bytes > kMaxBlockBytes || count * bytes > kMaxBytes) return nullptr;
+  try {
+    return reinterpret_cast<uint16_t*>(thread_workspace(WorkspaceSlot::FlashAmx).floats(count * elements / 2));
+  } catch (const Error&) {
+    return nullptr;
+  }
 }
 
 // ---- From here on, AMX and AVX-512 (with BF16) code.
@@ -171,14 +184,19 @@ void configure() { _tile_loadconfig(&kTileConfig); }
 
 void release() { _tile_release(); }
 
-bool split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
-                size_t rows_pad, size_t cols_pad, size_t part_stride) {
+bool split_rows(int parts, bool round, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
+                size_t dst_row, size_t rows_pad, size_t cols_pad, size_t part_stride) {
   __mmask16 bad = 0;
   for (size_t r = 0; r < rows_pad; ++r) {
+    const float* row = src + r * src_row;
     for (size_t c = 0; c < cols_pad; c += 16) {
-      const size_t live = r < rows && c < cols ? std::min<size_t>(16, cols - c) : 0;
-      const __m512 x = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << live) - 1), live ? src + r * src_row + c : src);
-      const Parts s = split(x, parts, true);
+      __m512 x = _mm512_setzero_ps();
+      if (r < rows && c + 16 <= cols) {
+        x = _mm512_loadu_ps(row + c);
+      } else if (r < rows && c < cols) {
+        x = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (cols - c)) - 1), row + c);
+      }
+      const Parts s = split(x, parts, round);
       bad |= s.bad;
       for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + r * dst_row + c, s.part[p]);
     }
@@ -232,6 +250,21 @@ bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t
     }
   }
   return bad == 0;
+}
+
+void add_transposed(const float* src, size_t src_row, size_t rows, size_t cols, float factor, float* dst,
+                    size_t dst_row) {
+  const __m512 f = _mm512_set1_ps(factor);
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int32_t>(src_row)));
+  for (size_t i = 0; i < rows; ++i) {
+    float* out = dst + i * dst_row;
+    for (size_t c = 0; c < cols; c += 16) {
+      const __m512 column =
+          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, offsets, src + c * src_row + i, sizeof(float));
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(f, column, _mm512_loadu_ps(out + c)));
+    }
+  }
 }
 
 void product(int parts, const uint16_t* a, size_t a_row, size_t a_part, size_t row_blocks, const uint16_t* b,

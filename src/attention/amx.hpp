@@ -28,6 +28,13 @@ constexpr size_t kDepth = 32, kRows = 16;
 // state (Linux >= 5.16, asked for once).
 bool available();
 
+// `workers` blocks of `elements` bf16 each (an even count), 64-byte aligned, in the calling
+// thread's workspace (WorkspaceSlot::FlashAmx: kept for the next call, as the kernels' float
+// scratch is; qkv::release_workspaces frees it). Null past 64 MiB a block or 1 GiB in all, or
+// when the allocation fails: the kernel's products then stay float32, so a lower precision never
+// fails where Highest runs.
+uint16_t* worker_blocks(size_t elements, int workers);
+
 // Loads the tile configuration (every tile 16 rows of 64 bytes) on this thread; release() frees
 // the tile state again. Each worker brackets its tile work by the two.
 void configure();
@@ -37,9 +44,10 @@ void release();
 // hold it, and the caller keeps that work to float32.
 //
 // dst[part][r][c] (rows dst_row apart, parts part_stride apart) for r < rows_pad, c < cols_pad:
-// the parts of src[r][c] (rows src_row apart) for r < rows, c < cols; zero elsewhere.
-bool split_rows(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst, size_t dst_row,
-                size_t rows_pad, size_t cols_pad, size_t part_stride);
+// the parts of src[r][c] (rows src_row apart) for r < rows, c < cols; zero elsewhere. `round`:
+// hi rounded to nearest, else truncated (the weights, as split_pairs; its check is skipped, true).
+bool split_rows(int parts, bool round, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
+                size_t dst_row, size_t rows_pad, size_t cols_pad, size_t part_stride);
 // dst[part][c][r] (rows dst_row apart) for c < cols, r < rows_pad (a multiple of 16): src
 // transposed, as split_rows.
 bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
@@ -50,6 +58,11 @@ bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, 
 // weights: faster; its check is skipped, true).
 bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t width, size_t valid, size_t pairs,
                  uint16_t* dst, size_t part_stride);
+
+// dst[i][c] += factor * src[c][i] for i < rows, c < cols (a multiple of 16; src rows src_row
+// floats apart, 16 src_row < 2^31; dst rows dst_row apart): the backward's dQ^T added into dQ.
+void add_transposed(const float* src, size_t src_row, size_t rows, size_t cols, float factor, float* dst,
+                    size_t dst_row);
 
 // C[r][n] = (add: C[r][n] +) sum over 32 depth_steps of A[r][x] B[x][n], for r < 16 row_blocks
 // and n < cols (a multiple of 16), C rows c_row floats apart. A: split rows (split_rows), a_row

@@ -104,11 +104,6 @@ struct ScratchLayout {
   }
 };
 
-// The largest AMX block a worker takes (AmxLayout::total, in bytes), and all workers' together:
-// past either, or when the allocation fails, the products stay float32.
-constexpr size_t kMaxAmxBlockBytes = size_t{64} << 20;
-constexpr size_t kMaxAmxBytes = size_t{1} << 30;
-
 // The header of a worker's AMX block: the K/V head (b, g) its splits are of, how many keys are
 // split, and whether every value split so far fits the parts (else that head stays float32).
 struct AmxHeld {
@@ -248,7 +243,7 @@ bool AmxSplitKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t need,
   const int64_t rows = std::clamp<int64_t>(p.kv_len - from, 0, to - from);
   const int64_t first = rows > 0 ? from : 0;  // a row that exists, read only when rows > 0
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const bool k_fits = amx::split_rows(p.amx_parts, p.k.row(b, g, first), static_cast<size_t>(p.k.row_stride),
+  const bool k_fits = amx::split_rows(p.amx_parts, true, p.k.row(b, g, first), static_cast<size_t>(p.k.row_stride),
                                       static_cast<size_t>(rows), dk, w.amx + at.k + static_cast<size_t>(from) * at.dk_pad,
                                       at.dk_pad, static_cast<size_t>(to - from), at.dk_pad, at.k_part);
   const bool v_fits = amx::split_transposed(p.amx_parts, p.v.row(b, g, first), static_cast<size_t>(p.v.row_stride),
@@ -533,23 +528,14 @@ void flash_attention(const AttentionProblem& problem) {
   // The AMX products (MatmulPrecision High or Medium, a CPU with AMX, 16 float lanes): each
   // worker's block, none of them holding a head's splits yet. A block grows with Nk (a head's K
   // and V split), and stays in the calling thread's workspace for the next call as flash's scratch
-  // does (qkv::release_workspaces frees it). Past kMaxAmxBlockBytes a worker (64K keys at d = 128
-  // with two parts) or kMaxAmxBytes in all, or when the allocation fails, the products stay
-  // float32: a lower precision never fails where Highest runs.
+  // does. Past 64 MiB a worker (64K keys at d = 128 with two parts) or 1 GiB in all, or when the
+  // allocation fails, the products stay float32 (amx::worker_blocks).
   flash::AmxLayout amx_layout;
   uint16_t* amx_blocks = nullptr;
   if (problem.amx_parts > 0 && lanes == static_cast<int64_t>(amx::kRows) && amx::available()) {
     amx_layout = flash::AmxLayout(problem.amx_parts, br, static_cast<size_t>(problem.head_dim),
                                   static_cast<size_t>(problem.value_dim), static_cast<size_t>(problem.kv_len));
-    const size_t bytes = amx_layout.total * sizeof(uint16_t);
-    if (bytes <= flash::kMaxAmxBlockBytes && static_cast<size_t>(workers) * bytes <= flash::kMaxAmxBytes) {
-      try {
-        amx_blocks = reinterpret_cast<uint16_t*>(
-            thread_workspace(WorkspaceSlot::FlashAmx).floats(static_cast<size_t>(workers) * amx_layout.total / 2));
-      } catch (const Error&) {
-        amx_blocks = nullptr;
-      }
-    }
+    amx_blocks = amx::worker_blocks(amx_layout.total, workers);
     for (int worker = 0; amx_blocks != nullptr && worker < workers; ++worker)
       *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {-1, -1, 0, 1};
   }

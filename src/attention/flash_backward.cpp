@@ -51,6 +51,14 @@
 // (queries r, r + S, ... against keys kr, kr + S, ...; items own a (b, g)'s residues, so their
 // dQ, dK and dV rows) into the gradients the tiles wrote.
 //
+// At a lower matmul precision (AttentionOptions::precision High or Medium) on a CPU with AMX, with
+// Dk and Dv multiples of 16, the five products run on AMX tiles (attention/amx.hpp) on bf16 parts
+// of their operands, and every other step stays as above: K, V and K^T are split once per key
+// block, Qt, dOt, Q and dO once per query tile, P'^T and dS^T per pair; dQ accumulates as
+// dQ^T += K^T dS^T, so dS^T's layout serves, and is added into dQ transposed. A key block or
+// query tile holding a value the parts cannot hold (NaN, inf, or inf in bf16) stays float32, as
+// do a pair whose dS^T cannot be held (its dK and dQ) and the strided residues.
+//
 // Highway's foreach_target re-includes this file once per SIMD target; the threading and the
 // exported entry point live in the HWY_ONCE part below.
 
@@ -69,6 +77,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention/amx.hpp"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
 #include "attention/query_tiles.hpp"
@@ -110,12 +119,61 @@ struct ScratchLayout {
     grad_t = take(kKeyTile * br);         // dP'^T then dS^T (Bc, Br)
     softcap_t = take(kKeyTile * br);      // softcap's slope 1 - tanh^2 (Bc, Br)
     k_rows = take(kKeyBlock * dk_pad);    // scale * K block (kKeyBlock, Dk_pad), where not read in place
-    grad_k = take(kKeyBlock * dk_pad);    // dK of the key block (kKeyBlock, Dk_pad), without the scale
-    grad_v = take(kKeyBlock * dv_pad);    // dV of the key block (kKeyBlock, Dv_pad)
+    // dK and dV of the key block (kKeyBlock, Dk_pad / Dv_pad; dK without the scale), and a block
+    // of 16 rows past it: AMX tiles add whole blocks of 16 key rows from a pair's first key.
+    grad_k = take((kKeyBlock + amx::kRows) * dk_pad);
+    grad_v = take((kKeyBlock + amx::kRows) * dv_pad);
     grad_q = take(br * dk_pad);           // dQ of the query tile over a block of key tiles (Br, Dk_pad)
     shift = take(br);                     // per query: P = exp(S - shift) * scale
     scale = take(br);
     row_dot = take(br);                   // per query: D = dO . O
+    total = at;
+  }
+};
+
+// Where an array of AMX operand parts starts in a worker's AMX block and how far apart its parts
+// are, in bf16 elements.
+struct AmxArray {
+  size_t at = 0, part = 0;
+};
+
+// One worker's block for the products on AMX tiles (MatmulPrecision High or Medium on a CPU with
+// AMX, attention/amx.hpp; Dk and Dv multiples of 16), offsets in bf16 elements from a 64-byte
+// aligned base, every part on its own cache lines. br: the most queries a tile takes.
+//   split per key block: K rows and V rows (kKeyBlock + 16 rows: a pair's 16-row blocks from any
+//     key of the block), K^T (kKeyBlock + 32 columns: its 32-key steps from any key); zero past
+//     the block's keys
+//   per query tile: Qt's and dOt's rows in pairs (depth Dk, Dv), Q's and dO's rows in pairs
+//     (depth: the tile's queries)
+//   per pair: P'^T's then dS^T's rows (depth: queries), dS^T's rows in pairs (depth: keys)
+//   and the query tile's dQ^T (Dk x Br) in float32: dQ^T += K^T dS^T keeps dS^T's layout.
+struct AmxLayout {
+  size_t dk_pad = 0, dv_pad = 0, key_rows = 0, key_cols = 0, br_pad = 0;  // depths rounded up to 32
+  AmxArray k, v, k_t, q_t, grad_out_t, q_pairs, grad_out_pairs, tile_rows, grad_pairs, grad_q_t;
+  size_t total = 0;
+
+  AmxLayout() = default;
+  AmxLayout(int parts, size_t br, size_t dk, size_t dv) {
+    constexpr size_t kLine = 32;  // elements per cache line
+    dk_pad = round_up(dk, amx::kDepth), dv_pad = round_up(dv, amx::kDepth), br_pad = round_up(br, amx::kDepth);
+    key_rows = kKeyBlock + amx::kRows, key_cols = kKeyBlock + amx::kDepth;
+    size_t at = 0;
+    auto take = [&](size_t part, size_t count) {
+      const AmxArray array{at, round_up(part, kLine)};
+      at += count * array.part;
+      return array;
+    };
+    const size_t n = static_cast<size_t>(parts);
+    k = take(key_rows * dk_pad, n);
+    v = take(key_rows * dv_pad, n);
+    k_t = take(dk * key_cols, n);
+    q_t = take(dk_pad * br, n);
+    grad_out_t = take(dv_pad * br, n);
+    q_pairs = take(br_pad * dk, n);
+    grad_out_pairs = take(br_pad * dv, n);
+    tile_rows = take(kKeyTile * br_pad, n);
+    grad_pairs = take(kKeyTile * br, n);
+    grad_q_t = take(2 * dk * br, 1);  // floats
     total = at;
   }
 };
@@ -200,6 +258,32 @@ struct QueryRows {
   const float* grad_out;
   size_t grad_out_stride;
 };
+
+// A worker's AMX block (flash_backward::AmxLayout) where a pair's products run on AMX tiles: the
+// key block's and query tile's splits fit the parts. `key`: the pair's first key, counted from
+// the key block's first.
+struct AmxTiles {
+  int parts;
+  const flash_backward::AmxLayout* at;
+  uint16_t* base;
+  size_t key;
+  uint16_t* operator()(const flash_backward::AmxArray& array) const { return base + array.at; }
+  float* grad_q_t() const { return reinterpret_cast<float*>(base + at->grad_q_t.at); }
+};
+
+// The key block's splits (keys j0 .. j0 + cols - 1 of kv head (b, g)): K and V rows, K^T. False
+// when some value does not fit the parts (NaN, inf, or inf in bf16): the block stays float32.
+bool SplitKeyBlock(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, size_t cols, const AmxTiles& amx) {
+  const flash_backward::AmxLayout& at = *amx.at;
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const size_t k_stride = static_cast<size_t>(p.k.row_stride), v_stride = static_cast<size_t>(p.v.row_stride);
+  const float *k = p.k.row(b, g, j0), *v = p.v.row(b, g, j0);
+  return amx::split_rows(amx.parts, true, k, k_stride, cols, dk, amx(at.k), at.dk_pad, at.key_rows, at.dk_pad,
+                         at.k.part) &&
+         amx::split_rows(amx.parts, true, v, v_stride, cols, dv, amx(at.v), at.dv_pad, at.key_rows, at.dv_pad,
+                         at.v.part) &&
+         amx::split_transposed(amx.parts, k, k_stride, cols, dk, amx(at.k_t), at.key_cols, at.key_cols, at.k_t.part);
+}
 
 // Copies `rows` rows of `d` floats of head (b, h) from row i0 into a padded (br, d_pad) block.
 HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
@@ -296,13 +380,46 @@ void ScaleInto(float* HWY_RESTRICT to, const float* HWY_RESTRICT from, size_t n,
 
 // The query tile's dQ accumulator (w.grad_q, Br x Dk_pad) times `factor` (KeyBlock's
 // grad_q_scale) added into the rows i0, i0 + step, ... of grad_q_out, then zeroed for the next
-// block of key tiles.
+// block of key tiles (unless no pair added into it: `floats` false); with `amx`, then the AMX
+// products' dQ^T (Dk x Br) times the scale.
 void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t step, size_t rows,
-                float factor, const Rows<float>& grad_q_out, const Scratch& w) {
-  for (size_t i = 0; i < rows; ++i)
-    ScaleInto(grad_q_out.row(b, h, i0 + static_cast<int64_t>(i) * step), w.grad_q + i * w.dk_pad,
-              static_cast<size_t>(p.head_dim), factor, true);
-  std::fill_n(w.grad_q, rows * w.dk_pad, 0.0f);
+                float factor, const Rows<float>& grad_q_out, const Scratch& w, bool floats, const AmxTiles* amx) {
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  if (floats) {
+    for (size_t i = 0; i < rows; ++i)
+      ScaleInto(grad_q_out.row(b, h, i0 + static_cast<int64_t>(i) * step), w.grad_q + i * w.dk_pad, dk, factor, true);
+    std::fill_n(w.grad_q, rows * w.dk_pad, 0.0f);
+  }
+  if (amx == nullptr) return;
+  amx::add_transposed(amx->grad_q_t(), w.br, rows, dk, p.scale, grad_q_out.row(b, h, i0),
+                      static_cast<size_t>(grad_q_out.row_stride * step));
+  std::fill_n(amx->grad_q_t(), dk * w.br, 0.0f);
+}
+
+// The query tile's splits for the AMX products: PackQueryTile's Qt and dOt (in pairs of depth
+// rows) and Q's and dO's rows (`rows` of the tile's w.br queries, zero past them, in pairs of
+// queries). False when some value does not fit the parts: the tile's pairs stay float32.
+bool SplitQueryTile(const AttentionProblem& p, const QueryRows& query_rows, size_t rows, const Scratch& w,
+                    const AmxTiles& amx) {
+  const flash_backward::AmxLayout& at = *amx.at;
+  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim), br = w.br;
+  const size_t query_pairs = round_up(br, amx::kDepth) / 2;
+  return amx::split_pairs(amx.parts, true, w.q_t, br, br, dk, at.dk_pad / 2, amx(at.q_t), at.q_t.part) &&
+         amx::split_pairs(amx.parts, true, w.grad_out_t, br, br, dv, at.dv_pad / 2, amx(at.grad_out_t),
+                          at.grad_out_t.part) &&
+         amx::split_pairs(amx.parts, true, query_rows.q, query_rows.q_stride, dk, rows, query_pairs, amx(at.q_pairs),
+                          at.q_pairs.part) &&
+         amx::split_pairs(amx.parts, true, query_rows.grad_out, query_rows.grad_out_stride, dv, rows, query_pairs,
+                          amx(at.grad_out_pairs), at.grad_out_pairs.part);
+}
+
+// A (cols, Br) tile of the pair (P'^T or dS^T) split into rows for the AMX products whose depth
+// is the queries (dV, dK): whole blocks of 16 keys, zero past cols and past Br. `round` as
+// amx::split_rows: the weights P'^T are truncated (as the forward's P), dS^T rounded and checked.
+bool SplitTileRows(bool round, const float* tile, size_t cols, size_t br, const AmxTiles& amx) {
+  const flash_backward::AmxLayout& at = *amx.at;
+  return amx::split_rows(amx.parts, round, tile, br, cols, br, amx(at.tile_rows), at.br_pad, round_up(cols, amx::kRows),
+                         round_up(br, amx::kDepth), at.tile_rows.part);
 }
 
 // One (query tile, key block) pair of head (b, h): P and dS recomputed, dV and dK added into the
@@ -310,17 +427,38 @@ void FlushGradQ(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int
 // it into dQ's rows once per block of key tiles: per pair, W2-bwd read and wrote its dQ rows 32
 // times), or, where a hidden key's K is not finite, into grad_q_out's rows (of queries i0 + x *
 // query_step) directly.
-void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+// `amx` (else null): the five products on AMX tiles (the key block's and query tile's splits
+// fit), each one's result float32 where the float32 product puts it, but for dQ: dQ^T in the
+// AMX block (FlushGradQ adds it too). The pair's own splits, P'^T and dS^T, are checked here: a
+// dS^T that does not fit the parts keeps dK and dQ to float32. Returns whether dQ went the
+// float32 way (into w.grad_q, or grad_q_out).
+bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
                   const QueryRows& query_rows, const KeyBlock& keys, const TileMask& mask,
-                  const Rows<float>& grad_q_out, const Scratch& w) {
+                  const Rows<float>& grad_q_out, const Scratch& w, const AmxTiles* amx) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const size_t cols = keys.cols;
   const int64_t g = p.kv_head_of(h), j0 = keys.j0, ks = walk.key_step;
   const float* softcap_slope = p.softcap > 0 ? w.softcap_t : nullptr;
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * ks, walk.query_step, 0}; };
+  // AMX: the tiles take whole blocks of 16 keys (rows past cols are zero in the splits) and
+  // steps of 32 keys or queries (zero past cols and Br).
+  const flash_backward::AmxLayout* at = amx ? amx->at : nullptr;
+  const size_t key_blocks = round_up(cols, amx::kRows) / amx::kRows, key_steps = round_up(cols, amx::kDepth) / amx::kDepth;
+  const size_t query_steps = round_up(br, amx::kDepth) / amx::kDepth;
+  // (Bc, Br) = the key block's split rows (K or V, depth_pad wide) times the query tile's split
+  // pairs (Qt or dOt): S^T and dP'^T.
+  auto keys_times_queries = [&](const flash_backward::AmxArray& rows, size_t depth_pad,
+                                const flash_backward::AmxArray& pairs, float* HWY_RESTRICT out) {
+    amx::product(amx->parts, (*amx)(rows) + amx->key * depth_pad, depth_pad, rows.part, key_blocks, (*amx)(pairs),
+                 pairs.part, depth_pad / amx::kDepth, br, out, br, false);
+  };
   // ---- Forward 1-3: "S = scale * Q K^T", "modifiers", "mask": S^T = K_tile Qt, the same steps.
-  Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride * ks), 1, w.q_t, br, w.weights_t, br, false);
+  if (amx)
+    keys_times_queries(at->k, at->dk_pad, at->q_t, w.weights_t);
+  else
+    Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride * ks), 1, w.q_t, br, w.weights_t, br,
+         false);
   if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || !p.terms.empty())
     PairLogits(p, walk, b, h, i0, rows, j0, cols, mask, br, w.weights_t, w.softcap_t);
   // ---- Forward 4: "P = softmax(S)", recomputed from the row stats.
@@ -333,17 +471,34 @@ void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
     dropped = w.dropped_t;
   }
   // ---- Forward 6: "O += P' V".  dV += P'^T dO;  dP'^T = V_tile dOt.
-  Gemm(cols, w.dv_cols, br, dropped, br, 1, query_rows.grad_out, query_rows.grad_out_stride, keys.grad_v, w.dv_pad,
-       true);
-  Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride * ks), 1, w.grad_out_t, br, w.grad_t, br,
-       false);
+  if (amx && SplitTileRows(false, dropped, cols, br, *amx))
+    amx::product(amx->parts, (*amx)(at->tile_rows), at->br_pad, at->tile_rows.part, key_blocks,
+                 (*amx)(at->grad_out_pairs), at->grad_out_pairs.part, query_steps, dv, keys.grad_v, w.dv_pad, true);
+  else
+    Gemm(cols, w.dv_cols, br, dropped, br, 1, query_rows.grad_out, query_rows.grad_out_stride, keys.grad_v, w.dv_pad,
+         true);
+  if (amx)
+    keys_times_queries(at->v, at->dv_pad, at->grad_out_t, w.grad_t);
+  else
+    Gemm(cols, br, dv, p.v.row(b, g, j0), static_cast<size_t>(p.v.row_stride * ks), 1, w.grad_out_t, br, w.grad_t, br,
+         false);
   // ---- Forward 5, dropout: dP = keep ? dP' / (1 - p) : 0.  Forward 4-2: dS = P (dP - D), 0 where
   // P = 0, through softcap's slope.
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, line(j), w.grad_t + j * br, rows);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, softcap_slope);
   // ---- Forward 1: "S = scale * Q K^T".  dK += dS^T Q (scaled when stored); dQ += dS K (scaled when
-  // flushed, or K packed scaled).
+  // flushed, or K packed scaled), on AMX tiles as dQ^T += K^T dS^T.
+  const bool amx_grad = amx && SplitTileRows(true, w.grad_t, cols, br, *amx) &&
+                        amx::split_pairs(amx->parts, true, w.grad_t, br, br, cols, key_steps * amx::kDepth / 2,
+                                         (*amx)(at->grad_pairs), at->grad_pairs.part);
+  if (amx_grad) {
+    amx::product(amx->parts, (*amx)(at->tile_rows), at->br_pad, at->tile_rows.part, key_blocks, (*amx)(at->q_pairs),
+                 at->q_pairs.part, query_steps, dk, keys.grad_k, w.dk_pad, true);
+    amx::product(amx->parts, (*amx)(at->k_t) + amx->key, at->key_cols, at->k_t.part, dk / amx::kRows,
+                 (*amx)(at->grad_pairs), at->grad_pairs.part, key_steps, br, amx->grad_q_t(), br, true);
+    return false;
+  }
   Gemm(cols, w.dk_cols, br, w.grad_t, br, 1, query_rows.q, query_rows.q_stride, keys.grad_k, w.dk_pad, true);
   if (keys.k_finite) {
     Gemm(rows, w.dk_cols, cols, w.grad_t, 1, br, keys.k_rows, keys.k_stride, w.grad_q, w.dk_pad, true);
@@ -352,6 +507,7 @@ void BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
     accumulate_skipping_zeros(rows, cols, dk, w.grad_t, 1, br, keys.k_rows, static_cast<int64_t>(keys.k_stride),
                               grad_q.row(b, h, 0), static_cast<size_t>(grad_q.row_stride), 1);
   }
+  return true;
 }
 
 // The key tile of keys j0, j0 + step, ... (cols of them) of kv head (b, g): K for the dQ product
@@ -361,8 +517,8 @@ KeyBlock StartKeyTile(const AttentionProblem& p, int64_t b, int64_t g, int64_t j
   const size_t dk = static_cast<size_t>(p.head_dim);
   const int64_t k_stride = p.k.row_stride * step;
   const bool k_finite = step::RowsFinite(p.k.row(b, g, j0), cols, dk, k_stride);
-  std::fill_n(w.grad_k, cols * w.dk_pad, 0.0f);
-  std::fill_n(w.grad_v, cols * w.dv_pad, 0.0f);
+  std::fill_n(w.grad_k, (cols + amx::kRows) * w.dk_pad, 0.0f);  // and the 16 rows AMX tiles may add 0 into
+  std::fill_n(w.grad_v, (cols + amx::kRows) * w.dv_pad, 0.0f);
   if (k_finite && w.dk_cols == dk)
     return {j0, cols, p.k.row(b, g, j0), static_cast<size_t>(k_stride), p.scale, w.grad_k, w.grad_v, true};
   for (size_t j = 0; j < cols; ++j) {
@@ -388,9 +544,11 @@ void FinishKeyTile(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int
 // One work item: key/value head g of batch b, key tiles starting at keys [key_begin, key_end)
 // (key_begin a multiple of Bc), by blocks of kKeyBlock keys. Adds its part of dQ into grad_q_out
 // and stores dK, dV of its keys.
-// row_dot_all: D for every row (B, Hq, Nq).
+// row_dot_all: D for every row (B, Hq, Nq). `amx_block`: this worker's AMX block (laid out by
+// `amx_layout`) when the products may run on AMX tiles, else null.
 void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, int64_t key_begin, int64_t key_end,
-                      const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch) {
+                      const float* HWY_RESTRICT row_dot_all, const Rows<float>& grad_q_out, float* HWY_RESTRICT scratch,
+                      uint16_t* amx_block, const flash_backward::AmxLayout* amx_layout) {
   const AttentionProblem& p = bp.forward;
   const size_t br = BackwardTileRowsFor(p), lanes = hn::Lanes(DF());
   const int64_t group = p.q_heads / p.kv_heads;
@@ -402,10 +560,17 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
   const QueryTiles tiling(p.q_len, static_cast<int64_t>(lanes), static_cast<int64_t>(br / lanes));
   const Scratch w(scratch, br, layout);
   std::fill_n(w.grad_q, br * w.dk_pad, 0.0f);  // each FlushGradQ leaves it zero again
+  // AMX tiles hold 16 query lanes a row: only targets with 16 float lanes take them.
+  AmxTiles amx{p.amx_parts, amx_layout, lanes == amx::kRows ? amx_block : nullptr, 0};
+  if (amx.base) {
+    std::fill_n(amx.grad_q_t(), static_cast<size_t>(p.head_dim) * br, 0.0f);  // as w.grad_q
+    amx::configure();
+  }
 
   for (int64_t j0 = key_begin; j0 < key_end; j0 += static_cast<int64_t>(kKeyBlock)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyBlock), key_end - j0));
     const KeyBlock keys = StartKeyTile(p, b, g, j0, 1, cols, w);
+    const bool amx_keys = amx.base && SplitKeyBlock(p, b, g, j0, cols, amx);
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
       for (int64_t tile = 0; tile < tiling.count; ++tile) {
         const int64_t i0 = tiling.first_query(tile);
@@ -415,6 +580,8 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
           continue;
         const Scratch tile_w(scratch, static_cast<size_t>(tiling.vectors(tile)) * lanes, layout);
         const QueryRows query_rows = PackQueryTile(bp, b, h, i0, 1, rows, row_dot_all, tile_w);
+        const bool amx_pairs = amx_keys && SplitQueryTile(p, query_rows, rows, tile_w, amx);
+        bool float_grad_q = false;
         for (size_t at = 0; at < cols; at += kKeyTile) {  // the block's key tiles, in key order
           // The tile's keys that some query of the query tile sees (the band and key lengths), as
           // the forward bounds a query tile's keys: a causal pair past the diagonal skips the keys
@@ -426,14 +593,18 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
           if (t_lo >= t_hi) continue;
           const step::TileClass tile_class = step::ClassifyMaskTile(p, b, h, i0, i_last, t_lo, t_hi);
           if (tile_class == step::TileClass::Hidden) continue;
-          BackwardPair(bp, {}, b, h, i0, rows, query_rows,
-                       keys.Part(static_cast<size_t>(t_lo - j0), static_cast<size_t>(t_hi - t_lo), t_lo, w),
-                       {tile_class != step::TileClass::Full, -1}, grad_q_out, tile_w);
+          amx.key = static_cast<size_t>(t_lo - j0);
+          float_grad_q |= BackwardPair(
+              bp, {}, b, h, i0, rows, query_rows,
+              keys.Part(static_cast<size_t>(t_lo - j0), static_cast<size_t>(t_hi - t_lo), t_lo, w),
+              {tile_class != step::TileClass::Full, -1}, grad_q_out, tile_w, amx_pairs ? &amx : nullptr);
         }
-        FlushGradQ(p, b, h, i0, 1, rows, keys.grad_q_scale, grad_q_out, tile_w);
+        FlushGradQ(p, b, h, i0, 1, rows, keys.grad_q_scale, grad_q_out, tile_w, float_grad_q,
+                   amx_pairs ? &amx : nullptr);
       }
     FinishKeyTile(bp, b, g, j0, 1, cols, false, w);
   }
+  if (amx.base) amx::release();
 }
 
 // ---- The strided keys of a `rest | strided(S, O)` rule, by residues as in the forward
@@ -456,10 +627,11 @@ void ResiduePair(const AttentionBackwardProblem& bp, const StridedSplit& split, 
   const TileVisibility rest = p.rule.classify(b, h, i0, i_last, j0, j_last, split.rest);
   if (band == step::TileClass::Hidden || rest == TileVisibility::Full) return;
   const QueryRows query_rows = PackQueryTile(bp, b, h, i0, stride, rows, row_dot_all, w);
-  BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, query_rows,
-               block.Part(static_cast<size_t>(c_lo - c0), static_cast<size_t>(c_hi - c_lo), j0, w),
-               {band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1}, bp.grad_q, w);
-  FlushGradQ(p, b, h, i0, stride, rows, block.grad_q_scale, bp.grad_q, w);
+  (void)BackwardPair(bp, {stride, stride, true}, b, h, i0, rows, query_rows,
+                     block.Part(static_cast<size_t>(c_lo - c0), static_cast<size_t>(c_hi - c_lo), j0, w),
+                     {band != step::TileClass::Full, rest == TileVisibility::Partial ? split.rest : -1}, bp.grad_q, w,
+                     nullptr);
+  FlushGradQ(p, b, h, i0, stride, rows, block.grad_q_scale, bp.grad_q, w, true, nullptr);
 }
 
 // Residues [first, last) of the queries of kv head (b, g)'s group: every residue's key tiles, each
@@ -574,6 +746,14 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   float* row_dot = scratch;
   float* partials = scratch + row_dot_floats;
   float* blocks = partials + partials_total;
+  // The AMX products (MatmulPrecision High or Medium, a CPU with AMX, Dk and Dv multiples of 16,
+  // 16 float lanes: BackwardKeyChunk checks): each worker's block, or none (amx::worker_blocks).
+  flash_backward::AmxLayout amx_layout;
+  uint16_t* amx_blocks = nullptr;
+  if (p.amx_parts > 0 && dk % 16 == 0 && dv % 16 == 0 && amx::available()) {
+    amx_layout = flash_backward::AmxLayout(p.amx_parts, br, static_cast<size_t>(dk), static_cast<size_t>(dv));
+    amx_blocks = amx::worker_blocks(amx_layout.total, workers);
+  }
 
   // ---- Pass 1, per row: D = dO . O (in float64, as the reference) and dQ (or every partial) = 0,
   // by blocks of kRowsPerBlock rows.
@@ -604,9 +784,11 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
         std::fill_n(bp.grad_v.row(b, g, j), dv, 0.0f);
       }
     if (key_begin >= key_end) return;
-    float* block_start = blocks + static_cast<size_t>(worker_index(workers)) * block;
+    const size_t worker = static_cast<size_t>(worker_index(workers));
     HWY_DYNAMIC_DISPATCH(BackwardKeyChunk)(bp, b, g, key_begin, key_end, row_dot,
-                                           grad_q_of_chunk(bp, splits, partials, partial_floats, chunk), block_start);
+                                           grad_q_of_chunk(bp, splits, partials, partial_floats, chunk),
+                                           blocks + worker * block,
+                                           amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, &amx_layout);
   });
 
   // ---- Pass 3, several chunks: dQ = the partials summed in chunk order.
