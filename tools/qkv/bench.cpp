@@ -447,8 +447,9 @@ Row measure_attention(const Workload& w, const bench::AttentionInputs& in, Backe
 // its gradient buffers does. The forward result it needs is computed once, outside the timing,
 // with the same options.
 Row measure_backward(const Workload& w, const bench::AttentionInputs& in, Backend backend, int runs,
-                     const std::function<int(double)>& runs_after_first, Progress& progress) {
-  const AttentionOptions options = bench::make_attention_options(w, backend);
+                     const std::function<int(double)>& runs_after_first, Progress& progress,
+                     MatmulPrecision precision) {
+  const AttentionOptions options = bench::make_attention_options(w, backend, precision);
   const std::string name(to_string(backend));
   const std::string id = std::string(w.id) + "-bwd";
   progress.show(id, name, "forward");
@@ -738,10 +739,11 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
              env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs);
   for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
   if (env.precision != MatmulPrecision::Highest)
-    fmt::print("Matmul precision of the attention workloads: {} ({}); the backward, Decode, Reference and the "
-               "modules compute in float32\n",
+    fmt::print("Matmul precision of the attention workloads: {} ({}); Decode, Reference and the modules compute "
+               "in float32\n",
                to_string(env.precision),
-               detail::amx::available() ? "the Flash forward's products on AMX tiles" : "no AMX here: float32 too");
+               detail::amx::available() ? "the Flash forward's and backward's products on AMX tiles"
+                                        : "no AMX here: float32 too");
   if (!env.gemm.empty()) {
     fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
     fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n",
@@ -869,7 +871,8 @@ void run_bench(const BenchOptions& options) {
     if (!w->has_reference) {  // the sweep (GB/s of the fast path) and shapes whose scores would not fit
       rows.push_back(
           measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress, env.precision));
-      if (w->backward) rows.push_back(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress));
+      if (w->backward)
+        rows.push_back(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress, env.precision));
       continue;
     }
     add_pair(measure_attention(*w, inputs, Backend::Auto, options.runs, nullptr, kernel, progress, env.precision), [&] {
@@ -877,8 +880,9 @@ void run_bench(const BenchOptions& options) {
                                env.precision);
     });
     if (!w->backward) continue;
-    add_pair(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress),
-             [&] { return measure_backward(*w, inputs, Backend::Reference, 0, reference_runs, progress); });
+    add_pair(measure_backward(*w, inputs, Backend::Auto, options.runs, nullptr, progress, env.precision), [&] {
+      return measure_backward(*w, inputs, Backend::Reference, 0, reference_runs, progress, env.precision);
+    });
   }
   env.end = baselines();
   progress.show("baseline", "FMA peak", "runs");
@@ -920,7 +924,7 @@ void add_bench_command(CLI::App& app) {
   bench->add_flag("--no-reference", options->no_reference, "Skip the Reference backend");
   bench->add_flag("--no-gemm", options->no_gemm, "Skip the table of qkv's GEMM paths per shape class");
   bench->add_option("--precision", options->precision,
-                    "Matmul precision of the attention workloads' forward (AttentionOptions::precision): highest "
+                    "Matmul precision of the attention workloads (AttentionOptions::precision): highest "
                     "(float32, the default), high or medium (bfloat16 parts on AMX tiles where the CPU has them)")
       ->check(CLI::IsMember({"highest", "high", "medium"}));
   bench->callback([options] { run_bench(*options); });
