@@ -11,10 +11,12 @@
 
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "kernel_cases.hpp"
 #include "oracle.hpp"
 
 namespace {
@@ -292,6 +294,51 @@ TEST(MultiHeadAttentionBackward, ScoreModifiersAndSinks) {
   for (int64_t e = 0; e < d_memory.numel(); ++e) d_memory.data()[e] += grads.value.data()[e];
   expect_gradient("MHA modifiers cross key + value", memory, d_memory, cross_loss);
   expect_parameter_gradients("MHA modifiers cross", mha.parameters(), cross_loss);
+}
+
+// MultiHeadAttentionOptions::precision reaches the attention's forward (with and without a KV
+// cache) and backward: at High the output, dL/dx and every parameter gradient stay within 1e-3 (relative to the largest) of the
+// Highest module's with the same weights, and where the AMX tiles run (a CPU with AMX) they differ
+// from them in both directions; elsewhere they are the same bits.
+TEST(MultiHeadAttentionBackward, LowerMatmulPrecision) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const uint64_t seed = rng.next_u64();
+  qkv::nn::MultiHeadAttention highest(128, 4, {.causal = true, .seed = seed});
+  qkv::nn::MultiHeadAttention high(128, 4, {.causal = true, .seed = seed, .precision = qkv::MatmulPrecision::High});
+  const Tensor x = rng.randn({2, 70, 128}), r = rng.randn({2, 70, 128});
+  const bool tiles = qkv_test::without_amx().empty();
+  const auto compare = [&](const std::string& what, const Tensor& got, const Tensor& want) {
+    double largest = 0, diff = 0;
+    for (int64_t e = 0; e < want.numel(); ++e) {
+      largest = std::max(largest, static_cast<double>(std::abs(want.data()[e])));
+      diff = std::max(diff, static_cast<double>(std::abs(got.data()[e] - want.data()[e])));
+    }
+    EXPECT_LE(diff, 1e-3 * std::max(1.0, largest)) << what;
+    if (tiles) EXPECT_GT(diff, 0.0) << what << ": the same bits as Highest";
+    else EXPECT_EQ(diff, 0.0) << what;
+  };
+  Tensor out[2], dx[2];
+  qkv::nn::MultiHeadAttention* modules[2] = {&highest, &high};
+  for (int n = 0; n < 2; ++n) {
+    modules[n]->zero_grad();
+    out[n] = modules[n]->forward(x).output.contiguous();
+    dx[n] = modules[n]->backward(r).contiguous();
+  }
+  compare("output", out[1], out[0]);
+  compare("dL/dx", dx[1], dx[0]);
+  const auto want = highest.parameters(), got = high.parameters();
+  for (size_t n = 0; n < want.size(); ++n)
+    if (want[n].name.find("bias") == std::string::npos || want[n].name.find("out_proj") == std::string::npos)
+      compare(want[n].name, got[n].grad.contiguous(), want[n].grad.contiguous());
+  // And inference with a KV cache (a prompt of 70 tokens).
+  Tensor cached[2];
+  for (int n = 0; n < 2; ++n) {
+    modules[n]->eval();
+    qkv::nn::KVCache cache = modules[n]->make_cache(2, 80);
+    cached[n] = modules[n]->forward(x, cache).output.contiguous();
+  }
+  compare("output with a KV cache", cached[1], cached[0]);
 }
 
 // backward_cross after a fused self-attention forward gives the three paths apart; their sum is

@@ -96,6 +96,10 @@ struct MultiHeadAttentionOptions {
   std::optional<uint64_t> seed = std::nullopt;  // initial weights and dropout decisions; none: see manual_seed
   AttentionKind attention = AttentionKind::Softmax;
   FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's phi
+  // Of the attention's products, forward and backward (AttentionOptions::precision: High or
+  // Medium allow AMX tiles where the CPU has them); the projections and linear attention stay
+  // float32.
+  MatmulPrecision precision = MatmulPrecision::Highest;
 };
 
 struct MultiHeadAttentionOutput {

@@ -188,9 +188,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     precision: how precise the float32 products Q K^T and P V must be, as
       torch.set_float32_matmul_precision's levels: "highest" (float32, the default), "high"
       (each operand as the sum of two bfloat16, about 16 significant bits) or "medium" (one
-      bfloat16). A permission, not a promise: today the flash forward on CPUs with AMX (Intel
-      Sapphire Rapids and later) runs both products on AMX tiles at "high" and "medium"; everything
-      else computes in float32 (docs/performance.md).
+      bfloat16). A permission, not a promise: today the flash forward and backward on CPUs with
+      AMX (Intel Sapphire Rapids and later) run their products on AMX tiles at "high" and
+      "medium"; everything else computes in float32 (docs/performance.md).
 
     return_lse: also return the (B, Hq, Nq) log-sum-exp of each row's scaled, masked scores
       (-inf where a query sees no key; the sink included): with the output, it is what
@@ -239,7 +239,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                                           key_lengths=None, window=None, seed=0, backend="auto", row_max=None,
-                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None, allow_cast=False):
+                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None, allow_cast=False,
+                                          precision="highest"):
     """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
     (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
 
@@ -252,7 +253,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     else from lse (exact unless every key of a row carries a huge bias such as -1e9).
     With grouped-query attention, dk and dv sum over the query heads that share a key/value
     head. A query that sees no key contributes nothing (zeros, never NaN).
-    backend: "auto" (flash), "reference" or "flash". allow_cast: as in scaled_dot_product_attention.
+    backend: "auto" (flash), "reference" or "flash". allow_cast, precision: as in
+    scaled_dot_product_attention (the backward's products at that precision).
 
         out, lse, row_max, row_sum = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
                                                                       return_row_stats=True)
@@ -272,7 +274,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     dq, dk, dv, dsinks = _core.attention_backward(
         grad_output, query, key, value, output, lse, row_max, row_sum, mask,
         None if scale is None else float(scale), float(dropout_p), int(seed), _backend(backend), float(softcap),
-        _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"))
+        _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"), str(precision).lower())
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
@@ -353,18 +355,20 @@ class MultiHeadAttention:
     cache, at its position after the cached ones): None (off), True (base 10000, half-split), a
     dict with keys "base" and "interleaved", or a qkv.RotaryEmbedding(head_dim, base=...,
     interleaved=...) whose options are copied (its head_dim must be embed_dim // num_heads).
+    precision: of the attention's products, forward and backward, as in
+    scaled_dot_product_attention ("highest", "high" or "medium"); the projections stay float32.
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, bias=True, dropout=0.0, kdim=None, vdim=None,
                  batch_first=True, seed=None, softcap=0.0, alibi=False, sinks=False, causal=False,
-                 attention="softmax", feature_map="elu+1", rotary=None):
+                 attention="softmax", feature_map="elu+1", rotary=None, precision="highest"):
         if not isinstance(attention, str) or not isinstance(feature_map, str):
             raise Error(f"MultiHeadAttention: attention and feature_map are strings (\"softmax\" or \"linear\"; "
                         f"\"elu+1\" or \"relu\"), got {attention!r} and {feature_map!r}")
         self._core = _core.MultiHeadAttentionCore(
             int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0), int(vdim or 0), bool(bias),
             float(dropout), bool(causal), None if seed is None else int(seed), float(softcap), bool(alibi), bool(sinks),
-            attention, feature_map, _rotary_options(rotary, embed_dim, num_heads))
+            attention, feature_map, _rotary_options(rotary, embed_dim, num_heads), str(precision).lower())
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
 
@@ -378,6 +382,7 @@ class MultiHeadAttention:
     causal = property(lambda self: self._core.causal)
     attention = property(lambda self: self._core.attention)
     feature_map = property(lambda self: self._core.feature_map)
+    precision = property(lambda self: self._core.precision)
 
     @property
     def rotary(self):

@@ -174,9 +174,9 @@ py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q,
                              const std::optional<FloatArray>& row_max, const std::optional<FloatArray>& row_sum,
                              const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
                              qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
-                             const std::optional<FloatArray>& sinks) {
-  const qkv::AttentionOptions options =
-      make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
+                             const std::optional<FloatArray>& sinks, const std::string& precision) {
+  qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
+  options.precision = qkv::matmul_precision_from_string(precision);
   const qkv::Tensor gt = to_tensor(grad_output), qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult forward;
   forward.output = to_tensor(output);
@@ -242,7 +242,7 @@ qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64
                                      int64_t vdim, bool bias, float dropout, bool causal,
                                      std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks,
                                      const std::string& attention, const std::string& feature_map,
-                                     std::optional<std::pair<double, bool>> rotary) {
+                                     std::optional<std::pair<double, bool>> rotary, const std::string& precision) {
   std::optional<qkv::nn::RotaryEmbeddingOptions> rotary_options;
   if (rotary) rotary_options = qkv::nn::RotaryEmbeddingOptions{.base = rotary->first, .interleaved = rotary->second};
   return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
@@ -250,7 +250,8 @@ qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64
                                       .dropout = dropout, .causal = causal, .softcap = softcap, .alibi = alibi,
                                       .sinks = sinks, .rotary = rotary_options, .seed = seed,
                                       .attention = attention_kind_from_string(attention),
-                                      .feature_map = qkv::feature_map_from_string(feature_map)});
+                                      .feature_map = qkv::feature_map_from_string(feature_map),
+                                      .precision = qkv::matmul_precision_from_string(precision)});
 }
 
 // The module's rotary options as (base, interleaved), or None.
@@ -384,7 +385,7 @@ does; `&` binds tighter). A union with an additive array is an error.
   m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("mask"),
         py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
         "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None).");
   m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("feature_map"),
         py::arg("causal"), py::arg("eps"), py::arg("causal_offset"), "qkv::linear_attention.");
@@ -416,7 +417,8 @@ does; `&` binds tighter). A union with an additive array is an error.
       .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"),
            py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false,
-           py::arg("attention") = "softmax", py::arg("feature_map") = "elu+1", py::arg("rotary") = py::none())
+           py::arg("attention") = "softmax", py::arg("feature_map") = "elu+1", py::arg("rotary") = py::none(),
+           py::arg("precision") = "highest")
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
@@ -442,6 +444,8 @@ does; `&` binds tighter). A union with an additive array is an error.
       .def_property_readonly(
           "feature_map", [](const qkv::nn::MultiHeadAttention& m) { return std::string(qkv::to_string(m.options().feature_map)); })
       .def_property_readonly("rotary", &mha_rotary)
+      .def_property_readonly("precision",
+                             [](const qkv::nn::MultiHeadAttention& m) { return std::string(to_string(m.options().precision)); })
       .def("make_cache",
            [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
               int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },

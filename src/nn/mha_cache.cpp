@@ -73,6 +73,7 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
   attention.softcap = options_.softcap;
   attention.alibi_slopes = alibi_slopes_;
   attention.sinks = sinks;
+  attention.precision = options_.precision;
   const Tensor concatenated = Tensor::empty({batch, len, num_heads_, hd});
   const Tensor heads_out = concatenated.transpose(1, 2);  // (B, H, N, hd), written by the core
   if (ring) {

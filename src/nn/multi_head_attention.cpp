@@ -228,6 +228,7 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   attention.softcap = options_.softcap;
   attention.alibi_slopes = alibi_slopes_;
   attention.sinks = sinks;
+  attention.precision = options_.precision;
   if (training_ && options_.dropout > 0) {
     attention.dropout_p = options_.dropout;
     attention.seed = stream_seed(options_.seed, 7) + dropout_calls_++;
