@@ -257,14 +257,14 @@ inline BackwardInputs make_backward_inputs(const Workload& w, const AttentionInp
   return out;
 }
 
-// The layer and input of a module workload, in eval mode (no dropout).
+// The layer and input of a module workload, in eval mode (no dropout), its attention at `precision`.
 struct ModuleInputs {
   nn::MultiHeadAttention layer;
   Tensor x;  // (B, N, embed_dim)
 };
 
-inline ModuleInputs make_module_inputs(const Workload& w) {
-  ModuleInputs inputs{nn::MultiHeadAttention(w.embed_dim(), w.q_heads, {.seed = 42}),
+inline ModuleInputs make_module_inputs(const Workload& w, MatmulPrecision precision = MatmulPrecision::Highest) {
+  ModuleInputs inputs{nn::MultiHeadAttention(w.embed_dim(), w.q_heads, {.seed = 42, .precision = precision}),
                       Tensor::randn({w.batch, w.q_len, w.embed_dim()}, /*seed=*/1)};
   inputs.layer.eval();
   return inputs;

@@ -499,8 +499,8 @@ double linear_slope(const Workload& w, Progress& progress) {
 }
 
 // The module allocates its outputs on every forward: both phases call the same forward.
-Row measure_module(const Workload& w, int runs, Progress& progress) {
-  const bench::ModuleInputs in = bench::make_module_inputs(w);
+Row measure_module(const Workload& w, int runs, Progress& progress, MatmulPrecision precision) {
+  const bench::ModuleInputs in = bench::make_module_inputs(w, precision);
   const auto forward = [&] { (void)in.layer.forward(in.x); };
   const Timings t = measure(forward, forward, runs, nullptr, w.id, "Auto", progress);
   return {&w, false, "Auto", "module", t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
@@ -739,10 +739,10 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
              env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs);
   for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
   if (env.precision != MatmulPrecision::Highest)
-    fmt::print("Matmul precision of the attention workloads: {} ({}); Decode, Reference and the modules compute "
-               "in float32\n",
+    fmt::print("Matmul precision of the attention workloads: {} ({}); Decode, Reference and the modules' "
+               "projections compute in float32\n",
                to_string(env.precision),
-               detail::amx::available() ? "the Flash forward's and backward's products on AMX tiles"
+               detail::amx::available() ? "the Flash forward's and backward's products on AMX tiles, the modules' too"
                                         : "no AMX here: float32 too");
   if (!env.gemm.empty()) {
     fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
@@ -857,7 +857,7 @@ void run_bench(const BenchOptions& options) {
   };
   for (const Workload* w : selected_workloads(options.workloads)) {
     if (w->is_module()) {
-      rows.push_back(measure_module(*w, options.runs, progress));
+      rows.push_back(measure_module(*w, options.runs, progress, env.precision));
       continue;
     }
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
