@@ -613,6 +613,45 @@ TEST(Backward, LowerPrecisionChangesNothingWhereTheTilesDoNotRun) {
   }
 }
 
+// Each of the five products runs on the tiles. With every value of Q, K, V and dO a multiple of
+// 1/8 below 1 (exact in one bf16) and d = 32, S^T = K Qt and dP'^T = V dOt are exact on tiles and
+// in float32 alike, so P and dS are Highest's bits; then dV = P'^T dO, dK = dS^T Q and
+// dQ = dS K each differ from Highest's only if that product ran on the tiles, on P'^T's and dS^T's
+// parts.
+TEST(Backward, LowerPrecisionEveryProductOnTheTiles) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  BackwardCase highest = prepare(make_case(rng, {1, 2, 1, 100, 150, 32, 32}, MaskKind::Causal, 1.0, 0.0f), rng);
+  const auto eighths = [&](Tensor& t) {
+    t = t.clone();
+    for (int64_t e = 0; e < t.numel(); ++e) t.data()[e] = static_cast<float>(rng.integer(-7, 7)) / 8;
+  };
+  eighths(highest.c.q);
+  eighths(highest.c.k);
+  eighths(highest.c.v);
+  for (float& g : highest.grad_output) g = static_cast<float>(rng.integer(-7, 7)) / 8;
+  highest.c.scale = 1.0;  // scale * Q stays exact
+  qkv::detail::reference_attention(qkv_test::problem_of(highest.c, highest.forward));
+  const int64_t rows = 2 * 100;
+  qkv::detail::weight_row_stats(highest.forward.row_max.data(), highest.forward.row_sum.data(),
+                                static_cast<size_t>(rows), highest.row_shift.data(), highest.row_scale.data());
+  BackwardCase high = highest;
+  high.c.precision = qkv::MatmulPrecision::High;
+  const GradVectors a = run_backward(qkv::detail::flash_attention_backward, highest);
+  const GradVectors b = run_backward(qkv::detail::flash_attention_backward, high);
+  for (auto [name, x, y] : {std::tuple{"dQ = dS K", &a.dq, &b.dq}, {"dK = dS^T Q", &a.dk, &b.dk},
+                            {"dV = P'^T dO", &a.dv, &b.dv}}) {
+    double largest = 0, diff = 0;
+    for (size_t e = 0; e < x->size(); ++e) {
+      largest = std::max(largest, static_cast<double>(std::abs((*x)[e])));
+      diff = std::max(diff, static_cast<double>(std::abs((*y)[e] - (*x)[e])));
+    }
+    EXPECT_GT(diff, 0.0) << name << ": Highest's bits, not the tiles'";
+    EXPECT_LT(diff, 1e-4 * std::max(1.0, largest)) << name;
+  }
+}
+
 // NaN and infinities: in K and V at hidden keys (a KV cache's unwritten slots) the gradients stay
 // as the clean case's, to the precision; in Q and dO (seen) they land where Highest puts them, a
 // key block or query tile holding one keeping to float32.
@@ -643,7 +682,10 @@ TEST(Backward, LowerPrecisionNonFiniteValues) {
   EXPECT_LT(qkv_test::max_rel_diff(got.dk, want.dk), 1e-3);
   EXPECT_LT(qkv_test::max_rel_diff(got.dv, want.dv), 1e-3);
 
-  // Seen: NaN in query 40 of head 0, inf in dO of query 70 of head 1.
+  // Seen: NaN in query 40 of head 0, inf in dO of query 70 of head 1; and, in another case, a V
+  // row and a dO row of 1e19 (bf16 holds them, so every split of K, V, Q and dO fits), whose dP
+  // overflows to inf in one pair only: that pair's dS^T cannot be split, so its dK and dQ go the
+  // float32 way while the tile's other pairs stay on the tiles.
   Case seen = with_precision(make_case(rng, s, MaskKind::Causal, 1.0, 0.0f), qkv::MatmulPrecision::High);
   seen.q = seen.q.clone();
   seen.q.at({0, 0, 40, 5}) = nan;
@@ -651,20 +693,37 @@ TEST(Backward, LowerPrecisionNonFiniteValues) {
   grad_seen.at({0, 1, 70, 2}) = inf;
   Case highest = seen;
   highest.precision = qkv::MatmulPrecision::Highest;
-  const AttentionGrads lower = gradients(seen, grad_seen), exact = gradients(highest, grad_seen);
-  for (auto [name, a, b] : {std::tuple{"dq", &lower.dq, &exact.dq}, {"dk", &lower.dk, &exact.dk},
-                            {"dv", &lower.dv, &exact.dv}}) {
+  Case huge = seen;
+  huge.q = clean.q;
+  huge.v = clean.v.clone();
+  for (int64_t x = 0; x < s.dv; ++x) huge.v.at({0, 0, 70, x}) = 1e19f;
+  Tensor grad_huge = grad_output.clone();
+  for (int64_t x = 0; x < s.dv; ++x) grad_huge.at({0, 1, 80, x}) = 1e19f;
+  Case huge_highest = huge;
+  huge_highest.precision = qkv::MatmulPrecision::Highest;
+  for (const auto& [what, lower, exact] :
+       {std::tuple{"NaN in Q, inf in dO", gradients(seen, grad_seen), gradients(highest, grad_seen)},
+        {"dP overflowing in one pair", gradients(huge, grad_huge), gradients(huge_highest, grad_huge)}}) {
     int64_t non_finite = 0;
-    for (int64_t x = 0; x < a->numel(); ++x) {
-      const float want_x = b->data()[x], got_x = a->data()[x];
-      if (std::isfinite(want_x)) {
-        EXPECT_NEAR(got_x, want_x, 1e-3 * std::max(1.0f, std::abs(want_x))) << name << " element " << x;
-      } else {
-        ++non_finite;
-        EXPECT_TRUE(std::isnan(want_x) ? std::isnan(got_x) : got_x == want_x) << name << " element " << x;
+    for (auto [name, a, b] : {std::tuple{"dq", &lower.dq, &exact.dq}, {"dk", &lower.dk, &exact.dk},
+                              {"dv", &lower.dv, &exact.dv}}) {
+      // The precision's error scales with the terms summed, not with a sum that cancels: 1e-3 of
+      // the value, plus 1e-4 of the gradient's largest finite value (1e19 rows give sums of 1e34).
+      double largest = 0;
+      for (int64_t x = 0; x < b->numel(); ++x)
+        if (std::isfinite(b->data()[x])) largest = std::max(largest, static_cast<double>(std::abs(b->data()[x])));
+      for (int64_t x = 0; x < a->numel(); ++x) {
+        const float want_x = b->data()[x], got_x = a->data()[x];
+        if (std::isfinite(want_x)) {
+          EXPECT_NEAR(got_x, want_x, 1e-3 * std::max(1.0f, std::abs(want_x)) + 1e-4 * largest)
+              << what << ": " << name << " " << x;
+        } else {
+          ++non_finite;
+          EXPECT_TRUE(std::isnan(want_x) ? std::isnan(got_x) : got_x == want_x) << what << ": " << name << " " << x;
+        }
       }
     }
-    EXPECT_GT(non_finite, 0) << name;
+    EXPECT_GT(non_finite, 0) << what;
   }
 }
 

@@ -299,7 +299,9 @@ TEST(MultiHeadAttentionBackward, ScoreModifiersAndSinks) {
 // MultiHeadAttentionOptions::precision reaches the attention's forward (with and without a KV
 // cache) and backward: at High the output, dL/dx and every parameter gradient stay within 1e-3 (relative to the largest) of the
 // Highest module's with the same weights, and where the AMX tiles run (a CPU with AMX) they differ
-// from them in both directions; elsewhere they are the same bits.
+// from them in both directions; elsewhere they are the same bits. (The backward runs on the
+// options the forward saved, Saved::attention, so the precision that reaches the forward reaches
+// it; Backward.LowerPrecisionEveryProductOnTheTiles shows the backward's own products on the tiles.)
 TEST(MultiHeadAttentionBackward, LowerMatmulPrecision) {
   Random rng;
   SCOPED_TRACE(rng.note());

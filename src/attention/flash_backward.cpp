@@ -278,11 +278,14 @@ bool SplitKeyBlock(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, 
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const size_t k_stride = static_cast<size_t>(p.k.row_stride), v_stride = static_cast<size_t>(p.v.row_stride);
   const float *k = p.k.row(b, g, j0), *v = p.v.row(b, g, j0);
-  return amx::split_rows(amx.parts, true, k, k_stride, cols, dk, amx(at.k), at.dk_pad, at.key_rows, at.dk_pad,
+  // Zero as far as a pair of these keys reads: 16-row blocks and 32-key steps from its first key.
+  const size_t rows_pad = round_up(cols + amx::kRows - 1, amx::kRows);
+  const size_t cols_pad = round_up(cols + amx::kDepth - 1, amx::kRows);
+  return amx::split_rows(amx.parts, true, k, k_stride, cols, dk, amx(at.k), at.dk_pad, rows_pad, at.dk_pad,
                          at.k.part) &&
-         amx::split_rows(amx.parts, true, v, v_stride, cols, dv, amx(at.v), at.dv_pad, at.key_rows, at.dv_pad,
+         amx::split_rows(amx.parts, true, v, v_stride, cols, dv, amx(at.v), at.dv_pad, rows_pad, at.dv_pad,
                          at.v.part) &&
-         amx::split_transposed(amx.parts, k, k_stride, cols, dk, amx(at.k_t), at.key_cols, at.key_cols, at.k_t.part);
+         amx::split_transposed(amx.parts, k, k_stride, cols, dk, amx(at.k_t), at.key_cols, cols_pad, at.k_t.part);
 }
 
 // Copies `rows` rows of `d` floats of head (b, h) from row i0 into a padded (br, d_pad) block.
