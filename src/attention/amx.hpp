@@ -60,7 +60,8 @@ bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t
                  uint16_t* dst, size_t part_stride);
 
 // dst[i][c] += factor * src[c][i] for i < rows, c < cols (a multiple of 16; src rows src_row
-// floats apart, 16 src_row < 2^31; dst rows dst_row apart): the backward's dQ^T added into dQ.
+// floats apart, src_row at least rows rounded up to 16; dst rows dst_row apart): the backward's
+// dQ^T added into dQ.
 void add_transposed(const float* src, size_t src_row, size_t rows, size_t cols, float factor, float* dst,
                     size_t dst_row);
 
