@@ -61,30 +61,41 @@ uint16_t* worker_blocks(size_t elements, int workers) {
 
 namespace {
 
-// ---- Splitting float32 into bf16 parts. For K, V and Qt (`round`): hi = x rounded to the
+// ---- Splitting float32 into bf16 parts. For K, V, Qt and dS (`round`): hi = x rounded to the
 // nearest bf16, lo = x - hi (exact in float32, |lo| <= 2^-9 |x|), rounded to nearest again when
 // stored; for P (the weights, split per tile, where speed matters): hi = x with its low 16 bits
-// cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. `bad` marks the lanes
-// the parts cannot hold: NaN, +-inf, and finite values that round to inf in bf16 (|x| >= the
-// largest bf16 + half an ulp); flash then keeps that head or query tile to float32.
-struct Parts {
-  __m512 part[2];
-  __mmask16 bad;
-};
+// cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. The rounded splits
+// report the lanes the parts cannot hold (`unfit`): NaN, +-inf, and finite values that round to
+// inf in bf16; the kernels then keep that work to float32.
+
 // bf16 -> float32 (the maskz forms: GCC 12 warns that the unmasked ones read an undefined vector).
 inline __m512 widen(__m256i bf16) {
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bf16), 16));
 }
-inline Parts split(__m512 x, int parts, bool round) {
+// The lanes of x that bf16 parts cannot hold: NaN, +-inf, |x| >= the largest bf16 + half an ulp.
+inline __mmask16 unfit(__m512 x) {
   const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
-  const __mmask16 bad = round ? _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(0x7F7F8000)) : 0;
-  if (parts == 1) return {{x, _mm512_setzero_ps()}, bad};
-  const __m512 hi = round ? widen(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)))
-                          : _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(-65536)));
-  return {{hi, _mm512_sub_ps(x, hi)}, bad};
+  return _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(0x7F7F8000));
+}
+inline __m512 high_half(__m512 x) {  // x with its low 16 bits cleared: x truncated to bf16
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(-65536)));
 }
 inline void store_bf16(uint16_t* dst, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+// x's parts stored as bf16 at dst and dst + part_stride, hi converted once (split_rows,
+// split_transposed); returns the lanes the parts cannot hold (none checked when truncating).
+inline __mmask16 store_parts(uint16_t* dst, size_t part_stride, __m512 x, int parts, bool round) {
+  if (parts == 1 || round) {
+    const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), hi);
+    if (parts > 1) store_bf16(dst + part_stride, _mm512_sub_ps(x, widen(hi)));
+  } else {
+    const __m512 hi = high_half(x);
+    store_bf16(dst, hi);
+    store_bf16(dst + part_stride, _mm512_sub_ps(x, hi));
+  }
+  return round ? unfit(x) : 0;
 }
 
 // ---- The products. Tiles 0 .. QB - 1 accumulate (one per 16 query lanes), 3 .. 2 + QB hold
@@ -196,9 +207,7 @@ bool split_rows(int parts, bool round, const float* src, size_t src_row, size_t 
       } else if (r < rows && c < cols) {
         x = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (cols - c)) - 1), row + c);
       }
-      const Parts s = split(x, parts, round);
-      bad |= s.bad;
-      for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + r * dst_row + c, s.part[p]);
+      bad |= store_parts(dst + r * dst_row + c, part_stride, x, parts, round);
     }
   }
   return bad == 0;
@@ -251,9 +260,7 @@ bool split_transposed(int parts, const float* src, size_t src_row, size_t rows, 
         x[l] = l < live ? _mm512_maskz_loadu_ps(columns, src + (r + l) * src_row + c) : _mm512_setzero_ps();
       transpose16(x);
       for (size_t j = 0; j < width; ++j) {
-        const Parts s = split(x[j], parts, true);
-        bad |= s.bad;
-        for (int p = 0; p < parts; ++p) store_bf16(dst + p * part_stride + (c + j) * dst_row + r, s.part[p]);
+        bad |= store_parts(dst + (c + j) * dst_row + r, part_stride, x[j], parts, true);
       }
     }
   }
@@ -265,16 +272,30 @@ bool split_pairs(int parts, bool round, const float* src, size_t src_row, size_t
   // Element 2i of a pair row is the even row's lane i, element 2i + 1 the odd row's.
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const auto store_pairs = [&](uint16_t* at, __m512 odd_part, __m512 even_part) {
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd_part, even_part));
+    _mm512_storeu_si512(at, _mm512_permutexvar_epi16(interleave, both));
+  };
   __mmask16 bad = 0;
   for (size_t x = 0; x < pairs; ++x) {
     for (size_t n = 0; n < width; n += 16) {
       const __m512 even = 2 * x < valid ? _mm512_loadu_ps(src + 2 * x * src_row + n) : _mm512_setzero_ps();
       const __m512 odd = 2 * x + 1 < valid ? _mm512_loadu_ps(src + (2 * x + 1) * src_row + n) : _mm512_setzero_ps();
-      const Parts e = split(even, parts, round), o = split(odd, parts, round);
-      bad |= e.bad | o.bad;
-      for (int p = 0; p < parts; ++p) {
-        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o.part[p], e.part[p]));
-        _mm512_storeu_si512(dst + p * part_stride + (x * width + n) * 2, _mm512_permutexvar_epi16(interleave, both));
+      uint16_t* at = dst + (x * width + n) * 2;
+      if (round || parts == 1) {
+        // hi: both rows rounded by one conversion; lo from hi widened back.
+        if (round) bad |= unfit(even) | unfit(odd);
+        const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even's in the low half
+        _mm512_storeu_si512(at, _mm512_permutexvar_epi16(interleave, hi));
+        if (parts > 1)
+          store_pairs(at + part_stride, _mm512_sub_ps(odd, widen(_mm512_maskz_extracti64x4_epi64(0xFF, hi, 1))),
+                      _mm512_sub_ps(even, widen(_mm512_maskz_extracti64x4_epi64(0xFF, hi, 0))));
+      } else {
+        // hi truncated: its bf16 is a float's high half, so the interleaved pairs are odd's high
+        // halves over even's shifted down; lo rounded.
+        _mm512_storeu_si512(at, _mm512_mask_blend_epi16(0x55555555, _mm512_castps_si512(odd),
+                                                        _mm512_maskz_srli_epi32(0xFFFF, _mm512_castps_si512(even), 16)));
+        store_pairs(at + part_stride, _mm512_sub_ps(odd, high_half(odd)), _mm512_sub_ps(even, high_half(even)));
       }
     }
   }
