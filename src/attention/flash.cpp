@@ -123,12 +123,11 @@ struct AmxLayout {
   AmxLayout() = default;
   AmxLayout(int parts, size_t br, size_t dk, size_t dv, size_t nk) {
     constexpr size_t kLine = 32;  // elements per cache line
-    const auto lines = [](size_t elements) { return (elements + kLine - 1) / kLine * kLine; };
-    dk_pad = (dk + amx::kDepth - 1) / amx::kDepth * amx::kDepth;
+    dk_pad = round_up(dk, amx::kDepth);
     // A key tile from any j0 < Nk reads Bc keys of the splits: zeros past Nk.
-    n_pad = (nk + kKeyTile - 1) / kKeyTile * kKeyTile + kKeyTile;
-    q_part = lines(dk_pad * br), p_part = lines(kKeyTile * br), k_part = lines(n_pad * dk_pad),
-    v_part = lines(dv * n_pad);
+    n_pad = round_up(nk, kKeyTile) + kKeyTile;
+    q_part = round_up(dk_pad * br, kLine), p_part = round_up(kKeyTile * br, kLine),
+    k_part = round_up(n_pad * dk_pad, kLine), v_part = round_up(dv * n_pad, kLine);
     const size_t count = static_cast<size_t>(parts);
     q = kLine, p = q + count * q_part, k = p + count * p_part, v = k + count * k_part, total = v + count * v_part;
   }
