@@ -670,6 +670,23 @@ inline Case with_precision(Case c, qkv::MatmulPrecision precision) {
   return c;
 }
 
+// The largest |a[x] - b[x]|.
+inline double largest_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double largest = 0;
+  for (size_t x = 0; x < a.size(); ++x) largest = std::max(largest, static_cast<double>(std::abs(a[x] - b[x])));
+  return largest;
+}
+
+// The AMX tiles ran: High's results differ from Highest's somewhere, by less than `bound`, and
+// Medium's by more than 4 x High's.
+inline void expect_tiles_ran(const std::vector<float>& highest, const std::vector<float>& high,
+                             const std::vector<float>& medium, double bound, const std::string& what) {
+  const double off_high = largest_difference(high, highest), off_medium = largest_difference(medium, highest);
+  EXPECT_GT(off_high, 0.0) << what << ": High gave Highest's bits, the AMX tiles did not run";
+  EXPECT_LT(off_high, bound) << what;
+  EXPECT_GT(off_medium, 4 * off_high) << what << ": Medium is no coarser than High";
+}
+
 // The relative error each operand of a product keeps at `precision`: 2^-16 for High's two bf16
 // parts, 2^-8 for Medium's one.
 inline double operand_error(qkv::MatmulPrecision precision) {

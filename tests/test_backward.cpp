@@ -583,15 +583,8 @@ TEST(Backward, LowerPrecisionTheTilesRun) {
     at.c.precision = levels[n];
     grads[n] = run_backward(qkv::detail::flash_attention_backward, at);
   }
-  for (auto member : {&GradVectors::dq, &GradVectors::dk, &GradVectors::dv}) {
-    double largest[3] = {};
-    for (int n = 1; n < 3; ++n)
-      for (size_t x = 0; x < (grads[0].*member).size(); ++x)
-        largest[n] = std::max(largest[n], static_cast<double>(std::abs((grads[n].*member)[x] - (grads[0].*member)[x])));
-    EXPECT_GT(largest[1], 0.0) << "High gave Highest's bits: the AMX tiles did not run";
-    EXPECT_LT(largest[1], 1e-2);
-    EXPECT_GT(largest[2], 4 * largest[1]) << "Medium is no coarser than High";
-  }
+  for (auto [name, member] : {std::pair{"dq", &GradVectors::dq}, {"dk", &GradVectors::dk}, {"dv", &GradVectors::dv}})
+    qkv_test::expect_tiles_ran(grads[0].*member, grads[1].*member, grads[2].*member, 1e-2, name);
 }
 
 // Where the tiles do not run the precision is only a permission: Highest's bits (dims that are
@@ -642,11 +635,8 @@ TEST(Backward, LowerPrecisionEveryProductOnTheTiles) {
   const GradVectors b = run_backward(qkv::detail::flash_attention_backward, high);
   for (auto [name, x, y] : {std::tuple{"dQ = dS K", &a.dq, &b.dq}, {"dK = dS^T Q", &a.dk, &b.dk},
                             {"dV = P'^T dO", &a.dv, &b.dv}}) {
-    double largest = 0, diff = 0;
-    for (size_t e = 0; e < x->size(); ++e) {
-      largest = std::max(largest, static_cast<double>(std::abs((*x)[e])));
-      diff = std::max(diff, static_cast<double>(std::abs((*y)[e] - (*x)[e])));
-    }
+    const double diff = qkv_test::largest_difference(*y, *x);
+    const double largest = qkv_test::largest_difference(*x, std::vector<float>(x->size(), 0.0f));
     EXPECT_GT(diff, 0.0) << name << ": Highest's bits, not the tiles'";
     EXPECT_LT(diff, 1e-4 * std::max(1.0, largest)) << name;
   }
