@@ -1,8 +1,21 @@
-// qkv::detail::sgemm (gemm.hpp): one entry point, four paths, chosen per shape class.
+// qkv::detail::sgemm (gemm.hpp): one entry point, five paths, chosen per shape class.
 //
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
-//   - A not transposed, B transposed and few rows (a Linear over a few tokens, W5's 20-row
-//     projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
+//   - x W^T (A not transposed, B transposed) whose rows are whole AVX-512 vectors, 32-64 of them
+//     with n, k >= 256, or 80-128 with n, k >= 512: TiledT, the Tiled kernel on y^T = W x^T, which
+//     broadcasts W where it is, packs x (small), keeps its sums in vectors (the Small kernel
+//     spends about a sixth of its time at k = 512 outside its loop over k, mostly adding each
+//     accumulator's lanes: perf, one thread) and writes y back from its tile. Sapphire Rapids-class Xeon, operands 64-byte aligned,
+//     TiledT's rate over the path chosen before (medians of 5 alternated rounds of 10 ms batches):
+//     two threads, NT 32, 48, 64 x 512 x 512 1.11-1.19 (over Small), x 1536 x 512 and 2048 x 512
+//     1.12-1.22, 512 x 2048 1.22-1.29, 256 x 256 1.00-1.12; 96 and 128 x 512, 1536, 2048 x 512
+//     1.07-1.20 (over oneDNN), 512 x 2048 1.18-1.33; one thread 1.09-1.36 and 0.98-1.19 on the
+//     same shapes. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows: 0.61-1.05
+//     over Small, which wastes no lanes), 256 rows (0.86-1.01 over oneDNN), 96-128 rows against
+//     n or k of 256 (0.87-0.95), n = 128 (0.94-0.99 over Small on two threads), k = 128 (0.90-0.97
+//     over oneDNN from 48 rows).
+//   - otherwise A not transposed, B transposed and few rows (a Linear over a few tokens, W5's
+//     20-row projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
 //     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs
 //     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and Small runs them on several threads. Ice
 //     Lake, NT m x n x k, after Small's register fix, oneDNN's time over Small's: two threads,
@@ -72,6 +85,14 @@ bool small_takes(int64_t m, int64_t n, int64_t k) {
 #endif
 }
 
+// Whether TiledT takes x W^T with m rows, n outputs and depth k: as this file's first comment says.
+bool tiled_transposed_takes(int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kLanes = 16;  // AVX-512's, the target of the wide panels
+  if (!tiled_gemm_has_wide_panels() || m % kLanes != 0) return false;
+  if (m >= 32 && m <= 64) return n >= 256 && k >= 256;
+  return m > 64 && m <= 128 && n >= 512 && k >= 512;
+}
+
 // Whether the Tiled kernel takes an m x n x k product: as this file's first comment says.
 bool tiled_takes(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   if (!tiled_gemm_has_wide_panels()) return false;
@@ -120,6 +141,7 @@ std::string_view to_string(GemmPath path) {
   switch (path) {
     case GemmPath::Small: return "Small";
     case GemmPath::Tiled: return "Tiled";
+    case GemmPath::TiledT: return "TiledT";
     case GemmPath::OneDnn: return "oneDNN";
     case GemmPath::OpenBlas: return "OpenBLAS";
   }
@@ -130,6 +152,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
   switch (path) {
     case GemmPath::Small: return !trans_a && trans_b;
     case GemmPath::Tiled: return true;
+    case GemmPath::TiledT: return true;
 #ifdef QKV_HAVE_DNNL
     case GemmPath::OneDnn: return true;
 #else
@@ -141,6 +164,7 @@ bool gemm_path_can_take(GemmPath path, bool trans_a, bool trans_b) {
 }
 
 GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
+  if (!trans_a && trans_b && tiled_transposed_takes(m, n, k)) return GemmPath::TiledT;
   if (!trans_a && trans_b && small_takes(m, n, k)) return GemmPath::Small;
   if (tiled_takes(trans_a, trans_b, m, n, k)) return GemmPath::Tiled;
   if (gemm_path_can_take(GemmPath::OneDnn, trans_a, trans_b)) return GemmPath::OneDnn;
@@ -171,6 +195,9 @@ void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, i
       return;
     case GemmPath::Tiled:
       tiled_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+    case GemmPath::TiledT:
+      tiled_gemm_transposed(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;
     case GemmPath::OneDnn:
 #ifdef QKV_HAVE_DNNL

@@ -6,6 +6,7 @@
 // AVX-512 core; oneDNN and qkv's own kernel pick their code from the CPU itself):
 //   Small     qkv's Highway kernel (small_gemm.hpp): A not transposed, B transposed, few rows
 //   Tiled     the fused kernels' micro-GEMM on packed panels of B (tiled_gemm.hpp): any transposes
+//   TiledT    the same kernel on the transposed product, C^T = op(B)^T op(A)^T (tiled_gemm.hpp)
 //   OneDnn    dnnl_sgemm, when qkv was built with oneDNN (QKV_HAVE_DNNL)
 //   OpenBlas  cblas_sgemm
 // docs/performance.md gives the measurements behind the choice (`qkv bench` times every path on
@@ -18,7 +19,7 @@
 
 namespace qkv::detail {
 
-enum class GemmPath { Small, Tiled, OneDnn, OpenBlas };
+enum class GemmPath { Small, Tiled, TiledT, OneDnn, OpenBlas };
 
 std::string_view to_string(GemmPath path);
 

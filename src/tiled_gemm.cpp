@@ -112,6 +112,52 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
   });
 }
 
+// A's slice for rows [r0, r0 + rows) and depth steps [x0, x0 + depth), for PanelGemm's a, a_row and
+// a_depth: in place when its rows are contiguous (broadcasts walk kTileRows rows); a transposed
+// A's depth steps are rows lda apart, copied first to rows kMaxBlockRows floats apart.
+struct ASlice {
+  const float* a;
+  size_t row, depth;
+};
+ASlice SliceOfA(bool trans_a, const float* a, size_t lda, size_t r0, size_t rows, size_t x0, size_t depth,
+                float* HWY_RESTRICT a_pack) {
+  if (!trans_a) return {a + r0 * lda + x0, lda, 1};
+  for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kMaxBlockRows);
+  return {a_pack, 1, kMaxBlockRows};
+}
+
+// Rows [r0, r0 + rows) of C' = op(A) op(B) from the packed panels, written transposed: C'(i, j)
+// goes to c[j * ldc + i] (tiled_gemm_transposed). Panel by panel, each over every depth block
+// into `tail` (rows x 4 vectors), then copied out: a column of tail is a stretch of one row of c.
+void TiledRowBlockTransposed(bool trans_a, size_t n, size_t k, const float* a, size_t lda, const float* packed,
+                             float beta, float* c, size_t ldc, size_t r0, size_t rows, float* HWY_RESTRICT tail,
+                             float* HWY_RESTRICT a_pack) {
+  const size_t lanes = hn::Lanes(DF());
+  tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
+    const size_t width = vectors * lanes;
+    for (size_t x0 = 0; x0 < k; x0 += kDepthBlock) {
+      const size_t depth = std::min(kDepthBlock, k - x0);
+      const ASlice slice = SliceOfA(trans_a, a, lda, r0, rows, x0, depth, a_pack);
+      tile_gemm::PanelGemmOf(vectors, rows, depth, slice.a, slice.row, slice.depth, packed + col * k + x0 * width,
+                             width, tail, width, x0 > 0);
+    }
+    // A column of tail is gathered a vector of rows at a time (the rows left one by one).
+    const DF df;
+    const hn::RebindToSigned<DF> di;
+    const auto offsets = hn::Mul(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(width)));
+    for (size_t j = col; j < std::min(n, col + width); ++j) {
+      float* HWY_RESTRICT out = c + j * ldc + r0;
+      const float* HWY_RESTRICT products = tail + (j - col);
+      size_t r = 0;
+      for (; r + lanes <= rows; r += lanes) {
+        const auto column = hn::GatherIndex(df, products + r * width, offsets);
+        hn::StoreU(beta == 0.0f ? column : hn::MulAdd(hn::Set(df, beta), hn::LoadU(df, out + r), column), df, out + r);
+      }
+      for (; r < rows; ++r) out[r] = beta == 0.0f ? products[r * width] : products[r * width] + beta * out[r];
+    }
+  });
+}
+
 // Rows [r0, r0 + rows) of C from the packed panels. `tail` holds rows x 4 vectors (a last
 // panel with a partial vector runs there).
 // `whole`: the columns C takes in place, those of the panels with no partial vector.
@@ -126,15 +172,9 @@ void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* 
   size_t tail_col = n, tail_width = 0;
   for (size_t x0 = 0; x0 < k; x0 += kDepthBlock) {
     const size_t depth = std::min(kDepthBlock, k - x0);
-    // A's slice: in place when its rows are contiguous (broadcasts walk kTileRows rows); a
-    // transposed A's depth steps are rows lda apart, copied first to rows kMaxBlockRows floats apart.
-    const float* a_slice = a_pack;
-    size_t a_row = 1, a_depth = kMaxBlockRows;
-    if (trans_a) {
-      for (size_t x = 0; x < depth; ++x) std::copy_n(a + (x0 + x) * lda + r0, rows, a_pack + x * kMaxBlockRows);
-    } else {
-      a_slice = a + r0 * lda + x0, a_row = lda, a_depth = 1;
-    }
+    const ASlice slice = SliceOfA(trans_a, a, lda, r0, rows, x0, depth, a_pack);
+    const float* a_slice = slice.a;
+    const size_t a_row = slice.row, a_depth = slice.depth;
     tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
       const size_t width = vectors * lanes;
       const float* panel = packed + col * k + x0 * width;
@@ -156,8 +196,9 @@ void TiledRowBlock(bool trans_a, size_t n, size_t whole, size_t k, const float* 
 
 bool WidePanels() { return kFourVectorPanels; }
 
+// C = alpha op(A) op(B) + beta C, or with c_transposed its transpose: C^T, n x m, rows ldc apart.
 void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float alpha, const float* a, size_t lda,
-               const float* b, size_t ldb, float beta, float* c, size_t ldc) {
+               const float* b, size_t ldb, float beta, float* c, size_t ldc, bool c_transposed) {
   const size_t lanes = hn::Lanes(DF());
   size_t padded = 0, whole = 0;  // the panels' columns; those of the panels with no partial vector
   tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
@@ -200,7 +241,12 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
     HWY_ALIGN float a_pack[kMaxBlockRows * kDepthBlock];  // a transposed A's slice
     const auto run = [&](int64_t block) {
       const size_t r0 = block_start(static_cast<size_t>(block)), r1 = block_start(static_cast<size_t>(block) + 1);
-      if (r1 > r0) TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, tail, a_pack);
+      if (r1 <= r0) return;
+      if (c_transposed) {
+        TiledRowBlockTransposed(trans_a, n, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, tail, a_pack);
+      } else {
+        TiledRowBlock(trans_a, n, whole, k, a, lda, packed, beta, c, ldc, r0, r1 - r0, tail, a_pack);
+      }
     };
     shares.run(omp_get_thread_num(), run);
   }
@@ -228,7 +274,15 @@ void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   HWY_DYNAMIC_DISPATCH(TiledGemm)(trans_a, trans_b, static_cast<size_t>(m), static_cast<size_t>(n),
                                   static_cast<size_t>(k), alpha, a, static_cast<size_t>(lda), b,
-                                  static_cast<size_t>(ldb), beta, c, static_cast<size_t>(ldc));
+                                  static_cast<size_t>(ldb), beta, c, static_cast<size_t>(ldc), false);
+}
+
+void tiled_gemm_transposed(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // C^T = op(B)^T op(A)^T: B in A's place (op(B)^T is B itself when trans_b), A in B's.
+  HWY_DYNAMIC_DISPATCH(TiledGemm)(!trans_b, !trans_a, static_cast<size_t>(n), static_cast<size_t>(m),
+                                  static_cast<size_t>(k), alpha, b, static_cast<size_t>(ldb), a,
+                                  static_cast<size_t>(lda), beta, c, static_cast<size_t>(ldc), true);
 }
 
 }  // namespace qkv::detail

@@ -25,7 +25,8 @@ namespace {
 using qkv::detail::GemmPath;
 using qkv_test::Random;
 
-constexpr GemmPath kAllPaths[] = {GemmPath::Small, GemmPath::Tiled, GemmPath::OneDnn, GemmPath::OpenBlas};
+constexpr GemmPath kAllPaths[] = {GemmPath::Small, GemmPath::Tiled, GemmPath::TiledT, GemmPath::OneDnn,
+                                   GemmPath::OpenBlas};
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // Written into C's padding (the columns between n and ldc): no path may touch it.
 constexpr float kPadding = -12345.0f;
@@ -130,7 +131,8 @@ TEST(Gemm, EveryPathMatchesFloat64) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
     // The Small and Tiled kernels are ours, SIMD per target (tiles, panels and sums differ): every
     // runnable target in turn; the libraries dispatch on their own (0: the CPU's choice).
-    const bool ours = path == GemmPath::Small || path == GemmPath::Tiled;
+    const bool tiled = path == GemmPath::Tiled || path == GemmPath::TiledT;
+    const bool ours = path == GemmPath::Small || tiled;
     const std::vector<int64_t> targets = ours ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
     for (int64_t target : targets) {
       std::optional<qkv_test::ForcedTarget> forced;
@@ -149,7 +151,7 @@ TEST(Gemm, EveryPathMatchesFloat64) {
             for (const auto& [m, n, k] : kShapes) {
               // 3 threads: the Tiled kernel's uneven row blocks (the same on every target), on
               // the shapes it threads; more threads than this machine's cores wait long at barriers.
-              if (threads == 3 && (path != GemmPath::Tiled || target != targets.front() ||
+              if (threads == 3 && (!tiled || target != targets.front() ||
                                    m * n * k < (int64_t{1} << 20)))
                 continue;
               const float alpha = rng.chance(0.5) ? 1.0f : static_cast<float>(rng.uniform(-2, 2));
@@ -187,7 +189,7 @@ TEST(Gemm, PathsTakeWhatTheySay) {
 #endif
 }
 
-// The choice: few rows of x W^T to Small, many rows against a head dimension or (on several
+// The choice: x W^T with rows in whole AVX-512 vectors to TiledT, other few rows of x W^T to Small, many rows against a head dimension or (on several
 // threads) of a mid-size Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else
 // OpenBLAS; and the test hook overrides it only where the forced path can take the call.
 TEST(Gemm, ChoiceAndTestHook) {
@@ -198,11 +200,28 @@ TEST(Gemm, ChoiceAndTestHook) {
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 20, 1536, 512), small_wins ? GemmPath::Small : large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 64, 64), small_wins ? GemmPath::Small : large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 65, 512, 512), large);
-  // 33-64 rows: Small where its AVX-512 tile beats oneDNN, deep products on several threads.
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(2);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 256), small_wins ? GemmPath::Small : large);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 255),
+  // TiledT (AVX-512): rows in whole vectors, 32-64 against n, k >= 256, 80-128 against n, k >= 512;
+  // each edge just past.
+  const GemmPath tiled_t = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::TiledT : large;
+  const GemmPath few_rows = small_wins ? GemmPath::Small : large;
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 512, 512), tiled_t);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 256, 256), tiled_t);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 128, 512, 512), tiled_t);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 80, 1536, 512), tiled_t);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 255, 256), few_rows);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 512, 255), few_rows);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 40, 512, 512), few_rows);  // 2.5 vectors
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 16, 512, 512), few_rows);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 144, 512, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 96, 511, 512), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 96, 512, 511), large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 64, 512, 512), large);  // x W: no TiledT
+  // 33-64 rows that TiledT leaves: Small where its AVX-512 tile beats oneDNN, deep products on
+  // several threads.
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 60, 512, 256), small_wins ? GemmPath::Small : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 60, 512, 255),
             large == GemmPath::OpenBlas ? GemmPath::Small : large);
   // ... and only where Small would thread them: too few outputs or multiply-adds run on one.
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 48, 256),
@@ -210,7 +229,7 @@ TEST(Gemm, ChoiceAndTestHook) {
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 40, 64, 256),
             large == GemmPath::OpenBlas ? GemmPath::Small : large);
   omp_set_num_threads(1);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 512, 512),
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 60, 512, 512),
             large == GemmPath::OpenBlas ? GemmPath::Small : large);
   omp_set_num_threads(threads_before);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, false, 20, 1536, 512), large);

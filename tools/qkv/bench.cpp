@@ -241,7 +241,7 @@ struct GemmRow {
 };
 
 // Each path's GFLOP/s on one shape: the best of 3 batches of calls, each batch at least ~20 ms.
-// The OpenMP paths (oneDNN, Small, Tiled) take turns batch by batch, so that a busy moment of a
+// The OpenMP paths (oneDNN, Small, Tiled, TiledT) take turns batch by batch, so that a busy moment of a
 // shared machine falls on all of them rather than on one; OpenBLAS, whose threads would spin
 // beside theirs, runs its batches last, then is let sleep.
 constexpr int kGemmBatches = 3;
@@ -250,7 +250,7 @@ std::vector<std::pair<GemmPath, double>> time_gemm_paths(const GemmClass& g, con
   const int64_t lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
   const double flops = 2.0 * static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
   std::vector<std::pair<GemmPath, double>> out;
-  for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::OpenBlas})
+  for (GemmPath path : {GemmPath::OneDnn, GemmPath::Small, GemmPath::Tiled, GemmPath::TiledT, GemmPath::OpenBlas})
     if (detail::gemm_path_can_take(path, g.trans_a, g.trans_b)) out.emplace_back(path, 0.0);
   const auto call = [&](GemmPath path) {
     detail::sgemm_on(path, g.trans_a, g.trans_b, g.m, g.n, g.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(),
@@ -746,18 +746,18 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
                                         : "no AMX here: float32 too");
   if (!env.gemm.empty()) {
     fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
-    fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m", "n",
-               "k", "OpenBLAS", "oneDNN", "Small", "Tiled", "chosen", "x best", "x sgemm");
+    fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m",
+               "n", "k", "OpenBLAS", "oneDNN", "Small", "Tiled", "TiledT", "chosen", "x best", "x sgemm");
     for (const GemmRow& g : env.gemm) {
       const auto rate = [&](GemmPath path) -> std::string {
         for (const auto& [p, r] : g.gflops)
           if (p == path) return short_number(r);
         return "-";
       };
-      fmt::print("{:<32} {}{} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", g.shape->name,
+      fmt::print("{:<32} {}{} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", g.shape->name,
                  g.shape->trans_a ? "T" : "N", g.shape->trans_b ? "T" : "N", g.shape->m, g.shape->n, g.shape->k,
                  rate(GemmPath::OpenBlas), rate(GemmPath::OneDnn), rate(GemmPath::Small), rate(GemmPath::Tiled),
-                 detail::to_string(g.chosen), fixed(g.chosen_gflops() / g.best_gflops(), 2),
+                 rate(GemmPath::TiledT), detail::to_string(g.chosen), fixed(g.chosen_gflops() / g.best_gflops(), 2),
                  fixed(g.chosen_gflops() / env.sgemm(), 2));
     }
     fmt::print("\n");
