@@ -691,9 +691,23 @@ TEST(Backward, LowerPrecisionNonFiniteValues) {
   for (int64_t x = 0; x < s.dv; ++x) grad_huge.at({0, 1, 80, x}) = 1e19f;
   Case huge_highest = huge;
   huge_highest.precision = qkv::MatmulPrecision::Highest;
+  // And an lse that its caller got wrong, 100 below query 40's true one: its P' overflows to inf,
+  // which the weights' truncated parts would hold as inf and inf - inf = NaN (float32: inf).
+  Case low = with_precision(make_case(rng, s, MaskKind::None, 1.0, 0.0f), qkv::MatmulPrecision::High);
+  Case low_highest = low;
+  low_highest.precision = qkv::MatmulPrecision::Highest;
+  auto with_low_lse = [&](const Case& c) {
+    const AttentionOptions options = options_of(c, Backend::Flash);
+    AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options);
+    forward.lse = forward.lse.clone();
+    forward.lse.at({0, 0, 40}) -= 100.0f;
+    forward.row_max = Tensor(), forward.row_sum = Tensor();  // the weights from lse alone
+    return qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options);
+  };
   for (const auto& [what, lower, exact] :
        {std::tuple{"NaN in Q, inf in dO", gradients(seen, grad_seen), gradients(highest, grad_seen)},
-        {"dP overflowing in one pair", gradients(huge, grad_huge), gradients(huge_highest, grad_huge)}}) {
+        {"dP overflowing in one pair", gradients(huge, grad_huge), gradients(huge_highest, grad_huge)},
+        {"P' overflowing: an lse too low", with_low_lse(low), with_low_lse(low_highest)}}) {
     int64_t non_finite = 0;
     for (auto [name, a, b] : {std::tuple{"dq", &lower.dq, &exact.dq}, {"dk", &lower.dk, &exact.dk},
                               {"dv", &lower.dv, &exact.dv}}) {

@@ -64,9 +64,12 @@ namespace {
 // ---- Splitting float32 into bf16 parts. For K, V, Qt and dS (`round`): hi = x rounded to the
 // nearest bf16, lo = x - hi (exact in float32, |lo| <= 2^-9 |x|), rounded to nearest again when
 // stored; for P (the weights, split per tile, where speed matters): hi = x with its low 16 bits
-// cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. The rounded splits
-// report the lanes the parts cannot hold (`unfit`): NaN, +-inf, and finite values that round to
-// inf in bf16; the kernels then keep that work to float32.
+// cleared, |lo| < 2^-7 |x|. With one part (Medium) x is rounded to nearest. The splits report
+// the lanes the parts cannot hold (`unfit`): NaN, +-inf, and finite values that round to inf in
+// bf16; the kernels then keep that work to float32. All but the forward's P pairs, which the
+// kernel computes itself in [0, 1] from a running max: the backward's P'^T comes from an lse
+// its caller passes, and one far below the true one gives P' = inf, whose truncated parts would
+// be inf and inf - inf = NaN where float32 gives inf.
 
 // bf16 -> float32 (the maskz forms: GCC 12 warns that the unmasked ones read an undefined vector).
 inline __m512 widen(__m256i bf16) {
@@ -84,7 +87,7 @@ inline void store_bf16(uint16_t* dst, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 }
 // x's parts stored as bf16 at dst and dst + part_stride, hi converted once (split_rows,
-// split_transposed); returns the lanes the parts cannot hold (none checked when truncating).
+// split_transposed); returns the lanes the parts cannot hold.
 inline __mmask16 store_parts(uint16_t* dst, size_t part_stride, __m512 x, int parts, bool round) {
   if (parts == 1 || round) {
     const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
@@ -95,7 +98,7 @@ inline __mmask16 store_parts(uint16_t* dst, size_t part_stride, __m512 x, int pa
     store_bf16(dst, hi);
     store_bf16(dst + part_stride, _mm512_sub_ps(x, hi));
   }
-  return round ? unfit(x) : 0;
+  return unfit(x);
 }
 
 // ---- The products. Tiles 0 .. QB - 1 accumulate (one per 16 query lanes), 3 .. 2 + QB hold

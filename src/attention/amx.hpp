@@ -45,7 +45,7 @@ void release();
 //
 // dst[part][r][c] (rows dst_row apart, parts part_stride apart) for r < rows_pad, c < cols_pad:
 // the parts of src[r][c] (rows src_row apart) for r < rows, c < cols; zero elsewhere. `round`:
-// hi rounded to nearest, else truncated (the weights, as split_pairs; its check is skipped, true).
+// hi rounded to nearest, else truncated (the backward's weights P'^T; checked all the same).
 bool split_rows(int parts, bool round, const float* src, size_t src_row, size_t rows, size_t cols, uint16_t* dst,
                 size_t dst_row, size_t rows_pad, size_t cols_pad, size_t part_stride);
 // dst[part][c][r] (rows dst_row apart) for c < cols, r < rows_pad (a multiple of 16): src

@@ -418,7 +418,8 @@ bool SplitQueryTile(const AttentionProblem& p, const QueryRows& query_rows, size
 
 // A (cols, Br) tile of the pair (P'^T or dS^T) split into rows for the AMX products whose depth
 // is the queries (dV, dK): whole blocks of 16 keys, zero past cols and past Br. `round` as
-// amx::split_rows: the weights P'^T are truncated (as the forward's P), dS^T rounded and checked.
+// amx::split_rows: the weights P'^T are truncated (as the forward's P), dS^T rounded; both
+// checked (P' is inf where the caller's lse is far below the true one: dV goes float32 there).
 bool SplitTileRows(bool round, const float* tile, size_t cols, size_t br, const AmxTiles& amx) {
   const flash_backward::AmxLayout& at = *amx.at;
   return amx::split_rows(amx.parts, round, tile, br, cols, br, amx(at.tile_rows), at.br_pad, round_up(cols, amx::kRows),
