@@ -2,15 +2,17 @@
 //
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - x W^T (A not transposed, B transposed) whose rows are whole AVX-512 vectors, 32-64 of them
-//     with n, k >= 256, or 80-128 with n, k >= 512: TiledT, the Tiled kernel on y^T = W x^T, which
-//     broadcasts W where it is, packs x (small), keeps its sums in vectors (the Small kernel
-//     spends about a sixth of its time at k = 512 outside its loop over k, mostly adding each
-//     accumulator's lanes: perf, one thread) and writes y back from its tile. Sapphire Rapids-class Xeon, operands 64-byte aligned,
-//     TiledT's rate over the path chosen before (medians of 5 alternated rounds of 10 ms batches):
+//     with n, k >= 256, or 80-128 with n, k >= 512: TiledT, the Tiled kernel on y^T = W x^T,
+//     which broadcasts W where it is, packs x (small), keeps its sums in vectors (the Small
+//     kernel spends about a fifth of its time at k = 512 outside its loop over k, mostly adding
+//     each accumulator's lanes: perf, one thread) and writes y back from its tile. Sapphire
+//     Rapids-class Xeon, operands 64-byte aligned, TiledT's rate over the path chosen before
+//     (medians of 5 alternated rounds of 10 ms batches):
 //     two threads, NT 32, 48, 64 x 512 x 512 1.11-1.19 (over Small), x 1536 x 512 and 2048 x 512
 //     1.12-1.22, 512 x 2048 1.22-1.29, 256 x 256 1.00-1.12; 96 and 128 x 512, 1536, 2048 x 512
-//     1.07-1.20 (over oneDNN), 512 x 2048 1.18-1.33; one thread 1.09-1.36 and 0.98-1.19 on the
-//     same shapes. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows: 0.61-1.05
+//     1.07-1.20 (over oneDNN), 512 x 2048 1.18-1.33; 80 and 112 rows alike; one thread 1.09-1.36
+//     and 0.98-1.19 on the same shapes, and 1.19-1.31 over OpenBLAS (the choice without oneDNN)
+//     from 80 rows. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows: 0.61-1.05
 //     over Small, which wastes no lanes), 256 rows (0.86-1.01 over oneDNN), 96-128 rows against
 //     n or k of 256 (0.87-0.95), n = 128 (0.94-0.99 over Small on two threads), k = 128 (0.90-0.97
 //     over oneDNN from 48 rows).

@@ -5,7 +5,10 @@
 // own copy of small panels; larger ones the threads pack together, each a range of depth steps.
 // Then the threads take blocks of A's rows; a block runs every panel over a block of depth at a
 // time (kDepthBlock: a panel's slice and the rows' slice of A stay in L1). Whole panels write C in
-// place; a last panel with a partial vector runs into scratch and is copied.
+// place; a last panel with a partial vector runs into scratch and is copied. tiled_gemm_transposed
+// (TiledT) runs the transposed product: each panel into that scratch over all of its depth, then
+// copied out transposed, so the rows' slice of A (W) is read again for each panel (one panel up to
+// 64 rows of x, the most TiledT's rule gives it; three at 128).
 //
 // Highway's foreach_target re-includes this file once per SIMD target; the exported entry point
 // lives in the HWY_ONCE part below.

@@ -1,5 +1,5 @@
 // qkv::detail::sgemm (src/gemm.hpp), the library's one GEMM entry point outside the fused kernels:
-// every path it can take (Small, Tiled, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
+// every path it can take (Small, Tiled, TiledT, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
 // shapes, every transpose the path takes, padded leading dimensions, alpha and beta, outputs
 // poisoned; then its callers (nn::Linear, the reference kernel forward and backward) run on each
 // path through the test hook.
@@ -112,13 +112,15 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 // fewer rows, 30 x 200 x 200) and depth blocks (128) meet their ends in the last rows; on
 // one thread 137 rows make blocks of 48, 40 and 49 (longer than 48: a transposed A's copy and the
 // tail scratch hold up to 56); on 3 threads, 7 x 400 x 400 splits its rows into [0, 0), [0, 7)
-// and [7, 7).
+// and [7, 7). TiledT runs the same kernel on the transposed product, so there n is the rows of
+// its blocks: 400 x 7 x 400 gives it the empty blocks.
 const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
     {2, 6, 19}, {3, 7, 21}, {4, 10, 33}, {8, 5, 18}, {9, 14, 37}, {6, 6, 20}, {11, 7, 13}, {13, 10, 9},
     {4, 5, 24}, {14, 11, 30}, {1, 3, 40}, {2, 7, 12}, {7, 5, 22},
     {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0},
-    {100, 64, 150}, {61, 83, 131}, {49, 16, 300}, {30, 200, 200}, {7, 400, 400}, {97, 45, 260}, {137, 33, 130}};
+    {100, 64, 150}, {61, 83, 131}, {49, 16, 300}, {30, 200, 200}, {7, 400, 400}, {400, 7, 400},
+    {97, 45, 260}, {137, 33, 130}};
 
 TEST(Gemm, EveryPathMatchesFloat64) {
   Random rng;
@@ -129,7 +131,7 @@ TEST(Gemm, EveryPathMatchesFloat64) {
   const int threads_before = omp_get_max_threads();
   for (GemmPath path : built_paths()) {
     SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
-    // The Small and Tiled kernels are ours, SIMD per target (tiles, panels and sums differ): every
+    // The Small and Tiled (and TiledT) kernels are ours, SIMD per target (tiles, panels and sums differ): every
     // runnable target in turn; the libraries dispatch on their own (0: the CPU's choice).
     const bool tiled = path == GemmPath::Tiled || path == GemmPath::TiledT;
     const bool ours = path == GemmPath::Small || tiled;
@@ -170,7 +172,7 @@ TEST(Gemm, EveryPathMatchesFloat64) {
   omp_set_num_threads(threads_before);
 }
 
-// The Small path takes A not transposed and B transposed only; Tiled and OpenBLAS every
+// The Small path takes A not transposed and B transposed only; Tiled, TiledT and OpenBLAS every
 // transpose; oneDNN exactly when built in.
 TEST(Gemm, PathsTakeWhatTheySay) {
   EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::Small, false, true));
@@ -181,6 +183,7 @@ TEST(Gemm, PathsTakeWhatTheySay) {
     for (bool tb : {false, true}) {
       EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OpenBlas, ta, tb));
       EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::Tiled, ta, tb));
+      EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::TiledT, ta, tb));
     }
 #ifdef QKV_HAVE_DNNL
   EXPECT_TRUE(qkv::detail::gemm_path_can_take(GemmPath::OneDnn, true, false));
@@ -189,9 +192,10 @@ TEST(Gemm, PathsTakeWhatTheySay) {
 #endif
 }
 
-// The choice: x W^T with rows in whole AVX-512 vectors to TiledT, other few rows of x W^T to Small, many rows against a head dimension or (on several
-// threads) of a mid-size Linear to Tiled (on AVX-512), the rest to oneDNN when built in, else
-// OpenBLAS; and the test hook overrides it only where the forced path can take the call.
+// The choice: x W^T with rows in whole AVX-512 vectors to TiledT, its other few rows to Small,
+// many rows against a head dimension or (on several threads) of a mid-size Linear to Tiled (on
+// AVX-512), the rest to oneDNN when built in, else OpenBLAS; and the test hook overrides it only
+// where the forced path can take the call.
 TEST(Gemm, ChoiceAndTestHook) {
   const GemmPath large = qkv::detail::gemm_path_can_take(GemmPath::OneDnn, false, false) ? GemmPath::OneDnn
                                                                                            : GemmPath::OpenBlas;
@@ -203,13 +207,13 @@ TEST(Gemm, ChoiceAndTestHook) {
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(2);
   // TiledT (AVX-512): rows in whole vectors, 32-64 against n, k >= 256, 80-128 against n, k >= 512;
-  // each edge just past.
-  const GemmPath tiled_t = qkv::detail::tiled_gemm_has_wide_panels() ? GemmPath::TiledT : large;
+  // each edge just past. Where TiledT is not built for the target, 32-64 rows are Small's rule's.
+  const bool wide = qkv::detail::tiled_gemm_has_wide_panels();
   const GemmPath few_rows = small_wins ? GemmPath::Small : large;
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 512, 512), tiled_t);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 256, 256), tiled_t);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 128, 512, 512), tiled_t);
-  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 80, 1536, 512), tiled_t);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 512, 512), wide ? GemmPath::TiledT : few_rows);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 64, 256, 256), wide ? GemmPath::TiledT : few_rows);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 128, 512, 512), wide ? GemmPath::TiledT : large);
+  EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 80, 1536, 512), wide ? GemmPath::TiledT : large);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 255, 256), few_rows);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 32, 512, 255), few_rows);
   EXPECT_EQ(qkv::detail::choose_gemm_path(false, true, 40, 512, 512), few_rows);  // 2.5 vectors
