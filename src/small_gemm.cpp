@@ -34,7 +34,7 @@ using VF = hn::Vec<DF>;
 // (W5's 20 rows are 5 tiles of 4; 3 x 3 left 2 rows to 1 x 3 tiles, 3 accumulators that wait on
 // the FMA latency: W5 on AVX2 took 0.87-0.89 x the time with 4 x 3, in-process A/B).
 #undef QKV_SMALL_GEMM_WIDE_TILE  // once per target
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3_ZEN4
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
 #define QKV_SMALL_GEMM_WIDE_TILE 1
 constexpr size_t kRows = 5, kOutputs = 4;
 constexpr bool kWideTile = true;

@@ -183,7 +183,7 @@ using tile_gemm::AllFinite;
 // Register tiles. AVX-512 has 32 vector registers: scores 4 x 4 = 16 accumulators + 4 K + 4 Q
 // loads = 24; values 4 x 4 = 16 accumulators + 4 V loads + 1 broadcast = 21. The 16-register
 // targets halve the rows: 8 + 4 + 2 = 14 and 8 + 4 + 1 = 13.
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
 constexpr size_t kScoreRows = 4;
 constexpr size_t kValueRows = 4;
 #else

@@ -34,7 +34,7 @@ using VF = hn::Vec<DF>;
 // keep both FMA pipes busy. AVX-512 has 32 vector registers: 8 x 3 = 24 accumulators + 3 B
 // loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1. (Measured on Zen 5,
 // 6 x 4 and 12 x 2 ran within noise of 8 x 3.)
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
 constexpr size_t kTileRows = 8;
 #else
 constexpr size_t kTileRows = 4;
