@@ -12,10 +12,10 @@
 //     1.12-1.22, 512 x 2048 1.22-1.29, 256 x 256 1.00-1.12; 96 and 128 x 512, 1536, 2048 x 512
 //     1.07-1.20 (over oneDNN), 512 x 2048 1.18-1.33; 80 and 112 rows alike; one thread 1.09-1.36
 //     and 0.98-1.19 on the same shapes, and 1.19-1.31 over OpenBLAS (the choice without oneDNN)
-//     from 80 rows. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows: 0.61-1.05
-//     over Small, which wastes no lanes), 256 rows (0.86-1.01 over oneDNN), 96-128 rows against
-//     n or k of 256 (0.87-0.95), n = 128 (0.94-0.99 over Small on two threads), k = 128 (0.90-0.97
-//     over oneDNN from 48 rows).
+//     from 80 rows. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows:
+//     0.61-1.05 over Small, which wastes no lanes), 256 rows (0.86-1.01 over oneDNN), 96-128 rows
+//     against n or k of 256 (0.87-0.95), n = 128 (0.94-0.99 over Small on two threads), k = 128
+//     (0.90-0.97 over oneDNN from 48 rows).
 //   - otherwise A not transposed, B transposed and few rows (a Linear over a few tokens, W5's
 //     20-row projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
 //     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs

@@ -21,10 +21,11 @@ void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // The same product computed as its transpose, C^T = op(B)^T op(A)^T, on the same kernel (the
-// "tiled-transposed" path): B's rows are broadcast in place and op(A) is packed. For x W^T with
-// a few dozen rows x (m), W is read where it is and x, small, is what gets packed, where
-// tiled_gemm packs all of W. C is written back from the kernel's tile, a column of the tile to a
-// stretch of a row of C. Same semantics and requirements as tiled_gemm.
+// "tiled-transposed" path): B's elements are broadcast (in place when trans_b, as a Linear's W;
+// else copied a slice at a time, as tiled_gemm copies a transposed A) and op(A) is packed. For
+// x W^T with a few dozen rows x (m), W is read where it is and x, small, is what gets packed,
+// where tiled_gemm packs all of W. C is written back from the kernel's tile, a column of the tile
+// to a stretch of a row of C. Same semantics and requirements as tiled_gemm.
 void tiled_gemm_transposed(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
