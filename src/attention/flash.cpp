@@ -54,6 +54,7 @@
 #ifndef QKV_ATTENTION_FLASH_ONCE
 #define QKV_ATTENTION_FLASH_ONCE
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "attention/amx.hpp"
@@ -253,15 +255,46 @@ bool AmxSplitKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t need,
   return held->fits != 0;
 }
 
+// The lines (keys) of a key tile each query vector's products run on, on the causal diagonal:
+// trim[v] = the line from which the band hides every query of vector v (BandHidesVectorFrom), so
+// vectors v, ..., V - 1 run on lines [trim[v - 1], trim[v]) (trim[-1] = 0, trim[V - 1] = cols):
+// S^T = K Qt does not compute what the mask overwrites with -inf, and Ot += V^T P^T does not add
+// the zero weights. A diagonal tile of W0 (48 queries, 3 vectors) skips two thirds of its
+// hidden half. Only for tiles of consecutive keys and queries whose mask is the band and the rule
+// (which hide, never show): an additive term could make a hidden pair's weight NaN (+inf + -inf),
+// which the float32 product carries into O.
+template <size_t V>
+std::array<size_t, V> DiagonalTrim(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t i0,
+                                   int64_t j0, size_t cols) {
+  std::array<size_t, V> trim;
+  trim.fill(cols);
+  if (!mask.band || walk.key_step != 1 || walk.query_step != 1 || walk.residue || !p.terms.empty()) return trim;
+  for (size_t v = 0; v + 1 < V; ++v) trim[v] = step::BandHidesVectorFrom(p, i0, j0, v, cols);
+  return trim;
+}
+
+// f(width, skip, begin, end) for each run of lines of a trimmed tile (DiagonalTrim): lines
+// [begin, end) of the last `width` = V - skip vectors (width a std::integral_constant, for the
+// micro-GEMM's template), the first run (all V vectors) even when empty.
+template <size_t V, size_t Skip = 0, class F>
+void ForEachTrimmedRun(const std::array<size_t, V>& trim, const F& f) {
+  if constexpr (Skip < V) {
+    const size_t begin = Skip == 0 ? 0 : trim[Skip - 1];
+    if (Skip == 0 || trim[Skip] > begin) f(std::integral_constant<size_t, V - Skip>(), Skip, begin, trim[Skip]);
+    ForEachTrimmedRun<V, Skip + 1>(trim, f);
+  }
+}
+
 // One key tile (cols keys from j0) of a query tile (V vectors of queries from i0, `rows` real):
 // scores, modifiers and mask, the online softmax update, dropout, and Ot += V^T P^T.
 template <size_t V>
 void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
                   int64_t j0, size_t cols, const TileMask& mask, const Scratch& w) {
-  const size_t br = V * hn::Lanes(DF());
+  const size_t lanes = hn::Lanes(DF()), br = V * lanes;
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t g = p.kv_head_of(h);
   const KvTile kv = LoadKvTile(p, b, g, j0, walk.key_step, cols, w);
+  const std::array<size_t, V> trim = DiagonalTrim<V>(p, walk, mask, i0, j0, cols);
   const float* HWY_RESTRICT k_tile = kv.k;
   const float* HWY_RESTRICT v_tile = kv.v;
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };
@@ -279,7 +312,12 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
                  amx_at->k_part, (cols + amx::kRows - 1) / amx::kRows, w.amx + amx_at->q, amx_at->q_part,
                  amx_at->dk_pad / amx::kDepth, br, w.scores, br, false);
   } else {
-    PanelGemm<V, true>(cols, dk, k_tile, static_cast<size_t>(kv.k_stride), 1, w.q_t, br, w.scores, br, false);
+    const size_t k_stride = static_cast<size_t>(kv.k_stride);
+    ForEachTrimmedRun(trim, [&](auto width, size_t skip, size_t begin, size_t end) {
+      PanelGemm<decltype(width)::value, true>(end - begin, dk, k_tile + begin * k_stride, k_stride, 1,
+                                              w.q_t + skip * lanes, br, w.scores + begin * br + skip * lanes, br,
+                                              false);
+    });
   }
   // 2. Softcap on the whole tile, then ALiBi and the mask (TileLogits: the band for the whole
   // tile at once, the rest one key line over the tile's queries at a time).
@@ -307,8 +345,14 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
     amx::product(p.amx_parts, w.amx + amx_at->v + j0, amx_at->n_pad, amx_at->v_part, dv / amx::kRows,
                  w.amx + amx_at->p, amx_at->p_part, key_steps, br, w.out_t, br, true);
   } else {
-    PanelGemm<V, true>(dv, cols, v_tile, 1, static_cast<size_t>(kv.v_stride), w.scores, br, w.out_t, br, true,
-                       max_grew ? w.correction : nullptr);
+    const size_t v_stride = static_cast<size_t>(kv.v_stride);
+    ForEachTrimmedRun(trim, [&](auto width, size_t skip, size_t begin, size_t end) {
+      const float* rescale = skip == 0 && max_grew ? w.correction : nullptr;  // all V vectors, once
+      if (end > begin || rescale)
+        PanelGemm<decltype(width)::value, true>(dv, end - begin, v_tile + begin * v_stride, 1, v_stride,
+                                                w.scores + begin * br + skip * lanes, br, w.out_t + skip * lanes,
+                                                br, true, rescale);
+    });
   }
 }
 

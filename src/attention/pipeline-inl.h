@@ -283,14 +283,16 @@ HWY_INLINE void Alibi(const AttentionProblem& p, const Line& line, float* HWY_RE
 // Rapids-class core, qkv_step_benchmark's Step/MaskCausal, alternated).
 HWY_INLINE int64_t FloorDiv(int64_t a, int64_t q) { return a >= 0 ? a / q : -((-a + q - 1) / q); }
 
+// Band edges within +-2^61 (Mask's unbounded is 2^60), so that j - i0 - edge cannot overflow.
+constexpr int64_t kBandEdgeFar = int64_t{1} << 61;
+
 HWY_INLINE void MaskBandLines(const AttentionProblem& p, int64_t b, int64_t i0, int64_t q, int64_t j0,
                               int64_t key_step, float* HWY_RESTRICT s, size_t br, size_t lines) {
   const DF df;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df)), count = static_cast<int64_t>(br);
   const VF minus_inf = hn::Set(df, kMinusInf);
   const int64_t key_length = p.key_lengths[static_cast<size_t>(b)];
-  // Edges within +-2^61 (Mask's unbounded is 2^60), so that j - i0 - edge cannot overflow.
-  constexpr int64_t kFar = int64_t{1} << 61;
+  constexpr int64_t kFar = kBandEdgeFar;
   const int64_t hi = std::clamp(p.band_hi, -kFar, kFar), lo = std::clamp(p.band_lo, -kFar, kFar);
   for (size_t l = 0; l < lines; ++l) {
     const int64_t key = j0 + static_cast<int64_t>(l) * key_step, from_i0 = key - i0;
@@ -312,6 +314,18 @@ HWY_INLINE void MaskBandLines(const AttentionProblem& p, int64_t b, int64_t i0, 
       hn::BlendedStore(minus_inf, hn::Not(seen), df, line + x);
     }
   }
+}
+
+// The first line of a tile of consecutive keys (from j0) and queries (from i0, in lanes) from
+// which the band hides every lane of query vector v, as MaskBandLines decides (a vector whose
+// lanes all lie before the first visible one: key j >= i0 + band_hi + (v + 1) lanes), clamped to
+// [0, lines). On the causal diagonal the products may skip vector v's lines from there on: the
+// mask stores -inf in them whatever the scores held, and their weights are 0.
+HWY_INLINE size_t BandHidesVectorFrom(const AttentionProblem& p, int64_t i0, int64_t j0, size_t v, size_t lines) {
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(DF()));
+  const int64_t hi = std::clamp(p.band_hi, -kBandEdgeFar, kBandEdgeFar);
+  return static_cast<size_t>(
+      std::clamp<int64_t>(i0 + hi + static_cast<int64_t>(v + 1) * lanes - j0, 0, static_cast<int64_t>(lines)));
 }
 
 // One line of n floats (whole vectors): a line of one key over queries as above, any other
