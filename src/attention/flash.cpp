@@ -255,25 +255,7 @@ bool AmxSplitKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t need,
   return held->fits != 0;
 }
 
-// The lines (keys) of a key tile each query vector's products run on, on the causal diagonal:
-// trim[v] = the line from which the band hides every query of vector v (BandHidesVectorFrom), so
-// vectors v, ..., V - 1 run on lines [trim[v - 1], trim[v]) (trim[-1] = 0, trim[V - 1] = cols):
-// S^T = K Qt does not compute what the mask overwrites with -inf, and Ot += V^T P^T does not add
-// the zero weights. A diagonal tile of W0 (48 queries, 3 vectors) skips two thirds of its
-// hidden half. Only for tiles of consecutive keys and queries whose mask is the band and the rule
-// (which hide, never show): an additive term could make a hidden pair's weight NaN (+inf + -inf),
-// which the float32 product carries into O.
-template <size_t V>
-std::array<size_t, V> DiagonalTrim(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t i0,
-                                   int64_t j0, size_t cols) {
-  std::array<size_t, V> trim;
-  trim.fill(cols);
-  if (!mask.band || walk.key_step != 1 || walk.query_step != 1 || walk.residue || !p.terms.empty()) return trim;
-  for (size_t v = 0; v + 1 < V; ++v) trim[v] = step::BandHidesVectorFrom(p, i0, j0, v, cols);
-  return trim;
-}
-
-// f(width, skip, begin, end) for each run of lines of a trimmed tile (DiagonalTrim): lines
+// f(width, skip, begin, end) for each run of lines of a trimmed tile (step::DiagonalTrim): lines
 // [begin, end) of the last `width` = V - skip vectors (width a std::integral_constant, for the
 // micro-GEMM's template), the first run (all V vectors) even when empty.
 template <size_t V, size_t Skip = 0, class F>
@@ -294,7 +276,10 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, int64_t b, int64_
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
   const int64_t g = p.kv_head_of(h);
   const KvTile kv = LoadKvTile(p, b, g, j0, walk.key_step, cols, w);
-  const std::array<size_t, V> trim = DiagonalTrim<V>(p, walk, mask, i0, j0, cols);
+  // The causal diagonal: both products skip the query vectors the band hides (step::DiagonalTrim).
+  // A diagonal tile of W0 (48 queries, 3 vectors) skips two thirds of its hidden half.
+  std::array<size_t, V> trim;
+  step::DiagonalTrim(p, walk, mask, i0, j0, cols, V, trim.data());
   const float* HWY_RESTRICT k_tile = kv.k;
   const float* HWY_RESTRICT v_tile = kv.v;
   auto line = [&](size_t j) { return step::Line{b, h, i0, j0 + static_cast<int64_t>(j) * walk.key_step, walk.query_step, 0}; };

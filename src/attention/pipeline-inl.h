@@ -12,6 +12,9 @@
 //   mask                 MaskBand, MaskRuleStep, MaskTerms   the same
 //                        (flash: TileLogits, a tile's band
 //                        at once with MaskBandLines)
+//   diagonal trim        DiagonalTrim: the lines each query  not used (measured within noise
+//                        vector of a diagonal tile needs     on W2-bwd)
+//                        (flash's two products)
 //   softmax              online: *SoftmaxUpdate*             RecomputeWeights from row stats
 //   dropout              Dropout on P                        Dropout on P and on dP
 //   accumulate           O += P V (GEMM, or skipping zeros   dV, dS, dK, dQ
@@ -530,6 +533,22 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
   if (band) MaskBand(p, line, s, n);
   if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
   MaskTerms(p, line, s, count);
+}
+
+// Step "diagonal trim": the lines (keys) of a tile each query vector's products need, on the
+// causal diagonal. trim[v] (v < vectors) = the line from which the band hides every query of
+// vector v (BandHidesVectorFrom; trim[vectors - 1] = lines), so vectors v, ..., vectors - 1 run
+// on lines [trim[v - 1], trim[v]) (trim[-1] = 0): the products that make scores need not compute
+// what the mask overwrites with -inf, and those that take weights or dS need not add their zeros.
+// Only for tiles of consecutive keys and queries whose mask is the band and the rule (which hide,
+// never show): an additive term could make a hidden pair's weight NaN (+inf + -inf), which the
+// float32 products carry on. Returns whether any vector is trimmed.
+HWY_INLINE bool DiagonalTrim(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t i0, int64_t j0,
+                             size_t lines, size_t vectors, size_t* HWY_RESTRICT trim) {
+  std::fill_n(trim, vectors, lines);
+  if (!mask.band || walk.key_step != 1 || walk.query_step != 1 || walk.residue || !p.terms.empty()) return false;
+  for (size_t v = 0; v + 1 < vectors; ++v) trim[v] = BandHidesVectorFrom(p, i0, j0, v, lines);
+  return trim[0] < lines;
 }
 
 // ALiBi and mask on a tile of key lines (flash's and its backward's; softcap ran on the whole
