@@ -148,7 +148,8 @@ TEST(MatmulPrecision, NonFiniteOperandsAsHighest) {
   SCOPED_TRACE(rng.note());
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   for (MatmulPrecision precision : {MatmulPrecision::High, MatmulPrecision::Medium}) {
-    // Each value in a head of its own (a head meeting one keeps to float32 from there on).
+    // Each value in a head of its own (a head keeps its key tiles from the one holding it on to
+    // float32).
     Case c = qkv_test::make_case(rng, {1, 4, 4, 150, 150, 64, 64}, MaskKind::Causal, 1.0, 0.0f);
     const double bound = 4 * operand_error(precision) * (1 + max_abs_product_sum(c));
     const auto at = [](int64_t head, int64_t row, int64_t d) { return (head * 150 + row) * 64 + d; };
@@ -170,6 +171,43 @@ TEST(MatmulPrecision, NonFiniteOperandsAsHighest) {
       }
     }
     EXPECT_GT(non_finite, 0);
+  }
+}
+
+// Whether a key tile runs on AMX tiles depends on the keys alone: with a hidden key of NaN at key
+// 300, the tiles from key 256 on keep to float32 whichever worker meets them, so 1 and 2 threads
+// (which deal the head's query tiles differently) give the same bits. A worker used to keep a
+// head to float32 from its first bad key on, for every later query tile too: on 2 threads the
+// worker starting mid-head ran the early key tiles of its first query tile on AMX tiles, where 1
+// thread, which had met the bad key in an earlier query tile, did not.
+TEST(MatmulPrecision, TheSameBitsOnAnyThreads) {
+  QKV_SKIP_WITHOUT_AMX();
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int threads_before = omp_get_max_threads();
+  for (MatmulPrecision precision : {MatmulPrecision::High, MatmulPrecision::Medium}) {
+    Case c = with_precision(qkv_test::make_case(rng, {1, 1, 1, 300, 400, 64, 64}, MaskKind::None, 1.0, 0.0f),
+                            precision);
+    std::vector<float> keep(300 * 400, 1.0f);
+    for (int64_t i = 0; i < 300; ++i) keep[static_cast<size_t>(i * 400 + 300)] = 0.0f;
+    c.mask = qkv::Mask::keep(Tensor::from(keep, Shape{300, 400}));
+    for (int64_t d = 0; d < 64; ++d) {
+      c.k.data()[300 * 64 + d] = std::numeric_limits<float>::quiet_NaN();
+      c.v.data()[300 * 64 + d] = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::vector<KernelOutputs> runs(3);
+    for (size_t run = 0; run < runs.size(); ++run) {
+      omp_set_num_threads(run == 0 ? 1 : 2);
+      qkv::detail::flash_attention(qkv_test::problem_of(c, runs[run]));
+    }
+    omp_set_num_threads(threads_before);
+    EXPECT_TRUE(std::all_of(runs[0].output.begin(), runs[0].output.end(), [](float x) { return std::isfinite(x); }));
+    for (size_t run = 1; run < runs.size(); ++run) {
+      EXPECT_EQ(std::memcmp(runs[run].output.data(), runs[0].output.data(), runs[0].output.size() * sizeof(float)), 0)
+          << "output, run " << run << " on 2 threads";
+      EXPECT_EQ(std::memcmp(runs[run].lse.data(), runs[0].lse.data(), runs[0].lse.size() * sizeof(float)), 0)
+          << "lse, run " << run << " on 2 threads";
+    }
   }
 }
 

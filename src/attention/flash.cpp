@@ -107,9 +107,11 @@ struct ScratchLayout {
 };
 
 // The header of a worker's AMX block: the K/V head (b, g) its splits are of, how many keys are
-// split, and whether every value split so far fits the parts (else that head stays float32).
+// split, and the first key of the first key tile whose values do not fit the parts (kAllFit:
+// none so far). The tiles from there on stay float32.
+constexpr int64_t kAllFit = std::numeric_limits<int64_t>::max();
 struct AmxHeld {
-  int64_t b, g, keys, fits;
+  int64_t b, g, keys, unfit_from;
 };
 
 // One worker's block for the AMX products (MatmulPrecision High or Medium on a CPU with AMX,
@@ -232,27 +234,32 @@ bool HiddenValuesFinite(const AttentionProblem& p, const Walk& walk, const TileM
 }
 
 // The AMX block's splits of head (b, g)'s K and V up to key `need` (whole key tiles, zeros past
-// Nk), starting over when the block held another head's. Whether the head's keys split so far
-// all fit the parts (no NaN, no inf, none rounding to inf): if not, its tiles stay float32.
+// Nk), a key tile at a time, starting over when the block held another head's. Whether every key
+// before `need` fits the parts (no NaN, no inf, none rounding to inf): if not, the tile stays
+// float32. That depends on the keys alone, not on how far this worker split the head before: a
+// worker that had met a bad key for an earlier query tile kept every later tile of the head to
+// float32, one starting fresh did not, so the output changed with the threads' shares.
 bool AmxSplitKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t need, const Scratch& w) {
   auto* held = reinterpret_cast<flash::AmxHeld*>(w.amx);
-  if (held->b != b || held->g != g) *held = {b, g, 0, 1};
-  if (need <= held->keys || !held->fits) return held->fits != 0;
+  if (held->b != b || held->g != g) *held = {b, g, 0, flash::kAllFit};
   const flash::AmxLayout& at = *w.amx_layout;
-  const int64_t tile = static_cast<int64_t>(kKeyTile);
-  const int64_t from = held->keys, to = std::min((need + tile - 1) / tile * tile, static_cast<int64_t>(at.n_pad));
-  const int64_t rows = std::clamp<int64_t>(p.kv_len - from, 0, to - from);
-  const int64_t first = rows > 0 ? from : 0;  // a row that exists, read only when rows > 0
+  const int64_t tile = static_cast<int64_t>(kKeyTile), n_pad = static_cast<int64_t>(at.n_pad);
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  const bool k_fits = amx::split_rows(p.amx_parts, true, p.k.row(b, g, first), static_cast<size_t>(p.k.row_stride),
-                                      static_cast<size_t>(rows), dk, w.amx + at.k + static_cast<size_t>(from) * at.dk_pad,
-                                      at.dk_pad, static_cast<size_t>(to - from), at.dk_pad, at.k_part);
-  const bool v_fits = amx::split_transposed(p.amx_parts, p.v.row(b, g, first), static_cast<size_t>(p.v.row_stride),
-                                            static_cast<size_t>(rows), dv, w.amx + at.v + from, at.n_pad,
-                                            static_cast<size_t>(to - from), at.v_part);
-  held->keys = to;
-  held->fits = k_fits && v_fits;
-  return held->fits != 0;
+  while (held->keys < need && held->keys < n_pad && held->unfit_from == flash::kAllFit) {
+    const int64_t from = held->keys, to = std::min(from + tile, n_pad);
+    const int64_t rows = std::clamp<int64_t>(p.kv_len - from, 0, to - from);
+    const int64_t first = rows > 0 ? from : 0;  // a row that exists, read only when rows > 0
+    const bool k_fits = amx::split_rows(p.amx_parts, true, p.k.row(b, g, first), static_cast<size_t>(p.k.row_stride),
+                                        static_cast<size_t>(rows), dk,
+                                        w.amx + at.k + static_cast<size_t>(from) * at.dk_pad, at.dk_pad,
+                                        static_cast<size_t>(to - from), at.dk_pad, at.k_part);
+    const bool v_fits = amx::split_transposed(p.amx_parts, p.v.row(b, g, first), static_cast<size_t>(p.v.row_stride),
+                                              static_cast<size_t>(rows), dv, w.amx + at.v + from, at.n_pad,
+                                              static_cast<size_t>(to - from), at.v_part);
+    if (!(k_fits && v_fits)) held->unfit_from = from;
+    held->keys = to;
+  }
+  return need <= held->unfit_from;
 }
 
 // f(width, skip, begin, end) for each run of lines of a trimmed tile (step::DiagonalTrim): lines
@@ -565,7 +572,7 @@ void flash_attention(const AttentionProblem& problem) {
                                   static_cast<size_t>(problem.value_dim), static_cast<size_t>(problem.kv_len));
     amx_blocks = amx::worker_blocks(amx_layout.total, workers);
     for (int worker = 0; amx_blocks != nullptr && worker < workers; ++worker)
-      *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {-1, -1, 0, 1};
+      *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {-1, -1, 0, flash::kAllFit};
   }
   const auto amx_block_of_this_thread = [&]() -> uint16_t* {
     return amx_blocks != nullptr ? amx_blocks + static_cast<size_t>(worker_index(workers)) * amx_layout.total : nullptr;
