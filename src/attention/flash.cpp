@@ -572,7 +572,8 @@ void flash_attention(const AttentionProblem& problem) {
                                   static_cast<size_t>(problem.value_dim), static_cast<size_t>(problem.kv_len));
     amx_blocks = amx::worker_blocks(amx_layout.total, workers);
     for (int worker = 0; amx_blocks != nullptr && worker < workers; ++worker)
-      *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {-1, -1, 0, flash::kAllFit};
+      *reinterpret_cast<flash::AmxHeld*>(amx_blocks + static_cast<size_t>(worker) * amx_layout.total) = {
+          -1, -1, 0, flash::kAllFit};
   }
   const auto amx_block_of_this_thread = [&]() -> uint16_t* {
     return amx_blocks != nullptr ? amx_blocks + static_cast<size_t>(worker_index(workers)) * amx_layout.total : nullptr;

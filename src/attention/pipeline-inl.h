@@ -542,13 +542,12 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
 // what the mask overwrites with -inf, and those that take weights or dS need not add their zeros.
 // Only for tiles of consecutive keys and queries whose mask is the band and the rule (which hide,
 // never show): an additive term could make a hidden pair's weight NaN (+inf + -inf), which the
-// float32 products carry on. Returns whether any vector is trimmed.
-HWY_INLINE bool DiagonalTrim(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t i0, int64_t j0,
+// float32 products carry on.
+HWY_INLINE void DiagonalTrim(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t i0, int64_t j0,
                              size_t lines, size_t vectors, size_t* HWY_RESTRICT trim) {
   std::fill_n(trim, vectors, lines);
-  if (!mask.band || walk.key_step != 1 || walk.query_step != 1 || walk.residue || !p.terms.empty()) return false;
+  if (!mask.band || walk.key_step != 1 || walk.query_step != 1 || walk.residue || !p.terms.empty()) return;
   for (size_t v = 0; v + 1 < vectors; ++v) trim[v] = BandHidesVectorFrom(p, i0, j0, v, lines);
-  return trim[0] < lines;
 }
 
 // ALiBi and mask on a tile of key lines (flash's and its backward's; softcap ran on the whole
