@@ -55,7 +55,7 @@ class Workspace {
 };
 
 // The calling thread's workspaces, one per use so two kernels' scratch never overlap.
-enum class WorkspaceSlot { ReferenceScores, FlashScratch, FlashAmx, DecodeScratch, LinearScratch, GemmPanels, Count };
+enum class WorkspaceSlot { ReferenceScores, FlashScratch, FlashAmx, DecodeScratch, LinearScratch, GemmPanels, GemmRows, Count };
 Workspace& thread_workspace(WorkspaceSlot slot);
 
 }  // namespace qkv::detail
