@@ -258,16 +258,18 @@ namespace {
 constexpr int64_t kBlock = 48;
 
 // x rows that do not start on a 64-byte line (numpy allocates on 16 bytes; a view's offset; a row
-// of a length not a multiple of 16 floats) make each x load of the tile straddle two lines: with x
-// 16 bytes off, NT 20 x 512 x 512 and 20 x 1536 x 512 ran at 0.73-0.86 of the aligned rate on one
+// stride not a multiple of 16 floats) make each x load of the tile straddle two lines: with x 16
+// bytes off, NT 20 x 512 x 512 and 20 x 1536 x 512 ran at 0.73-0.86 of the aligned rate on one
 // thread, 0.78-0.82 on two (Sapphire Rapids-class Xeon). Such rows are first copied into aligned
 // ones, by each worker into its own part of the calling thread's scratch (small_rows_gemm): since,
 // 1.0 on one thread and 0.95-0.98 on two. The copy costs about what one output of the product
-// does, so it is made from a few dozen outputs on, and for up to 1 MiB of rows (L2).
+// does, so it is made from a few dozen outputs on, for two rows or more (one row: the same time
+// either way), and for up to 256 KiB of rows a worker (the scratch stays held, as every
+// workspace, until release_workspaces()). With more than kMaxCopyWorkers threads, nobody copies.
 constexpr int64_t kAlignedLine = 64;  // bytes
 constexpr int64_t kMinOutputsForCopy = 32;
-constexpr int64_t kMaxCopiedFloats = int64_t{1} << 18;  // 1 MiB
-constexpr int kMaxCopyWorkers = 64;  // threads beyond run on the rows as they are
+constexpr int64_t kMaxCopiedFloats = int64_t{1} << 16;  // 256 KiB: W5's x is 40 KiB
+constexpr int kMaxCopyWorkers = 64;
 
 bool rows_off_lines(const float* x, int64_t ldx) {
   return reinterpret_cast<uintptr_t>(x) % kAlignedLine != 0 ||
