@@ -55,7 +55,16 @@ class Workspace {
 };
 
 // The calling thread's workspaces, one per use so two kernels' scratch never overlap.
-enum class WorkspaceSlot { ReferenceScores, FlashScratch, FlashAmx, DecodeScratch, LinearScratch, GemmPanels, GemmRows, Count };
+enum class WorkspaceSlot {
+  ReferenceScores,
+  FlashScratch,
+  FlashAmx,
+  DecodeScratch,
+  LinearScratch,
+  GemmPanels,
+  GemmRows,  // the Small GEMM's aligned copies of x (small_gemm.cpp)
+  Count
+};
 Workspace& thread_workspace(WorkspaceSlot slot);
 
 }  // namespace qkv::detail
