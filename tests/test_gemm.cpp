@@ -293,6 +293,43 @@ TEST(Gemm, AlphaZeroReadsNeitherAnorB) {
     }
 }
 
+// x rows off the 64-byte lines (numpy's 16-byte alignment, a padded stride): the Small path
+// copies them into aligned scratch (small_gemm.cpp), which memory_stats counts; under a memory
+// limit that refuses the scratch, it runs on the rows as they are. Both against float64.
+TEST(Gemm, SmallCopiesRowsOffTheLinesAndRunsWithoutTheCopyUnderALimit) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  GemmCase g = make_gemm_case(rng, false, true, 20, 600, 100, 1.0f, 0.0f);  // threaded on 2
+  g.lda = 101;  // off the lines whatever the vector's alignment
+  g.a = rng.normals(g.m * g.lda);
+  const int threads_before = omp_get_max_threads();
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    qkv::release_workspaces();
+    const int64_t before = qkv::memory_stats().current_bytes;
+    std::vector<float> c = g.c;
+    qkv::detail::sgemm_on(GemmPath::Small, false, true, g.m, g.n, g.k, g.alpha, g.a.data(), g.lda, g.b.data(), g.ldb,
+                          g.beta, c.data(), g.ldc);
+    expect_matches_float64(g, c);
+    // The copies: 20 rows of 100 floats, padded to 112, one per worker (20 x 600 x 100 is
+    // threaded on 2).
+    EXPECT_GE(qkv::memory_stats().current_bytes - before, int64_t{threads} * 20 * 112 * 4)
+        << "no aligned copy was made";
+
+    qkv::release_workspaces();
+    const int64_t held = qkv::memory_stats().current_bytes;
+    qkv::set_memory_limit(held + 1024);
+    c = g.c;
+    qkv::detail::sgemm_on(GemmPath::Small, false, true, g.m, g.n, g.k, g.alpha, g.a.data(), g.lda, g.b.data(), g.ldb,
+                          g.beta, c.data(), g.ldc);
+    qkv::set_memory_limit(0);
+    expect_matches_float64(g, c);
+    EXPECT_EQ(qkv::memory_stats().current_bytes, held) << "scratch held under the limit";
+  }
+  omp_set_num_threads(threads_before);
+}
+
 TEST(Gemm, BadArgumentsThrowNamingTheShape) {
   std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
   try {
