@@ -116,11 +116,12 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
 }
 
 // A transposed (TN: the reference backward's dK = dS^T Q), its depth steps are rows lda apart.
-// With one panel (n at most 4 vectors) each of A's lines is read once per row tile, and the
-// CPU's stride prefetcher follows the tile's broadcasts down the depth steps when they are at
-// most 2 KiB apart (the limit of Intel's L1 IP prefetcher): read in place, TN 256-520 x 64 x
-// 256-520 ran 1.09-1.19x as fast as with the copy below (2 threads, Sapphire Rapids-class Xeon).
-// Steps further apart (TN 1000 x 64 x 700: 0.95, 2048 x 64 x 2048: 0.85 in place) or several
+// With one panel (n at most 4 vectors on AVX-512, the path's target; 3 elsewhere) no second
+// panel reads a slice again, so a copy buys no reuse, and the CPU's stride prefetcher follows
+// the tiles' broadcasts down depth steps at most 2 KiB apart (the limit of Intel's L1 IP
+// prefetcher; not measured on AMD): read in place, TN 256-512 x 64 x 256-512 ran 1.09-1.19x as
+// fast as with the copy below (2 threads, Sapphire Rapids-class Xeon). Steps further apart (TN
+// 1000 x 64 x 700: 0.95, 2048 x 64 x 2048: 0.85 in place; 640 x 64 x 640: 1.01) or several
 // panels reading the slice again (TN 512 x 512 x 64: 0.96) take the copy.
 constexpr size_t kMaxInPlaceStrideBytes = 2048;
 inline bool TransposedAInPlace(size_t panels, size_t lda) {
@@ -128,9 +129,9 @@ inline bool TransposedAInPlace(size_t panels, size_t lda) {
 }
 
 // A's slice for rows [r0, r0 + rows) and depth steps [x0, x0 + depth), for PanelGemm's a, a_row and
-// a_depth: in place when its rows are contiguous (broadcasts walk kTileRows rows) or a transposed
-// A is read in place (TransposedAInPlace); else a transposed A's depth steps are copied first to
-// rows kMaxBlockRows floats apart.
+// a_depth: in place when A is not transposed (a_depth 1: broadcasts walk kTileRows rows), or when
+// it is and `in_place` (TransposedAInPlace: a_row 1, a_depth lda); else a transposed A's depth
+// steps are copied first to rows kMaxBlockRows floats apart.
 struct ASlice {
   const float* a;
   size_t row, depth;
@@ -217,13 +218,13 @@ bool WidePanels() { return kFourVectorPanels; }
 void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float alpha, const float* a, size_t lda,
                const float* b, size_t ldb, float beta, float* c, size_t ldc, bool c_transposed) {
   const size_t lanes = hn::Lanes(DF());
-  size_t padded = 0, whole = 0, count = 0;  // the panels' columns; those with no partial vector; how many
+  size_t padded = 0, whole = 0, panel_count = 0;  // the panels' columns; those with no partial vector
   tile_gemm::ForEachPanel(n, [&](size_t col, size_t vectors) {
-    ++count;
+    ++panel_count;
     padded = col + vectors * lanes;
     if (padded <= n) whole = padded;
   });
-  const bool a_in_place = TransposedAInPlace(count, lda);
+  const bool a_in_place = trans_a && TransposedAInPlace(panel_count, lda);
   // Blocks of rows as many as a multiple of the threads and as even as whole register tiles
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());

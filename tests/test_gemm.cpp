@@ -110,9 +110,10 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 // threads from 2^20 multiply-adds, each packing its own panels up to 512 KiB from 48 rows a
 // thread, 257 x 129 x 65 and 97 x 45 x 260, or sharing larger ones, 7 x 400 x 400, or those of
 // fewer rows, 30 x 200 x 200) and depth blocks (128) meet their ends in the last rows; on
-// one thread 137 rows make blocks of 48, 40 and 49 (longer than 48: a transposed A's copy and the
-// tail scratch hold up to 56); on 3 threads, 7 x 400 x 400 splits its rows into [0, 0), [0, 7)
-// and [7, 7). TiledT runs the same kernel on the transposed product, so there n is the rows of
+// one thread 137 rows make blocks of 48, 40 and 49 (longer than 48: a transposed A's copy, 137 x
+// 99 x 130, and the tail scratch hold up to 56); a transposed A under one panel is read in place
+// (137 x 33 x 130) unless its rows are over 2 KiB apart (520 x 33 x 70: copied); on 3 threads,
+// 7 x 400 x 400 splits its rows into [0, 0), [0, 7) and [7, 7). TiledT runs the same kernel on the transposed product, so there n is the rows of
 // its blocks: 400 x 7 x 400 gives it the empty blocks.
 const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
@@ -120,7 +121,7 @@ const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {4, 5, 24}, {14, 11, 30}, {1, 3, 40}, {2, 7, 12}, {7, 5, 22},
     {64, 31, 7}, {65, 48, 17}, {130, 70, 49}, {257, 129, 65}, {6, 7, 0},
     {100, 64, 150}, {61, 83, 131}, {49, 16, 300}, {30, 200, 200}, {7, 400, 400}, {400, 7, 400},
-    {97, 45, 260}, {137, 33, 130}};
+    {97, 45, 260}, {137, 33, 130}, {137, 99, 130}, {520, 33, 70}};
 
 TEST(Gemm, EveryPathMatchesFloat64) {
   Random rng;

@@ -23,7 +23,7 @@
 // Memory traffic per item (Dk = Dv = d, visible keys n): Q and O once (2 Br d floats), K and V
 // once per item (2 n d floats, from L2: consecutive items share a head), against 4 Br n d flops.
 // Q and O rows come from memory when the problem outgrows the caches, so each item prefetches
-// the next item's into L2, a slice per key tile (QueryTileKeys);
+// the next item's into L2, a slice per key tile (QueryTileKeys).
 // Qt + St + Ot = (2 d + Bc) Br floats stay in L1 (d = 64: 36 KB of Zen 5's 48 KB). The micro-GEMM
 // does kTileRows x kTileVectors FMAs per kTileRows broadcasts + kTileVectors loads.
 //
@@ -440,10 +440,10 @@ void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64
 // them sees, by tiles of Bc; tiles outside [kv_begin, kv_end) are never visited. `next`: the
 // query tile the worker most likely runs next (its share's next item), whose Q rows and the
 // output rows it will write are prefetched into L2 meanwhile, a slice of rows before each key
-// tile. With W1's Q and O in memory (6 MiB each), `qkv_step_benchmark`'s Call/W1 took 0.93-0.99
-// of the time without (one thread) and 0.95-0.98 (two), Sapphire Rapids-class Xeon, alternated;
-// all at the item's start, the prefetches stalled there (a sampled 3.7% of the call) and the
-// call took 0.98-0.99.
+// tile. With W1's Q and O in memory (6 MiB each), `qkv_step_benchmark`'s Call/W1 ran in
+// 0.93-0.99 of the time it took without them on one thread and 0.95-0.98 on two (ratios per
+// alternation, Sapphire Rapids-class Xeon). Issued all at the item's start instead, they stalled
+// there (a sampled 3.7% of the call) and the call took 0.98-0.99.
 template <size_t V>
 void QueryTileKeys(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, size_t rows, const Scratch& w,
                    const flash::QueryTile& next) {

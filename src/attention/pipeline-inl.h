@@ -579,8 +579,9 @@ HWY_INLINE Rows<T> EveryStepRows(const Rows<T>& rows, int64_t first, int64_t ste
 }
 
 // Prefetches rows first, first + step, ... (`count` of them, `floats` each) of head (b, h) into
-// L2 (locality hint 2: prefetcht1 on x86), for writing when `write`: rows a stride apart (a
-// residue's) defeat the hardware prefetchers, so a kernel fetches the next ones while it computes.
+// L2 (locality hint 2: prefetcht1 on x86), for writing when `write`, so that a kernel fetches the
+// rows it reads next while it computes: rows a stride apart (a residue's) defeat the hardware
+// prefetchers, and contiguous ones read in bursts (a query tile's) outrun them.
 template <class T>
 HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t first, int64_t step, int64_t count,
                              int64_t floats, bool write = false) {
