@@ -104,17 +104,17 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
 }
 
 // Odd sizes around every tile and vector width, and some large enough for threads. The Small
-// kernel's tiles (5 rows x 4 outputs on AVX-512, 4 x 3 elsewhere) leave every count of rows
-// (1-4) with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes. The
-// Tiled kernel's panels (1-4 vectors, the last partial or whole), row blocks (about 48 rows,
-// threads from 2^20 multiply-adds, each packing its own panels up to 512 KiB from 48 rows a
-// thread, 257 x 129 x 65 and 97 x 45 x 260, or sharing larger ones, 7 x 400 x 400, or those of
-// fewer rows, 30 x 200 x 200) and depth blocks (128) meet their ends in the last rows; on
-// one thread 137 rows make blocks of 48, 40 and 49 (longer than 48: a transposed A's copy, 137 x
-// 99 x 130, and the tail scratch hold up to 56); a transposed A under one panel is read in place
-// (137 x 33 x 130) unless its rows are over 2 KiB apart (520 x 33 x 70: copied); on 3 threads,
-// 7 x 400 x 400 splits its rows into [0, 0), [0, 7) and [7, 7). TiledT runs the same kernel on the transposed product, so there n is the rows of
-// its blocks: 400 x 7 x 400 gives it the empty blocks.
+// kernel's tiles (5 rows x 4 outputs on AVX-512, 4 x 3 elsewhere) leave every count of rows (1-4)
+// with every count of outputs (1-3), k > 0, in these shapes, for both tile sizes. The Tiled
+// kernel's panels (1-4 vectors, the last partial or whole), row blocks (about 48 rows, threads from
+// 2^20 multiply-adds, each packing its own panels up to 512 KiB from 48 rows a thread, 257 x 129 x
+// 65 and 97 x 45 x 260, or sharing larger ones, 7 x 400 x 400, or those of fewer rows, 30 x 200 x
+// 200) and depth blocks (128) meet their ends in the last rows; on one thread 137 rows make blocks
+// of 48, 40 and 49 (longer than 48: a transposed A's copy, 137 x 99 x 130, and the tail scratch
+// hold up to 56); a transposed A under one panel is read in place (137 x 33 x 130) unless its rows
+// are over 2 KiB apart (520 x 33 x 70: copied); on 3 threads, 7 x 400 x 400 splits its rows into
+// [0, 0), [0, 7) and [7, 7). TiledT runs the same kernel on the transposed product, so there n is
+// the rows of its blocks: 400 x 7 x 400 gives it the empty blocks.
 const std::vector<std::array<int64_t, 3>> kShapes = {  // m, n, k
     {1, 1, 1}, {1, 17, 5}, {3, 1, 33}, {5, 4, 16}, {7, 33, 50}, {13, 99, 100}, {20, 1537, 512},
     {2, 6, 19}, {3, 7, 21}, {4, 10, 33}, {8, 5, 18}, {9, 14, 37}, {6, 6, 20}, {11, 7, 13}, {13, 10, 9},
