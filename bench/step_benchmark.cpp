@@ -32,6 +32,8 @@
 //   Bwd/Pair          the seven composed as BackwardPair runs a fully visible pair
 //   Call/W1-bwd       the whole scaled_dot_product_attention_backward_into (Backend::Flash),
 //                     FLOPs 2.5 x the forward's, as qkv bench counts them; time per pair
+// And a probe of the core: Ceiling/FmaWith/X, 24 FMAs and X other vector ops per round (the
+// softmax's kinds), x_peak beside if_shared = 24 / (24 + X), the rate if the two share pipes.
 // Counters: GFLOP/s and x_peak (over the one-thread FMA peak measured before the benchmarks;
 // Call rows: over the peak times the threads they ran on). Both are rate counters, which Google
 // Benchmark prints with "/s": x_peak=0.83/s reads 0.83 of the peak.
@@ -72,6 +74,9 @@ struct BackwardTile {
   float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *grad_t, *grad_k, *grad_v, *grad_q, *shift, *scale,
       *row_dot;
 };
+
+// Ceiling/FmaWith's register chains (FmaWithOthersOf, below).
+constexpr int kFmaChains = 24, kOtherChains = 6;
 
 }  // namespace qkv::bench
 #endif
@@ -178,6 +183,43 @@ void BackwardPair(const BackwardTile& t) {
   BackwardGradQ(t);
 }
 
+// Ceiling/FmaWith: whether the pipeline's other vector ops take the FMA pipes' slots. Each round
+// runs kFmaChains independent FMA chains and `kOthers` ops of the softmax's kinds (Max, Add,
+// Round, in turn) on chains of their own. Where every vector op issues to the FMA pipes (512-bit
+// ops on Intel's server cores: two ports), the FMAs' rate falls to kFmaChains / (kFmaChains +
+// kOthers) of the peak; where other pipes take them, it stays near the peak. Sized for 32 vector
+// registers (AVX-512): on the 16-register targets the chains spill and the row reads low.
+template <int kOthers>
+float FmaWithOthersOf(int64_t rounds) {
+  const hn::ScalableTag<float> df;
+  using V = hn::Vec<decltype(df)>;
+  const V m = hn::Set(df, 0.999999f), a = hn::Set(df, 1e-7f), floor = hn::Set(df, 0.25f);
+  V fma[kFmaChains], other[kOtherChains];
+  for (int c = 0; c < kFmaChains; ++c) fma[c] = hn::Set(df, static_cast<float>(c));
+  for (int c = 0; c < kOtherChains; ++c) other[c] = hn::Set(df, 0.5f + static_cast<float>(c));
+  for (int64_t i = 0; i < rounds; ++i) {
+    HWY_UNROLL(24)
+    for (int c = 0; c < kFmaChains; ++c) fma[c] = hn::MulAdd(fma[c], m, a);
+    HWY_UNROLL(8)
+    for (int x = 0; x < kOthers; ++x) {
+      V& o = other[x % kOtherChains];
+      o = x % 3 == 0 ? hn::Max(o, floor) : x % 3 == 1 ? hn::Add(o, a) : hn::Round(o);
+    }
+  }
+  for (int c = 1; c < kFmaChains; ++c) fma[0] = hn::Add(fma[0], fma[c]);
+  for (int c = 0; c < kOtherChains; ++c) fma[0] = hn::Add(fma[0], other[c]);
+  return hn::GetLane(hn::SumOfLanes(df, fma[0]));
+}
+// others: 0, 3 or 6.
+float FmaWithOthers(int64_t rounds, int others) {
+  switch (others) {
+    case 0: return FmaWithOthersOf<0>(rounds);
+    case 3: return FmaWithOthersOf<3>(rounds);
+    default: return FmaWithOthersOf<6>(rounds);
+  }
+}
+size_t FloatLanes() { return hn::Lanes(hn::ScalableTag<float>()); }
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::bench
@@ -223,6 +265,8 @@ HWY_EXPORT(BackwardSoftmaxGrad);
 HWY_EXPORT(BackwardGradK);
 HWY_EXPORT(BackwardGradQ);
 HWY_EXPORT(BackwardPair);
+HWY_EXPORT(FmaWithOthers);
+HWY_EXPORT(FloatLanes);
 
 namespace {
 
@@ -411,7 +455,17 @@ void BM_BackwardCall(benchmark::State& state, const Workload* w) {
   state.counters["pairs"] = pairs;
 }
 
+// kFmaChains FMAs and `others` other vector ops per round (Arg: 0, 3 or 6), on one thread.
+void BM_FmaWith(benchmark::State& state) {
+  constexpr int64_t kRounds = 10000;
+  const int others = static_cast<int>(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(HWY_DYNAMIC_DISPATCH(FmaWithOthers)(kRounds, others));
+  set_flops(state, 2.0 * kFmaChains * static_cast<double>(HWY_DYNAMIC_DISPATCH(FloatLanes)()) * kRounds);
+  state.counters["if_shared"] = static_cast<double>(kFmaChains) / (kFmaChains + others);
+}
+
 void register_benchmarks() {
+  benchmark::RegisterBenchmark("Ceiling/FmaWith", BM_FmaWith)->Arg(0)->Arg(3)->Arg(6)->Unit(benchmark::kMicrosecond);
   const auto step = [](const char* name, auto function, int gemms) {
     benchmark::RegisterBenchmark(name, [function, gemms](benchmark::State& s) {
       BM_Step(s, fixture().tile, function, gemms);
