@@ -462,7 +462,7 @@ void BM_BackwardCall(benchmark::State& state, const Workload* w) {
 void BM_FmaWith(benchmark::State& state) {
   constexpr int64_t kRounds = 10000;
   const int others = static_cast<int>(state.range(0));
-  const float seed = 0.5f + static_cast<float>(state.range(0)) * 1e-3f;  // known only at run time
+  const float seed = 0.5f + static_cast<float>(others) * 1e-3f;  // known only at run time
   for (auto _ : state) {
     float sum = HWY_DYNAMIC_DISPATCH(FmaWithOthers)(kRounds, others, seed);
     benchmark::DoNotOptimize(sum);
