@@ -1,4 +1,4 @@
-// Where a flash forward's time goes: each step of the pipeline (src/attention/pipeline-inl.h,
+// Where a flash forward's time goes: each step of the pipeline (src/attention/steps/pipeline-inl.h,
 // tile_gemm-inl.h) timed in isolation on one work item's tile, on one thread, beside the same
 // run's one-thread FMA peak; then the steps composed as FlashKeyTile composes them, and whole
 // flash calls divided into the tiles they visit. This VM exposes no hardware counters, so the
@@ -44,7 +44,7 @@
 #define HWY_TARGET_INCLUDE "step_benchmark.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
-#include "attention/pipeline-inl.h"
+#include "attention/steps/pipeline-inl.h"
 #include "hwy/highway.h"
 
 #ifndef QKV_STEP_BENCHMARK_ONCE

@@ -29,7 +29,7 @@ qkv::Mask parse(const std::string& expression) { return qkv::Mask::parse(express
 using Rule = qkv::Mask::Rule;
 
 // Key j visible to query i of batch 0 under one node of the symbolic rule (mask.hpp), evaluated
-// here from its definition, apart from the library's own evaluation (src/attention/mask_rule.cpp).
+// here from its definition, apart from the library's own evaluation (src/mask/rule.cpp).
 bool rule_allows(const Rule& r, int64_t i, int64_t j) {
   switch (r.kind) {
     case Rule::Kind::Band: return j >= i + r.lo && j <= i + r.hi;

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "crc32c.hpp"
+#include "core/crc32c.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
 

@@ -1,6 +1,6 @@
 // qkv::train: a small causal attention model (src/train/model.cpp), its file format, synthetic
 // tasks that only attention can solve (src/train/tasks.cpp), and the loop that trains one on them
-// (src/train/train.cpp): what `qkv train` runs.
+// (src/train/training_loop.cpp): what `qkv train` runs.
 //
 // The model: token embedding + positions (a sinusoidal table added to the embedding, or rotary
 // embeddings applied to q and k in every layer), num_layers x [LayerNorm, causal

@@ -7,20 +7,20 @@
 #include <limits>
 #include <cstdint>
 
-#include "attention/item_shares.hpp"
+#include "simd/item_shares.hpp"
 #include "attention/problem.hpp"
 
 namespace qkv::detail {
 
-// The textbook algorithm, scores materialised (src/attention/reference.cpp).
+// The textbook algorithm, scores materialised (src/attention/reference/forward.cpp).
 void reference_attention(const AttentionProblem& problem);
 
 // Tiles of queries x keys with an online softmax, SIMD and threads, never an Nq x Nk matrix
-// (src/attention/flash.cpp). Writes output and lse; problem.weights must be nullptr.
+// (src/attention/flash/forward.cpp). Writes output and lse; problem.weights must be nullptr.
 void flash_attention(const AttentionProblem& problem);
 
 // Few queries against a long KV cache: keys split into chunks across threads, partials merged
-// (src/attention/decode.cpp). Writes output and lse; problem.weights must be nullptr.
+// (src/attention/decode/decode.cpp). Writes output and lse; problem.weights must be nullptr.
 void decode_attention(const AttentionProblem& problem);
 // Auto's choice between the two fused kernels: true when decode is expected to beat flash
 // (few queries, and enough key chunks to keep every thread busy).
@@ -28,9 +28,9 @@ bool decode_is_faster(const AttentionProblem& problem);
 
 // The gradients of the forward with respect to q, k and v: P recomputed from the forward's lse,
 // D = rowsum(dO * O), dS = P * (dP - D) (see each file's header). Every gradient is overwritten.
-// The textbook backward, scores materialised (src/attention/reference_backward.cpp).
+// The textbook backward, scores materialised (src/attention/reference/backward.cpp).
 void reference_attention_backward(const AttentionBackwardProblem& problem);
-// By tiles, never an Nq x Nk matrix, SIMD and threads (src/attention/flash_backward.cpp).
+// By tiles, never an Nq x Nk matrix, SIMD and threads (src/attention/flash/backward.cpp).
 void flash_attention_backward(const AttentionBackwardProblem& problem);
 
 // Step "accumulate" of every kernel when V holds NaN or Inf (a KV cache's unwritten slots): a key

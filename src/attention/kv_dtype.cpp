@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "attention/problem.hpp"
-#include "memory.hpp"
+#include "core/allocator.hpp"
 #include "qkv/dtype.hpp"
 
 namespace qkv::detail {

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <string>
 
-#include "memory.hpp"
+#include "core/allocator.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -161,6 +161,39 @@ void prepare_output(const char* who, Tensor& t, const char* name, const Shape& s
     if (t.shares_storage_with(*input)) fail(who, std::string(name) + " shares storage with an input");
 }
 
+// scaled_dot_product_attention's check before it allocates (build_problem, below): the
+// results the caller did not provide (output, lse, and weights when `weights` is given) against
+// bytes_available(), the error naming q, k, v and each result's shape, and for weights the advice
+// to drop need_weights or use Backend::Flash.
+void check_attention_request(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionResult& given, const Shape& output, const Shape& lse, const Shape* weights) {
+  // What the call allocates: the outputs the caller did not provide. Summed first, so that the
+  // usual call (it fits) builds no message: a decode step pays microseconds for strings otherwise.
+  struct Part {
+    const char* name;
+    const Shape* shape;
+    const Tensor* provided;
+  };
+  const Part all[] = {{"output", &output, &given.output}, {"lse", &lse, &given.lse}, {"weights", weights, &given.weights}};
+  auto bytes_of = [](const Part& part) -> int64_t {
+    if (part.shape == nullptr || part.provided->defined()) return 0;  // not asked, or the caller's own
+    return part.shape->numel() * static_cast<int64_t>(sizeof(float));  // Shape checked it fits
+  };
+  int64_t needed = 0;
+  for (const Part& part : all) needed = needed > INT64_MAX - bytes_of(part) ? INT64_MAX : needed + bytes_of(part);
+  if (needed <= bytes_available()) return;
+  std::string parts;
+  for (const Part& part : all)
+    if (bytes_of(part) > 0)
+      parts += (parts.empty() ? "" : " + ") + std::string(part.name) + " " + part.shape->str() + " " +
+               human_bytes(bytes_of(part));
+  check_request(who, "q " + q.shape().str() + ", k " + k.shape().str() + ", v " + v.shape().str(), needed, parts,
+                weights && !given.weights.defined()
+                    ? "the weights " + weights->str() + " are Nq x Nk per head: call with need_weights = false, or "
+                      "use Backend::Flash, which never materialises them"
+                    : "");
+}
+
 }  // namespace
 
 template <class T>
@@ -265,7 +298,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
 void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool need_weights, const Tensor& q,
                           const Tensor& k, const Tensor& v) {
   const char* who = "scaled_dot_product_attention: ";
-  // Before allocating: the results' bytes against the memory limit (src/memory.cpp).
+  // Before allocating: the results' bytes against the memory limit (src/core/allocator.cpp).
   check_attention_request(who, q, k, v, result, built.output_shape, built.lse_shape,
                           need_weights ? &built.scores_shape : nullptr);
   const auto inputs = {&q, &k, &v};

@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "attention/mask_rule.hpp"  // MaskTermView, MaskRule
+#include "mask/rule.hpp"  // MaskTermView, MaskRule
 #include "qkv/attention.hpp"
 
 namespace qkv::detail {
@@ -37,7 +37,7 @@ struct AttentionProblem {
   // Score modifiers, applied to s = scale * q.k in this order, before the mask.
   float softcap;               // > 0: s <- softcap * tanh(s / softcap); 0: off
   const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset() - j|; nullptr: off
-  int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/block.hpp)
+  int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/ring_block.hpp)
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b

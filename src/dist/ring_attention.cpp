@@ -1,7 +1,7 @@
 // Ring attention over MPI (include/qkv/dist.hpp): the sequence is split across the ranks of a
 // communicator, K/V blocks travel around the ring, and each rank merges the partial results of
 // its queries through their lse. Each (query chunk, key chunk) pair is one call of
-// scaled_dot_product_attention or its backward, through src/attention/block.hpp, which differs only
+// scaled_dot_product_attention or its backward, through src/attention/ring_block.hpp, which differs only
 // in ALiBi's distances (those of the whole sequence), with the global mask shifted to the pair's
 // positions and the tensor terms' view of the pair; any kernel behind it serves the distributed call
 // unchanged. Softcap acts per score and needs nothing more. Sinks join each row's softmax once,
@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#include "attention/block.hpp"
+#include "attention/ring_block.hpp"
 #include "attention/problem.hpp"
 
 namespace qkv::dist {
@@ -687,7 +687,7 @@ AttentionResult ring_attention(const Tensor& q, const Tensor& k, const Tensor& v
   }
 
   // The pairs see no sinks (merge_sinks adds them once per row after the ring), and ALiBi's
-  // distances of the whole sequence through alibi_shift (src/attention/block.hpp).
+  // distances of the whole sequence through alibi_shift (src/attention/ring_block.hpp).
   AttentionOptions pair_options = options;
   pair_options.sinks = Tensor();
   if (workspace.pair.output.defined() &&

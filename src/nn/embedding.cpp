@@ -1,9 +1,9 @@
 // qkv::nn::Embedding: row lookup in a (vocab, dim) table; backward scatters rows back into it.
 #include <algorithm>
 
-#include "grad.hpp"
+#include "nn/grad.hpp"
 #include "qkv/nn.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 
 namespace qkv::nn {
 

@@ -2,7 +2,7 @@
 // x and each row's mean and 1/std; backward is llm.c's layernorm_backward, row by row.
 #include <cmath>
 
-#include "grad.hpp"
+#include "nn/grad.hpp"
 #include "qkv/nn.hpp"
 
 namespace qkv::nn {

@@ -4,10 +4,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "grad.hpp"
-#include "gemm.hpp"
+#include "nn/grad.hpp"
+#include "gemm/gemm.hpp"
 #include "qkv/nn.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 
 namespace qkv::nn {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "grad.hpp"
+#include "nn/grad.hpp"
 #include "qkv/nn.hpp"
 
 namespace qkv::nn {

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <set>
 
-#include "grad.hpp"
+#include "nn/grad.hpp"
 #include "qkv/nn.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 
 namespace qkv::nn {
 

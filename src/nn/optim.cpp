@@ -2,7 +2,7 @@
 // step by step in the same order as torch's single-tensor implementation.
 #include <cmath>
 
-#include "grad.hpp"
+#include "nn/grad.hpp"
 #include "qkv/nn.hpp"
 
 namespace qkv::nn {

@@ -18,9 +18,9 @@
 #include <fstream>
 #include <limits>
 
-#include "crc32c.hpp"
+#include "core/crc32c.hpp"
 #include "qkv/train.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 
 namespace qkv::train {
 
@@ -343,8 +343,8 @@ static_assert(std::endian::native == std::endian::little, "the .qkv writer assum
 std::atomic<int> saves_started{0};
 
 // Test-only hook: QKV_TEST_KILL_IN_SAVE=n makes the n-th save of this process SIGKILL itself
-// halfway through writing the temporary file, as a crash or `kill -9` would (tests/test_train.cpp
-// and tests/train_kill_check.cmake show the previous file survives).
+// halfway through writing the temporary file, as a crash or `kill -9` would (tests/train/test_train.cpp
+// and tests/cli/train_kill_check.cmake show the previous file survives).
 bool kill_in_this_save(int save_number) {
   const char* env = std::getenv("QKV_TEST_KILL_IN_SAVE");
   return env != nullptr && std::atoi(env) == save_number;

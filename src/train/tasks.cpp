@@ -6,7 +6,7 @@
 #include <numbers>
 
 #include "qkv/train.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 #include "train/tasks.hpp"
 
 namespace qkv::train {

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <string>
 
-#include "oracle.hpp"  // the float64 oracle, which uses the public API only
+#include "harness/oracle.hpp"  // the float64 oracle, which uses the public API only
 
 namespace {
 

@@ -1,4 +1,4 @@
-// qkv serve's mask expressions (the library's qkv::Mask::parse, src/mask_parse.cpp) and JSON API as plain functions
+// qkv serve's mask expressions (the library's qkv::Mask::parse, src/mask/parse.cpp) and JSON API as plain functions
 // (tools/qkv/serve_api.cpp), without a socket. The HTTP side is tests/serve/test_api.py.
 #include <cmath>
 #include <filesystem>

@@ -16,7 +16,7 @@
 // workload W4, calls/s for the module workload W5. Every rate is also given as a ratio to ceilings
 // measured in the same run, so a loaded or slower machine shifts both sides alike:
 //   FMA peak  independent FMA chains on the widest vector, on every thread used (fma_peak.cpp)
-//   sgemm     the best of the libraries qkv can call (src/gemm.hpp: OpenBLAS's cblas_sgemm and,
+//   sgemm     the best of the libraries qkv can call (src/gemm/gemm.hpp: OpenBLAS's cblas_sgemm and,
 //             when built in, oneDNN's dnnl_sgemm), 2048^3, median of 5
 //   memcpy    256 MiB into a pre-touched buffer, bytes read + written per second, median of 5
 // each measured before and after the workloads; ratios divide by the higher of the two.
@@ -47,10 +47,10 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include "attention/amx.hpp"
+#include "gemm/amx.hpp"
 #include "commands.hpp"
 #include "fma_peak.hpp"
-#include "gemm.hpp"
+#include "gemm/gemm.hpp"
 #include "qkv/qkv.hpp"
 #include "workloads.hpp"
 
@@ -141,7 +141,7 @@ class Progress {
 
 using detail::GemmPath;
 
-// The GEMM paths of src/gemm.hpp that can compute a general product in this build, OpenBLAS last.
+// The GEMM paths of src/gemm/gemm.hpp that can compute a general product in this build, OpenBLAS last.
 std::vector<GemmPath> sgemm_libraries() {
   std::vector<GemmPath> out;
   for (GemmPath path : {GemmPath::OneDnn, GemmPath::OpenBlas})
@@ -200,7 +200,7 @@ double measure_memcpy(size_t bytes, Progress& progress) {
 
 // ---------------------------------------------------------------------------------------------
 // qkv's GEMM paths on the shape classes the library meets: the measurement behind
-// choose_gemm_path (src/gemm.cpp). C = op(A) op(B) with packed operands.
+// choose_gemm_path (src/gemm/gemm.cpp). C = op(A) op(B) with packed operands.
 
 struct GemmClass {
   std::string_view name;
@@ -745,7 +745,7 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
                detail::amx::available() ? "the Flash forward's and backward's products on AMX tiles, the modules' too"
                                         : "no AMX here: float32 too");
   if (!env.gemm.empty()) {
-    fmt::print("\nqkv's GEMM paths (src/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
+    fmt::print("\nqkv's GEMM paths (src/gemm/gemm.hpp) per shape class, GFLOP/s; chosen = what qkv::detail::sgemm takes:\n");
     fmt::print("{:<32} {:<2} {:>5} {:>5} {:>5}  {:>8} {:>7} {:>6} {:>6} {:>6}  {:<8} {:>9} {:>7}\n", "class", "op", "m",
                "n", "k", "OpenBLAS", "oneDNN", "Small", "Tiled", "TiledT", "chosen", "x best", "x sgemm");
     for (const GemmRow& g : env.gemm) {

@@ -1,0 +1,137 @@
+#include "core/allocator.hpp"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <climits>
+#include <string>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+#include "qkv/error.hpp"
+#include "qkv/memory.hpp"
+
+namespace qkv {
+
+namespace {
+std::atomic<int64_t> current_bytes{0};
+std::atomic<int64_t> peak_bytes{0};
+std::atomic<int64_t> limit_bytes{0};  // 0: none
+
+// The machine's physical memory, read once.
+int64_t physical_bytes() {
+  static const int64_t bytes = [] {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : int64_t{1} << 62;
+  }();
+  return bytes;
+}
+
+constexpr size_t kAlignment = 64;
+}  // namespace
+
+MemoryStats memory_stats() { return {current_bytes.load(), peak_bytes.load()}; }
+
+void reset_peak_memory() { peak_bytes.store(current_bytes.load()); }
+
+void set_memory_limit(int64_t bytes) {
+  if (bytes < 0) throw Error("set_memory_limit: bytes must be >= 0 (0: no limit), got " + std::to_string(bytes));
+  limit_bytes.store(bytes);
+}
+
+int64_t memory_limit() { return limit_bytes.load(); }
+
+namespace detail {
+
+std::string human_bytes(int64_t bytes) {
+  char text[64];
+  if (bytes >= (int64_t{1} << 30)) {
+    std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  } else if (bytes >= (int64_t{1} << 20)) {
+    std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  } else {
+    std::snprintf(text, sizeof text, "%lld bytes", static_cast<long long>(bytes));
+  }
+  return text;
+}
+
+int64_t bytes_available() {
+  const int64_t limit = limit_bytes.load();
+  return limit > 0 ? std::max<int64_t>(0, limit - current_bytes.load()) : physical_bytes();
+}
+
+void check_request(const char* who, const std::string& shapes, int64_t needed, const std::string& parts,
+                   const std::string& advice) {
+  const int64_t available = bytes_available();
+  if (needed <= available) return;
+  const int64_t limit = limit_bytes.load();
+  std::string prefix(who);  // "scaled_dot_product_attention: " or a bare name
+  if (prefix.size() < 2 || prefix.compare(prefix.size() - 2, 2, ": ") != 0) prefix += ": ";
+  throw Error(prefix + shapes + " need " + std::to_string(needed) + " bytes (" +
+              human_bytes(needed) + ": " + parts + ") but " +
+              (limit > 0 ? "the memory limit leaves " + std::to_string(available) + " bytes (limit " +
+                               std::to_string(limit) + ", qkv holds " + std::to_string(current_bytes.load()) + ")"
+                         : "the machine has " + std::to_string(available) + " bytes (" + human_bytes(available) +
+                               ") of physical memory") +
+              (advice.empty() ? "" : "; " + advice));
+}
+
+float* allocate_floats(size_t count) {
+  constexpr size_t kMaxCount = (size_t{1} << 62) / sizeof(float);
+  const int64_t asked = count > kMaxCount ? INT64_MAX : static_cast<int64_t>(count * sizeof(float));
+  const int64_t limit = limit_bytes.load();
+  if (count > kMaxCount || (limit > 0 && asked > limit - current_bytes.load()) || (limit == 0 && asked > physical_bytes()))
+    throw Error("qkv: cannot allocate " + std::to_string(asked) + " bytes (" + human_bytes(asked) + "): " +
+                (limit > 0 ? "over the memory limit of " + std::to_string(limit) + " bytes with " +
+                                 std::to_string(current_bytes.load()) + " held"
+                           : "more than the machine's " + std::to_string(physical_bytes()) + " bytes of physical memory"));
+  const size_t bytes = std::max<size_t>((count * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment, kAlignment);
+  auto* data = static_cast<float*>(std::aligned_alloc(kAlignment, bytes));
+  if (data == nullptr)
+    throw Error("qkv: cannot allocate " + std::to_string(asked) + " bytes (" + human_bytes(asked) +
+                "): the system refused (out of memory)");
+  const int64_t now = current_bytes.fetch_add(static_cast<int64_t>(count * sizeof(float))) +
+                      static_cast<int64_t>(count * sizeof(float));
+  int64_t peak = peak_bytes.load();
+  while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
+  }
+  return data;
+}
+
+void free_floats(float* data, size_t count) {
+  if (data == nullptr) return;
+  std::free(data);
+  current_bytes.fetch_sub(static_cast<int64_t>(count * sizeof(float)));
+}
+
+float* Workspace::floats(size_t count) {
+  if (count > capacity_) {
+    release();
+    data_ = allocate_floats(count);
+    capacity_ = count;
+  }
+  return data_;
+}
+
+void Workspace::release() {
+  free_floats(data_, capacity_);
+  data_ = nullptr;
+  capacity_ = 0;
+}
+
+Workspace& thread_workspace(WorkspaceSlot slot) {
+  thread_local std::array<Workspace, static_cast<size_t>(WorkspaceSlot::Count)> workspaces;
+  return workspaces[static_cast<size_t>(slot)];
+}
+
+}  // namespace detail
+
+void release_workspaces() {
+  for (size_t slot = 0; slot < static_cast<size_t>(detail::WorkspaceSlot::Count); ++slot)
+    detail::thread_workspace(static_cast<detail::WorkspaceSlot>(slot)).release();
+}
+
+}  // namespace qkv
