@@ -3,7 +3,10 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <unistd.h>
 
@@ -14,6 +17,7 @@
 #include "qkv/train.hpp"
 #include "serve_api.hpp"
 #include "serve_hosts.hpp"
+#include "serve_slots.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -328,6 +332,41 @@ TEST(ExplorerLongModel, StartsAtOnceAndRunsOnlyShortTexts) {
 TEST_F(ExplorerModel, RepeatedNamesAndMissingFilesRefuseToStart) {
   EXPECT_THROW(ExplorerApi({path_, path_}, ServeLimits{}), Error);
   EXPECT_THROW(ExplorerApi({path_ + ".missing"}, ServeLimits{}), Error);
+}
+
+// ---- Computation slots
+
+// Waiters take a freed slot in the order they arrived, and one whose wait runs out leaves the
+// line without holding up those behind it.
+TEST(FairSlots, FirstComeFirstServedAndTimeoutsLeaveTheLine) {
+  using namespace std::chrono_literals;
+  FairSlots slots(1);
+  ASSERT_TRUE(slots.acquire_for(0s));
+  EXPECT_FALSE(slots.acquire_for(10ms));  // none free: the wait runs out
+  std::mutex mutex;
+  std::vector<int> order;
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 4; ++i) {
+    const auto wait = i == 1 ? std::chrono::duration<double>(0.1) : std::chrono::duration<double>(30);
+    waiters.emplace_back([&, i, wait] {
+      if (!slots.acquire_for(wait)) return;  // waiter 1 gives up while the slot is still held
+      {
+        const std::lock_guard<std::mutex> lock(mutex);
+        order.push_back(i);
+      }
+      std::this_thread::sleep_for(1ms);
+      slots.release();
+    });
+    // In line one after another (bounded: a waiter joins within seconds even on a busy machine).
+    for (int spin = 0; spin < 10000 && slots.waiting() < static_cast<size_t>(i + 1); ++spin) std::this_thread::sleep_for(1ms);
+    EXPECT_EQ(slots.waiting(), static_cast<size_t>(i + 1));
+  }
+  for (int spin = 0; spin < 10000 && slots.waiting() == 4; ++spin) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(slots.waiting(), 3u);  // waiter 1's wait ran out
+  slots.release();
+  for (std::thread& waiter : waiters) waiter.join();
+  EXPECT_EQ(order, std::vector<int>({0, 2, 3}));
+  EXPECT_TRUE(slots.acquire_for(0s));  // every slot given back
 }
 
 }  // namespace

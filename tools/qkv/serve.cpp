@@ -18,7 +18,6 @@
 #include <csignal>
 #include <cstdio>
 #include <memory>
-#include <semaphore>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +32,7 @@
 #include "serve_api.hpp"
 #include "serve_connections.hpp"
 #include "serve_hosts.hpp"
+#include "serve_slots.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -46,7 +46,7 @@ struct ServeOptions {
   double queue_seconds = 10;  // how long a request waits for a computation slot before a 503
 };
 
-// The most computations --max-concurrent may allow; the semaphore's compile-time bound.
+// The most computations --max-concurrent may allow.
 constexpr int kMaxConcurrentLimit = 64;
 
 void set_json(httplib::Response& response, int status, const std::string& body) {
@@ -121,9 +121,9 @@ void add_headers_and_errors(httplib::Server& server) {
   });
 }
 
-// Computations wait for one of --max-concurrent slots, up to queue_seconds, then 503.
+// Computations wait in line for one of --max-concurrent slots, up to queue_seconds, then 503.
 struct Slots {
-  std::counting_semaphore<kMaxConcurrentLimit> free;
+  FairSlots free;
   int count;
   double wait_seconds;
 };
@@ -140,7 +140,7 @@ void add_routes(httplib::Server& server, const ExplorerApi& api, Slots& slots) {
     set_json(response, answer.status, answer.body);
   });
   server.Post("/api/attention", [&api, &slots](const httplib::Request& request, httplib::Response& response) {
-    if (!slots.free.try_acquire_for(std::chrono::duration<double>(slots.wait_seconds))) {
+    if (!slots.free.acquire_for(std::chrono::duration<double>(slots.wait_seconds))) {
       set_json(response, 503,
                error_json(fmt::format("busy: {} computations are running and none finished within {} s; try again",
                                       slots.count, slots.wait_seconds)));
@@ -193,7 +193,7 @@ void run_serve(const ServeOptions& o) {
   const ServerConnections connections(server, ConnectionLimits{});
   server.set_payload_max_length(4 * api.limits().max_body_bytes);  // beyond: 413 before reading it all
   server.set_write_timeout(5, 0);
-  Slots slots{std::counting_semaphore<kMaxConcurrentLimit>(o.max_concurrent), o.max_concurrent, o.queue_seconds};
+  Slots slots{FairSlots(o.max_concurrent), o.max_concurrent, o.queue_seconds};
   add_headers_and_errors(server);
   add_routes(server, api, slots);
 
