@@ -77,11 +77,14 @@ void check_options(const ServeOptions& o) {
   if (o.port < 0 || o.port > 65535) throw Error(fmt::format("--port must be between 0 and 65535, got {}", o.port));
   (void)HostAllowList(o.host, o.port, o.allowed_hosts);  // --host and --allow-host, before any work
   if (!is_loopback_host(o.host)) {
+    // On every address (0.0.0.0, ::) no one address is the name clients use: --allow-host gives it.
+    const bool any = o.host == "0.0.0.0" || o.host == "::";
     fmt::print(stderr,
                "qkv serve: warning: listening on {}, not loopback: anyone who can reach this machine on that "
-               "address can use the explorer. Leave out --host to keep it to this machine (127.0.0.1); requests "
-               "must name {} or an --allow-host in their Host header.\n",
-               o.host, o.host);
+               "address can use the explorer. Leave out --host to keep it to this machine (127.0.0.1). Requests "
+               "must name {} in their Host header.\n",
+               o.host, any ? "this machine by an --allow-host NAME (its address or name on the network)"
+                           : fmt::format("{} or an --allow-host NAME", url_host(o.host)));
   }
 }
 
