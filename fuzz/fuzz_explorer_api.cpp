@@ -3,8 +3,9 @@
 // the rest is what a client controls there:
 //   0-5  POST /api/attention, the rest as its body (ExplorerApi::attention)
 //   6    GET /api/models (ExplorerApi::models; the rest unused)
-//   7    the rest as a Host header (is_loopback_host) and as the path of an unknown route, which
-//        the server's error handler quotes in its JSON answer (error_json)
+//   7    the rest as a Host header (HostAllowList::allows, which must let through exactly the
+//        listed names, and is_loopback_host) and as the path of an unknown route, which the
+//        server's error handler quotes escaped in its JSON answer (escaped_text, error_json)
 // The server has one model file loaded ("fuzz.qkv", a 2-layer model written at start-up), so
 // "model" requests run a trained model's forward pass too.
 //
@@ -19,6 +20,7 @@
 // execution stays in milliseconds; the limit checks are the same code either way.
 #include <unistd.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -32,6 +34,7 @@
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
 #include "serve_api.hpp"
+#include "serve_hosts.hpp"
 
 namespace {
 
@@ -106,6 +109,18 @@ void check_attention(const std::string& body) {
   }
 }
 
+// The Host allow-list of a server on 127.0.0.1:8080 lets through exactly its six spellings (any
+// case), whatever the bytes; is_loopback_host must simply return.
+void check_host(const std::string& host) {
+  static const qkv::cli::HostAllowList hosts("127.0.0.1", 8080, {});
+  std::string lower = host;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool listed = lower == "127.0.0.1" || lower == "127.0.0.1:8080" || lower == "localhost" ||
+                      lower == "localhost:8080" || lower == "[::1]" || lower == "[::1]:8080";
+  if (hosts.allows(host) != listed) fail(host, listed ? "a listed Host refused" : "an unlisted Host allowed");
+  (void)qkv::cli::is_loopback_host(host);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -138,11 +153,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const ApiResponse response = g_api->models();
     if (response.status != 200 || parsed(rest, response)["models"].size() != 1) fail(rest, "GET /api/models: " + response.body);
   } else {
-    (void)qkv::cli::is_loopback_host(rest);
-    const ApiResponse response{404, qkv::cli::error_json("no such page or API: GET " + rest)};
+    check_host(rest);
+    const ApiResponse response{404, qkv::cli::error_json("no such page or API: GET " + qkv::cli::escaped_text(rest))};
     const json answer = parsed(rest, response);
     if (!answer.is_object() || !answer.contains("error") || !answer["error"].is_string()) {
       fail(rest, "error_json did not give {\"error\": text}");
+    }
+    for (const char c : answer["error"].get<std::string>()) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) fail(rest, "a control character in an error message");
     }
   }
   return 0;

@@ -6,6 +6,9 @@
 #   serve_http          the API over HTTP against `qkv serve --port 0` on 127.0.0.1 (pytest)
 #   serve_browser       the page in headless Chromium: slider, causal, screenshots (pytest + Selenium)
 #   serve_load          8 clients x 200 requests on 127.0.0.1: no error, no memory growth
+#   serve_connections   slow, idle and bursting clients against one server (pytest)
+#   serve_probe         probe_server.py at its CI size: bad Hosts, NUL bytes, oversize and
+#                       malformed bodies, slow and idle clients, bursts; no crash, no hang
 #
 # The Python tests need only python3 and pytest (the browser test also python3-selenium,
 # chromium and chromium-driver, which scripts/install-deps.sh installs).
@@ -32,7 +35,7 @@ set(serve_env "QKV_BIN=$<TARGET_FILE:qkv_cli>" "QKV_MODEL=${serve_out}/copy.qkv"
 if(QKV_SANITIZE)
   list(APPEND serve_env "QKV_SANITIZED=1")  # test_load.py: the allocator's own growth, bounded looser
 endif()
-foreach(name http browser load)
+foreach(name http browser load connections)
   set(file test_api.py)
   if(NOT name STREQUAL "http")
     set(file test_${name}.py)
@@ -42,5 +45,8 @@ foreach(name http browser load)
   set_tests_properties(serve_${name} PROPERTIES ENVIRONMENT "${serve_env}" FIXTURES_REQUIRED serve_model
     TIMEOUT 300)
 endforeach()
-# The load test measures memory and speed: alone, not beside the rest of the suite.
-set_tests_properties(serve_load PROPERTIES RUN_SERIAL TRUE)
+add_test(NAME serve_probe COMMAND ${QKV_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/probe_server.py --qkv $<TARGET_FILE:qkv_cli>)
+set_tests_properties(serve_probe PROPERTIES ENVIRONMENT "${serve_env}" TIMEOUT 120)
+# The load test measures memory and speed, and the connection tests time requests: alone, not
+# beside the rest of the suite.
+set_tests_properties(serve_load serve_connections PROPERTIES RUN_SERIAL TRUE)

@@ -1,4 +1,5 @@
 """The explorer's HTTP API, against a real `qkv serve` on a free loopback port (conftest.py)."""
+import json
 import math
 import os
 import signal
@@ -141,10 +142,69 @@ def test_the_server_survives_bad_input_and_answers_errors_as_json(server):
     assert status == 404 and "no such page or API: GET /no/such/page" in answer["error"]
     status, answer, _ = server.request("/api/attention", method="GET")
     assert status in (404, 405) and "error" in answer
-    # A page elsewhere reaching the explorer through a name that resolves to 127.0.0.1.
-    status, answer, _ = server.request("/", headers={"Host": "attacker.example:80"})
-    assert status == 403 and "is not this machine" in answer["error"]
     assert server.attention({"text": "still here"})[0] == 200
+
+
+def raw_request(server, host_line):
+    """(status, parsed JSON body) of GET /api/models sent with exactly this Host line."""
+    import socket
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /api/models HTTP/1.1\r\n" + host_line + b"Connection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("host", ["attacker.example:80", "127.attacker.example", "127.0.0.1.evil", "[::1]evil",
+                                  "127.0.0.1:80@evil", "localhost.evil", "127.0.0.2", "0.0.0.0", "127.1", ""])
+def test_a_host_not_on_the_list_is_refused_as_json(server, host):
+    """A page elsewhere reaching the explorer through a name that resolves to 127.0.0.1."""
+    status, answer = raw_request(server, f"Host: {host}\r\n".encode())
+    assert status == 403 and f"Host '{host}' is not a name of this server (127.0.0.1, localhost, [::1])" in answer["error"]
+
+
+def test_the_names_of_this_server_are_answered(server):
+    port = server.url.rsplit(":", 1)[1]
+    for host in ["127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", "[::1]", f"[::1]:{port}"]:
+        assert raw_request(server, f"Host: {host}\r\n".encode())[0] == 200, host
+    status, answer = raw_request(server, b"")  # no Host at all
+    assert status == 403 and "Host '' is not a name of this server" in answer["error"]
+    status, answer = raw_request(server, b"Host: local\x01host\r\n")
+    assert status == 403 and "Host 'local\\u0001host'" in answer["error"]
+
+
+def test_allow_host_adds_names():
+    s = Server(["--allow-host", "my-laptop.local", "--allow-host", "10.1.2.3"])
+    try:
+        port = s.url.rsplit(":", 1)[1]
+        for host in ["my-laptop.local", f"my-laptop.local:{port}", "10.1.2.3"]:
+            assert raw_request(s, f"Host: {host}\r\n".encode())[0] == 200, host
+        status, answer = raw_request(s, b"Host: evil.my-laptop.local\r\n")
+        assert status == 403 and "(127.0.0.1, localhost, [::1], my-laptop.local, 10.1.2.3)" in answer["error"]
+    finally:
+        assert s.stop()[0] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", ""], "--host is empty: give the address to listen on"),
+    (["--host", "127.0.0.1:80"], "--host '127.0.0.1:80' is not a host name or an address"),
+    (["--allow-host", "evil.example:80"], "--allow-host 'evil.example:80' is not a host name or an address"),
+])
+def test_bad_host_options_refuse_to_start(args, message):
+    import subprocess
+    from conftest import QKV_BIN
+    result = subprocess.run([QKV_BIN, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and message in result.stderr, result
+
+
+def test_a_nul_byte_in_a_mask_is_shown_escaped(server):
+    status, answer = server.attention({"text": "a b", "mask": "causal\0 & window(1)"})
+    assert status == 400
+    assert answer["error"] == ("mask 'causal\\u0000 & window(1)': column 7, found '\\u0000': a control character, "
+                               "not part of a mask")
 
 
 def test_sigterm_also_stops_cleanly():

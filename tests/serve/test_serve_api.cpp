@@ -1,8 +1,12 @@
 // qkv serve's mask expressions (the library's qkv::Mask::parse, src/mask/parse.cpp) and JSON API as plain functions
 // (tools/qkv/serve_api.cpp), without a socket. The HTTP side is tests/serve/test_api.py.
+#include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <unistd.h>
 
@@ -12,6 +16,8 @@
 #include "qkv/mask.hpp"
 #include "qkv/train.hpp"
 #include "serve_api.hpp"
+#include "serve_hosts.hpp"
+#include "serve_slots.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -82,6 +88,13 @@ TEST(MaskExpression, ErrorsPointAtTheBadToken) {
 std::pair<int, json> ask(const ExplorerApi& api, const json& request) {
   const ApiResponse response = api.attention(request.dump());
   return {response.status, json::parse(response.body)};
+}
+
+// The error message of a request body that must be a 400.
+std::string error_of(const ExplorerApi& api, const std::string& body) {
+  const ApiResponse response = api.attention(body);
+  EXPECT_EQ(response.status, 400) << body;
+  return json::parse(response.body).value("error", "");
 }
 
 TEST(ExplorerApi, WeightsAreSoftmaxRowsWithTheirEntropy) {
@@ -183,10 +196,64 @@ TEST(ExplorerApi, SparseMasksHideWhatTheySay) {
 }
 
 TEST(ExplorerApi, LoopbackHosts) {
-  for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"}) EXPECT_TRUE(is_loopback_host(host)) << host;
-  for (const char* host : {"0.0.0.0", "192.168.1.10", "example.com", "::", "", "localhost.example.com"}) {
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "LocalHost", "::1", "[::1]", "::ffff:127.0.0.1"}) {
+    EXPECT_TRUE(is_loopback_host(host)) << host;
+  }
+  for (const char* host : {"0.0.0.0", "192.168.1.10", "example.com", "::", "", "localhost.example.com", "127.attacker.example",
+                           "127.0.0.1.evil", "127.1", "[::1]evil", "[::1", "::1]", "127.0.0.1:80@evil"}) {
     EXPECT_FALSE(is_loopback_host(host)) << host;
   }
+}
+
+// The Host header must be exactly a name on the list, alone or with the server's port.
+TEST(HostAllowList, OnlyTheNamesOfThisServer) {
+  const HostAllowList hosts("127.0.0.1", 8080, {"my-laptop.local", "fe80::1"});
+  for (const char* host : {"127.0.0.1", "127.0.0.1:8080", "localhost", "localhost:8080", "LOCALHOST:8080", "[::1]",
+                           "[::1]:8080", "my-laptop.local", "My-Laptop.Local:8080", "[fe80::1]:8080"}) {
+    EXPECT_TRUE(hosts.allows(host)) << host;
+  }
+  for (const char* host : {"127.attacker.example", "127.0.0.1.evil", "[::1]evil", "127.0.0.1:80@evil", "127.0.0.1:8081",
+                           "127.0.0.2", "localhost.", "localhost:", "localhost:08080", " localhost", "::1", "",
+                           "evil.my-laptop.local",
+                           "attacker.example:8080", "127.0.0.1:8080\r\nX: y"}) {
+    EXPECT_FALSE(hosts.allows(host)) << host;
+  }
+  EXPECT_FALSE(hosts.allows(std::string("localhost\0:8080", 15)));
+  EXPECT_EQ(hosts.shown(), "127.0.0.1, localhost, [::1], my-laptop.local, [fe80::1]");
+  // The bound address, IPv6 in brackets, with its own port.
+  const HostAllowList v6("::1", 0, {});
+  EXPECT_TRUE(v6.allows("[::1]:0"));
+  EXPECT_FALSE(v6.allows("::1"));
+}
+
+TEST(HostAllowList, RefusesAnEmptyHostAndMalformedNames) {
+  auto message = [](const std::string& host, const std::vector<std::string>& extra) {
+    try {
+      HostAllowList(host, 8080, extra);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("", {}), "--host is empty: give the address to listen on, e.g. 127.0.0.1 (the default) or ::1");
+  EXPECT_NE(message("127.0.0.1:8080", {}).find("--host '127.0.0.1:8080' is not a host name or an address"), std::string::npos);
+  for (const char* name : {"", "evil.example:80", "a b", "user@host", "http://host", "[::1]:80", "[evil]"}) {
+    const std::string expected = std::string("--allow-host '") + name + "' is not a host name";
+    EXPECT_NE(message("127.0.0.1", {name}).find(expected), std::string::npos) << name;
+  }
+}
+
+// A NUL byte (or any control character) is shown escaped, the whole message kept.
+TEST(ExplorerApi, ControlCharactersInErrorsAreEscaped) {
+  const ExplorerApi api({}, ServeLimits{});
+  const std::string body = std::string(R"({"text": "a b", "mask": "causal)") + "\\u0000" + R"x( & window(1)"})x";
+  EXPECT_EQ(error_of(api, body),
+            "mask 'causal\\u0000 & window(1)': column 7, found '\\u0000': a control character, not part of a mask");
+  EXPECT_EQ(error_of(api, R"({"text": "a", "ab\u0000cd": 1})"),
+            "unknown field \"ab\\u0000cd\"; the fields are text, heads, embed, seed, temperature, mask, chars and model");
+  EXPECT_NE(error_of(api, R"({"text": "a", "model": "x\u0001y"})").find("unknown model \"x\\u0001y\""), std::string::npos);
+  // Whitespace is the parser's own: a tab still separates.
+  EXPECT_EQ(ask(api, {{"text", "a b"}, {"mask", "causal\t&\nwindow(1)"}}).first, 200);
 }
 
 class ExplorerModel : public ::testing::Test {
@@ -238,9 +305,68 @@ TEST_F(ExplorerModel, ListedAndRunLayerByLayerUnderItsCausalMask) {
   EXPECT_EQ(answer["tokens"].size(), 6u);
 }
 
+// A small file may name a long sequence (max_len 65536): start-up must not run the model on its
+// task's examples (400 of them took minutes), and a request that would fall back on one of them
+// (65536 tokens, more than the page shows) is a 400 instead.
+TEST(ExplorerLongModel, StartsAtOnceAndRunsOnlyShortTexts) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("qkv_serve_test_long_" + std::to_string(::getpid()) + ".qkv")).string();
+  train::AttentionModel({.vocab_size = 5, .max_len = 65536, .d_model = 8, .num_heads = 2, .num_layers = 1}, 1).save(path);
+  const auto start = std::chrono::steady_clock::now();
+  const ExplorerApi api({path}, ServeLimits{});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::filesystem::remove(path);
+  EXPECT_LT(seconds, 5.0);  // ~ milliseconds; the evaluation it no longer runs took minutes
+  const json model = json::parse(api.models().body)["models"][0];
+  EXPECT_EQ(model["task"], "copy or reverse");
+  EXPECT_NE(model["task_how"].get<std::string>().find("not evaluated: its sequences of 65536 tokens"), std::string::npos);
+  const std::string name = std::filesystem::path(path).filename().string();
+  const auto [status, answer] = ask(api, {{"text", "a b | b a"}, {"model", name}});
+  EXPECT_EQ(status, 200) << answer.dump();
+  EXPECT_EQ(answer["tokens"], json({"a", "b", "|", "b", "a"}));
+  EXPECT_EQ(error_of(api, json({{"text", "The cat"}, {"model", name}}).dump()),
+            "model \"" + name + "\" cannot run this text (token 'The' is not in the model's vocabulary (a-d and |)), and "
+            "its task's examples have 65536 tokens, more than the 64 the explorer shows: type a text of its vocabulary");
+}
+
 TEST_F(ExplorerModel, RepeatedNamesAndMissingFilesRefuseToStart) {
   EXPECT_THROW(ExplorerApi({path_, path_}, ServeLimits{}), Error);
   EXPECT_THROW(ExplorerApi({path_ + ".missing"}, ServeLimits{}), Error);
+}
+
+// ---- Computation slots
+
+// Waiters take a freed slot in the order they arrived, and one whose wait runs out leaves the
+// line without holding up those behind it.
+TEST(FairSlots, FirstComeFirstServedAndTimeoutsLeaveTheLine) {
+  using namespace std::chrono_literals;
+  FairSlots slots(1);
+  ASSERT_TRUE(slots.acquire_for(0s));
+  EXPECT_FALSE(slots.acquire_for(10ms));  // none free: the wait runs out
+  std::mutex mutex;
+  std::vector<int> order;
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 4; ++i) {
+    const auto wait = i == 1 ? std::chrono::duration<double>(0.1) : std::chrono::duration<double>(30);
+    waiters.emplace_back([&, i, wait] {
+      if (!slots.acquire_for(wait)) return;  // waiter 1 gives up while the slot is still held
+      {
+        const std::lock_guard<std::mutex> lock(mutex);
+        order.push_back(i);
+      }
+      std::this_thread::sleep_for(1ms);
+      slots.release();
+    });
+    // In line one after another (bounded: a waiter joins within seconds even on a busy machine).
+    for (int spin = 0; spin < 10000 && slots.waiting() < static_cast<size_t>(i + 1); ++spin) std::this_thread::sleep_for(1ms);
+    EXPECT_EQ(slots.waiting(), static_cast<size_t>(i + 1));
+  }
+  for (int spin = 0; spin < 10000 && slots.waiting() == 4; ++spin) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(slots.waiting(), 3u);  // waiter 1's wait ran out
+  slots.release();
+  for (std::thread& waiter : waiters) waiter.join();
+  EXPECT_EQ(order, std::vector<int>({0, 2, 3}));
+  EXPECT_TRUE(slots.acquire_for(0s));  // every slot given back
 }
 
 }  // namespace

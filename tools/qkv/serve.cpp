@@ -6,17 +6,18 @@
 //
 // The page (tools/qkv/explorer/, embedded in the binary at build time) asks POST /api/attention
 // for weights and draws them; the API's requests and answers are in serve_api.hpp. Safety:
-// loopback unless --host names another address (then a warning), requests whose Host header is
-// not this machine's refused while on loopback (a web page elsewhere cannot use a browser to
-// reach the explorer by DNS rebinding), body and text limits, models only from the files named
-// here, at most --max-concurrent computations at once (others wait, then get 503), and Ctrl-C
-// (SIGINT) or SIGTERM stops it cleanly.
+// loopback unless --host names another address (then a warning); only requests whose Host header
+// is on an exact list (serve_hosts.hpp: the --host address, localhost, 127.0.0.1, [::1] and
+// --allow-host names), so a web page elsewhere cannot use a browser to reach the explorer by DNS
+// rebinding; body and text limits; models only from the files named here; at most
+// --max-concurrent computations at once (others wait, then get 503); connections that slow or
+// idle clients cannot use up (serve_connections.hpp); and Ctrl-C (SIGINT) or SIGTERM stops it
+// cleanly.
 #include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <memory>
-#include <semaphore>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,9 @@
 #include "explorer_assets.hpp"
 #include "qkv/error.hpp"
 #include "serve_api.hpp"
+#include "serve_connections.hpp"
+#include "serve_hosts.hpp"
+#include "serve_slots.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -37,18 +41,13 @@ struct ServeOptions {
   std::string host = "127.0.0.1";
   int port = 8080;
   std::vector<std::string> models;
+  std::vector<std::string> allowed_hosts;  // --allow-host: more names the Host header may give
   int max_concurrent = 4;
   double queue_seconds = 10;  // how long a request waits for a computation slot before a 503
 };
 
-// The most computations --max-concurrent may allow; the semaphore's compile-time bound.
+// The most computations --max-concurrent may allow.
 constexpr int kMaxConcurrentLimit = 64;
-
-// The host part of a Host header: "127.0.0.1:8080" -> "127.0.0.1", "[::1]:80" -> "[::1]".
-std::string host_name(const std::string& header) {
-  if (header.starts_with("[")) return header.substr(0, header.find(']') + 1);
-  return header.substr(0, header.find(':'));
-}
 
 void set_json(httplib::Response& response, int status, const std::string& body) {
   response.status = status;
@@ -71,38 +70,39 @@ void catch_stop_signals() {
   sigaction(SIGTERM, &action, nullptr);
 }
 
-void run_serve(const ServeOptions& o) {
+void check_options(const ServeOptions& o) {
   if (o.max_concurrent < 1 || o.max_concurrent > kMaxConcurrentLimit) {
     throw Error(fmt::format("--max-concurrent must be between 1 and {}, got {}", kMaxConcurrentLimit, o.max_concurrent));
   }
   if (o.port < 0 || o.port > 65535) throw Error(fmt::format("--port must be between 0 and 65535, got {}", o.port));
-  const ExplorerApi api(o.models, ServeLimits{});
-  const bool loopback = is_loopback_host(o.host);
-  if (!loopback) {
+  (void)HostAllowList(o.host, o.port, o.allowed_hosts);  // --host and --allow-host, before any work
+  if (!is_loopback_host(o.host)) {
+    // On every address (0.0.0.0, ::) no one address is the name clients use: --allow-host gives it.
+    const bool any = o.host == "0.0.0.0" || o.host == "::";
     fmt::print(stderr,
                "qkv serve: warning: listening on {}, not loopback: anyone who can reach this machine on that "
-               "address can use the explorer. Leave out --host to keep it to this machine (127.0.0.1).\n",
-               o.host);
+               "address can use the explorer. Leave out --host to keep it to this machine (127.0.0.1). Requests "
+               "must name {} in their Host header.\n",
+               o.host, any ? "this machine by an --allow-host NAME (its address or name on the network)"
+                           : fmt::format("{} or an --allow-host NAME", url_host(o.host)));
   }
+}
 
-  httplib::Server server;
-  std::counting_semaphore<kMaxConcurrentLimit> slots(o.max_concurrent);
-  const auto queue_wait = std::chrono::duration<double>(o.queue_seconds);
-
-  server.set_payload_max_length(4 * api.limits().max_body_bytes);  // beyond: 413 before reading it all
-  server.set_read_timeout(5, 0);
-  server.set_write_timeout(5, 0);
-  server.set_keep_alive_max_count(1000);
-
-  server.set_pre_routing_handler([loopback](const httplib::Request& request, httplib::Response& response) {
-    if (loopback && !is_loopback_host(host_name(request.get_header_value("Host")))) {
-      set_json(response, 403,
-               error_json(fmt::format("Host '{}' is not this machine; open the explorer at 127.0.0.1 or localhost",
-                                      request.get_header_value("Host"))));
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
+// Refuses, before any route, a request whose Host header is not on the list (DNS rebinding).
+// Set once bound (the list names the port), before the server reads any request.
+void guard_hosts(httplib::Server& server, const std::shared_ptr<const HostAllowList>& hosts) {
+  server.set_pre_routing_handler([hosts](const httplib::Request& request, httplib::Response& response) {
+    const std::string host = request.get_header_value("Host");
+    if (hosts->allows(host)) return httplib::Server::HandlerResponse::Unhandled;
+    set_json(response, 403,
+             error_json(fmt::format("Host '{}' is not a name of this server ({}); open the explorer at one of "
+                                    "those, or start it with --allow-host NAME",
+                                    escaped_text(host), hosts->shown())));
+    return httplib::Server::HandlerResponse::Handled;
   });
+}
+
+void add_headers_and_errors(httplib::Server& server) {
   server.set_post_routing_handler([](const httplib::Request&, httplib::Response& response) {
     response.set_header("X-Content-Type-Options", "nosniff");
     response.set_header("Cache-Control", "no-store");
@@ -110,7 +110,28 @@ void run_serve(const ServeOptions& o) {
     response.set_header("Content-Security-Policy",
                         "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'");
   });
+  server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
+    if (!response.body.empty()) return;
+    const std::string message =
+        response.status == 404   ? fmt::format("no such page or API: {} {}", request.method, escaped_text(request.path))
+        : response.status == 413 ? "request body too large"
+        : response.status == 405 ? fmt::format("{} is not allowed on {}", request.method, escaped_text(request.path))
+                                 : fmt::format("HTTP {}", response.status);
+    set_json(response, response.status, error_json(message));
+  });
+  server.set_exception_handler([](const httplib::Request&, httplib::Response& response, std::exception_ptr) {
+    set_json(response, 500, error_json("internal error"));
+  });
+}
 
+// Computations wait in line for one of --max-concurrent slots, up to queue_seconds, then 503.
+struct Slots {
+  FairSlots free;
+  int count;
+  double wait_seconds;
+};
+
+void add_routes(httplib::Server& server, const ExplorerApi& api, Slots& slots) {
   for (const explorer::EmbeddedFile& file : explorer::kFiles) {
     const std::string path = std::string(file.path) == "/index.html" ? "/" : file.path;
     server.Get(path, [&file](const httplib::Request&, httplib::Response& response) {
@@ -121,44 +142,34 @@ void run_serve(const ServeOptions& o) {
     const ApiResponse answer = api.models();
     set_json(response, answer.status, answer.body);
   });
-  server.Post("/api/attention", [&](const httplib::Request& request, httplib::Response& response) {
-    if (!slots.try_acquire_for(queue_wait)) {
+  server.Post("/api/attention", [&api, &slots](const httplib::Request& request, httplib::Response& response) {
+    if (!slots.free.acquire_for(std::chrono::duration<double>(slots.wait_seconds))) {
       set_json(response, 503,
                error_json(fmt::format("busy: {} computations are running and none finished within {} s; try again",
-                                      o.max_concurrent, o.queue_seconds)));
+                                      slots.count, slots.wait_seconds)));
       return;
     }
     const ApiResponse answer = api.attention(request.body);  // never throws
-    slots.release();
+    slots.free.release();
     set_json(response, answer.status, answer.body);
   });
-  server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
-    if (!response.body.empty()) return;
-    const std::string message =
-        response.status == 404   ? fmt::format("no such page or API: {} {}", request.method, request.path)
-        : response.status == 413 ? "request body too large"
-        : response.status == 405 ? fmt::format("{} is not allowed on {}", request.method, request.path)
-                                 : fmt::format("HTTP {}", response.status);
-    set_json(response, response.status, error_json(message));
-  });
-  server.set_exception_handler([](const httplib::Request&, httplib::Response& response, std::exception_ptr) {
-    set_json(response, 500, error_json("internal error"));
-  });
+}
 
-  catch_stop_signals();  // from here on, Ctrl-C stops the server cleanly
+// Binds --host:--port (any free port for 0) and returns the port; qkv::Error if it cannot.
+int bind(httplib::Server& server, const ServeOptions& o, const ServerConnections& connections) {
   const int port = o.port == 0 ? server.bind_to_any_port(o.host) : (server.bind_to_port(o.host, o.port) ? o.port : -1);
   if (port < 0) {
     throw Error(fmt::format("cannot listen on {}:{} (in use, or not an address of this machine); try --port 0 for "
                             "any free port",
                             o.host, o.port));
   }
-  const std::string shown_host = o.host.find(':') != std::string::npos && !o.host.starts_with("[") ? "[" + o.host + "]" : o.host;
-  fmt::print("qkv serve: the attention explorer is at http://{}:{}/  ({} model{}; Ctrl-C stops)\n", shown_host, port,
-             api.loaded_models().size(), api.loaded_models().size() == 1 ? "" : "s");
-  std::fflush(stdout);
+  connections.listen_with_backlog();
+  return port;
+}
 
-  // Stops the server once a stop signal arrives (caught since before the URL was printed);
-  // also ends when listening ends another way.
+// Serves until a stop signal (caught since before the URL was printed) or listening ends
+// another way; returns the signal, 0 for none.
+int serve_until_stopped(httplib::Server& server, const std::string& where) {
   std::atomic<bool> finished{false};
   std::thread stopper([&] {
     while (!finished) {
@@ -174,7 +185,28 @@ void run_serve(const ServeOptions& o) {
   finished = true;
   stopper.join();
   const int received = g_stop_signal;
-  if (received == 0 && !listened) throw Error(fmt::format("the server on {}:{} stopped unexpectedly", o.host, port));
+  if (received == 0 && !listened) throw Error(fmt::format("the server on {} stopped unexpectedly", where));
+  return received;
+}
+
+void run_serve(const ServeOptions& o) {
+  check_options(o);
+  const ExplorerApi api(o.models, ServeLimits{});
+  httplib::Server server;
+  const ServerConnections connections(server, ConnectionLimits{});
+  server.set_payload_max_length(4 * api.limits().max_body_bytes);  // beyond: 413 before reading it all
+  server.set_write_timeout(5, 0);
+  Slots slots{FairSlots(o.max_concurrent), o.max_concurrent, o.queue_seconds};
+  add_headers_and_errors(server);
+  add_routes(server, api, slots);
+
+  catch_stop_signals();  // from here on, Ctrl-C stops the server cleanly
+  const int port = bind(server, o, connections);
+  guard_hosts(server, std::make_shared<const HostAllowList>(o.host, port, o.allowed_hosts));
+  fmt::print("qkv serve: the attention explorer is at http://{}:{}/  ({} model{}; Ctrl-C stops)\n", url_host(o.host),
+             port, api.loaded_models().size(), api.loaded_models().size() == 1 ? "" : "s");
+  std::fflush(stdout);
+  const int received = serve_until_stopped(server, fmt::format("{}:{}", url_host(o.host), port));
   fmt::print("qkv serve: stopped ({})\n", received == SIGINT ? "Ctrl-C" : received == SIGTERM ? "SIGTERM" : "done");
   std::fflush(stdout);
 }
@@ -191,6 +223,9 @@ void add_serve_command(CLI::App& app) {
   serve->add_option("--port", options->port, "Port to listen on; 0 picks a free one")->capture_default_str();
   serve->add_option("--model", options->models,
                     "A trained model's file (`qkv train --save`) the page may show; repeat for more");
+  serve->add_option("--allow-host", options->allowed_hosts,
+                    "Another name the browser may use for this server (its Host header), e.g. my-laptop.local; "
+                    "repeat for more. Besides these: the --host address, localhost, 127.0.0.1 and [::1]");
   serve->add_option("--max-concurrent", options->max_concurrent, "Computations running at once; more requests wait")
       ->capture_default_str();
   serve->callback([options] { run_serve(*options); });

@@ -2,6 +2,7 @@
 #include "serve_api.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <exception>
 #include <filesystem>
@@ -25,6 +26,7 @@ class BadRequest : public std::exception {
  public:
   explicit BadRequest(std::string message) : message_(std::move(message)) {}
   const char* what() const noexcept override { return message_.c_str(); }
+  const std::string& message() const { return message_; }  // whole, even past a NUL byte
 
  private:
   std::string message_;
@@ -135,7 +137,7 @@ json parse_request(const std::string& body, const ServeLimits& limits) {
     if (!kFields.contains(key)) {
       throw BadRequest(fmt::format("unknown field \"{}\"; the fields are text, heads, embed, seed, temperature, mask, "
                                    "chars and model",
-                                   key));
+                                   escaped_text(key)));
     }
   }
   if (!request.contains("text")) throw BadRequest("\"text\" is missing: give the sentence to attend over");
@@ -180,6 +182,17 @@ Mask mask_field(const json& request, int64_t n, const ServeLimits& limits) {
   if (expression.size() > limits.max_mask_chars) {
     throw BadRequest(fmt::format("mask expression has {} characters; the limit is {}", expression.size(),
                                  limits.max_mask_chars));
+  }
+  // A control character is no part of a mask (whitespace aside); refused here so the message
+  // can show it escaped, where the library's would quote it raw and a NUL would end it.
+  const auto control = std::find_if(expression.begin(), expression.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return (byte < 0x20 || byte == 0x7f) && !std::isspace(byte);
+  });
+  if (control != expression.end()) {
+    throw BadRequest(fmt::format("mask '{}': column {}, found '{}': a control character, not part of a mask",
+                                 escaped_text(expression), control - expression.begin() + 1,
+                                 escaped_text(std::string(1, *control))));
   }
   Mask mask;
   try {
@@ -246,6 +259,11 @@ json model_attention(const json& request, const LoadedModel& loaded, const Serve
   std::string why_not;
   std::vector<int64_t> ids = text_ids(tokens, loaded.task, c.max_len, why_not);
   std::string note = "on your text: every token is in the model's vocabulary";
+  if (ids.empty() && c.max_len > limits.max_tokens) {
+    throw BadRequest(fmt::format("model \"{}\" cannot run this text ({}), and its task's examples have {} tokens, more "
+                                 "than the {} the explorer shows: type a text of its vocabulary",
+                                 loaded.name, escaped_text(why_not), c.max_len, limits.max_tokens));
+  }
   if (ids.empty()) {
     ids = train::make_batch(loaded.task.options, 1, train::held_out_seed(seed)).ids;
     note = fmt::format("on one {} example, not your text: {}", loaded.task.name, why_not);
@@ -276,14 +294,35 @@ json model_attention(const json& request, const LoadedModel& loaded, const Serve
           {"mask", mask.is_none() ? std::string("causal") : (Mask::causal() & mask).str()}};
 }
 
+// The task of a model named at start-up, with bounded work. A model whose sequences fit the
+// explorer (max_tokens) has its copy-or-reverse question settled by model_task, which runs it on
+// 400 examples: at most 400 x max_tokens tokens. A longer one is never run at start-up (a 3 KB
+// file may say 65536 tokens, and 400 such examples take minutes): recall is known from the odd
+// length alone, and copy or reverse stays undecided; both read the same vocabulary, so the
+// text still runs, and the examples model_attention falls back on are too long to show anyway.
+ModelTask explorer_task(const train::AttentionModel& model, const ServeLimits& limits) {
+  const int64_t n = model.config().max_len;
+  if (n <= limits.max_tokens || n % 2 == 1) return model_task(model, "", 0);
+  ModelTask task = model_task(model, "copy", 0);  // checks the vocabulary and the length only
+  task.name = "copy or reverse";
+  task.how = fmt::format("not evaluated: its sequences of {} tokens are longer than the {} the explorer shows", n,
+                         limits.max_tokens);
+  return task;
+}
+
 }  // namespace
+
+std::string escaped_text(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    out += byte < 0x20 || byte == 0x7f ? fmt::format("\\u{:04x}", byte) : std::string(1, c);
+  }
+  return out;
+}
 
 std::string error_json(const std::string& message) {
   return dump(json{{"error", message}});
-}
-
-bool is_loopback_host(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" || host.starts_with("127.");
 }
 
 ExplorerApi::ExplorerApi(const std::vector<std::string>& model_paths, ServeLimits limits) : limits_(limits) {
@@ -297,7 +336,7 @@ ExplorerApi::ExplorerApi(const std::vector<std::string>& model_paths, ServeLimit
       }
     }
     train::AttentionModel model = train::AttentionModel::load(path);
-    ModelTask task = model_task(model, "", 0);
+    ModelTask task = explorer_task(model, limits_);
     models_.push_back({name, path, std::move(model), std::move(task)});
   }
 }
@@ -312,10 +351,10 @@ ApiResponse ExplorerApi::attention(const std::string& request_body) const {
     }
     std::string names;
     for (const LoadedModel& loaded : models_) names += (names.empty() ? "" : ", ") + loaded.name;
-    throw BadRequest(fmt::format("unknown model \"{}\"; the server was started with {}", model_name,
+    throw BadRequest(fmt::format("unknown model \"{}\"; the server was started with {}", escaped_text(model_name),
                                  names.empty() ? "no --model" : "--model " + names));
   } catch (const BadRequest& e) {
-    return {400, error_json(e.what())};
+    return {400, error_json(e.message())};
   } catch (const Error& e) {
     return {400, error_json(e.what())};  // the library refused the request's sizes or mask
   } catch (const std::exception& e) {

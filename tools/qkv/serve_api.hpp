@@ -74,8 +74,8 @@ class ExplorerApi {
 // {"error": message} as JSON text.
 std::string error_json(const std::string& message);
 
-// True for the host names and addresses that only this machine can reach: localhost,
-// 127.0.0.0/8 and ::1.
-bool is_loopback_host(const std::string& host);
+// Text from a request as a message quotes it: control characters as \u0000 ... \u001f and
+// \u007f, so a NUL byte neither ends the message (C strings stop there) nor hides the rest.
+std::string escaped_text(const std::string& text);
 
 }  // namespace qkv::cli
