@@ -79,7 +79,7 @@ SMALL = {
 }
 REAL_FLAGS = {"--lr", "--temperature"}
 # Values of BAD that are in range for these flags and would make the run long: not drawn for them.
-SLOW_IF_VALID = {("train", "--steps"): {"100000"}, ("train", "--eval"): {"100000"},
+SLOW_IF_VALID = {("train", "--steps"): {"100000", "1000000000"}, ("train", "--eval"): {"100000"},
                  ("scaling", "--max-seq"): {"100000"}, ("scaling", "--min-seq"): {"100000"},
                  ("bench", "--threads"): {"0x10"}, ("bench", "--runs"): {"0x10"},
                  ("bench", "--reference-runs"): {"0x10"}}

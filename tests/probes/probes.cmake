@@ -25,9 +25,9 @@ set(tiny_train train --task copy --length 3 --symbols 4 --eval 4 --d-model 8 --h
 add_test(NAME cli_train_threads_bound COMMAND qkv_cli ${tiny_train} --steps 1 --threads 100000)
 add_test(NAME cli_generate_threads_bound COMMAND qkv_cli generate --model ${probe_dir}/none.qkv --threads 100000)
 add_test(NAME cli_train_lr_bound COMMAND qkv_cli ${tiny_train} --steps 1 --lr nan)
-# Within the bounds, lr 10 without warm-up overflows the weights in about ten steps.
-add_test(NAME cli_train_diverges COMMAND qkv_cli ${tiny_train} --steps 20 --batch 2 --warmup 0 --lr 10
-  --save ${probe_dir}/diverged.qkv)
+# Within the bounds, lr 10 without warm-up overflows the default model's weights in about ten steps.
+add_test(NAME cli_train_diverges COMMAND qkv_cli train --task copy --length 3 --symbols 4 --eval 4 --steps 20 --batch 2
+  --warmup 0 --lr 10 --save ${probe_dir}/diverged.qkv)
 add_test(NAME cli_generate_model_is_a_folder COMMAND qkv_cli generate --model ${CMAKE_CURRENT_SOURCE_DIR})
 set_tests_properties(cli_train_threads_bound cli_generate_threads_bound PROPERTIES
   PASS_REGULAR_EXPRESSION "qkv: error: --threads must be in \\[1, 1024\\], got 100000")

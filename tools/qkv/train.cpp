@@ -208,7 +208,7 @@ void draw_heads(const train::AttentionModel& model, const train::TaskOptions& ta
 
 // Every number of the command line in its range, before any work (bounds.hpp).
 void check_options(const TrainCommandOptions& o) {
-  constexpr int64_t kMaxSteps = 10'000'000;
+  constexpr int64_t kMaxSteps = 1'000'000'000;  // far beyond any run (a step takes milliseconds)
   check_range("--steps", o.steps, 0, kMaxSteps);
   check_range("--batch", o.batch, 1, 4096);
   check_real_range("--lr", static_cast<double>(o.lr), 1e-9, 10.0);
