@@ -39,3 +39,9 @@ set_tests_properties(cli_generate_model_is_a_folder PROPERTIES
   PASS_REGULAR_EXPRESSION "qkv: error: AttentionModel::load: '.*tests': is a directory, not a model file")
 set_tests_properties(cli_train_threads_bound cli_generate_threads_bound cli_train_lr_bound cli_train_diverges
   cli_generate_model_is_a_folder PROPERTIES LABELS probe TIMEOUT 60)
+# Under `ulimit -f` (8 blocks of 512 bytes here, less than the model's 36 KB) the save is an
+# error naming EFBIG, not death by SIGXFSZ.
+add_test(NAME cli_train_save_over_file_size_limit COMMAND sh -c "ulimit -f 8 && exec \"$0\" \"$@\"" $<TARGET_FILE:qkv_cli>
+  train --task copy --length 3 --symbols 4 --eval 4 --steps 1 --save ${probe_dir}/over_limit.qkv)
+set_tests_properties(cli_train_save_over_file_size_limit PROPERTIES LABELS probe TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "qkv: error: AttentionModel::save: .*over_limit.qkv.*\\(File too large\\); the previous file, if any, is unchanged")
