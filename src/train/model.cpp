@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <new>
 
 #include "crc32c.hpp"
 #include "qkv/train.hpp"
@@ -586,7 +587,12 @@ std::vector<char> read_model_file(const std::string& path) {
   if (st.st_size > kMaxModelFileBytes)
     throw Error(who + "is " + std::to_string(st.st_size) + " bytes, over the limit of " +
                 std::to_string(kMaxModelFileBytes) + " for a model file");
-  std::vector<char> data(static_cast<size_t>(st.st_size));
+  std::vector<char> data;
+  try {
+    data.resize(static_cast<size_t>(st.st_size));
+  } catch (const std::bad_alloc&) {
+    throw Error(who + "cannot hold its " + std::to_string(st.st_size) + " bytes in memory");
+  }
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t got = ::read(fd, data.data() + done, data.size() - done);
