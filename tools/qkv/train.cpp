@@ -100,7 +100,7 @@ class ProgressBar {
 // One character per weight, darker for more.
 std::string shade(float w) {
   static const char* const kRamp[] = {" ", "·", "░", "▒", "▓", "█"};
-  if (!(w >= 0 && w <= 1)) return "?";  // not a weight (NaN): never an index into the ramp
+  if (!std::isfinite(w)) return "?";  // not a weight (NaN, inf): never an index into the ramp
   const int level = w <= 0.02f ? 0 : std::min(5, 1 + static_cast<int>(w * 5.0f));
   return kRamp[level];
 }
