@@ -27,13 +27,19 @@
 // load() checks the magic, the version, the checksum, the config, every name and shape against
 // the model the config describes, and that the file ends where it should; anything else is a
 // qkv::Error that names the file and what was wrong (not a qkv model, corrupt or truncated,
-// shape differs, unknown attention kind, a mask that does not parse, ...). Version 2 files load
-// as softmax / sinusoidal / no mask; version 1 files (no flags, no checksum) too, unchecked.
+// shape differs, unknown attention kind, a mask that does not parse, a config outside the bounds
+// below, a non-finite weight or moment, named, ...). Version 2 files load as softmax / sinusoidal
+// / no mask; version 1 files (no flags, no checksum) too, unchecked: file_warning() says so.
+// load() opens without blocking and reads only a regular file (a directory, FIFO or device is an
+// error naming it) of at most kMaxModelFileBytes.
 //
 // save() never loses the previous file: it writes a temporary file in the target's folder
 // ("<name>.tmp-XXXXXX"), fsyncs it, renames it over the target and fsyncs the folder. A crash,
-// a full disk or a signal before the rename leaves the old file as it was (and at worst the
-// temporary file behind); after it, the new file is complete.
+// a full disk, the file size limit (SIGXFSZ is blocked in the saving thread, so that is EFBIG, an
+// error) or a signal before the rename leaves the old file as it was (and at worst the temporary
+// file behind); after it, the new file is complete. The target is a regular file or a new one (a
+// device, FIFO or directory is refused); a symbolic link stays a link and the file it points to
+// is replaced, the same way. A model with a non-finite weight is refused before anything is written.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +55,17 @@ namespace qkv::train {
 
 inline constexpr uint32_t kModelFormatVersion = 3;
 inline constexpr size_t kMaxMaskText = 4096;  // bytes of a model's mask expression
+// A config's bounds (checked by the constructor and by load() before anything is allocated):
+// vocab_size in [1, kMaxVocabSize], max_len in [1, kMaxLen], d_model in [1, kMaxDModel],
+// num_layers in [0, kMaxLayers], and the sinusoidal table every model builds (max_len x d_model
+// floats, which the file does not carry) at most kMaxPositionTableBytes.
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 20;
+inline constexpr int64_t kMaxLen = int64_t{1} << 16;
+inline constexpr int64_t kMaxDModel = int64_t{1} << 14;
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxPositionTableBytes = int64_t{256} << 20;
+// load() refuses a file larger than this before reading it (it reads the whole file into memory).
+inline constexpr int64_t kMaxModelFileBytes = int64_t{2} << 30;
 
 // Where a model's tokens learn their positions.
 enum class Positions {
@@ -119,6 +136,11 @@ class AttentionModel {
   std::vector<nn::NamedTensor> parameters() const;
   int64_t parameter_count() const;
   const ModelConfig& config() const { return config_; }
+  // The format version of the file load() read this model from (0: not loaded from a file).
+  uint32_t file_version() const { return file_version_; }
+  // What a front end should tell its user about that file, or "" (a version 1 file carries no
+  // checksum, so damage to it cannot be detected; saving it again writes the current version).
+  std::string file_warning() const;
 
   // The .qkv format above; with `checkpoint`, the training state too. Atomic: see above.
   void save(const std::string& path, const Checkpoint* checkpoint = nullptr) const;
@@ -143,6 +165,7 @@ class AttentionModel {
  private:
   ModelConfig config_;
   Mask mask_;
+  uint32_t file_version_ = 0;
 };
 
 // ---- Greedy generation: each new token is the argmax of the logits at the last position.
@@ -228,7 +251,9 @@ struct TrainStep {
   int64_t tokens = 0;    // tokens read so far
 };
 
-// Trains `model` in place; calls `progress` after every step (may be empty).
+// Trains `model` in place; calls `progress` after every step (may be empty). A step that leaves a
+// non-finite loss or weight throws qkv::Error "training diverged at step N" before any progress
+// call or checkpoint of that step, so no file is written from such weights.
 TrainResult train(AttentionModel& model, const TrainOptions& options,
            const std::function<void(const TrainStep&)>& progress = {});
 

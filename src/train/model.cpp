@@ -2,6 +2,7 @@
 // LayerNorm, head. Forward in numbered passes; backward walks them in reverse. Also the .qkv
 // file format (documented in include/qkv/train.hpp).
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <new>
 
 #include "core/crc32c.hpp"
 #include "qkv/train.hpp"
@@ -29,16 +32,27 @@ namespace {
 // Each module draws its weights from a seed of its own, derived from the model's.
 uint64_t module_seed(uint64_t seed, uint64_t module) { return detail::mix64(seed * 64 + module); }
 
+// Bytes of what a config implies beyond its parameters: the sinusoidal table (max_len x d_model
+// floats, built for every model). Counted before anything is allocated, so that a small file
+// cannot ask for a huge table.
+int64_t derived_bytes(const ModelConfig& c) { return c.max_len * c.d_model * static_cast<int64_t>(sizeof(float)); }
+
 ModelConfig checked(const ModelConfig& c) {
   // Bounds keep a corrupt file from asking for absurd allocations as well as catching mistakes.
-  constexpr int64_t kMaxSize = int64_t{1} << 20;
-  auto in_range = [&](int64_t v) { return v >= 1 && v <= kMaxSize; };
-  if (!in_range(c.vocab_size) || !in_range(c.max_len) || !in_range(c.d_model) || !in_range(c.num_heads) ||
-      c.num_layers < 0 || c.num_layers > 1024 || c.d_model % c.num_heads != 0)
+  auto in_range = [](int64_t v, int64_t most) { return v >= 1 && v <= most; };
+  if (!in_range(c.vocab_size, kMaxVocabSize) || !in_range(c.max_len, kMaxLen) || !in_range(c.d_model, kMaxDModel) ||
+      !in_range(c.num_heads, c.d_model) || c.num_layers < 0 || c.num_layers > kMaxLayers ||
+      c.d_model % c.num_heads != 0)
     throw Error("AttentionModel: config vocab_size " + std::to_string(c.vocab_size) + ", max_len " +
                 std::to_string(c.max_len) + ", d_model " + std::to_string(c.d_model) + ", num_heads " +
                 std::to_string(c.num_heads) + ", num_layers " + std::to_string(c.num_layers) +
-                ": sizes must be in [1, 2^20], layers in [0, 1024], d_model divisible by num_heads");
+                ": vocab_size must be in [1, " + std::to_string(kMaxVocabSize) + "], max_len in [1, " +
+                std::to_string(kMaxLen) + "], d_model in [1, " + std::to_string(kMaxDModel) + "], layers in [0, " +
+                std::to_string(kMaxLayers) + "], d_model divisible by num_heads");
+  if (derived_bytes(c) > kMaxPositionTableBytes)
+    throw Error("AttentionModel: config max_len " + std::to_string(c.max_len) + " x d_model " +
+                std::to_string(c.d_model) + " needs a positional table of " + std::to_string(derived_bytes(c)) +
+                " bytes, over the limit of " + std::to_string(kMaxPositionTableBytes));
   if (c.attention != nn::AttentionKind::Softmax && c.attention != nn::AttentionKind::Linear)
     throw Error("AttentionModel: unknown attention kind " + std::to_string(static_cast<int>(c.attention)));
   if (c.positions != Positions::Sinusoidal && c.positions != Positions::Rotary)
@@ -350,22 +364,95 @@ bool kill_in_this_save(int save_number) {
   return env != nullptr && std::atoi(env) == save_number;
 }
 
+// "" when every value is finite, else "nan at index i" / "inf at index i" for the first that is not.
+std::string first_non_finite(const float* values, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    if (!std::isfinite(values[i]))
+      return std::string(std::isnan(values[i]) ? "nan" : values[i] > 0 ? "inf" : "-inf") + " at index " +
+             std::to_string(i);
+  return "";
+}
+
+// What a non-regular file is, for the errors of load and save.
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+[[noreturn]] void save_failure(const std::string& path, const std::string& what) {
+  throw Error("AttentionModel::save: '" + path + "': " + what + "; the previous file, if any, is unchanged");
+}
+
+// The file a save to `path` replaces: `path` itself, or through symbolic links the file they
+// point to (so the link stays a link and its target is updated). Refuses what is not a regular
+// file or a new one: renaming over a device, a FIFO or a directory would replace it.
+std::string save_target(const std::string& path) {
+  std::filesystem::path target(path);
+  if (target.filename().empty() || target.filename() == "." || target.filename() == "..")
+    save_failure(path, "the path names a folder, not a file");
+  for (int hops = 0;; ++hops) {
+    struct stat st {};
+    if (::lstat(target.c_str(), &st) != 0) {
+      if (errno == ENOENT) return target.string();  // a new file
+      save_failure(path, "cannot stat '" + target.string() + "' (" + std::strerror(errno) + ")");
+    }
+    if (S_ISREG(st.st_mode)) return target.string();
+    if (!S_ISLNK(st.st_mode))
+      save_failure(path, (target == path ? std::string("it") : "its link's target '" + target.string() + "'") +
+                             " is " + file_kind(st.st_mode) + ": a model is saved only to a regular file or a new one");
+    if (hops == 40) save_failure(path, "too many levels of symbolic links");
+    std::error_code error;
+    const std::filesystem::path link = std::filesystem::read_symlink(target, error);
+    if (error) save_failure(path, "cannot read the link '" + target.string() + "' (" + error.message() + ")");
+    target = link.is_absolute() ? link : target.parent_path() / link;
+    if (target.filename().empty()) save_failure(path, "the link '" + link.string() + "' names a folder, not a file");
+  }
+}
+
+// While it lives, SIGXFSZ is blocked in the calling thread, so a write past the file size limit
+// (ulimit -f) fails with EFBIG, which the save reports, instead of killing the process; the
+// signal such a write left pending is taken back before the thread's mask is restored.
+class BlockFileSizeSignal {
+ public:
+  BlockFileSizeSignal() {
+    sigemptyset(&only_);
+    sigaddset(&only_, SIGXFSZ);
+    pthread_sigmask(SIG_BLOCK, &only_, &previous_);
+  }
+  ~BlockFileSizeSignal() {
+    if (!sigismember(&previous_, SIGXFSZ)) {
+      const timespec now{0, 0};
+      while (sigtimedwait(&only_, nullptr, &now) == SIGXFSZ) {
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+  BlockFileSizeSignal(const BlockFileSizeSignal&) = delete;
+  BlockFileSizeSignal& operator=(const BlockFileSizeSignal&) = delete;
+
+ private:
+  sigset_t only_{}, previous_{};
+};
+
 // Writes a file atomically: bytes go to a temporary file beside the target (same folder, so the
 // rename cannot cross file systems), with a running CRC-32C; commit() appends the CRC, fsyncs,
 // renames over the target and fsyncs the folder. Destroyed without commit(): the temporary is
 // removed and the target untouched.
 class AtomicWriter {
  public:
-  explicit AtomicWriter(const std::string& path) : path_(path) {
-    const std::filesystem::path target(path);
-    if (target.filename().empty()) fail("the path names a folder, not a file");
+  explicit AtomicWriter(const std::string& path) : path_(path), target_(save_target(path)) {
+    const std::filesystem::path target(target_);
     folder_ = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
     temp_ = (folder_ / (target.filename().string() + ".tmp-XXXXXX")).string();
     fd_ = ::mkstemp(temp_.data());
     if (fd_ < 0) fail("cannot create a temporary file in '" + folder_.string() + "'", errno);
     // mkstemp makes it 0600; give the new file the old one's mode, or rw-r--r--.
     struct stat old {};
-    ::fchmod(fd_, ::stat(path.c_str(), &old) == 0 ? (old.st_mode & 07777) : 0644);
+    ::fchmod(fd_, ::stat(target_.c_str(), &old) == 0 ? (old.st_mode & 07777) : 0644);
     buffer_.reserve(kBuffer);
   }
   ~AtomicWriter() {
@@ -405,7 +492,7 @@ class AtomicWriter {
       fail("closing '" + temp_ + "' failed", errno);
     }
     fd_ = -1;
-    if (::rename(temp_.c_str(), path_.c_str()) != 0) fail("cannot rename '" + temp_ + "' over it", errno);
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) fail("cannot rename '" + temp_ + "' over it", errno);
     committed_ = true;
     // The rename itself is durable once the folder's entry is on disk.
     const int folder = ::open(folder_.c_str(), O_RDONLY | O_DIRECTORY);
@@ -436,8 +523,9 @@ class AtomicWriter {
                 "; the previous file, if any, is unchanged");
   }
 
-  std::string path_, temp_;
+  std::string path_, target_, temp_;
   std::filesystem::path folder_;
+  BlockFileSizeSignal no_sigxfsz_;
   int fd_ = -1;
   bool committed_ = false;
   uint32_t crc_ = 0;
@@ -483,6 +571,40 @@ int64_t parameter_floats(const ModelConfig& c) {
   return v * d + c.num_layers * per_layer + 2 * d + d * v + v;
 }
 
+// The bytes of a model file. Opened without blocking (a FIFO would wait for a writer) and
+// checked to be a regular file of at most kMaxModelFileBytes before anything is read or allocated.
+std::vector<char> read_model_file(const std::string& path) {
+  const std::string who = "AttentionModel::load: '" + path + "': ";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw Error("AttentionModel::load: cannot open '" + path + "' (" + std::strerror(errno) + ")");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw Error(who + "cannot stat it (" + std::strerror(errno) + ")");
+  if (!S_ISREG(st.st_mode)) throw Error(who + "is " + file_kind(st.st_mode) + ", not a model file");
+  if (st.st_size > kMaxModelFileBytes)
+    throw Error(who + "is " + std::to_string(st.st_size) + " bytes, over the limit of " +
+                std::to_string(kMaxModelFileBytes) + " for a model file");
+  std::vector<char> data;
+  try {
+    data.resize(static_cast<size_t>(st.st_size));
+  } catch (const std::bad_alloc&) {
+    throw Error(who + "cannot hold its " + std::to_string(st.st_size) + " bytes in memory");
+  }
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t got = ::read(fd, data.data() + done, data.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw Error(who + "reading failed (" + std::strerror(errno) + ")");
+    if (got == 0) break;  // shrank while read: the checks below see a truncated file
+    done += static_cast<size_t>(got);
+  }
+  data.resize(done);
+  return data;
+}
+
 }  // namespace
 
 void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint) const {
@@ -499,6 +621,9 @@ void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint)
                   std::to_string(o.first_moment.size()) + " moment tensors for " + std::to_string(params.size()) +
                   " parameters (or sizes differ)");
   }
+  for (const auto& p : params)
+    if (const std::string bad = first_non_finite(p.tensor.contiguous().data(), p.tensor.numel()); !bad.empty())
+      save_failure(path, "tensor '" + p.name + "' holds " + bad + ": a model with non-finite weights is not saved");
   AtomicWriter out(path);
   out.bytes(kMagic, sizeof kMagic);
   out.value<uint32_t>(kModelFormatVersion);
@@ -529,16 +654,14 @@ void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint)
   out.commit();
 }
 
+std::string AttentionModel::file_warning() const {
+  if (file_version_ != 1) return "";
+  return "a format version 1 file, which carries no checksum: damage to its weights cannot be detected (saving "
+         "the model again writes version " + std::to_string(kModelFormatVersion) + ", checksummed)";
+}
+
 AttentionModel AttentionModel::load(const std::string& path, Checkpoint* checkpoint) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("AttentionModel::load: cannot open '" + path + "'");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  in.seekg(0);
-  if (size < 0) throw Error("AttentionModel::load: cannot read '" + path + "'");
-  std::vector<char> data(static_cast<size_t>(size));
-  in.read(data.data(), static_cast<std::streamsize>(size));
-  if (!in) throw Error("AttentionModel::load: reading '" + path + "' failed");
+  const std::vector<char> data = read_model_file(path);
   return load_bytes(data.data(), data.size(), path, checkpoint);
 }
 
@@ -624,6 +747,8 @@ AttentionModel AttentionModel::load_bytes(const void* bytes, size_t size, const 
               " in the model its config describes");
     }
     in.bytes(p.tensor.data(), p.tensor.numel() * static_cast<int64_t>(sizeof(float)), tensor_name.c_str());
+    if (const std::string bad = first_non_finite(p.tensor.data(), p.tensor.numel()); !bad.empty())
+      in.fail("tensor '" + tensor_name + "' holds " + bad + ": a model's weights must be finite");
   }
   Checkpoint state;
   if (flags & kCheckpointFlag) {
@@ -639,11 +764,15 @@ AttentionModel AttentionModel::load_bytes(const void* bytes, size_t size, const 
       for (const auto& p : params) {
         moments->emplace_back(static_cast<size_t>(p.tensor.numel()));
         in.bytes(moments->back().data(), p.tensor.numel() * static_cast<int64_t>(sizeof(float)), "a moment");
+        if (const std::string bad = first_non_finite(moments->back().data(), p.tensor.numel()); !bad.empty())
+          in.fail("the optimizer's " + std::string(moments == &state.optimizer.first_moment ? "first" : "second") +
+                  " moment of '" + p.name + "' holds " + bad + ": a checkpoint's state must be finite");
       }
   }
   if (in.offset() != in.size())
     in.fail(std::to_string(in.size() - in.offset()) + " unexpected bytes after the last tensor");
   if (checkpoint) *checkpoint = std::move(state);
+  model.file_version_ = version;
   return model;
 }
 

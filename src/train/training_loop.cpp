@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <numbers>
+#include <string>
 
 #include "qkv/train.hpp"
 #include "core/random.hpp"
@@ -14,6 +15,23 @@ namespace qkv::train {
 namespace {
 // Argmax of each row of logits (rows, classes).
 int64_t argmax(const float* row, int64_t classes) { return std::max_element(row, row + classes) - row; }
+
+// Throws when a step left a non-finite loss or weight: training diverged (too high a learning
+// rate, usually). Stopping here means no checkpoint or model is ever written from such weights.
+void check_finite(const AttentionModel& model, int64_t step, float loss, float lr) {
+  std::string what;
+  if (!std::isfinite(loss)) what = "the loss is " + std::to_string(loss);
+  for (const auto& p : model.parameters()) {
+    if (!what.empty()) break;
+    const Tensor values = p.tensor.contiguous();
+    const float* v = values.data();
+    if (!std::all_of(v, v + values.numel(), [](float x) { return std::isfinite(x); }))
+      what = "'" + p.name + "' holds a non-finite weight";
+  }
+  if (!what.empty())
+    throw Error("train: training diverged at step " + std::to_string(step) + ": " + what + " (learning rate " +
+                std::to_string(lr) + " at that step); stopped without saving: lower the learning rate");
+}
 }  // namespace
 
 TrainResult train(AttentionModel& model, const TrainOptions& o, const std::function<void(const TrainStep&)>& progress) {
@@ -63,6 +81,7 @@ TrainResult train(AttentionModel& model, const TrainOptions& o, const std::funct
     optimizer.zero_grad();
     model.backward(loss.backward());
     optimizer.step();
+    check_finite(model, step, value, lr);
     result.step = step;
 
     tokens += batch.batch * batch.length;

@@ -6,12 +6,15 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include <pthread.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -165,6 +168,16 @@ TEST_F(ModelFile, Version1FilesStillLoad) {
   const AttentionModel loaded = AttentionModel::load(path_);
   const auto a = model.parameters(), b = loaded.parameters();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].tensor.to_vector(), b[i].tensor.to_vector()) << a[i].name;
+  // It loads, but not silently: nothing could have caught a flipped weight.
+  EXPECT_EQ(loaded.file_version(), 1u);
+  EXPECT_THAT(loaded.file_warning(), HasSubstr("carries no checksum"));
+  // Saved again, it is the current version, checksummed, and loads without a warning.
+  loaded.save(path_);
+  EXPECT_EQ(bytes()[8], static_cast<char>(qkv::train::kModelFormatVersion));
+  const AttentionModel resaved = AttentionModel::load(path_);
+  EXPECT_EQ(resaved.file_version(), qkv::train::kModelFormatVersion);
+  EXPECT_EQ(resaved.file_warning(), "");
+  EXPECT_EQ(AttentionModel(config_, 5).file_warning(), "");
 }
 
 TEST_F(ModelFile, Version2FilesLoadAsSoftmaxSinusoidalUnmasked) {
@@ -333,6 +346,177 @@ TEST_F(ModelFile, AFailedSaveKeepsThePreviousFile) {
   // Saving into a folder that does not exist names it.
   EXPECT_THAT([&] { new_model.save("/nonexistent/dir/model.qkv"); },
               ::testing::ThrowsMessage<qkv::Error>(HasSubstr("cannot create a temporary file in '/nonexistent/dir'")));
+}
+
+// Past the file size limit (ulimit -f) the kernel sends SIGXFSZ, whose default action kills the
+// process; save() must turn it into EFBIG and an error. In a child process, with the signal's
+// default action, so that the old behaviour (death by SIGXFSZ) fails the test instead of the run.
+TEST_F(ModelFile, TheFileSizeLimitIsAnErrorNotASignal) {
+  const AttentionModel old_model(config_, 1), new_model(config_, 2);
+  old_model.save(path_);
+  const std::vector<char> before = bytes();
+  EXPECT_EXIT(
+      {
+        std::signal(SIGXFSZ, SIG_DFL);
+        rlimit small{};
+        getrlimit(RLIMIT_FSIZE, &small);
+        small.rlim_cur = 1000;
+        setrlimit(RLIMIT_FSIZE, &small);
+        try {
+          new_model.save(path_);
+        } catch (const qkv::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          std::_Exit(std::strstr(e.what(), std::strerror(EFBIG)) != nullptr ? 0 : 3);
+        }
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(0), "the previous file, if any, is unchanged");
+  EXPECT_EQ(bytes(), before);
+  // The saving thread's signal mask is as it was: SIGXFSZ not left blocked.
+  sigset_t mask;
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, nullptr, &mask), 0);
+  EXPECT_FALSE(sigismember(&mask, SIGXFSZ));
+}
+
+// Renaming over a FIFO, a device or a folder would replace it: such a target is refused, and the
+// FIFO is still there afterwards.
+TEST_F(ModelFile, SaveRefusesWhatIsNotARegularFile) {
+  const AttentionModel model(config_, 1);
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0600), 0);
+  EXPECT_THAT([&] { model.save(path_); }, ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(
+                                              HasSubstr(path_), HasSubstr("it is a FIFO: a model is saved only to a "
+                                                                          "regular file or a new one"))));
+  struct stat st {};
+  ASSERT_EQ(::lstat(path_.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  std::filesystem::remove(path_);
+  std::filesystem::create_directory(path_);
+  EXPECT_THAT([&] { model.save(path_); }, ::testing::ThrowsMessage<qkv::Error>(HasSubstr("it is a directory")));
+  EXPECT_TRUE(std::filesystem::is_directory(path_));
+  std::filesystem::remove(path_);
+}
+
+// Through a symbolic link (a relative one, into another folder), the link stays and its target
+// gets the new model, written the same atomic way; a link to a device is refused like the device.
+TEST_F(ModelFile, SaveThroughASymlinkReplacesItsTarget) {
+  const std::filesystem::path folder = path_ + ".d";
+  std::filesystem::create_directories(folder / "models");
+  const std::filesystem::path target = folder / "models" / "real.qkv", link = folder / "link.qkv";
+  AttentionModel(config_, 1).save(target.string());
+  std::filesystem::create_symlink("models/real.qkv", link);
+  const AttentionModel model(config_, 2);
+  model.save(link.string());
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(std::filesystem::read_symlink(link), "models/real.qkv");
+  EXPECT_EQ(AttentionModel::load(target.string()).forward({1, 2, 3}, 1, 3).to_vector(),
+            model.forward({1, 2, 3}, 1, 3).to_vector());
+  // A dangling link: its target is created.
+  std::filesystem::remove(target);
+  model.save(link.string());
+  EXPECT_TRUE(std::filesystem::is_regular_file(target));
+  const std::filesystem::path device_link = folder / "null.qkv";
+  std::filesystem::create_symlink("/dev/null", device_link);
+  EXPECT_THAT([&] { model.save(device_link.string()); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("its link's target '/dev/null' is a character device")));
+  EXPECT_TRUE(std::filesystem::is_symlink(device_link));
+  std::filesystem::remove_all(folder);
+}
+
+// load() reads regular files only: a folder is an error naming it (it was "std::bad_alloc"), and a
+// FIFO with no writer is refused at once instead of blocking (the child's alarm fails the test
+// if the open waits).
+TEST_F(ModelFile, LoadRefusesFoldersAndFifosAtOnce) {
+  std::filesystem::create_directory(path_);
+  expect_load_error("is a directory, not a model file");
+  std::filesystem::remove(path_);
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0600), 0);
+  EXPECT_EXIT(
+      {
+        ::alarm(10);
+        try {
+          (void)AttentionModel::load(path_);
+        } catch (const qkv::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          std::_Exit(0);
+        }
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(0), "is a FIFO, not a model file");
+}
+
+// A config may imply memory the file does not carry: the sinusoidal table, max_len x d_model.
+// A 16 KB file (vocab 1, no layers, d_model 1028) whose max_len says 65536 would need a 269 MB
+// table: refused before anything is allocated, as is a max_len over the bound.
+TEST_F(ModelFile, AConfigIsBoundedByTheMemoryItImplies) {
+  const ModelConfig small{.vocab_size = 1, .max_len = 4, .d_model = 1028, .num_heads = 4, .num_layers = 0};
+  AttentionModel(small, 1).save(path_);
+  std::vector<char> data = bytes();
+  EXPECT_LT(data.size(), 20000u);
+  const int64_t huge_len = 65536;
+  std::memcpy(data.data() + 24, &huge_len, 8);  // max_len, the config's second integer
+  write_resealed(data);
+  expect_load_error("needs a positional table of 269484032 bytes, over the limit of 268435456");
+  const int64_t over = int64_t{1} << 20;
+  std::memcpy(data.data() + 24, &over, 8);
+  write_resealed(data);
+  expect_load_error("max_len in [1, 65536]");
+  EXPECT_THAT([&] { AttentionModel(ModelConfig{.vocab_size = 1, .max_len = huge_len, .d_model = 1028, .num_heads = 4,
+                                               .num_layers = 0},
+                                   1); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("needs a positional table")));
+}
+
+// A NaN or infinite weight is refused at load with the tensor named (such a model generated
+// "a a a"), and save() refuses to write one.
+TEST_F(ModelFile, NonFiniteWeightsAreRefused) {
+  const AttentionModel model(config_, 1);
+  model.save(path_);
+  const std::vector<char> good = bytes();
+  // head.bias is the last tensor: its 9 floats end 4 bytes before the file does.
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<char> data = good;
+    std::memcpy(data.data() + data.size() - 4 - 9 * 4 + 2 * 4, &bad, 4);
+    write_resealed(data);
+    expect_load_error(std::string("tensor 'head.bias' holds ") + (std::isnan(bad) ? "nan" : "inf") + " at index 2");
+  }
+  AttentionModel broken(config_, 1);
+  broken.final_norm.weight.data()[3] = -INFINITY;
+  std::filesystem::remove(path_);
+  EXPECT_THAT([&] { broken.save(path_); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("tensor 'final_norm.weight' holds -inf at index 3")));
+  EXPECT_FALSE(std::filesystem::exists(path_));
+}
+
+// Too high a learning rate: the weights overflow within a few steps. train() stops at the step
+// that made them non-finite, naming it, and writes no checkpoint from them (the last one on disk,
+// from before, loads).
+TEST_F(ModelFile, DivergedTrainingIsAnErrorAndSavesNothingNonFinite) {
+  const qkv::train::TaskOptions task{.task = qkv::train::Task::Copy, .symbols = 4, .length = 3};
+  const ModelConfig config{.vocab_size = qkv::train::vocab_size(task), .max_len = qkv::train::sequence_length(task),
+                           .d_model = 16, .num_heads = 2, .num_layers = 1};
+  qkv::train::TrainOptions options;
+  options.task = task;
+  options.steps = 40;
+  options.batch = 2;
+  options.warmup_steps = 0;
+  options.adamw.lr = 100;
+  options.checkpoint_path = path_;
+  options.checkpoint_every = 1;
+  int64_t last_progress = 0;
+  AttentionModel model(config, 0);
+  std::string message;
+  try {
+    qkv::train::train(model, options, [&](const qkv::train::TrainStep& s) { last_progress = s.step; });
+  } catch (const qkv::Error& e) {
+    message = e.what();
+  }
+  EXPECT_THAT(message, HasSubstr("training diverged at step " + std::to_string(last_progress + 1) + ": "));
+  EXPECT_LT(last_progress, options.steps);
+  if (last_progress > 0) {
+    qkv::train::Checkpoint checkpoint;
+    (void)AttentionModel::load(path_, &checkpoint);
+    EXPECT_EQ(checkpoint.step, last_progress);
+  }
 }
 
 TEST_F(ModelFile, CheckpointRoundTripAndResumeEqualsAnUninterruptedRun) {

@@ -48,6 +48,7 @@
 #include <CLI/CLI.hpp>
 
 #include "gemm/amx.hpp"
+#include "bounds.hpp"
 #include "commands.hpp"
 #include "fma_peak.hpp"
 #include "gemm/gemm.hpp"
@@ -810,6 +811,9 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
 }
 
 void run_bench(const BenchOptions& options) {
+  if (options.threads != 0) check_range("--threads", options.threads, 1, kMaxThreads);
+  check_range("--runs", options.runs, 1, 1000);
+  if (options.reference_runs != 0) check_range("--reference-runs", options.reference_runs, 1, 1000);
   if (options.threads > 0) {
     omp_set_num_threads(options.threads);
     openblas_set_num_threads(options.threads);

@@ -19,7 +19,9 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
+#include "bounds.hpp"
 #include "commands.hpp"
+#include "model_file.hpp"
 #include "numbers.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
@@ -28,6 +30,9 @@
 
 namespace qkv::cli {
 namespace {
+
+// The farthest position --sweep times (its recomputed steps grow as the square of the position).
+constexpr int64_t kMaxSweep = 16384;
 
 struct GenerateCommandOptions {
   std::string model;
@@ -202,10 +207,14 @@ void report_sweep(const Sweep& s, const train::AttentionModel& model, const std:
 void run_generate(const GenerateCommandOptions& o) {
   if (!o.plot.empty()) plot::format_from_path(o.plot);  // a bad extension fails before the work
   if (o.repeats < 1) throw Error(fmt::format("--repeats must be at least 1, got {}", o.repeats));
+  check_range("--repeats", o.repeats, 1, 1000);
+  if (o.tokens >= 0) check_range("--tokens", o.tokens, 0, train::kMaxLen);
+  if (o.sweep != 0) check_range("--sweep", o.sweep, 32, kMaxSweep);
+  check_range("--threads", o.threads, 1, kMaxThreads);
   const DType dtype = parse_dtype(o.kv_dtype);
   omp_set_num_threads(o.threads);
   openblas_set_num_threads(o.threads);
-  const train::AttentionModel model = train::AttentionModel::load(o.model);
+  const train::AttentionModel model = load_model(o.model);
   const train::ModelConfig& c = model.config();
   const ModelTask task = model_task(model, "", o.seed);
   // The prompt: --prompt, or one example of the model's task up to where its answer starts.

@@ -2,6 +2,7 @@
 // lets each subcommand register itself (commands.hpp) and turns errors into exit codes:
 //   0 success, 2 a qkv::Error (bad input, message on stderr), CLI11's own codes for bad usage,
 //   1 anything unexpected.
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -13,6 +14,9 @@
 #include "qkv/qkv.hpp"
 
 int main(int argc, char** argv) {
+  // Past the file size limit (ulimit -f) a write then fails with EFBIG, which every writer reports
+  // as an error, instead of the signal killing the process halfway through a file.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
       "qkv: scaled dot-product and multi-head attention for C++.\n"
       "See how attention works and measure what it costs.",

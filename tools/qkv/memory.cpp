@@ -13,6 +13,7 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
+#include "bounds.hpp"
 #include "numbers.hpp"
 #include "commands.hpp"
 #include "qkv/qkv.hpp"
@@ -48,6 +49,8 @@ void run_memory(const MemoryOptions& o) {
                                                    {"--head-dim", o.head_dim}};
   for (const auto& [name, value] : sizes)
     if (value <= 0) throw Error(fmt::format("{} must be positive, got {}", name, value));
+  // Products of two sizes (d_model, heads x batch) are printed: each at most 2^30 keeps them in int64.
+  for (const auto& [name, value] : sizes) check_range(name, value, 1, int64_t{1} << 30);
   const int64_t element_bytes = dtype_bytes(o.dtype);
   const analysis::AttentionMemory m = analysis::attention_memory({o.seq, o.layers, o.heads, o.batch, o.head_dim, element_bytes});
   const std::string n = group_thousands(o.seq);

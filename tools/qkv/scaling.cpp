@@ -38,6 +38,7 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
+#include "bounds.hpp"
 #include "numbers.hpp"
 #include "commands.hpp"
 #include "plot.hpp"
@@ -291,6 +292,11 @@ Setup check_options(const ScalingOptions& o) {
   if (o.head_dim <= 0) throw Error(fmt::format("--head-dim must be positive, got {}", o.head_dim));
   if (o.repeats <= 0) throw Error(fmt::format("--repeats must be positive, got {}", o.repeats));
   if (o.sparse_window < 1) throw Error(fmt::format("--sparse-window must be at least 1, got {}", o.sparse_window));
+  check_range("--max-seq", o.max_seq, 1, int64_t{1} << 20);
+  check_range("--heads", o.heads, 1, 1024);
+  check_range("--head-dim", o.head_dim, 1, 4096);
+  check_range("--repeats", o.repeats, 1, 1000);
+  check_range("--sparse-window", o.sparse_window, 1, int64_t{1} << 20);
   plot::format_from_path(o.output);
   Setup s;
   s.kernels = parse_kernels(o.kernels, o.linear);

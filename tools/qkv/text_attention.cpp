@@ -122,14 +122,22 @@ ModelTask model_task(const train::AttentionModel& model, const std::string& requ
     const train::Task task = train::parse_task(requested);
     return {task_for(task), train::to_string(task), "given by --task"};
   }
+  // Telling copy from reverse runs the model on examples of its whole length: a file's max_len
+  // longer than any `qkv train` sequence (2 x --length 1024) would make that minutes of work.
+  constexpr int64_t kLongestTrainSequence = 2048;
+  if (n > kLongestTrainSequence)
+    throw Error(fmt::format("--model: the model reads sequences of {} tokens, longer than any `qkv train` task's "
+                            "({}), so its task cannot be told from an example",
+                            n, kLongestTrainSequence));
   if (n % 2 == 1) {
     return {task_for(train::Task::Recall), "recall",
             fmt::format("recall by the file's odd sequence length {} = 2 x {} pairs + 1", n, (n - 1) / 2)};
   }
   const train::TaskOptions copy = task_for(train::Task::Copy), reverse = task_for(train::Task::Reverse);
-  constexpr int64_t kSequences = 200;
-  const double copy_accuracy = train::evaluate(model, copy, kSequences, seed).accuracy;
-  const double reverse_accuracy = train::evaluate(model, reverse, kSequences, seed).accuracy;
+  // 200 examples at the default lengths; fewer for long ones, so the work stays about that of 200 x 64 tokens.
+  const int64_t sequences = std::clamp<int64_t>(200 * 64 * 64 / (n * n), 8, 200);
+  const double copy_accuracy = train::evaluate(model, copy, sequences, seed).accuracy;
+  const double reverse_accuracy = train::evaluate(model, reverse, sequences, seed).accuracy;
   const bool is_copy = copy_accuracy >= reverse_accuracy;
   return {is_copy ? copy : reverse, is_copy ? "copy" : "reverse",
           fmt::format("{} (even length {}: copy or reverse; the model gets {:.0f}% of copy and {:.0f}% of reverse "

@@ -17,7 +17,9 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
+#include "bounds.hpp"
 #include "commands.hpp"
+#include "model_file.hpp"
 #include "plot.hpp"
 #include "qkv/train.hpp"
 
@@ -98,6 +100,7 @@ class ProgressBar {
 // One character per weight, darker for more.
 std::string shade(float w) {
   static const char* const kRamp[] = {" ", "·", "░", "▒", "▓", "█"};
+  if (!std::isfinite(w)) return "?";  // not a weight (NaN, inf): never an index into the ramp
   const int level = w <= 0.02f ? 0 : std::min(5, 1 + static_cast<int>(w * 5.0f));
   return kRamp[level];
 }
@@ -203,7 +206,27 @@ void draw_heads(const train::AttentionModel& model, const train::TaskOptions& ta
   if (!plot_path.empty()) plot_heads(weights, example, task, task_name, plot_path, model.config());
 }
 
+// Every number of the command line in its range, before any work (bounds.hpp).
+void check_options(const TrainCommandOptions& o) {
+  constexpr int64_t kMaxSteps = 1'000'000'000;  // far beyond any run (a step takes milliseconds)
+  check_range("--steps", o.steps, 0, kMaxSteps);
+  check_range("--batch", o.batch, 1, 4096);
+  check_real_range("--lr", static_cast<double>(o.lr), 1e-9, 10.0);
+  check_range("--warmup", o.warmup, 0, kMaxSteps);
+  check_range("--symbols", o.symbols, 2, 26);
+  check_range("--pairs", o.pairs, 1, 26);
+  check_range("--length", o.length, 1, 1024);
+  check_range("--d-model", o.d_model, 1, 4096);
+  check_range("--heads", o.heads, 1, 256);
+  check_range("--layers", o.layers, 1, 64);
+  check_range("--eval", o.eval_sequences, 1, 1'000'000);
+  if (o.eval_every != 0) check_range("--eval-every", o.eval_every, 1, kMaxSteps);
+  check_range("--threads", o.threads, 1, kMaxThreads);
+  check_range("--checkpoint-every", o.checkpoint_every, 0, kMaxSteps);
+}
+
 void run_train(const TrainCommandOptions& o) {
+  check_options(o);
   if (!o.plot.empty()) plot::format_from_path(o.plot);  // a bad extension fails before training, not after
   omp_set_num_threads(o.threads);
   openblas_set_num_threads(o.threads);
@@ -230,7 +253,7 @@ void run_train(const TrainCommandOptions& o) {
                                   .positions = train::parse_positions(o.positions),
                                   .mask = mask};
   train::Checkpoint resumed;
-  train::AttentionModel model = o.resume ? train::AttentionModel::load(o.checkpoint, &resumed)
+  train::AttentionModel model = o.resume ? load_model(o.checkpoint, &resumed)
                                          : train::AttentionModel(config, o.seed);
   if (o.resume) {
     const train::ModelConfig& c = model.config();

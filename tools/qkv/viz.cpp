@@ -31,7 +31,9 @@
 #include <CLI/CLI.hpp>
 
 #include "numbers.hpp"
+#include "bounds.hpp"
 #include "commands.hpp"
+#include "model_file.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
@@ -98,11 +100,17 @@ void check_options(const VizOptions& o, const std::vector<std::string>& tokens) 
   }
   if (o.heads <= 0) throw Error(fmt::format("--heads must be positive, got {}", o.heads));
   if (o.embed <= 0) throw Error(fmt::format("--embed must be positive, got {}", o.embed));
+  check_range("--heads", o.heads, 1, 256);
+  check_range("--embed", o.embed, 1, 4096);
+  check_range("--temperature's count", static_cast<int64_t>(o.temperatures.size()), 0, 16);
+  check_range("--compare-heads' count", static_cast<int64_t>(o.compare_heads.size()), 0, 8);
   for (double t : o.temperatures) {
     if (!(t > 0) || !std::isfinite(t)) throw Error(fmt::format("--temperature values must be positive, got {}", t));
+    check_real_range("--temperature", t, 1e-6, 1e6);
   }
   for (int64_t h : o.compare_heads) {
     if (h <= 0) throw Error(fmt::format("--compare-heads values must be positive, got {}", h));
+    check_range("--compare-heads", h, 1, 256);
     if (o.embed % h != 0) {
       throw Error(fmt::format("--compare-heads {}: embed_dim ({}) must be divisible by num_heads ({})", h, o.embed, h));
     }
@@ -122,7 +130,7 @@ void run_model_viz(const VizOptions& o) {
                             o.layer_options_given.front()));
   }
   plot::format_from_path(o.output);  // a bad extension fails before the work
-  const train::AttentionModel model = train::AttentionModel::load(o.model);
+  const train::AttentionModel model = load_model(o.model);
   const train::ModelConfig& c = model.config();
   const ModelTask task = model_task(model, o.task, o.seed);
 
