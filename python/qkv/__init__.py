@@ -583,7 +583,10 @@ class MultiHeadAttention:
         out_proj.weight, out_proj.bias (and sinks); qkv's own names (q_proj.weight, ...) work too. Every
         parameter must be given with its exact shape; nothing is written if one is wrong.
         """
-        self._core.load_state_dict({str(name): _as_float32(value, name, allow_cast=True)  # torch casts here too
+        if not hasattr(state, "items"):
+            raise Error(f"MultiHeadAttention.load_state_dict: state must be a mapping of names to arrays (a "
+                        f"state_dict()), got {_brief(state)}")
+        self._core.load_state_dict({str(name): _as_float32(value, str(name), allow_cast=True)  # torch casts here too
                                    for name, value in state.items()})
 
     def __call__(self, *args, **kwargs):
@@ -765,6 +768,8 @@ class KVCache:
     lock), so they never corrupt it; which thread's tokens come first is theirs to arrange."""
 
     def __init__(self, core):
+        if not isinstance(core, _core.KVCache):
+            raise Error(f"qkv.KVCache is made by MultiHeadAttention.make_cache, not from {_brief(core)}")
         self._core = core
         self._lock = threading.Lock()
 

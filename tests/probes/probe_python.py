@@ -241,6 +241,9 @@ def call_mha(d, qkv):
         call["attn_mask"] = d.array((nq, nk if cross else nq) if d.chance(0.7) else d.shape(), bool)
     call["need_weights"] = d.chance(0.2)
     call["is_causal"] = d.chance(0.2)
+    if d.chance(0.05):
+        module.load_state_dict(d.pick(module.state_dict(), None, {"in_proj_weight": d.array((3 * e, e))},
+                                      {"sinks": d.array((h,))}, [("a", 1)]))
     out, _ = module(x, memory, memory, **call) if cross else module(x, **call)
     if module.training and d.chance(0.7):
         module.backward(d.array(out.shape) if d.chance(0.9) else d.array(d.shape()))

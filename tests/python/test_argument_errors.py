@@ -68,6 +68,9 @@ def sdpa(**kwargs):
     (lambda: qkv.MultiHeadAttention(16, 4).eval()(zeros(1, 2, 16), cache=qkv.MultiHeadAttention(16, 4).make_cache(
         1, 8), counts=["a"]), ["counts"]),
     (lambda: qkv.MultiHeadAttention(16, 4).make_cache(-1.5, 8), ["batch", "-1.5"]),
+    (lambda: qkv.MultiHeadAttention(8, 2).load_state_dict(None), ["load_state_dict", "None"]),
+    (lambda: qkv.MultiHeadAttention(8, 2).load_state_dict([("in_proj_weight", 1)]), ["load_state_dict", "[("]),
+    (lambda: qkv.KVCache(None), ["make_cache", "None"]),
     (lambda: qkv.create_causal_mask("4"), ["n", "'4'"]),
     (lambda: qkv.create_padding_mask([1, "a"], 4), ["lengths"]),
     (lambda: qkv.dropout_keeps(-1, 0, 0, 0, 0, 0.5), ["dropout_keeps", "seed = -1"]),
