@@ -149,15 +149,19 @@ def _options(who, keywords, **arguments):
     if unknown:
         raise Error(f"{who}: unexpected keyword argument(s) {', '.join(map(repr, unknown))} (the options are "
                     f"{', '.join(sorted(_OPTION_KEYWORDS))})")
-    options = _core.AttentionOptions()
-    for name, value in {**arguments, **keywords}.items():
+    return _filled(_core.AttentionOptions(), who, {**arguments, **keywords})
+
+
+def _filled(options, who, values):
+    """options (a bound options struct) with each field set from values. A value its field cannot
+    take is a qkv.Error naming the field, what it takes (its docstring) and the value."""
+    for name, value in values.items():
         try:
             setattr(options, name, value)
         except Error:
-            raise  # the binding's own message, which names the keyword
+            raise  # the binding's own message, which names the field
         except (TypeError, ValueError, OverflowError):
-            raise Error(f"{who}: {name} must be {getattr(_core.AttentionOptions, name).__doc__}, "
-                        f"got {_brief(value)}") from None
+            raise Error(f"{who}: {name} must be {getattr(type(options), name).__doc__}, got {_brief(value)}") from None
     return options
 
 
@@ -475,18 +479,14 @@ class MultiHeadAttention:
         if not isinstance(attention, str) or not isinstance(feature_map, str):
             raise Error(f"MultiHeadAttention: attention and feature_map are strings (\"softmax\" or \"linear\"; "
                         f"\"elu+1\" or \"relu\"), got {_brief(attention)} and {_brief(feature_map)}")
-        if not isinstance(precision, str):
-            raise Error(f"MultiHeadAttention: precision must be \"highest\", \"high\" or \"medium\", got "
-                        f"{_brief(precision)}")
         embed_dim = _int(embed_dim, "MultiHeadAttention: embed_dim")
         num_heads = _int(num_heads, "MultiHeadAttention: num_heads")
-        dims = [0 if d is None else _int(d, f"MultiHeadAttention: {name}")
-                for d, name in ((num_kv_heads, "num_kv_heads"), (kdim, "kdim"), (vdim, "vdim"))]
-        self._core = _core.MultiHeadAttentionCore(
-            embed_dim, num_heads, *dims, bool(bias), _float(dropout, "MultiHeadAttention: dropout"), bool(causal),
-            None if seed is None else _int(seed, "MultiHeadAttention: seed", 0, 2**64 - 1),
-            _float(softcap, "MultiHeadAttention: softcap"), bool(alibi), bool(sinks), attention, feature_map,
-            _rotary_options(rotary, embed_dim, num_heads), precision.lower())
+        options = _filled(_core.MultiHeadAttentionOptions(), "MultiHeadAttention", dict(
+            num_kv_heads=0 if num_kv_heads is None else num_kv_heads, kdim=0 if kdim is None else kdim,
+            vdim=0 if vdim is None else vdim, bias=bool(bias), dropout=dropout, causal=bool(causal), seed=seed,
+            softcap=softcap, alibi=bool(alibi), sinks=bool(sinks), attention=attention, feature_map=feature_map,
+            rotary=_rotary_options(rotary, embed_dim, num_heads), precision=precision))
+        self._core = _core.MultiHeadAttentionCore(embed_dim, num_heads, options)
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
         # Training: a forward's core call and its record in _last, and a backward's reading of
@@ -498,18 +498,18 @@ class MultiHeadAttention:
     num_heads = property(lambda self: self._core.num_heads)
     num_kv_heads = property(lambda self: self._core.num_kv_heads)
     head_dim = property(lambda self: self._core.head_dim)
-    kdim = property(lambda self: self._core.kdim)
-    vdim = property(lambda self: self._core.vdim)
+    kdim = property(lambda self: self._core.options.kdim)
+    vdim = property(lambda self: self._core.options.vdim)
     training = property(lambda self: self._core.training)
-    causal = property(lambda self: self._core.causal)
-    attention = property(lambda self: self._core.attention)
-    feature_map = property(lambda self: self._core.feature_map)
-    precision = property(lambda self: self._core.precision)
+    causal = property(lambda self: self._core.options.causal)
+    attention = property(lambda self: self._core.options.attention)
+    feature_map = property(lambda self: self._core.options.feature_map)
+    precision = property(lambda self: self._core.options.precision)
 
     @property
     def rotary(self):
         """None, or {"base": ..., "interleaved": ...}: the rotary embedding's options."""
-        options = self._core.rotary
+        options = self._core.options.rotary
         return None if options is None else {"base": options[0], "interleaved": options[1]}
 
     def train(self, mode=True):

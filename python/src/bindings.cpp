@@ -315,28 +315,44 @@ qkv::nn::AttentionKind attention_kind_from_string(const std::string& name) {
   throw qkv::Error("MultiHeadAttention: attention must be \"softmax\" or \"linear\", got \"" + name + "\"");
 }
 
-// rotary: none, or (base, interleaved), the fields of RotaryEmbeddingOptions (python/qkv/__init__.py
-// reads them from a dict or a qkv.RotaryEmbedding).
-qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
-                                     int64_t vdim, bool bias, float dropout, bool causal,
-                                     std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks,
-                                     const std::string& attention, const std::string& feature_map,
-                                     std::optional<std::pair<double, bool>> rotary, const std::string& precision) {
-  std::optional<qkv::nn::RotaryEmbeddingOptions> rotary_options;
-  if (rotary) rotary_options = qkv::nn::RotaryEmbeddingOptions{.base = rotary->first, .interleaved = rotary->second};
-  return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
-                                     {.num_kv_heads = num_kv_heads, .kdim = kdim, .vdim = vdim, .bias = bias,
-                                      .dropout = dropout, .causal = causal, .softcap = softcap, .alibi = alibi,
-                                      .sinks = sinks, .rotary = rotary_options, .seed = seed,
-                                      .attention = attention_kind_from_string(attention),
-                                      .feature_map = qkv::feature_map_from_string(feature_map),
-                                      .precision = qkv::matmul_precision_from_string(precision)});
-}
-
-// The module's rotary options as (base, interleaved), or None.
-py::object mha_rotary(const qkv::nn::MultiHeadAttention& mha) {
-  if (!mha.options().rotary) return py::none();
-  return py::make_tuple(mha.options().rotary->base, mha.options().rotary->interleaved);
+// MultiHeadAttentionOptions as one bound class, as AttentionOptions: a property per field whose
+// docstring says what it takes (python/qkv/__init__.py fills it from the constructor's keywords).
+// rotary is None or (base, interleaved), the fields of RotaryEmbeddingOptions.
+void bind_module_options(py::module_& m) {
+  using O = qkv::nn::MultiHeadAttentionOptions;
+  using Rotary = std::optional<std::pair<double, bool>>;
+  py::class_<O>(m, "MultiHeadAttentionOptions", "qkv::nn::MultiHeadAttentionOptions (include/qkv/nn.hpp).")
+      .def(py::init<>())
+      .def_readwrite("num_kv_heads", &O::num_kv_heads, "an integer >= 0 (0 = num_heads)")
+      .def_readwrite("kdim", &O::kdim, "an integer >= 0 (0 = embed_dim)")
+      .def_readwrite("vdim", &O::vdim, "an integer >= 0 (0 = embed_dim)")
+      .def_readwrite("bias", &O::bias, "True or False")
+      .def_readwrite("dropout", &O::dropout, "a number in [0, 1)")
+      .def_readwrite("causal", &O::causal, "True or False")
+      .def_readwrite("softcap", &O::softcap, "a number >= 0 (0 = off)")
+      .def_readwrite("alibi", &O::alibi, "True or False")
+      .def_readwrite("sinks", &O::sinks, "True or False")
+      .def_property(
+          "rotary",
+          [](const O& o) { return o.rotary ? Rotary(std::pair(o.rotary->base, o.rotary->interleaved)) : Rotary(); },
+          [](O& o, const Rotary& r) {
+            o.rotary.reset();
+            if (r) o.rotary = qkv::nn::RotaryEmbeddingOptions{.base = r->first, .interleaved = r->second};
+          },
+          "None or (base, interleaved)")
+      .def_readwrite("seed", &O::seed, "None or an integer in [0, 2**64)")
+      .def_property(
+          "attention", [](const O& o) { return o.attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax"; },
+          [](O& o, const std::string& name) { o.attention = attention_kind_from_string(name); },
+          "'softmax' or 'linear'")
+      .def_property(
+          "feature_map", [](const O& o) { return std::string(qkv::to_string(o.feature_map)); },
+          [](O& o, const std::string& name) { o.feature_map = qkv::feature_map_from_string(name); },
+          "'elu+1' or 'relu'")
+      .def_property(
+          "precision", [](const O& o) { return std::string(qkv::to_string(o.precision)); },
+          [](O& o, const std::string& name) { o.precision = qkv::matmul_precision_from_string(lowercase(name)); },
+          "'highest', 'high' or 'medium'");
 }
 
 // Returns (output, weights or None). key and value None: self-attention, forward(query) (one
@@ -497,12 +513,13 @@ does; `&` binds tighter). A union with an additive array is an error.
       .value("PerHead", qkv::nn::Weights::PerHead)
       .value("Averaged", qkv::nn::Weights::Averaged);
 
+  bind_module_options(m);
   py::class_<qkv::nn::MultiHeadAttention>(m, "MultiHeadAttentionCore")
-      .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"),
-           py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false,
-           py::arg("attention") = "softmax", py::arg("feature_map") = "elu+1", py::arg("rotary") = py::none(),
-           py::arg("precision") = "highest")
+      .def(py::init([](int64_t embed_dim, int64_t num_heads, const qkv::nn::MultiHeadAttentionOptions& options) {
+             return qkv::nn::MultiHeadAttention(embed_dim, num_heads, options);
+           }),
+           py::arg("embed_dim"), py::arg("num_heads"), py::arg("options"))
+      .def_property_readonly("options", &qkv::nn::MultiHeadAttention::options, "its options, defaults filled in")
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
@@ -521,22 +538,10 @@ does; `&` binds tighter). A union with an additive array is an error.
       .def_property_readonly("num_heads", &qkv::nn::MultiHeadAttention::num_heads)
       .def_property_readonly("num_kv_heads", &qkv::nn::MultiHeadAttention::num_kv_heads)
       .def_property_readonly("head_dim", &qkv::nn::MultiHeadAttention::head_dim)
-      .def_property_readonly("kdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().kdim; })
-      .def_property_readonly("vdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().vdim; })
       .def_property_readonly("parameter_count", [](const qkv::nn::MultiHeadAttention& m) {
         py::gil_scoped_release release;  // see parameters_of
         return m.parameter_count();
       })
-      .def_property_readonly("causal", [](const qkv::nn::MultiHeadAttention& m) { return m.options().causal; })
-      .def_property_readonly("attention",
-                             [](const qkv::nn::MultiHeadAttention& m) {
-                               return m.options().attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax";
-                             })
-      .def_property_readonly(
-          "feature_map", [](const qkv::nn::MultiHeadAttention& m) { return std::string(qkv::to_string(m.options().feature_map)); })
-      .def_property_readonly("rotary", &mha_rotary)
-      .def_property_readonly("precision",
-                             [](const qkv::nn::MultiHeadAttention& m) { return std::string(to_string(m.options().precision)); })
       .def("make_cache",
            [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
               int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },
