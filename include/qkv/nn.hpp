@@ -6,14 +6,14 @@
 // its inputs and intermediates, no copies); backward(grad_output) walks the forward in reverse,
 // returns the gradient of the input(s) and ADDS the parameter gradients into each parameter's
 // grad tensor (zero_grad() clears them). backward uses the most recent forward of the module, so
-// call them in pairs, and do not share one module between threads while training. forward()
-// stays const, so inference callers are unchanged: the saved state is a cache, not a result.
-// MultiHeadAttention in eval() mode keeps no such state: concurrent inference on one module is
-// safe (tests/concurrency/test_concurrency.cpp runs it from 8 threads under ThreadSanitizer).
+// call them in pairs. forward() stays const, so inference callers are unchanged: the saved state
+// is a cache, not a result. MultiHeadAttention may be called from any number of threads in every
+// mode (its own lock, below); the other modules are one thread at a time while training.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -112,6 +112,26 @@ struct MultiHeadAttentionGrads {
   Tensor query, key, value;
 };
 
+}  // namespace qkv::nn
+
+namespace qkv::detail {
+struct ModuleMutex;  // a std::shared_mutex (src/nn/module_lock.hpp), kept out of this header
+// A module's lock. Copying or moving a module gives the new one a lock of its own.
+class ModuleLock {
+ public:
+  ModuleLock();
+  ModuleLock(const ModuleLock&);
+  ModuleLock& operator=(const ModuleLock&);
+  ~ModuleLock();
+  ModuleMutex& mutex() const { return *mutex_; }
+
+ private:
+  std::unique_ptr<ModuleMutex> mutex_;
+};
+}  // namespace qkv::detail
+
+namespace qkv::nn {
+
 // Multi-head attention: project, split into heads, attend, concatenate, project.
 // Nothing is copied between the steps: the heads are transposed views of the projections, the
 // attention writes its heads straight into the (B, Nq, H, hd) input of out_proj, and the backward
@@ -121,11 +141,16 @@ struct MultiHeadAttentionGrads {
 //   query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim); always batch first
 //   (torch's batch_first=True; its default (N, B, E) layout is not accepted), or unbatched
 //   (N, features). The mask is over the scores (B, num_heads, Nq, Nk).
-// Threads: in eval() mode forward() only reads the module (no state for backward is kept, no
-// dropout counter moves), so one module may serve inference from many threads at once;
-// backward() then has nothing to differentiate (call train() first). In training mode (the
-// default) forward() keeps what backward needs and advances the dropout seed: one thread at a
-// time per module.
+// Threads: every member function may be called from any number of threads at once; the module
+// holds a readers-writer lock. In eval() mode forward() only reads the module (no state for
+// backward is kept, no dropout counter moves) and takes the lock shared, so one module serves
+// inference from many threads in parallel; backward() then has nothing to differentiate (call
+// train() first). In training mode (the default) forward() keeps what backward needs and
+// advances the dropout seed: it takes the lock exclusively, as backward, zero_grad,
+// load_state_dict and train do, so those calls run one at a time and never corrupt the saved
+// state (backward then differentiates whichever forward ran last). Writing to the public members
+// (q_proj, ..., sinks) or to parameters()' tensors while another thread calls the module is the
+// caller's race, as with any array.
 // Initialised as torch.nn.MultiheadAttention: xavier-uniform q/k/v projections, zero biases.
 class MultiHeadAttention {
  public:
@@ -167,9 +192,9 @@ class MultiHeadAttention {
   const MultiHeadAttentionOptions& options() const { return options_; }
 
   // Dropout is applied only while training (the default, as in PyTorch).
-  void train(bool training = true) { training_ = training; }
-  void eval() { training_ = false; }
-  bool is_training() const { return training_; }
+  void train(bool training = true);
+  void eval() { train(false); }
+  bool is_training() const;
 
   // q_proj.weight, q_proj.bias, k_proj..., v_proj..., out_proj.weight, out_proj.bias, and
   // sinks with options().sinks.
@@ -200,6 +225,7 @@ class MultiHeadAttention {
   std::optional<Linear> in_proj_;
   Tensor alibi_slopes_;
   std::optional<RotaryEmbedding> rotary_;
+  detail::ModuleLock lock_;  // see "Threads" above
   bool training_ = true;
   mutable uint64_t dropout_calls_ = 0;  // advances the dropout seed on each training forward
 
@@ -216,6 +242,14 @@ class MultiHeadAttention {
   mutable Saved saved_;
 
   bool fused() const;  // in_proj_ exists and q_proj, k_proj, v_proj still view its row blocks
+  // The bodies of forward(x), forward(query, key, value), backward, backward_cross and
+  // parameters, called with lock_ held (shared_mutex is not recursive: they never take it).
+  MultiHeadAttentionOutput self_forward(const Tensor& x, const Mask& mask, Weights weights) const;
+  MultiHeadAttentionOutput cross_forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                                         const Mask& mask, Weights weights) const;
+  Tensor self_backward(const Tensor& grad_output);
+  MultiHeadAttentionGrads cross_backward(const Tensor& grad_output);
+  std::vector<NamedTensor> named_parameters() const;
   // Steps 3-5 of forward: attend over the (B, H, N, hd) head views, concatenate, project.
   LinearAttentionOptions linear_options() const;  // for AttentionKind::Linear
   MultiHeadAttentionOutput attend(const Tensor& q, const Tensor& k, const Tensor& v, const Mask& mask,

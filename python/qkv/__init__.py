@@ -24,14 +24,18 @@ A query that sees no key at all gets an output of zeros and weights of zeros (Py
 returns NaN there).
 """
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import numbers
+import re
+import threading
 
 import numpy as np
 
 from . import _core
-from ._core import Backend, Error, Mask, MaskParseError, dropout_keeps, manual_seed
+from ._core import Backend, Error, Mask, MaskParseError
 
 __version__ = _core.__version__
 for _name in ("Backend", "Error", "Mask", "MaskParseError"):
@@ -43,26 +47,141 @@ __all__ = [
     "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
-_BACKENDS = {"auto": Backend.Auto, "reference": Backend.Reference, "flash": Backend.Flash,
-             "decode": Backend.Decode}
+_INT64 = (-2**63, 2**63 - 1)
 
 
-def _backend(backend):
-    if isinstance(backend, Backend):
-        return backend
+def _named_errors(function, who):
+    """function with pybind11's TypeError for arguments it cannot convert (whose message prints
+    every argument, arrays in full, and which `except qkv.Error` misses) turned into a qkv.Error
+    naming each argument given, briefly, and the signature function takes."""
+    signature = (function.__doc__ or "").split("\n", 1)[0]
+    names = re.findall(r"(?:\(|, )(\w+):", signature)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except _core.ArrayError as error:  # an array argument refused by the binding, which knows no names
+            raise Error(f"{who}: {error}") from None
+        except TypeError as error:
+            if "incompatible" not in str(error):
+                raise
+            given = [f"{name} = {_brief(value)}" for name, value in list(zip(names, args)) + list(kwargs.items())
+                     if name != "self"]
+            raise Error(f"{who}: cannot take {', '.join(given) or 'these arguments'}; it takes {signature}") from None
+
+    return call
+
+
+def _check_arguments_of_core():
+    """Every function and method of _core that user code reaches raises qkv.Error for arguments
+    of the wrong type (see _named_errors)."""
+    for cls, methods in ((Mask, ("causal", "window", "key_lengths", "keep", "additive", "strided",
+                                 "global_tokens", "block_sparse", "parse")),):
+        for name in methods:
+            setattr(cls, name, staticmethod(_named_errors(getattr(cls, name), f"Mask.{name}")))
+    for cls, methods in ((_core.RotaryEmbedding, ("__init__", "apply")), (_core.KVCache, ("__init__",)),
+                         (_core.MultiHeadAttentionCore, ("__init__", "forward", "backward", "backward_self",
+                                                         "load_state_dict", "make_cache", "forward_cached"))):
+        for name in methods:
+            setattr(cls, name, _named_errors(getattr(cls, name), f"{cls.__name__}.{name}"))
+    for name in ("attention", "attention_backward", "attention_half_kv", "linear_attention",
+                 "linear_attention_backward", "create_causal_mask", "create_padding_mask"):
+        setattr(_core, name, _named_errors(getattr(_core, name), name))
+
+
+_check_arguments_of_core()
+dropout_keeps = _named_errors(_core.dropout_keeps, "dropout_keeps")
+manual_seed = _named_errors(_core.manual_seed, "manual_seed")
+
+
+def _brief(value):
+    """value as an error message shows it: an array by its dtype and shape, never its elements."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"a {value.dtype} array of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(value, name, low=_INT64[0], high=_INT64[1]):
+    """value as an int in [low, high], else a qkv.Error naming it (a float, a bool or a string is
+    not an integer: int() would truncate or parse it)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or \
+            not low <= int(value) <= high:
+        raise Error(f"{name} must be an integer in [{low}, {high}], got {_brief(value)}")
+    return int(value)
+
+
+def _float(value, name):
+    """value as a float (any real number, numpy's included), else a qkv.Error naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise Error(f"{name} must be a number, got {_brief(value)}")
+    return float(value)
+
+
+def _int_list(values, name):
+    """A sequence (or array, or single integer) of integers as a list of ints, else a qkv.Error."""
     try:
-        return _BACKENDS[str(backend).lower()]
-    except KeyError:
-        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
+        array = np.asarray(values.detach().cpu().numpy() if hasattr(values, "detach") else values)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.ndim > 1 or not (array.dtype.kind in "iu" or (
+            array.dtype.kind == "f" and np.all(np.mod(array, 1) == 0))):
+        raise Error(f"{name} must be a sequence of integers, got {_brief(values)}")
+    array = array.reshape(-1)
+    return [_int(int(n), f"{name}[{i}]") for i, n in enumerate(array)]
+
+
+# The fields of qkv::AttentionOptions the binding exposes (include/qkv/attention.hpp). PyTorch's
+# own arguments set four of them (attn_mask, is_causal, key_lengths and window make the mask);
+# every other field is a keyword of each function that attends (**options), under its own name.
+_OPTION_FIELDS = frozenset(name for name, field in vars(_core.AttentionOptions).items() if isinstance(field, property))
+_OPTION_KEYWORDS = _OPTION_FIELDS - {"mask", "need_weights", "scale", "dropout_p"}
+
+
+def _options(who, keywords, **arguments):
+    """qkv::AttentionOptions from the caller's option keywords (a dict) and the fields the function's
+    own arguments give: the one place a keyword becomes an option. An unknown keyword, or a value
+    its field cannot take, is a qkv.Error naming the keyword, what it takes (the field's
+    docstring) and the value; the ranges (0 <= dropout_p < 1, scale > 0, ...) are the core's to
+    check, when it is called."""
+    unknown = sorted(set(keywords) - _OPTION_KEYWORDS)
+    if unknown:
+        raise Error(f"{who}: unexpected keyword argument(s) {', '.join(map(repr, unknown))} (the options are "
+                    f"{', '.join(sorted(_OPTION_KEYWORDS))})")
+    return _filled(_core.AttentionOptions(), who, {**arguments, **keywords})
+
+
+def _filled(options, who, values):
+    """options (a bound options struct) with each field set from values. A value its field cannot
+    take is a qkv.Error naming the field, what it takes (its docstring) and the value."""
+    for name, value in values.items():
+        try:
+            setattr(options, name, value)
+        except Error:
+            raise  # the binding's own message, which names the field
+        except (TypeError, ValueError, OverflowError):
+            raise Error(f"{who}: {name} must be {getattr(type(options), name).__doc__}, got {_brief(value)}") from None
+    return options
 
 
 def _as_array(x, name):
-    """numpy view of x; torch tensors (detached, on the CPU) are accepted too."""
+    """numpy view of x (nothing copied); torch tensors (detached, on the CPU) are accepted too.
+    Its dtype must be a number's or bool and it has at most 4 dims (B, H, N, D): checked here, on
+    the metadata, before anything is copied or cast."""
     if x is None:
-        raise ValueError(f"{name} is None")
-    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor, without importing torch
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
+        raise Error(f"{name} is None: an array is needed")
+    try:
+        if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor, without importing torch
+            x = x.detach().cpu().numpy()
+        array = np.asarray(x)
+    except (TypeError, ValueError) as error:
+        raise Error(f"{name} cannot be read as an array ({error}): got {_brief(x)}") from None
+    if array.dtype.kind not in "biuf":
+        raise Error(f"{name} is {_brief(array)}: qkv reads numbers (float32, or bool masks)")
+    if array.ndim > 4:
+        raise Error(f"{name} is {array.shape}: qkv's arrays have at most 4 dims (B, H, N, D)")
+    return array
 
 
 def _as_float32(x, name, allow_cast=False):
@@ -94,14 +213,16 @@ def _tensor_mask(mask, rank, name, true_means_attend):
         return Mask.keep(mask if true_means_attend else ~mask)
     if np.issubdtype(mask.dtype, np.floating):
         return Mask.additive(mask.astype(np.float32, copy=False))
-    raise ValueError(f"{name} must be bool or float, got {mask.dtype}")
+    raise Error(f"{name} must be bool or float, got {mask.dtype}")
 
 
 def _window(window):
-    if isinstance(window, numbers.Integral):
-        return Mask.window(int(window), 0)
-    left, right = window
-    return Mask.window(int(left), int(right))
+    """window=left or (left, right) as a Mask."""
+    if isinstance(window, numbers.Integral) and not isinstance(window, (bool, np.bool_)):
+        return Mask.window(_int(window, "window"), 0)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise Error(f"window must be an integer left or a pair (left, right), got {_brief(window)}")
+    return Mask.window(_int(window[0], "window left"), _int(window[1], "window right"))
 
 
 def _mask_from(query, attn_mask=None, is_causal=False, key_lengths=None, window=None):
@@ -117,17 +238,12 @@ def _mask_from(query, attn_mask=None, is_causal=False, key_lengths=None, window=
     if window is not None:
         mask = mask & _window(window)
     if key_lengths is not None:
-        mask = mask & Mask.key_lengths([int(n) for n in np.asarray(key_lengths).reshape(-1)])
+        mask = mask & Mask.key_lengths(_int_list(key_lengths, "key_lengths"))
     return mask
 
 
-def _per_head(x, name):
-    """An optional per-head array (alibi_slopes, sinks) as float32, or None."""
-    return None if x is None else np.ascontiguousarray(_as_array(x, name), dtype=np.float32)
-
-
 def _check_gqa(query, key, enable_gqa):
-    if not enable_gqa and query.ndim == 4 and key.ndim == 4 and query.shape[1] != key.shape[1]:
+    if not enable_gqa and len(query.shape) == 4 and len(key.shape) == 4 and query.shape[1] != key.shape[1]:
         raise Error(f"scaled_dot_product_attention: query has {query.shape[1]} heads but key has "
                     f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
 
@@ -146,21 +262,15 @@ def _half_bits(x):
     return None
 
 
-def _attention_half_kv(query, key_bits, value_bits, dtype, mask, scale, backend, softcap, alibi_slopes, sinks,
-                       return_lse, precision="highest"):
-    output, lse = _core.attention_half_kv(query, key_bits, value_bits, dtype, mask,
-                                          None if scale is None else float(scale), _backend(backend), float(softcap),
-                                          _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"),
-                                          str(precision).lower())
-    return (output, lse) if return_lse else output
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
-                                 window=None, seed=0, backend="auto", return_lse=False, softcap=0.0,
-                                 alibi_slopes=None, sinks=None, return_row_stats=False, allow_cast=False,
-                                 precision="highest"):
+                                 window=None, return_lse=False, return_row_stats=False, allow_cast=False,
+                                 **options):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
+
+    options: seed=0, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None,
+    precision="highest" (below), as keywords: the fields of qkv::AttentionOptions, which every
+    function here that attends takes the same way (an unknown keyword is a qkv.Error).
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv); (B, N, D) and (N, D)
     are one head. Hq may be a multiple of Hkv with enable_gqa=True (grouped-query attention:
@@ -220,16 +330,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query = _as_float32(query, "query", allow_cast)
         _check_gqa(query, key_half[0], enable_gqa)
         mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-        return _attention_half_kv(query, key_half[0], value_half[0], key_half[1], mask, scale, backend, softcap,
-                                  alibi_slopes, sinks, return_lse, precision)
+        output, lse = _core.attention_half_kv(query, key_half[0], value_half[0], key_half[1], _options(
+            "scaled_dot_product_attention", options, mask=mask, scale=scale))
+        return (output, lse) if return_lse else output
     query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
                          _as_float32(value, "value", allow_cast))
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    output, weights, lse, row_max, row_sum = _core.attention(
-        query, key, value, mask, None if scale is None else float(scale), float(dropout_p), int(seed),
-        bool(need_weights), _backend(backend), float(softcap), _per_head(alibi_slopes, "alibi_slopes"),
-        _per_head(sinks, "sinks"), str(precision).lower())
+    output, weights, lse, row_max, row_sum = _core.attention(query, key, value, _options(
+        "scaled_dot_product_attention", options, mask=mask, scale=scale, dropout_p=dropout_p,
+        need_weights=bool(need_weights)))
     if not (need_weights or return_lse or return_row_stats):
         return output
     return ((output,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()) +
@@ -238,9 +348,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                                          key_lengths=None, window=None, seed=0, backend="auto", row_max=None,
-                                          row_sum=None, softcap=0.0, alibi_slopes=None, sinks=None, allow_cast=False,
-                                          precision="highest"):
+                                          key_lengths=None, window=None, row_max=None, row_sum=None,
+                                          allow_cast=False, **options):
     """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
     (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
 
@@ -253,8 +362,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     else from lse (exact unless every key of a row carries a huge bias such as -1e9).
     With grouped-query attention, dk and dv sum over the query heads that share a key/value
     head. A query that sees no key contributes nothing (zeros, never NaN).
-    backend: "auto" (flash), "reference" or "flash". allow_cast, precision: as in
-    scaled_dot_product_attention (the backward's products at that precision).
+    options (seed, backend, softcap, alibi_slopes, sinks, precision) and allow_cast: as in
+    scaled_dot_product_attention (backend "auto" is flash here; the products at that precision).
 
         out, lse, row_max, row_sum = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
                                                                       return_row_stats=True)
@@ -272,10 +381,16 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
     dq, dk, dv, dsinks = _core.attention_backward(
-        grad_output, query, key, value, output, lse, row_max, row_sum, mask,
-        None if scale is None else float(scale), float(dropout_p), int(seed), _backend(backend), float(softcap),
-        _per_head(alibi_slopes, "alibi_slopes"), _per_head(sinks, "sinks"), str(precision).lower())
-    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
+        grad_output, query, key, value, output, lse, row_max, row_sum,
+        _options("scaled_dot_product_attention_backward", options, mask=mask, scale=scale, dropout_p=dropout_p))
+    return (dq, dk, dv) if options.get("sinks") is None else (dq, dk, dv, dsinks)
+
+
+def _linear_options(feature_map, is_causal, eps, causal_offset):
+    """linear_attention's keywords as the core takes them (feature_map, causal, eps, causal_offset)."""
+    if not isinstance(feature_map, str):
+        raise Error(f"linear_attention: feature_map must be \"elu+1\" or \"relu\", got {_brief(feature_map)}")
+    return feature_map, bool(is_causal), _float(eps, "eps"), _int(causal_offset, "causal_offset")
 
 
 def _linear_args(query, key, value, enable_gqa, allow_cast, who):
@@ -299,8 +414,7 @@ def linear_attention(query, key, value, feature_map="elu+1", is_causal=False, ep
     the float32 output, shaped as query's leading dims + (Nq, Dv).
     """
     query, key, value = _linear_args(query, key, value, enable_gqa, allow_cast, "linear_attention")
-    return _core.linear_attention(query, key, value, str(feature_map), bool(is_causal), float(eps),
-                                  int(causal_offset))
+    return _core.linear_attention(query, key, value, *_linear_options(feature_map, is_causal, eps, causal_offset))
 
 
 def linear_attention_backward(grad_output, query, key, value, feature_map="elu+1", is_causal=False, eps=1e-6,
@@ -309,8 +423,8 @@ def linear_attention_backward(grad_output, query, key, value, feature_map="elu+1
     recomputed; nothing of it is needed). With GQA, dk and dv sum over the heads sharing them."""
     query, key, value = _linear_args(query, key, value, enable_gqa, allow_cast, "linear_attention_backward")
     grad_output = _as_float32(grad_output, "grad_output", allow_cast)
-    return _core.linear_attention_backward(query, key, value, grad_output, str(feature_map), bool(is_causal),
-                                           float(eps), int(causal_offset))
+    return _core.linear_attention_backward(query, key, value, grad_output,
+                                           *_linear_options(feature_map, is_causal, eps, causal_offset))
 
 
 def create_causal_mask(n):
@@ -318,7 +432,7 @@ def create_causal_mask(n):
 
     It can be passed as attn_mask, though is_causal=True is faster (no matrix is read).
     """
-    return _core.create_causal_mask(int(n)).astype(bool)
+    return _core.create_causal_mask(_int(n, "n")).astype(bool)
 
 
 def create_padding_mask(lengths, max_len):
@@ -326,7 +440,7 @@ def create_padding_mask(lengths, max_len):
 
     It can be passed as attn_mask, though key_lengths=lengths is faster.
     """
-    return _core.create_padding_mask([int(n) for n in lengths], int(max_len)).astype(bool)
+    return _core.create_padding_mask(_int_list(lengths, "lengths"), _int(max_len, "max_len")).astype(bool)
 
 
 class MultiHeadAttention:
@@ -364,30 +478,38 @@ class MultiHeadAttention:
                  attention="softmax", feature_map="elu+1", rotary=None, precision="highest"):
         if not isinstance(attention, str) or not isinstance(feature_map, str):
             raise Error(f"MultiHeadAttention: attention and feature_map are strings (\"softmax\" or \"linear\"; "
-                        f"\"elu+1\" or \"relu\"), got {attention!r} and {feature_map!r}")
-        self._core = _core.MultiHeadAttentionCore(
-            int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0), int(vdim or 0), bool(bias),
-            float(dropout), bool(causal), None if seed is None else int(seed), float(softcap), bool(alibi), bool(sinks),
-            attention, feature_map, _rotary_options(rotary, embed_dim, num_heads), str(precision).lower())
+                        f"\"elu+1\" or \"relu\"), got {_brief(attention)} and {_brief(feature_map)}")
+        embed_dim = _int(embed_dim, "MultiHeadAttention: embed_dim")
+        num_heads = _int(num_heads, "MultiHeadAttention: num_heads")
+        options = _filled(_core.MultiHeadAttentionOptions(), "MultiHeadAttention", dict(
+            num_kv_heads=0 if num_kv_heads is None else num_kv_heads, kdim=0 if kdim is None else kdim,
+            vdim=0 if vdim is None else vdim, bias=bool(bias), dropout=dropout, causal=bool(causal), seed=seed,
+            softcap=softcap, alibi=bool(alibi), sinks=bool(sinks), attention=attention, feature_map=feature_map,
+            rotary=_rotary_options(rotary, embed_dim, num_heads), precision=precision))
+        self._core = _core.MultiHeadAttentionCore(embed_dim, num_heads, options)
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
+        # Training: a forward's core call and its record in _last, and a backward's reading of
+        # _last and its core call, are one step each, so _last always describes the forward the
+        # core keeps (the core's own lock already runs training forwards one at a time).
+        self._training_step = threading.Lock()
 
     embed_dim = property(lambda self: self._core.embed_dim)
     num_heads = property(lambda self: self._core.num_heads)
     num_kv_heads = property(lambda self: self._core.num_kv_heads)
     head_dim = property(lambda self: self._core.head_dim)
-    kdim = property(lambda self: self._core.kdim)
-    vdim = property(lambda self: self._core.vdim)
+    kdim = property(lambda self: self._core.options.kdim)
+    vdim = property(lambda self: self._core.options.vdim)
     training = property(lambda self: self._core.training)
-    causal = property(lambda self: self._core.causal)
-    attention = property(lambda self: self._core.attention)
-    feature_map = property(lambda self: self._core.feature_map)
-    precision = property(lambda self: self._core.precision)
+    causal = property(lambda self: self._core.options.causal)
+    attention = property(lambda self: self._core.options.attention)
+    feature_map = property(lambda self: self._core.options.feature_map)
+    precision = property(lambda self: self._core.options.precision)
 
     @property
     def rotary(self):
         """None, or {"base": ..., "interleaved": ...}: the rotary embedding's options."""
-        options = self._core.rotary
+        options = self._core.options.rotary
         return None if options is None else {"base": options[0], "interleaved": options[1]}
 
     def train(self, mode=True):
@@ -461,7 +583,10 @@ class MultiHeadAttention:
         out_proj.weight, out_proj.bias (and sinks); qkv's own names (q_proj.weight, ...) work too. Every
         parameter must be given with its exact shape; nothing is written if one is wrong.
         """
-        self._core.load_state_dict({str(name): _as_float32(value, name, allow_cast=True)  # torch casts here too
+        if not hasattr(state, "items"):
+            raise Error(f"MultiHeadAttention.load_state_dict: state must be a mapping of names to arrays (a "
+                        f"state_dict()), got {_brief(state)}")
+        self._core.load_state_dict({str(name): _as_float32(value, str(name), allow_cast=True)  # torch casts here too
                                    for name, value in state.items()})
 
     def __call__(self, *args, **kwargs):
@@ -470,7 +595,10 @@ class MultiHeadAttention:
     def make_cache(self, batch, capacity, dtype="f32", window=0):
         """A qkv.KVCache for this layer: batch sequences of up to capacity positions, keys and
         values stored in dtype ("f32", "bf16", "f16"); window > 0: a ring buffer of window slots."""
-        return KVCache(self._core.make_cache(int(batch), int(capacity), str(dtype), int(window)))
+        if not isinstance(dtype, str):
+            raise Error(f"make_cache: dtype must be \"f32\", \"bf16\" or \"f16\", got {_brief(dtype)}")
+        return KVCache(self._core.make_cache(_int(batch, "make_cache: batch"), _int(capacity, "make_cache: capacity"),
+                                             dtype, _int(window, "make_cache: window")))
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
                 average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None):
@@ -506,9 +634,13 @@ class MultiHeadAttention:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:
                 raise Error("forward with a cache is causal self-attention: no key, value, masks or weights")
+            if not isinstance(cache, KVCache):
+                raise Error(f"MultiHeadAttention.forward: cache must be a qkv.KVCache (make_cache), got "
+                            f"{_brief(cache)}")
             x = np.swapaxes(query, 0, 1) if query.ndim == 3 and not self.batch_first else query
-            output = self._core.forward_cached(np.ascontiguousarray(x), cache._core,
-                                               [] if counts is None else [int(c) for c in counts])
+            counts = [] if counts is None else _int_list(counts, "counts")
+            with cache._lock:  # the GIL is released while the core writes the cache
+                output = self._core.forward_cached(np.ascontiguousarray(x), cache._core, counts)
             if query.ndim == 3 and not self.batch_first:
                 output = np.swapaxes(output, 0, 1)
             return output, None
@@ -523,12 +655,14 @@ class MultiHeadAttention:
 
         mask = Mask()
         if key_padding_mask is not None:
-            padding = _as_array(key_padding_mask, "key_padding_mask")
-            mask = mask & _tensor_mask(padding.reshape(batch, 1, 1, padding.shape[-1]), 4, "key_padding_mask",
-                                       true_means_attend=False)
+            mask = mask & self._padding_mask(key_padding_mask, batched, batch, key)
         if attn_mask is not None:
             attn = _as_array(attn_mask, "attn_mask")
             if attn.ndim == 3:  # (B * num_heads, Nq, Nk), batch major, as PyTorch stacks it
+                if attn.shape[0] % self.num_heads != 0:
+                    raise Error(f"MultiHeadAttention: attn_mask is {attn.shape}: a 3-D attn_mask is (batch * "
+                                f"num_heads, Nq, Nk), and {attn.shape[0]} is not a multiple of num_heads "
+                                f"({self.num_heads})")
                 attn = attn.reshape(-1, self.num_heads, attn.shape[-2], attn.shape[-1])
             mask = mask & _tensor_mask(attn, 4, "attn_mask", true_means_attend=False)
         if is_causal and self.attention == "linear":
@@ -542,14 +676,26 @@ class MultiHeadAttention:
             weights = _core.Weights.None_
         else:
             weights = _core.Weights.Averaged if average_attn_weights else _core.Weights.PerHead
-        if self_attention:
-            output, attn_weights = self._core.forward(query, None, None, mask, weights)
-        else:
-            output, attn_weights = self._core.forward(query, key, value, mask, weights)
-        self._last = (key_given, value_given, batched)
+        with self._training_step if self._core.training else contextlib.nullcontext():
+            output, attn_weights = self._core.forward(query, *((None, None) if self_attention else (key, value)),
+                                                      mask, weights)
+            self._last = (key_given, value_given, batched)
         if batched and not self.batch_first:
             output = np.swapaxes(output, 0, 1)
         return output, attn_weights
+
+    @staticmethod
+    def _padding_mask(key_padding_mask, batched, batch, key):
+        """key_padding_mask (B, Nk), or (Nk) unbatched, as a Mask (True = padding)."""
+        padding = _as_array(key_padding_mask, "key_padding_mask")
+        expected = ((batch,) if batched else ()) + key.shape[-2:-1]
+        if key.ndim in (2, 3) and padding.shape != expected:
+            raise Error(f"MultiHeadAttention: key_padding_mask is {padding.shape} but key is {key.shape}: it "
+                        f"should be {expected} (batch, keys)")
+        if key.ndim not in (2, 3):
+            return Mask()  # the core refuses the key itself, naming its shape
+        return _tensor_mask(padding.reshape(batch, 1, 1, padding.shape[-1]), 4, "key_padding_mask",
+                            true_means_attend=False)
 
     def backward(self, grad_output):
         """Backward of the last forward: returns the input gradient(s), adds the parameters'.
@@ -562,16 +708,17 @@ class MultiHeadAttention:
         zero_grad() between steps. Dropout drops the same weights as in that forward.
         Call backward once per forward, on the same module (it keeps what the forward saved).
         """
-        if getattr(self, "_last", None) is None:
-            raise Error("MultiHeadAttention.backward: no forward to differentiate (call forward first)")
-        key_given, value_given, batched = self._last
         grad_output = _as_float32(grad_output, "grad_output")
-        if batched and not self.batch_first:
-            grad_output = np.swapaxes(grad_output, 0, 1)
-        if not key_given and not value_given:  # forward(x): the core sums the three paths
-            dx = self._core.backward_self(grad_output)
-            return np.swapaxes(dx, 0, 1) if batched and not self.batch_first else dx
-        dq, dk, dv = self._core.backward(grad_output)
+        with self._training_step:
+            if getattr(self, "_last", None) is None:
+                raise Error("MultiHeadAttention.backward: no forward to differentiate (call forward first)")
+            key_given, value_given, batched = self._last
+            if batched and not self.batch_first:
+                grad_output = np.swapaxes(grad_output, 0, 1)
+            if not key_given and not value_given:  # forward(x): the core sums the three paths
+                dx = self._core.backward_self(grad_output)
+                return np.swapaxes(dx, 0, 1) if batched and not self.batch_first else dx
+            dq, dk, dv = self._core.backward(grad_output)
         if batched and not self.batch_first:
             dq, dk, dv = (np.swapaxes(g, 0, 1) for g in (dq, dk, dv))
         if not value_given:
@@ -615,10 +762,16 @@ def _rotary_options(rotary, embed_dim, num_heads):
 
 class KVCache:
     """One attention layer's keys and values for incremental decoding (make it with
-    MultiHeadAttention.make_cache): preallocated, stored in "f32", "bf16" or "f16"."""
+    MultiHeadAttention.make_cache): preallocated, stored in "f32", "bf16" or "f16".
+
+    A forward with a cache writes it: calls on one cache from several threads take turns (its
+    lock), so they never corrupt it; which thread's tokens come first is theirs to arrange."""
 
     def __init__(self, core):
+        if not isinstance(core, _core.KVCache):
+            raise Error(f"qkv.KVCache is made by MultiHeadAttention.make_cache, not from {_brief(core)}")
         self._core = core
+        self._lock = threading.Lock()
 
     length = property(lambda self: self._core.length)
     lengths = property(lambda self: list(self._core.lengths))
@@ -628,7 +781,8 @@ class KVCache:
 
     def reset(self):
         """Forget every position; the storage stays."""
-        self._core.reset()
+        with self._lock:
+            self._core.reset()
 
     def __repr__(self):
         return f"qkv.KVCache(length={self.length}, capacity={self.capacity}, dtype={self.dtype!r})"

@@ -18,7 +18,7 @@ query heads sharing each key/value head.
 
 import torch
 
-from . import Backend, Error, _check_gqa, _core, _mask_from, _per_head
+from . import Error, _check_gqa, _core, _linear_options, _mask_from, _options
 
 __all__ = ["linear_attention", "scaled_dot_product_attention"]
 
@@ -40,43 +40,38 @@ class ScaledDotProductAttention(torch.autograd.Function):
     """forward: qkv's kernel. Keeps (q, k, v, sinks, output, lse, row_max, row_sum) and the options."""
 
     @staticmethod
-    def forward(ctx, query, key, value, sinks, mask, scale, dropout_p, seed, softcap, alibi_slopes, precision):
-        output, _weights, lse, row_max, row_sum = _core.attention(
-            _numpy(query), _numpy(key), _numpy(value), mask, scale, dropout_p, seed, False, Backend.Auto, softcap,
-            alibi_slopes, _numpy(sinks), precision)
+    def forward(ctx, query, key, value, sinks, options):
+        options.sinks = _numpy(sinks)
+        output, _weights, lse, row_max, row_sum = _core.attention(_numpy(query), _numpy(key), _numpy(value), options)
         output, lse, row_max, row_sum = (torch.from_numpy(x) for x in (output, lse, row_max, row_sum))
         # What backward will need: the inputs, the forward's output and row statistics (so P is
         # recomputed, never stored, and exactly), and the same options (mask, dropout seed, modifiers).
         ctx.save_for_backward(query, key, value, sinks, output, lse, row_max, row_sum)
-        ctx.options = (mask, scale, dropout_p, seed, softcap, alibi_slopes, precision)
+        ctx.options = options
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, sinks, output, lse, row_max, row_sum = ctx.saved_tensors
-        mask, scale, dropout_p, seed, softcap, alibi_slopes, precision = ctx.options
         grad_output = grad_output.detach().to(torch.float32).contiguous()
         dq, dk, dv, dsinks = _core.attention_backward(
             grad_output.numpy(), _numpy(query), _numpy(key), _numpy(value), output.numpy(), lse.numpy(),
-            row_max.numpy(), row_sum.numpy(), mask, scale, dropout_p, seed, Backend.Auto, softcap, alibi_slopes,
-            _numpy(sinks), precision)
+            row_max.numpy(), row_sum.numpy(), ctx.options)
         grads = [torch.from_numpy(g) if needed and g is not None else None
                  for g, needed in zip((dq, dk, dv, dsinks), ctx.needs_input_grad[:4])]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, key_lengths=None, window=None, seed=0, softcap=0.0,
-                                 alibi_slopes=None, sinks=None, precision="highest"):
+                                 enable_gqa=False, key_lengths=None, window=None, sinks=None, **options):
     """torch.nn.functional.scaled_dot_product_attention computed by qkv (CPU float32).
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv), or rank 3 / 2 as one
     head. attn_mask: bool (True = attend) or float (added), broadcast numpy-style; is_causal,
-    scale, enable_gqa as in PyTorch; key_lengths, window, seed as qkv.scaled_dot_product_attention.
-    Score modifiers as qkv.scaled_dot_product_attention: softcap (float), alibi_slopes ((Hq),
-    not differentiated) and sinks ((Hq) float32 tensor: it gets a gradient when it requires one).
-    precision: "highest" (float32), "high" or "medium", as qkv.scaled_dot_product_attention's, for
-    the forward and the backward (torch.set_float32_matmul_precision's levels, given per call).
+    scale, enable_gqa as in PyTorch; key_lengths, window as qkv.scaled_dot_product_attention.
+    sinks: (Hq) float32 tensor, as qkv.scaled_dot_product_attention's: it gets a gradient when it
+    requires one. options: qkv.scaled_dot_product_attention's (seed, softcap, alibi_slopes (not
+    differentiated), precision for the forward and the backward, backend), as keywords.
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
     if isinstance(key, torch.Tensor) and key.dtype in (torch.bfloat16, torch.float16):
@@ -89,8 +84,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                         "their backward is not supported (use float32 to train)")
         output = qkv.scaled_dot_product_attention(
             _numpy(query), key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa, key_lengths=key_lengths, window=window, seed=seed, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=_numpy(sinks), precision=precision)
+            enable_gqa=enable_gqa, key_lengths=key_lengths, window=window, sinks=_numpy(sinks), **options)
         return torch.from_numpy(output)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, name)
@@ -98,9 +92,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _check_tensor(sinks, "sinks")
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    return ScaledDotProductAttention.apply(query, key, value, sinks, mask, None if scale is None else float(scale),
-                                           float(dropout_p), int(seed), float(softcap),
-                                           _per_head(alibi_slopes, "alibi_slopes"), str(precision).lower())
+    options = _options("qkv.torch.scaled_dot_product_attention", options, mask=mask, scale=scale,
+                       dropout_p=dropout_p)
+    return ScaledDotProductAttention.apply(query, key, value, sinks, options)
 
 
 class LinearAttention(torch.autograd.Function):
@@ -132,4 +126,4 @@ def linear_attention(query, key, value, feature_map="elu+1", is_causal=False, ep
     if not enable_gqa and query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1]:
         raise Error(f"linear_attention: query has {query.shape[1]} heads but key has {key.shape[1]}: "
                     "pass enable_gqa=True for grouped-query attention")
-    return LinearAttention.apply(query, key, value, str(feature_map), bool(is_causal), float(eps), int(causal_offset))
+    return LinearAttention.apply(query, key, value, *_linear_options(feature_map, is_causal, eps, causal_offset))

@@ -4,13 +4,18 @@
 // across and calls the one functional core.
 //
 // Arrays in: float32 C-contiguous numpy arrays are wrapped without copying (Tensor::from_blob,
-// the Tensor holding a reference to the array); others are converted by numpy first. Arrays out:
-// zero-copy too; the numpy array keeps the Tensor's storage alive. Every computation runs with
-// the GIL released; inputs are wrapped before it is released.
+// the Tensor holding a reference to the array); others are copied into a qkv Tensor, after their
+// dtype and rank are checked on the array's metadata (so a bad broadcast view is refused before
+// it is expanded, and the copy's allocation is qkv's, refused with a qkv::Error when too large).
+// Arrays out: zero-copy too; the numpy array keeps the Tensor's storage alive. Every computation
+// runs with the GIL released; inputs are wrapped before it is released. The options every
+// attention call takes are one bound class, AttentionOptions (python/qkv/__init__.py fills it
+// from the keywords in one place).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -24,16 +29,45 @@ namespace py = pybind11;
 
 namespace {
 
-// A float32 C-contiguous array: given one, pybind11 passes it through untouched; a strided
-// float32 view, or a bool array (masks), is converted by numpy into a fresh array of this kind.
-// Any other dtype is refused as PyTorch refuses it (its caster, below): float64 and float16 are a
-// qkv.Error (python/qkv/__init__.py casts them first when the caller passes allow_cast=True),
-// integer arrays always are.
-struct FloatArray : py::array_t<float, py::array::c_style | py::array::forcecast> {
-  using array_t::array_t;
-  FloatArray() = default;
-  explicit FloatArray(array_t&& a) : array_t(std::move(a)) {}
+// The most dims any array qkv reads has: (B, H, N, D). Checked before an array is copied, so a
+// huge broadcast view of more dims is refused on its metadata, never expanded first.
+constexpr int kMaxDims = 4;
+
+// A float32 or bool array argument as the caller gave it (a strided view stays a view): the caster
+// below checks its dtype and rank on the metadata; to_tensor copies it when it must. Any other
+// dtype is refused as PyTorch refuses it: float64 and float16 are a qkv.Error
+// (python/qkv/__init__.py casts them first when the caller passes allow_cast=True), integer
+// arrays always are. Failures are a qkv.Error naming the dtype and shape, never pybind11's
+// TypeError, which prints every argument in full.
+struct FloatArray {
+  py::array array;
 };
+
+// A caster's refusal of an array argument: a qkv.Error (qkv._core.ArrayError) that
+// python/qkv/__init__.py prefixes with the function's name, which the caster does not know.
+struct ArrayError : qkv::Error {
+  using qkv::Error::Error;
+};
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) {
+    if (d > 0) s += ", ";
+    s += std::to_string(a.shape(d));
+  }
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// A value as an error message shows it: an array by dtype and shape, never its elements;
+// anything else by its repr, cut at 80 characters.
+std::string brief(const py::handle& value) {
+  if (py::isinstance<py::array>(value)) {
+    const auto a = py::reinterpret_borrow<py::array>(value);
+    return "a " + std::string(py::str(a.dtype())) + " array of shape " + shape_str(a);
+  }
+  std::string text = py::repr(value);
+  return text.size() <= 80 ? text : text.substr(0, 77) + "...";
+}
 
 }  // namespace
 
@@ -42,44 +76,51 @@ template <>
 struct type_caster<FloatArray> {
   PYBIND11_TYPE_CASTER(FloatArray, const_name("numpy.ndarray[float32]"));
 
-  // The dtype rule, then numpy's conversion (layout only: float32 stays float32, bool -> 0/1).
-  bool load(handle src, bool convert) {
-    using Exact = py::array_t<float, py::array::c_style>;
-    if (!convert) {
-      if (!Exact::check_(src)) return false;
-    } else {
-      const py::array a = py::array::ensure(src);
-      if (!a) return false;
-      const char kind = a.dtype().kind();
-      if (kind == 'f' && a.itemsize() != 4)
-        throw qkv::Error("qkv: got a " + std::string(py::str(a.dtype())) + " array, but qkv computes in float32 " +
-                         "(as PyTorch, it does not mix dtypes): pass allow_cast=True, or convert with " +
-                         ".astype(numpy.float32)");
-      if (kind != 'f' && kind != 'b')
-        throw qkv::Error("qkv: got a " + std::string(py::str(a.dtype())) +
-                         " array: attention needs float32 inputs (PyTorch refuses integer inputs too)");
-    }
-    value = FloatArray(FloatArray::array_t::ensure(src));
-    return static_cast<bool>(value);
+  bool load(handle src, bool) {
+    const py::array a = py::array::ensure(src);
+    if (!a) throw ArrayError("got " + brief(src) + " where an array is needed");
+    const std::string what = "got a " + std::string(py::str(a.dtype())) + " array";
+    const std::string shape = " (shape " + shape_str(a) + ")";
+    const char kind = a.dtype().kind();
+    if (kind == 'f' && a.itemsize() != 4)
+      throw ArrayError(what + ", but qkv computes in float32 (as PyTorch, it does not mix dtypes): pass "
+                       "allow_cast=True, or convert with .astype(numpy.float32)" + shape);
+    if (kind != 'f' && kind != 'b')
+      throw ArrayError(what + ": attention needs float32 inputs (PyTorch refuses integer inputs too)" + shape);
+    if (a.ndim() > kMaxDims)
+      throw ArrayError(what + shape + ": qkv's arrays have at most " + std::to_string(kMaxDims) + " dims (B, H, N, D)");
+    value = FloatArray{a};
+    return true;
   }
-  static handle cast(const FloatArray& array, return_value_policy, handle) { return array.inc_ref(); }
+  static handle cast(const FloatArray& array, return_value_policy, handle) { return array.array.inc_ref(); }
 };
 }  // namespace pybind11::detail
 
 namespace {
 
-// A float32 C-contiguous array as a Tensor over the same memory, with the GIL held. The Tensor
-// (and whatever keeps it: a Mask, a module's backward cache) holds a reference to the array, so
-// the memory outlives the Python name; dropping that reference takes the GIL, since the last
-// Tensor may die in a section that released it. qkv only reads its inputs: the const_cast
-// never leads to a write.
-qkv::Tensor to_tensor(const FloatArray& a) {
+py::object to_numpy(const qkv::Tensor& tensor);
+
+qkv::Shape shape_of(const py::array& a) { return qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())); }
+
+// An array as a Tensor, with the GIL held. A float32 C-contiguous array is wrapped over the same
+// memory: the Tensor (and whatever keeps it: a Mask, a module's backward cache) holds a reference
+// to the array, so the memory outlives the Python name; dropping that reference takes the GIL,
+// since the last Tensor may die in a section that released it. qkv only reads its inputs: the
+// const_cast never leads to a write. Any other array (a strided view, a bool mask) is copied
+// into a fresh Tensor, which qkv's allocator refuses with a qkv::Error when it is too large.
+qkv::Tensor to_tensor(const FloatArray& in) {
+  const py::array& a = in.array;
+  using Exact = py::array_t<float, py::array::c_style>;
+  if (!Exact::check_(a)) {
+    qkv::Tensor copy = qkv::Tensor::empty(shape_of(a));
+    py::module_::import("numpy").attr("copyto")(to_numpy(copy), a, py::arg("casting") = "unsafe");
+    return copy;
+  }
   std::shared_ptr<void> owner(new py::object(a), [](void* p) {
     py::gil_scoped_acquire gil;
     delete static_cast<py::object*>(p);
   });
-  return qkv::Tensor::from_blob(const_cast<float*>(a.data()),
-                                qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), std::move(owner));
+  return qkv::Tensor::from_blob(const_cast<void*>(a.data()), shape_of(a), qkv::DType::F32, std::move(owner));
 }
 
 // A Tensor as a numpy array over the same storage; the array holds a Tensor handle, so the
@@ -111,33 +152,69 @@ qkv::Tensor bits_tensor(const BitsArray& a, qkv::DType dtype) {
 
 // ---- the functional core
 
-// The options every attention call takes, gathered from the keywords (the score modifiers
-// included: alibi_slopes and sinks are (Hq) arrays or None).
-qkv::AttentionOptions make_options(const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
-                                   qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
-                                   const std::optional<FloatArray>& sinks) {
-  qkv::AttentionOptions options;
-  options.mask = mask;
-  options.scale = scale;
-  options.dropout_p = dropout_p;
-  options.seed = seed;
-  options.backend = backend;
-  options.softcap = softcap;
-  if (alibi_slopes) options.alibi_slopes = to_tensor(*alibi_slopes);
-  if (sinks) options.sinks = to_tensor(*sinks);
-  return options;
+// Each AttentionOptions field as a Python attribute: what it takes is its docstring, which
+// python/qkv/__init__.py quotes when a keyword's value cannot be converted.
+std::string lowercase(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
 }
 
-// scaled_dot_product_attention with every option spelled out. Returns (output, weights, lse,
-// row_max, row_sum); weights is None unless need_weights. The backward needs output and the row
-// statistics (row_max and row_sum keep it exact under huge biases; lse alone serves otherwise).
-py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v, const qkv::Mask& mask,
-                    std::optional<float> scale, float dropout_p, uint64_t seed, bool need_weights,
-                    qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
-                    const std::optional<FloatArray>& sinks, const std::string& precision) {
-  qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
-  options.need_weights = need_weights;
-  options.precision = qkv::matmul_precision_from_string(precision);
+qkv::Backend backend_from(const py::object& value) {
+  if (py::isinstance<qkv::Backend>(value)) return value.cast<qkv::Backend>();
+  static const std::map<std::string, qkv::Backend> names = {
+      {"auto", qkv::Backend::Auto}, {"decode", qkv::Backend::Decode}, {"flash", qkv::Backend::Flash},
+      {"reference", qkv::Backend::Reference}};
+  const auto found = names.find(lowercase(py::str(value)));
+  if (!py::isinstance<py::str>(value) || found == names.end())
+    throw qkv::Error("backend must be one of ['auto', 'decode', 'flash', 'reference'], got " +
+                     std::string(py::repr(value)));
+  return found->second;
+}
+
+// A per-head array (alibi_slopes, sinks) of any float dtype, as float32; None: off.
+qkv::Tensor per_head(const py::object& value, const char* name) {
+  if (value.is_none()) return {};
+  const py::array a = py::array::ensure(value);
+  if (!a || (a.dtype().kind() != 'f' && a.dtype().kind() != 'i' && a.dtype().kind() != 'u'))
+    throw qkv::Error(std::string(name) + " must be None or a (heads,) float array, got " + brief(value));
+  if (a.ndim() > kMaxDims) throw qkv::Error(std::string(name) + " is " + shape_str(a) + ": it should be (heads,)");
+  qkv::Tensor copy = qkv::Tensor::empty(shape_of(a));
+  py::module_::import("numpy").attr("copyto")(to_numpy(copy), a, py::arg("casting") = "unsafe");
+  return copy;
+}
+
+void bind_attention_options(py::module_& m) {
+  using O = qkv::AttentionOptions;
+  py::class_<O>(m, "AttentionOptions", "qkv::AttentionOptions (include/qkv/attention.hpp), field by field.")
+      .def(py::init<>())
+      .def_readwrite("mask", &O::mask, "a qkv.Mask")
+      .def_readwrite("scale", &O::scale, "None or a number")
+      .def_readwrite("dropout_p", &O::dropout_p, "a number in [0, 1)")
+      .def_readwrite("seed", &O::seed, "an integer in [0, 2**64)")
+      .def_readwrite("need_weights", &O::need_weights, "True or False")
+      .def_property(
+          "backend", [](const O& o) { return o.backend; },
+          [](O& o, const py::object& value) { o.backend = backend_from(value); },
+          "'auto', 'reference', 'flash', 'decode' or a qkv.Backend")
+      .def_property(
+          "precision", [](const O& o) { return std::string(qkv::to_string(o.precision)); },
+          [](O& o, const std::string& name) { o.precision = qkv::matmul_precision_from_string(lowercase(name)); },
+          "'highest', 'high' or 'medium'")
+      .def_readwrite("softcap", &O::softcap, "a number >= 0 (0 = off)")
+      .def_property(
+          "alibi_slopes", [](const O& o) { return to_numpy(o.alibi_slopes); },
+          [](O& o, const py::object& value) { o.alibi_slopes = per_head(value, "alibi_slopes"); },
+          "None or a (heads,) float array")
+      .def_property(
+          "sinks", [](const O& o) { return to_numpy(o.sinks); },
+          [](O& o, const py::object& value) { o.sinks = per_head(value, "sinks"); }, "None or a (heads,) float array");
+}
+
+// scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is
+// None unless options.need_weights. The backward needs output and the row statistics (row_max
+// and row_sum keep it exact under huge biases; lse alone serves otherwise).
+py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& v,
+                    const qkv::AttentionOptions& options) {
   const qkv::Tensor qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult result;
   {
@@ -151,11 +228,7 @@ py::tuple attention(const FloatArray& q, const FloatArray& k, const FloatArray& 
 // Forward with 16-bit K/V ("bf16" or "f16" bits): returns (output, lse). Inference only: no
 // weights, no dropout (the backward refuses 16-bit K/V).
 py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsArray& v, const std::string& dtype,
-                            const qkv::Mask& mask, std::optional<float> scale, qkv::Backend backend, float softcap,
-                            const std::optional<FloatArray>& alibi_slopes, const std::optional<FloatArray>& sinks,
-                            const std::string& precision) {
-  qkv::AttentionOptions options = make_options(mask, scale, 0.0f, 0, backend, softcap, alibi_slopes, sinks);
-  options.precision = qkv::matmul_precision_from_string(precision);
+                            const qkv::AttentionOptions& options) {
   const qkv::DType type = qkv::dtype_from_string(dtype);
   const qkv::Tensor qt = to_tensor(q), kt = bits_tensor(k, type), vt = bits_tensor(v, type);
   qkv::AttentionResult result;
@@ -167,16 +240,12 @@ py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsA
 }
 
 // qkv::scaled_dot_product_attention_backward: (dq, dk, dv, dsinks or None) from the forward's
-// output and row statistics (row_max and row_sum when given, else lse), with the same mask and
-// options as that forward (the dropout seed and the score modifiers included).
+// output and row statistics (row_max and row_sum when given, else lse), with the same options as
+// that forward (the mask, dropout seed and score modifiers included).
 py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q, const FloatArray& k,
                              const FloatArray& v, const FloatArray& output, const FloatArray& lse,
                              const std::optional<FloatArray>& row_max, const std::optional<FloatArray>& row_sum,
-                             const qkv::Mask& mask, std::optional<float> scale, float dropout_p, uint64_t seed,
-                             qkv::Backend backend, float softcap, const std::optional<FloatArray>& alibi_slopes,
-                             const std::optional<FloatArray>& sinks, const std::string& precision) {
-  qkv::AttentionOptions options = make_options(mask, scale, dropout_p, seed, backend, softcap, alibi_slopes, sinks);
-  options.precision = qkv::matmul_precision_from_string(precision);
+                             const qkv::AttentionOptions& options) {
   const qkv::Tensor gt = to_tensor(grad_output), qt = to_tensor(q), kt = to_tensor(k), vt = to_tensor(v);
   qkv::AttentionResult forward;
   forward.output = to_tensor(output);
@@ -189,6 +258,16 @@ py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q,
     grads = qkv::scaled_dot_product_attention_backward(gt, qt, kt, vt, forward, options);
   }
   return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv), to_numpy(grads.dsinks));
+}
+
+// Mask::parse with the whole Python string (NUL bytes included). A NUL is refused here, at its
+// column: the parser would quote it in its message, which what() - a C string - cuts short there.
+qkv::Mask parse_mask(const std::string& expression) {
+  const size_t nul = expression.find('\0');
+  if (nul == std::string::npos) return qkv::Mask::parse(expression);
+  std::string shown;
+  for (char c : expression) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
+  throw qkv::MaskParseError("mask '" + shown + "': column " + std::to_string(nul + 1) + ", found a NUL byte", nul + 1);
 }
 
 // ---- linear attention (qkv/linear_attention.hpp)
@@ -236,33 +315,49 @@ qkv::nn::AttentionKind attention_kind_from_string(const std::string& name) {
   throw qkv::Error("MultiHeadAttention: attention must be \"softmax\" or \"linear\", got \"" + name + "\"");
 }
 
-// rotary: none, or (base, interleaved), the fields of RotaryEmbeddingOptions (python/qkv/__init__.py
-// reads them from a dict or a qkv.RotaryEmbedding).
-qkv::nn::MultiHeadAttention make_mha(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim,
-                                     int64_t vdim, bool bias, float dropout, bool causal,
-                                     std::optional<uint64_t> seed, float softcap, bool alibi, bool sinks,
-                                     const std::string& attention, const std::string& feature_map,
-                                     std::optional<std::pair<double, bool>> rotary, const std::string& precision) {
-  std::optional<qkv::nn::RotaryEmbeddingOptions> rotary_options;
-  if (rotary) rotary_options = qkv::nn::RotaryEmbeddingOptions{.base = rotary->first, .interleaved = rotary->second};
-  return qkv::nn::MultiHeadAttention(embed_dim, num_heads,
-                                     {.num_kv_heads = num_kv_heads, .kdim = kdim, .vdim = vdim, .bias = bias,
-                                      .dropout = dropout, .causal = causal, .softcap = softcap, .alibi = alibi,
-                                      .sinks = sinks, .rotary = rotary_options, .seed = seed,
-                                      .attention = attention_kind_from_string(attention),
-                                      .feature_map = qkv::feature_map_from_string(feature_map),
-                                      .precision = qkv::matmul_precision_from_string(precision)});
-}
-
-// The module's rotary options as (base, interleaved), or None.
-py::object mha_rotary(const qkv::nn::MultiHeadAttention& mha) {
-  if (!mha.options().rotary) return py::none();
-  return py::make_tuple(mha.options().rotary->base, mha.options().rotary->interleaved);
+// MultiHeadAttentionOptions as one bound class, as AttentionOptions: a property per field whose
+// docstring says what it takes (python/qkv/__init__.py fills it from the constructor's keywords).
+// rotary is None or (base, interleaved), the fields of RotaryEmbeddingOptions.
+void bind_module_options(py::module_& m) {
+  using O = qkv::nn::MultiHeadAttentionOptions;
+  using Rotary = std::optional<std::pair<double, bool>>;
+  py::class_<O>(m, "MultiHeadAttentionOptions", "qkv::nn::MultiHeadAttentionOptions (include/qkv/nn.hpp).")
+      .def(py::init<>())
+      .def_readwrite("num_kv_heads", &O::num_kv_heads, "an integer >= 0 (0 = num_heads)")
+      .def_readwrite("kdim", &O::kdim, "an integer >= 0 (0 = embed_dim)")
+      .def_readwrite("vdim", &O::vdim, "an integer >= 0 (0 = embed_dim)")
+      .def_readwrite("bias", &O::bias, "True or False")
+      .def_readwrite("dropout", &O::dropout, "a number in [0, 1)")
+      .def_readwrite("causal", &O::causal, "True or False")
+      .def_readwrite("softcap", &O::softcap, "a number >= 0 (0 = off)")
+      .def_readwrite("alibi", &O::alibi, "True or False")
+      .def_readwrite("sinks", &O::sinks, "True or False")
+      .def_property(
+          "rotary",
+          [](const O& o) { return o.rotary ? Rotary(std::pair(o.rotary->base, o.rotary->interleaved)) : Rotary(); },
+          [](O& o, const Rotary& r) {
+            o.rotary.reset();
+            if (r) o.rotary = qkv::nn::RotaryEmbeddingOptions{.base = r->first, .interleaved = r->second};
+          },
+          "None or (base, interleaved)")
+      .def_readwrite("seed", &O::seed, "None or an integer in [0, 2**64)")
+      .def_property(
+          "attention", [](const O& o) { return o.attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax"; },
+          [](O& o, const std::string& name) { o.attention = attention_kind_from_string(name); },
+          "'softmax' or 'linear'")
+      .def_property(
+          "feature_map", [](const O& o) { return std::string(qkv::to_string(o.feature_map)); },
+          [](O& o, const std::string& name) { o.feature_map = qkv::feature_map_from_string(name); },
+          "'elu+1' or 'relu'")
+      .def_property(
+          "precision", [](const O& o) { return std::string(qkv::to_string(o.precision)); },
+          [](O& o, const std::string& name) { o.precision = qkv::matmul_precision_from_string(lowercase(name)); },
+          "'highest', 'high' or 'medium'");
 }
 
 // Returns (output, weights or None). key and value None: self-attention, forward(query) (one
-// fused projection; backward_self follows it). The GIL is released, except while training with
-// dropout: forward() then advances the module's dropout counter, which two threads must not do at once.
+// fused projection; backward_self follows it). The GIL is released: the module's own lock makes
+// concurrent calls safe in every mode (include/qkv/nn.hpp).
 py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& query,
                       const std::optional<FloatArray>& key, const std::optional<FloatArray>& value,
                       const qkv::Mask& mask, qkv::nn::Weights weights) {
@@ -272,8 +367,7 @@ py::tuple mha_forward(const qkv::nn::MultiHeadAttention& mha, const FloatArray& 
   const qkv::Tensor kt = key ? to_tensor(*key) : qkv::Tensor(), vt = value ? to_tensor(*value) : qkv::Tensor();
   qkv::nn::MultiHeadAttentionOutput out;
   {
-    std::optional<py::gil_scoped_release> release;
-    if (!(mha.is_training() && mha.options().dropout > 0)) release.emplace();
+    py::gil_scoped_release release;
     out = key ? mha.forward(qt, kt, vt, mask, weights) : mha.forward(qt, mask, weights);
   }
   return py::make_tuple(to_numpy(out.output), to_numpy(out.weights));
@@ -291,10 +385,18 @@ py::object mha_backward_self(qkv::nn::MultiHeadAttention& mha, const FloatArray&
   return to_numpy(dx);
 }
 
+// The module's parameters, read without the GIL. Every call that takes the module's lock lets
+// go of the GIL first: a thread holding the lock may need the GIL (to drop the last reference to
+// a numpy input the module kept for backward), so no thread may wait for the lock holding it.
+std::vector<qkv::nn::NamedTensor> parameters_of(const qkv::nn::MultiHeadAttention& mha) {
+  py::gil_scoped_release release;
+  return mha.parameters();
+}
+
 // [(name, array)] in the module's order; each array is a writable view of the parameter.
 py::list mha_parameters(const qkv::nn::MultiHeadAttention& mha) {
   py::list params;
-  for (const auto& p : mha.parameters()) params.append(py::make_tuple(p.name, to_numpy(p.tensor)));
+  for (const auto& p : parameters_of(mha)) params.append(py::make_tuple(p.name, to_numpy(p.tensor)));
   return params;
 }
 
@@ -313,13 +415,14 @@ py::tuple mha_backward(qkv::nn::MultiHeadAttention& mha, const FloatArray& grad_
 // backward adds to and zero_grad clears in place.
 py::list mha_gradients(const qkv::nn::MultiHeadAttention& mha) {
   py::list grads;
-  for (const auto& p : mha.parameters()) grads.append(py::make_tuple(p.name, to_numpy(p.grad)));
+  for (const auto& p : parameters_of(mha)) grads.append(py::make_tuple(p.name, to_numpy(p.grad)));
   return grads;
 }
 
 void mha_load_state_dict(qkv::nn::MultiHeadAttention& mha, const std::map<std::string, FloatArray>& state) {
   std::map<std::string, qkv::Tensor> tensors;
   for (const auto& [name, array] : state) tensors[name] = to_tensor(array);
+  py::gil_scoped_release release;  // see parameters_of
   mha.load_state_dict(tensors);
 }
 
@@ -334,6 +437,7 @@ PYBIND11_MODULE(_core, m) {
   const auto& error = py::register_exception<qkv::Error>(m, "Error", PyExc_ValueError);
   // Mask.parse's errors: a qkv.Error whose message quotes the expression and points at the column.
   py::register_exception<qkv::MaskParseError>(m, "MaskParseError", error.ptr());
+  py::register_exception<ArrayError>(m, "ArrayError", error.ptr());
 
   py::enum_<qkv::Backend>(m, "Backend")
       .value("Auto", qkv::Backend::Auto)
@@ -373,19 +477,16 @@ does; `&` binds tighter). A union with an additive array is an error.
                     return qkv::Mask::block_sparse(to_tensor(layout), block_q, block_k);
                   },
                   py::arg("layout"), py::arg("block_q"), py::arg("block_k"))
-      .def_static("parse", &qkv::Mask::parse, py::arg("expression"))
+      .def_static("parse", &parse_mask, py::arg("expression"))
       .def("__str__", &qkv::Mask::str)
       .def("is_none", &qkv::Mask::is_none)
       .def("__repr__", [](const qkv::Mask& mask) { return "Mask(" + mask.str() + ")"; });
 
-  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
-        py::arg("dropout_p"), py::arg("seed"), py::arg("need_weights"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
+  bind_attention_options(m);
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("options"),
         "qkv::scaled_dot_product_attention: returns (output, weights or None, lse, row_max, row_sum).");
   m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("mask"),
-        py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
+        py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("options"),
         "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None).");
   m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("feature_map"),
         py::arg("causal"), py::arg("eps"), py::arg("causal_offset"), "qkv::linear_attention.");
@@ -393,8 +494,7 @@ does; `&` binds tighter). A union with an additive array is an error.
         py::arg("grad_output"), py::arg("feature_map"), py::arg("causal"), py::arg("eps"), py::arg("causal_offset"),
         "qkv::linear_attention_backward: returns (dq, dk, dv).");
   m.def("attention_half_kv", &attention_half_kv, py::arg("q"), py::arg("k_bits"), py::arg("v_bits"),
-        py::arg("dtype"), py::arg("mask"), py::arg("scale"), py::arg("backend"), py::arg("softcap") = 0.0f,
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("precision") = "highest",
+        py::arg("dtype"), py::arg("options"),
         "qkv::scaled_dot_product_attention with K and V given as bf16 or f16 bits: returns (output, lse).");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
@@ -413,39 +513,35 @@ does; `&` binds tighter). A union with an additive array is an error.
       .value("PerHead", qkv::nn::Weights::PerHead)
       .value("Averaged", qkv::nn::Weights::Averaged);
 
+  bind_module_options(m);
   py::class_<qkv::nn::MultiHeadAttention>(m, "MultiHeadAttentionCore")
-      .def(py::init(&make_mha), py::arg("embed_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("kdim"), py::arg("vdim"), py::arg("bias"), py::arg("dropout"), py::arg("causal"), py::arg("seed"),
-           py::arg("softcap") = 0.0f, py::arg("alibi") = false, py::arg("sinks") = false,
-           py::arg("attention") = "softmax", py::arg("feature_map") = "elu+1", py::arg("rotary") = py::none(),
-           py::arg("precision") = "highest")
+      .def(py::init([](int64_t embed_dim, int64_t num_heads, const qkv::nn::MultiHeadAttentionOptions& options) {
+             return qkv::nn::MultiHeadAttention(embed_dim, num_heads, options);
+           }),
+           py::arg("embed_dim"), py::arg("num_heads"), py::arg("options"))
+      .def_property_readonly("options", &qkv::nn::MultiHeadAttention::options, "its options, defaults filled in")
       .def("forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
            py::arg("weights"))
       .def("parameters", &mha_parameters)
       .def("backward", &mha_backward, py::arg("grad_output"))
       .def("backward_self", &mha_backward_self, py::arg("grad_output"))
       .def("gradients", &mha_gradients)
-      .def("zero_grad", &qkv::nn::MultiHeadAttention::zero_grad)
+      .def("zero_grad", &qkv::nn::MultiHeadAttention::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("load_state_dict", &mha_load_state_dict, py::arg("state"))
-      .def("train", &qkv::nn::MultiHeadAttention::train, py::arg("training") = true)
-      .def_property_readonly("training", &qkv::nn::MultiHeadAttention::is_training)
+      .def("train", &qkv::nn::MultiHeadAttention::train, py::arg("training") = true,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("training", [](const qkv::nn::MultiHeadAttention& m) {
+        py::gil_scoped_release release;  // see parameters_of
+        return m.is_training();
+      })
       .def_property_readonly("embed_dim", &qkv::nn::MultiHeadAttention::embed_dim)
       .def_property_readonly("num_heads", &qkv::nn::MultiHeadAttention::num_heads)
       .def_property_readonly("num_kv_heads", &qkv::nn::MultiHeadAttention::num_kv_heads)
       .def_property_readonly("head_dim", &qkv::nn::MultiHeadAttention::head_dim)
-      .def_property_readonly("kdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().kdim; })
-      .def_property_readonly("vdim", [](const qkv::nn::MultiHeadAttention& m) { return m.options().vdim; })
-      .def_property_readonly("parameter_count", &qkv::nn::MultiHeadAttention::parameter_count)
-      .def_property_readonly("causal", [](const qkv::nn::MultiHeadAttention& m) { return m.options().causal; })
-      .def_property_readonly("attention",
-                             [](const qkv::nn::MultiHeadAttention& m) {
-                               return m.options().attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax";
-                             })
-      .def_property_readonly(
-          "feature_map", [](const qkv::nn::MultiHeadAttention& m) { return std::string(qkv::to_string(m.options().feature_map)); })
-      .def_property_readonly("rotary", &mha_rotary)
-      .def_property_readonly("precision",
-                             [](const qkv::nn::MultiHeadAttention& m) { return std::string(to_string(m.options().precision)); })
+      .def_property_readonly("parameter_count", [](const qkv::nn::MultiHeadAttention& m) {
+        py::gil_scoped_release release;  // see parameters_of
+        return m.parameter_count();
+      })
       .def("make_cache",
            [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
               int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },

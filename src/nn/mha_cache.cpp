@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "nn/module_lock.hpp"
 #include "qkv/nn.hpp"
 
 namespace qkv::nn {
@@ -35,6 +36,7 @@ KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dt
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& cache,
                                                      const std::vector<int64_t>& counts) const {
+  const std::shared_lock lock(lock_.mutex().mutex);  // reads the module only (include/qkv/nn.hpp)
   if (!x.defined() || x.dim() < 2 || x.dim() > 3 || x.size(-1) != embed_dim_)
     throw Error(std::string(kWho) + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but should be (B, N, " + std::to_string(embed_dim_) + ") or (N, " + std::to_string(embed_dim_) + ")");

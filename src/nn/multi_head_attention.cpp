@@ -7,8 +7,16 @@
 #include <set>
 
 #include "nn/grad.hpp"
+#include "nn/module_lock.hpp"
 #include "qkv/nn.hpp"
 #include "core/random.hpp"
+
+namespace qkv::detail {
+ModuleLock::ModuleLock() : mutex_(std::make_unique<ModuleMutex>()) {}
+ModuleLock::ModuleLock(const ModuleLock&) : ModuleLock() {}
+ModuleLock& ModuleLock::operator=(const ModuleLock&) { return *this; }  // each module keeps its own
+ModuleLock::~ModuleLock() = default;
+}  // namespace qkv::detail
 
 namespace qkv::nn {
 
@@ -152,9 +160,30 @@ bool MultiHeadAttention::fused() const {
   return first == in.out_features();
 }
 
+void MultiHeadAttention::train(bool training) {
+  const std::unique_lock lock(lock_.mutex().mutex);
+  training_ = training;
+}
+
+bool MultiHeadAttention::is_training() const {
+  const std::shared_lock lock(lock_.mutex().mutex);
+  return training_;
+}
+
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, const Mask& mask, Weights weights) const {
+  const detail::ForwardHold hold(lock_.mutex(), training_);
+  return self_forward(x, mask, weights);
+}
+
+MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                                                     const Mask& mask, Weights weights) const {
+  const detail::ForwardHold hold(lock_.mutex(), training_);
+  return cross_forward(query, key, value, mask, weights);
+}
+
+MultiHeadAttentionOutput MultiHeadAttention::self_forward(const Tensor& x, const Mask& mask, Weights weights) const {
   if (!fused()) {
-    MultiHeadAttentionOutput out = forward(x, x, x, mask, weights);
+    MultiHeadAttentionOutput out = cross_forward(x, x, x, mask, weights);
     if (training_) saved_.self_attention = true;
     return out;
   }
@@ -181,8 +210,9 @@ LinearAttentionOptions MultiHeadAttention::linear_options() const {
   return linear;
 }
 
-MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
-                                                     const Mask& mask, Weights weights) const {
+MultiHeadAttentionOutput MultiHeadAttention::cross_forward(const Tensor& query, const Tensor& key,
+                                                           const Tensor& value, const Mask& mask,
+                                                           Weights weights) const {
   // ---- check: batch-first (B, N, features) or unbatched (N, features), all three alike
   check_features(query, "query", "embed_dim", embed_dim_);
   check_features(key, "key", "kdim", options_.kdim);
@@ -237,10 +267,13 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   const Tensor concatenated = Tensor::empty({batch, q_len, num_heads_, hd});
   AttentionResult attended;
   attended.output = concatenated.transpose(1, 2);
-  if (options_.attention == AttentionKind::Linear) {
-    if (!mask.is_none() || weights != Weights::None)
-      throw Error(std::string(kWho) + "linear attention takes no mask (only the causal option) and has no weights; got "
-                  "mask " + mask.str() + (weights != Weights::None ? " and a request for weights" : ""));
+  if (options_.attention == AttentionKind::Linear && (!mask.is_none() || weights != Weights::None))
+    throw Error(std::string(kWho) + "linear attention takes no mask (only the causal option) and has no weights; got "
+                "mask " + mask.str() + (weights != Weights::None ? " and a request for weights" : ""));
+  if (concatenated.numel() == 0) {
+    // No query (an empty batch or sequence): an empty output, as PyTorch returns; no row to attend.
+    if (attention.need_weights) attended.weights = Tensor::zeros({batch, num_heads_, q_len, kv_len});
+  } else if (options_.attention == AttentionKind::Linear) {
     linear_attention_into(q, k, v, attended.output, linear_options());
   } else {
     scaled_dot_product_attention_into(q, k, v, attended, attention);
@@ -296,6 +329,7 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
   // straight into the (B, N, heads, hd) layout of the projections' outputs
   std::vector<Tensor> projected;
   AttentionGrads d;
+  const bool nothing_attended = batch * q_len * kv_len == 0;  // no kernel ran or runs (see attend)
   if (s.fused) {
     const Tensor heads = Tensor::empty({batch, q_len, num_heads_ + 2 * num_kv_heads_, hd});
     d.dq = heads.narrow(2, 0, num_heads_).transpose(1, 2);
@@ -303,14 +337,20 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     d.dv = heads.narrow(2, num_heads_ + num_kv_heads_, num_kv_heads_).transpose(1, 2);
     projected = {heads.reshape({batch, q_len, (num_heads_ + 2 * num_kv_heads_) * hd})};
   } else {
-    const Tensor dq = Tensor::empty({batch, q_len, num_heads_, hd});
-    const Tensor dk = Tensor::empty({batch, kv_len, num_kv_heads_, hd});
-    const Tensor dv = Tensor::empty({batch, kv_len, num_kv_heads_, hd});
+    // With no query or no key the heads' output is constant (empty, or zeros): zero gradients.
+    const auto grad = [nothing_attended](const Shape& shape) {
+      return nothing_attended ? Tensor::zeros(shape) : Tensor::empty(shape);
+    };
+    const Tensor dq = grad({batch, q_len, num_heads_, hd});
+    const Tensor dk = grad({batch, kv_len, num_kv_heads_, hd});
+    const Tensor dv = grad({batch, kv_len, num_kv_heads_, hd});
     d = {.dq = dq.transpose(1, 2), .dk = dk.transpose(1, 2), .dv = dv.transpose(1, 2), .dsinks = {}};
     projected = {dq.reshape({batch, q_len, embed_dim_}), dk.reshape({batch, kv_len, num_kv_heads_ * hd}),
                  dv.reshape({batch, kv_len, num_kv_heads_ * hd})};
   }
-  if (options_.attention == AttentionKind::Linear) {
+  if (nothing_attended) {
+    // the gradients stay the zeros they were made
+  } else if (options_.attention == AttentionKind::Linear) {
     linear_attention_backward_into(s.q, s.k, s.v, d_attended, d, linear_options());
   } else {
     scaled_dot_product_attention_backward_into(d_attended, s.q, s.k, s.v, s.attended, d, s.attention);
@@ -328,6 +368,16 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
 }
 
 MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_output) {
+  const std::unique_lock lock(lock_.mutex().mutex);
+  return cross_backward(grad_output);
+}
+
+Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
+  const std::unique_lock lock(lock_.mutex().mutex);
+  return self_backward(grad_output);
+}
+
+MultiHeadAttentionGrads MultiHeadAttention::cross_backward(const Tensor& grad_output) {
   const std::vector<Tensor> projected = backward_to_projections(grad_output);
   // ---- 2. the head split was a view; 1. the projections
   MultiHeadAttentionGrads grads;
@@ -352,7 +402,7 @@ MultiHeadAttentionGrads MultiHeadAttention::backward_cross(const Tensor& grad_ou
   return grads;
 }
 
-Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
+Tensor MultiHeadAttention::self_backward(const Tensor& grad_output) {
   if (saved_.valid && !saved_.self_attention)
     throw Error(std::string(kWho) + "backward() follows forward(x) (self-attention); the last forward was "
                 "forward(query, key, value): use backward_cross()");
@@ -361,7 +411,7 @@ Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
     const Tensor dx = in_proj_->backward(backward_to_projections(grad_output)[0]);
     return saved_.unbatched ? dx.squeeze(0) : dx;
   }
-  MultiHeadAttentionGrads grads = backward_cross(grad_output);
+  MultiHeadAttentionGrads grads = cross_backward(grad_output);
   // x fed all three projections: its gradient is the sum of the three paths.
   float* dx = grads.query.data();
   const float* dk = grads.key.data();
@@ -372,11 +422,17 @@ Tensor MultiHeadAttention::backward(const Tensor& grad_output) {
 }
 
 void MultiHeadAttention::zero_grad() {
+  const std::unique_lock lock(lock_.mutex().mutex);
   for (Linear* proj : {&q_proj, &k_proj, &v_proj, &out_proj}) proj->zero_grad();
   grad::reset_grad(sinks_grad, sinks);
 }
 
 std::vector<NamedTensor> MultiHeadAttention::parameters() const {
+  const std::shared_lock lock(lock_.mutex().mutex);
+  return named_parameters();
+}
+
+std::vector<NamedTensor> MultiHeadAttention::named_parameters() const {
   std::vector<NamedTensor> params;
   for (auto [name, proj] : {std::pair{"q_proj.", &q_proj}, {"k_proj.", &k_proj}, {"v_proj.", &v_proj},
                             {"out_proj.", &out_proj}}) {
@@ -394,9 +450,10 @@ int64_t MultiHeadAttention::parameter_count() const {
 }
 
 void MultiHeadAttention::load_state_dict(const std::map<std::string, Tensor>& state) {
+  const std::unique_lock lock(lock_.mutex().mutex);
   const std::string who = "MultiHeadAttention::load_state_dict: ";
   std::map<std::string, Tensor> targets;
-  for (const auto& p : parameters()) targets[p.name] = p.tensor;
+  for (const auto& p : named_parameters()) targets[p.name] = p.tensor;
 
   // Translate PyTorch's names into ours; the fused in_proj tensors split by rows into q, k, v.
   std::map<std::string, Tensor> sources;

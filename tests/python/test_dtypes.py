@@ -70,7 +70,7 @@ def test_backward_and_module_follow_the_same_rules():
 
 def test_the_core_refuses_too():
     q, k, v = arrays(np.float32)
-    args = (qkv.Mask(), None, 0.0, 0, False, qkv.Backend.Auto)
+    args = (_core.AttentionOptions(),)
     with pytest.raises(qkv.Error, match="got a float64 array, but qkv computes in float32"):
         _core.attention(q.astype(np.float64), k, v, *args)
     with pytest.raises(qkv.Error, match="got a int64 array: attention needs float32 inputs"):

@@ -183,3 +183,24 @@ def test_seeds_as_torch():
     again = [qkv.MultiHeadAttention(E, H)(x)[0] for _ in range(2)]
     np.testing.assert_array_equal(first[0], again[0])
     np.testing.assert_array_equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("nq, nk, batch", [(0, 0, B), (0, NK, B), (NQ, 0, B), (NQ, NK, 0)],
+                         ids=["no_queries_no_keys", "no_queries", "no_keys", "empty_batch"])
+def test_empty_sequences_as_torch(rng, nq, nk, batch):
+    # PyTorch returns empty outputs for no queries, and out_proj(0) = its bias for no keys; the
+    # gradients then are empty or zeros. (It used to be "overlapping elements" in the kernel's check.)
+    theirs, ours = pair(rng)
+    q, kv = randn(rng, batch, nq, E), randn(rng, batch, nk, E)
+    expected, expected_weights = run_torch(theirs, q, kv, kv, need_weights=True)
+    out, weights = ours(q, kv, kv, need_weights=True)
+    assert out.shape == expected.shape and weights.shape == expected_weights.shape
+    np.testing.assert_allclose(out, expected, **TOL)
+    tq, tkv = (torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in (q, kv))
+    theirs(tq, tkv, tkv)[0].sum().backward()
+    dq, dk, dv = ours.backward(np.ones_like(out))
+    np.testing.assert_allclose(dq, tq.grad.numpy(), **TOL)
+    np.testing.assert_allclose(dk + dv, tkv.grad.numpy(), **TOL)
+    if nq == nk:
+        dx = ours.backward(np.ones_like(ours(q)[0]))  # self-attention: the fused projection
+        assert dx.shape == q.shape
