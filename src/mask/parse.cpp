@@ -31,8 +31,30 @@ std::string describe(const Token& token) {
   return token.kind == TokenKind::End ? std::string("the end") : "'" + token.text + "'";
 }
 
+// `text` with its control characters written as escapes (\0, \t, \n, \x1b): a message is read
+// through what(), a C string, which a NUL would cut, and a terminal would act on the others.
+std::string printable(const std::string& text) {
+  static const char* const kHex = "0123456789abcdef";
+  std::string out;
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != 0x7f) {
+      out += ch;
+    } else if (c == 0) {
+      out += "\\0";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += std::string("\\x") + kHex[c >> 4] + kHex[c & 15];
+    }
+  }
+  return out;
+}
+
 std::string where(const std::string& expression, size_t column) {
-  return "mask '" + expression + "': column " + std::to_string(column) + ", found ";
+  return "mask '" + printable(expression) + "': column " + std::to_string(column) + ", found ";
 }
 
 // Splits the expression into names, numbers and punctuation; anything else is an error.
@@ -68,7 +90,7 @@ std::vector<Token> lex(const std::string& expression) {
     } else {
       // Show the whole UTF-8 character, not its first byte.
       const size_t length = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-      throw MaskParseError(where(expression, column) + "'" + expression.substr(i, length) +
+      throw MaskParseError(where(expression, column) + "'" + printable(expression.substr(i, length)) +
                                "': not part of a mask; a mask is " + kExpected + ", joined with & and |",
                            column);
     }

@@ -345,4 +345,19 @@ TEST(SparseMask, ParseErrorsPointAtTheBadToken) {
   expect_parse_error(std::string(70, '(') + "causal" + std::string(70, ')'), 65, "parentheses nest deeper than 64");
 }
 
+TEST(SparseMask, ParseErrorsShowControlCharactersEscaped) {
+  // A NUL would end what() there: the message quotes it as \0 and goes on past it.
+  using namespace std::string_literals;
+  const auto message = [](const std::string& expression) {
+    try {
+      Mask::parse(expression);
+    } catch (const qkv::MaskParseError& e) {
+      return std::string(e.what());
+    }
+    return std::string("parsed");
+  };
+  EXPECT_THAT(message("causal\0 & window(2)"s), HasSubstr("mask 'causal\\0 & window(2)': column 7, found '\\0'"));
+  EXPECT_THAT(message("causal &\x1b[2J"), HasSubstr("mask 'causal &\\x1b[2J': column 9, found '\\x1b'"));
+}
+
 }  // namespace
