@@ -399,6 +399,7 @@ def measure(args):
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(args.threads)
     sys.path.insert(0, HERE)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     qkv = Qkv(args, env)
     qkv.setup()
     if not qkv.present:
@@ -448,7 +449,7 @@ def measure(args):
                      "best_peer": best_peer, "qkv_vs_best": ratio})
     return {
         "machine": machine(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": started,
         "threads": args.threads,
         "rounds": args.rounds,
         "peers": {p.name: {"present": p.present and p.name not in failures, "version": p.version, "note": p.note}
@@ -459,7 +460,7 @@ def measure(args):
 
 def table(result):
     columns = ["torch", "ort", "ggml", "qkv"]
-    lines = [f"qkv against its peers, {result['date']}",
+    lines = [f"qkv against its peers, started {result['date']}",
              f"machine: {machine_line(result['machine'])}",
              f"float32 (16-bit K/V where the row says), {result['threads']} threads; ms per call: per peer the best of "
              f"{result['rounds']} alternating rounds, each round's figure the median of its calls"]
@@ -477,9 +478,10 @@ def table(result):
     lines.append("")
     lines.append("qkv/best: qkv's ms over the fastest peer's (below 1: qkv is faster). Forms timed:")
     forms = {}
-    for row in result["rows"]:
-        for name, variant in row["variant"].items():
-            forms.setdefault((name, variant), []).append(row["workload"])
+    for name in ["qkv"] + columns[:-1]:
+        for row in result["rows"]:
+            if name in row["variant"]:
+                forms.setdefault((name, row["variant"][name]), []).append(row["workload"])
     for (name, variant), ids in forms.items():
         lines.append(f"  {TITLES[name]:<6} {variant}: {', '.join(ids)}")
     if any(r["workload"] == "W4-bf16" and r["ms"]["ggml"] is not None for r in result["rows"]):
