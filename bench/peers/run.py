@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import sys
 
+sys.dont_write_bytecode = True  # importing onnx_models leaves no __pycache__ in the source tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 ORT_VERSION = "1.30.0"
