@@ -5,6 +5,8 @@
 #   scripts/install-deps.sh python   the Python module (python/) and `pip install .`
 #   scripts/install-deps.sh test     the test suite, benchmarks, fuzzers, sanitizers and PyTorch parity
 #   scripts/install-deps.sh all      all of the above (the default)
+#   scripts/install-deps.sh peers    bench/peers/run.py's ONNX Runtime column (not in `all`: make test
+#                                    never installs it; run.py's smoke test skips what is absent)
 # Several groups may be given. Idempotent: when every package asked for is installed (checked with
 # dpkg-query, which needs no root) it returns at once without touching apt or sudo.
 set -euo pipefail
@@ -34,6 +36,11 @@ test=(
   clang libclang-rt-14-dev                 # fuzz/: libFuzzer and its sanitizer runtimes (clang 14)
   libopenmpi-dev openmpi-bin               # qkv::dist, ring attention over MPI (docs/distributed.md)
 )
+# bench/peers: the models ONNX Runtime runs (python3-onnx) and the Node.js that runs npm's
+# onnxruntime-node. npm only where no npm command exists: NodeSource's nodejs ships its own and
+# conflicts with Debian's npm package.
+peers=(python3-onnx nodejs)
+command -v npm >/dev/null || peers+=(npm)
 
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(all)
@@ -45,7 +52,8 @@ for group in "${groups[@]}"; do
     python) packages+=("${build[@]}" "${python[@]}") ;;
     test) packages+=("${build[@]}" "${tools[@]}" "${python[@]}" "${test[@]}") ;;
     all) packages+=("${build[@]}" "${tools[@]}" "${python[@]}" "${test[@]}") ;;
-    *) echo "install-deps: unknown group '$group' (build, tools, python, test, all)" >&2; exit 2 ;;
+    peers) packages+=("${peers[@]}") ;;
+    *) echo "install-deps: unknown group '$group' (build, tools, python, test, all, peers)" >&2; exit 2 ;;
   esac
 done
 
