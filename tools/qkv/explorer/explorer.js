@@ -437,6 +437,7 @@ function drawHeatmaps() {
     view.entropy.textContent = `entropy ${panel.entropy.toFixed(2)} nats` +
       ($("stretch").checked ? `; colours 0 to ${formatWeight(top)}` : "");
     canvas.setAttribute("aria-label", `${panel.title} heatmap, ${n} by ${n}; arrow keys read the weights`);
+    view.div.style.width = `${side}px`;  // longer titles wrap instead of widening the column
     if (canvas.width !== Math.round(side * dpr) || canvas.height !== Math.round(side * dpr)) {
       canvas.width = canvas.height = Math.round(side * dpr);
       canvas.style.width = canvas.style.height = `${side}px`;
