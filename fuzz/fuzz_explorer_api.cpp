@@ -68,7 +68,8 @@ void check_rows(const std::string& input, const json& rows, size_t n) {
       }
       sum += w.get<double>();
     }
-    if (std::abs(sum - 1) > 1e-4 && sum != 0) fail(input, "a row summing to " + std::to_string(sum));
+    // Weights travel rounded to 4 significant digits: a row sums to 1 within 1e-3.
+    if (std::abs(sum - 1) > 1e-3 && sum != 0) fail(input, "a row summing to " + std::to_string(sum));
   }
 }
 
@@ -107,6 +108,20 @@ void check_attention(const std::string& body) {
     if (answer["weights"].size() != answer.value("heads", json()).get<size_t>()) fail(body, "not \"heads\" heads");
     check_rows(body, answer.value("average", json()), n);
   }
+  // "visible": n strings of n '0'/'1'; no weight where the mask hides the pair.
+  const json visible = answer.value("visible", json());
+  if (!visible.is_array() || visible.size() != n) fail(body, "\"visible\" is not n rows");
+  for (const json& row : visible) {
+    if (!row.is_string() || row.get<std::string>().size() != n ||
+        row.get<std::string>().find_first_not_of("01") != std::string::npos) {
+      fail(body, "a row of \"visible\" is not n '0'/'1': " + row.dump());
+    }
+  }
+  const json& heads = answer.contains("layers") ? answer["layers"][0]["weights"] : answer["weights"];
+  for (const json& head : heads)
+    for (size_t i = 0; i < n; ++i)
+      for (size_t j = 0; j < n; ++j)
+        if (visible[i].get<std::string>()[j] == '0' && head[i][j].get<double>() != 0) fail(body, "a weight on a hidden pair");
 }
 
 // The Host allow-list of a server on 127.0.0.1:8080 lets through exactly its six spellings (any

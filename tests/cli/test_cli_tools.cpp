@@ -101,6 +101,43 @@ TEST(Heatmap, PngHasTheLayoutSizeAndCausalCellsHaveTheirWeightsColours) {
   std::filesystem::remove(path);
 }
 
+// A masked pair is hatched grey, never a colour of the scale: a weight of 0 the mask hides looks
+// unlike a visible weight that is merely near 0 (viridis' dark purple).
+TEST(Heatmap, MaskedCellsAreHatchedGreyNotTheColourOfZero) {
+  constexpr int64_t n = 7;
+  const std::vector<float> weights = causal_weights(n, 11);
+  HeatmapFigure figure = one_panel_figure(weights, n, /*print_values=*/false);
+  HeatmapPanel& panel = figure.sections[0].panels[0];
+  panel.masked.assign(static_cast<size_t>(n * n), 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = i + 1; j < n; ++j) panel.masked[static_cast<size_t>(i * n + j)] = 1;
+  panel.values[static_cast<size_t>((n - 1) * n)] = 0.0f;  // a visible weight of exactly 0
+  const std::string path = temp_path("masked.png");
+  const HeatmapLayout layout = qkv::cli::plot::draw_heatmaps(figure, path);
+  Png png(path);
+  ASSERT_TRUE(png.ok());
+  const auto at = [&](int64_t i, int64_t j, int dx, int dy) {
+    return png.pixel(static_cast<int>(layout.panels[0].x + static_cast<double>(j) * layout.cell) + dx,
+                     static_cast<int>(layout.panels[0].y + static_cast<double>(i) * layout.cell) + dy);
+  };
+  const auto byte = [](double v) { return static_cast<uint32_t>(v * 65535.0 + 0.5) >> 8; };
+  const qkv::cli::plot::Rgb h = qkv::cli::plot::kMaskedHatchColour;
+  const uint32_t hatch = 0xff000000u | byte(h.r) << 16 | byte(h.g) << 8 | byte(h.b);
+  const uint32_t grey = qkv::cli::plot::masked_argb(), zero = qkv::cli::plot::colormap_argb(0.0);
+  ASSERT_NE(grey, zero);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = i + 1; j < n; ++j) {
+      EXPECT_EQ(at(i, j, 2, 2), grey) << "masked cell (" << i << ", " << j << ")";
+      EXPECT_EQ(at(i, j, 3, 0), hatch) << "masked cell (" << i << ", " << j << ")'s hatching";
+      EXPECT_EQ(at(i, j, 5, 2), hatch) << "masked cell (" << i << ", " << j << ")'s hatching";
+    }
+  }
+  EXPECT_EQ(at(n - 1, 0, 2, 2), zero) << "a visible weight of 0 keeps the scale's colour";
+  EXPECT_EQ(at(n - 1, 0, 3, 0), zero) << "and no hatching";
+  EXPECT_EQ(at(0, 0, 2, 2), qkv::cli::plot::colormap_argb(1.0));
+  std::filesystem::remove(path);
+}
+
 TEST(Heatmap, SvgIsOneFilledPathPerWeight) {
   constexpr int64_t n = 5;
   HeatmapFigure figure = one_panel_figure(causal_weights(n, 3), n, true);

@@ -12,9 +12,10 @@ MODEL_NAME = os.path.basename(QKV_MODEL)
 
 
 def assert_rows_sum_to_one(weights):
+    # Weights travel rounded to 4 significant digits: a row sums to 1 within 1e-3.
     for head in weights:
         for row in head:
-            assert math.isclose(sum(row), 1.0, abs_tol=1e-5), row
+            assert math.isclose(sum(row), 1.0, abs_tol=1e-3), row
 
 
 def test_page_and_its_files_are_served_with_a_strict_policy(server):
@@ -42,11 +43,23 @@ def test_default_request_gives_every_head_and_its_entropy(server):
     # entropy[h] is head h's mean row entropy, computed here from the weights themselves.
     for head, entropy in zip(answer["weights"], answer["entropy"]):
         expected = sum(-sum(w * math.log(w) for w in row if w > 0) for row in head) / len(head)
-        assert math.isclose(entropy, expected, rel_tol=1e-4, abs_tol=1e-5)
+        assert math.isclose(entropy, expected, abs_tol=2e-3)  # from the weights before rounding
     assert math.isclose(answer["uniform_entropy"], math.log(6))
     average = [[sum(h[i][j] for h in answer["weights"]) / 8 for j in range(6)] for i in range(6)]
     for row, expected in zip(answer["average"], average):
-        assert row == pytest.approx(expected, abs=1e-6)
+        assert row == pytest.approx(expected, abs=2e-4)  # each rounded to 4 significant digits
+
+
+def test_answers_are_compact_and_never_compressed(server):
+    """4 significant digits a weight, a "visible" row per query, and no Brotli or gzip even for a
+    client that accepts them: compressing 578 KB took 0.4-1.3 s, sending it on loopback 25 ms."""
+    text = " ".join(f"w{i % 12}" for i in range(64))
+    status, answer, headers = server.request("/api/attention", {"text": text, "heads": 16, "mask": "causal"},
+                                             headers={"Accept-Encoding": "gzip, deflate, br"})
+    assert status == 200 and "Content-Encoding" not in headers
+    assert all(len(repr(w).lstrip("0.").split("e")[0].replace(".", "")) <= 4 or w == 0
+               for head in answer["weights"] for row in head for w in row)
+    assert answer["visible"] == ["1" * (i + 1) + "0" * (63 - i) for i in range(64)]
 
 
 def test_temperature_sharpens_and_softens_as_softmax_says(server):
@@ -60,7 +73,9 @@ def test_temperature_sharpens_and_softens_as_softmax_says(server):
             for row_one, row_t in zip(head_one, head_t):
                 powered = [w ** (1 / t) for w in row_one]
                 expected = [p / sum(powered) for p in powered]
-                assert row_t == pytest.approx(expected, abs=2e-4)
+                # Both rows are rounded to 4 significant digits (0.05% each); powered by 1 / T = 10
+                # that is up to 0.5%, 1% after normalising.
+                assert row_t == pytest.approx(expected, rel=1.2e-2, abs=1e-4)
     _, cold = server.attention({**base, "temperature": 0.05})
     _, hot = server.attention({**base, "temperature": 5})
     assert max(cold["entropy"]) < min(at_one["entropy"]) and min(hot["entropy"]) > max(at_one["entropy"])

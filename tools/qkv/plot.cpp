@@ -209,6 +209,36 @@ double colour_bar_height(const HeatmapMetrics& m) {
   return std::clamp(m.cell * static_cast<double>(m.rows), 120.0, 300.0);
 }
 
+constexpr const char* kMaskedLabel = "masked";
+constexpr double kSwatchGap = 14;  // from the colour bar down to the masked swatch
+
+bool any_masked(const HeatmapFigure& figure) {
+  for (const auto& section : figure.sections)
+    for (const auto& panel : section.panels)
+      if (std::any_of(panel.masked.begin(), panel.masked.end(), [](uint8_t f) { return f != 0; })) return true;
+  return false;
+}
+
+// Diagonal hatching over the square (x0, y0, side): 45-degree lines through the pixels whose
+// (x - y), counted from the corner, is 3 (mod 6). Antialiasing off: each line is one pixel.
+void hatch(cairo_t* cr, double x0, double y0, double side) {
+  constexpr double kHatchStep = 6;
+  cairo_save(cr);
+  cairo_set_antialias(cr, CAIRO_ANTIALIAS_NONE);
+  cairo_rectangle(cr, x0, y0, side, side);
+  cairo_clip(cr);
+  set_colour(cr, kMaskedHatchColour);
+  cairo_set_line_width(cr, 1);
+  for (double c = 3 - kHatchStep * std::ceil(side / kHatchStep); c < side; c += kHatchStep) {
+    // From a pixel before the square to a pixel past it (the clip cuts them), so no end of a
+    // line falls on a pixel centre of the square.
+    cairo_move_to(cr, x0 + c - 0.5, y0 - 0.5);
+    cairo_line_to(cr, x0 + c + side + 1.5, y0 + side + 1.5);
+  }
+  cairo_stroke(cr);
+  cairo_restore(cr);
+}
+
 struct HeatmapPlan {
   HeatmapMetrics metrics;
   HeatmapLayout layout;
@@ -274,9 +304,14 @@ HeatmapPlan plan_heatmaps(cairo_t* cr, const HeatmapFigure& figure) {
 
   double widest_tick = 0;
   for (double tick : colour_bar_ticks(value_max, colour_bar_height(m))) widest_tick = std::max(widest_tick, text_width(cr, short_number(tick), 11));
-  const double bar_right = right + kColourBarGap + kColourBarWidth + 6 + widest_tick + 8 + 14;
+  double bar_right = right + kColourBarGap + kColourBarWidth + 6 + widest_tick + 8 + 14;
+  double bottom = y - kPanelGapY;
+  if (any_masked(figure)) {  // the "masked" swatch under the colour bar
+    bar_right = std::max(bar_right, right + kColourBarGap + kColourBarWidth + 6 + text_width(cr, kMaskedLabel, 11));
+    bottom = std::max(bottom, plan.grid_top + colour_bar_height(m) + kSwatchGap + kColourBarWidth);
+  }
   plan.layout.width = static_cast<int>(std::ceil(std::max(bar_right, kMargin + widest_text) + kMargin));
-  plan.layout.height = static_cast<int>(std::ceil(y - kPanelGapY + kMargin));
+  plan.layout.height = static_cast<int>(std::ceil(bottom + kMargin));
   return plan;
 }
 
@@ -288,8 +323,9 @@ void check_heatmap_figure(const HeatmapFigure& figure) {
     for (const auto& panel : section.panels) {
       ++panels;
       if (panel.rows != rows || panel.cols != cols ||
-          static_cast<int64_t>(panel.values.size()) != rows * cols) {
-        throw Error(fmt::format("heatmap panel '{}' is {} x {} with {} values but the figure has {} row and {} column labels",
+          static_cast<int64_t>(panel.values.size()) != rows * cols ||
+          (!panel.masked.empty() && static_cast<int64_t>(panel.masked.size()) != rows * cols)) {
+        throw Error(fmt::format("heatmap panel '{}' is {} x {} with {} values (and mask flags) but the figure has {} row and {} column labels",
                                 panel.title, panel.rows, panel.cols, panel.values.size(), rows, cols));
       }
     }
@@ -308,18 +344,26 @@ void draw_panel(cairo_t* cr, const HeatmapFigure& figure, const HeatmapPanel& pa
   const bool values_fit = figure.print_values && m.cell >= kMinCellForValues;
   cairo_save(cr);
   cairo_set_antialias(cr, CAIRO_ANTIALIAS_NONE);  // each pixel is one cell's exact colour
+  const auto is_masked = [&](int64_t i, int64_t j) {
+    return !panel.masked.empty() && panel.masked[static_cast<size_t>(i * m.cols + j)] != 0;
+  };
   for (int64_t i = 0; i < m.rows; ++i) {
     for (int64_t j = 0; j < m.cols; ++j) {
       const double value = panel.values[static_cast<size_t>(i * m.cols + j)];
-      set_colour(cr, colormap(value / value_max));
+      set_colour(cr, is_masked(i, j) ? kMaskedColour : colormap(value / value_max));
       cairo_rectangle(cr, at.x + static_cast<double>(j) * m.cell, at.y + static_cast<double>(i) * m.cell, m.cell, m.cell);
       cairo_fill(cr);
     }
   }
+  // Hatching over the masked cells, each clipped to itself.
+  for (int64_t i = 0; i < m.rows; ++i)
+    for (int64_t j = 0; j < m.cols; ++j)
+      if (is_masked(i, j)) hatch(cr, at.x + static_cast<double>(j) * m.cell, at.y + static_cast<double>(i) * m.cell, m.cell);
   cairo_restore(cr);
   if (values_fit) {
     for (int64_t i = 0; i < m.rows; ++i) {
       for (int64_t j = 0; j < m.cols; ++j) {
+        if (is_masked(i, j)) continue;  // a hidden pair has no weight to print
         const double value = panel.values[static_cast<size_t>(i * m.cols + j)];
         const Rgb ink = value / value_max > 0.6 ? Rgb{0.05, 0.05, 0.05} : Rgb{1, 1, 1};
         draw_text(cr, at.x + (static_cast<double>(j) + 0.5) * m.cell, at.y + (static_cast<double>(i) + 0.5) * m.cell + kValueFont * 0.36,
@@ -556,6 +600,11 @@ uint32_t colormap_argb(double t) {
   return 0xff000000u | byte(c.r) << 16 | byte(c.g) << 8 | byte(c.b);
 }
 
+uint32_t masked_argb() {
+  const auto byte = [](double v) { return static_cast<uint32_t>(v * 65535.0 + 0.5) >> 8; };
+  return 0xff000000u | byte(kMaskedColour.r) << 16 | byte(kMaskedColour.g) << 8 | byte(kMaskedColour.b);
+}
+
 HeatmapLayout draw_heatmaps(const HeatmapFigure& figure, const std::string& path) {
   check_heatmap_figure(figure);
   format_from_path(path);  // an unknown extension fails before any work
@@ -581,6 +630,18 @@ HeatmapLayout draw_heatmaps(const HeatmapFigure& figure, const std::string& path
     for (const auto& panel : section.panels) draw_panel(cr, figure, panel, m, plan.layout.panels[index++], plan.layout.value_max);
   }
   draw_colour_bar(cr, plan.content_right + kColourBarGap, plan.grid_top, colour_bar_height(m), plan.layout.value_max, figure.scale_label);
+  if (any_masked(figure)) {
+    const double x = plan.content_right + kColourBarGap, top = plan.grid_top + colour_bar_height(m) + kSwatchGap;
+    set_colour(cr, kMaskedColour);
+    cairo_rectangle(cr, x, top, kColourBarWidth, kColourBarWidth);
+    cairo_fill(cr);
+    hatch(cr, x, top, kColourBarWidth);
+    cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
+    cairo_set_line_width(cr, 1);
+    cairo_rectangle(cr, x - 0.5, top - 0.5, kColourBarWidth + 1, kColourBarWidth + 1);
+    cairo_stroke(cr);
+    draw_text(cr, x + kColourBarWidth + 6, top + kColourBarWidth / 2 + 4, kMaskedLabel, 11, Align::Left);
+  }
   page.finish();
   return plan.layout;
 }

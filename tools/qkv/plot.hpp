@@ -27,6 +27,12 @@ struct Rgb {
 Rgb colormap(double t);
 // The 8-bit colour a PNG stores for colormap(t), for tests that read pixels back.
 uint32_t colormap_argb(double t);
+// A masked cell's grey and its hatching's, as a PNG stores them. The hatch lines run at 45
+// degrees through the points (x - y) = 3 (mod 6) of the cell's own corner, one pixel wide, so the
+// pixel 2 in and 2 down from a cell's top-left corner is always the grey.
+inline constexpr Rgb kMaskedColour{0.86, 0.86, 0.86};
+inline constexpr Rgb kMaskedHatchColour{0.62, 0.62, 0.62};
+uint32_t masked_argb();
 
 // ---------------------------------------------------------------------------------------------
 // Heatmaps
@@ -37,6 +43,10 @@ struct HeatmapPanel {
   std::string subtitle;  // "entropy 1.21 nats"
   int64_t rows = 0, cols = 0;
   std::vector<float> values;
+  // Empty, or rows * cols flags: nonzero where the mask hides the pair. A masked cell is drawn
+  // light grey with diagonal hatching, never in the colour scale, so it cannot be mistaken for
+  // a weight near 0 (viridis' dark purple).
+  std::vector<uint8_t> masked;
 };
 
 // Panels laid out in a grid of at most `columns` per line, under an optional heading.

@@ -49,9 +49,12 @@ struct ServeOptions {
 // The most computations --max-concurrent may allow.
 constexpr int kMaxConcurrentLimit = 64;
 
+// The charset parameter keeps cpp-httplib from compressing the answer (it compresses exactly
+// "application/json" for a client that accepts it): Brotli took 1.3 s and gzip 0.4 s for a
+// 64-token, 16-head answer (578 KB) that the computation and the loopback send in 25 ms.
 void set_json(httplib::Response& response, int status, const std::string& body) {
   response.status = status;
-  response.set_content(body, "application/json");
+  response.set_content(body, "application/json; charset=utf-8");
 }
 
 // The stop signal received (SIGINT or SIGTERM), 0 until then. Set by on_stop_signal in whichever

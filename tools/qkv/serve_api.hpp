@@ -5,9 +5,13 @@
 //                         "temperature": 1.0, "mask": "causal", "chars": false, "model": null}
 //     untrained layer -> {"tokens": [...], "weights": [head][query][key], "entropy": [per head],
 //                         "average": [query][key], "average_entropy": x, "uniform_entropy": ln N,
-//                         "mask": "...", "heads": H, "embed": E, "seed": S, "temperature": T}
+//                         "mask": "...", "heads": H, "embed": E, "seed": S, "temperature": T,
+//                         "visible": ["100", "110", "111"]}  (query i sees key j where row i has '1')
 //     "model": name   -> {"model": name, "task": ..., "tokens": [...], "note": "...",
-//                         "layers": [{"weights": [head][query][key], "entropy": [...]}, ...], ...}
+//                         "layers": [{"weights": [head][query][key], "entropy": [...]}, ...],
+//                         "visible": [...], ...}
+// Weights are rounded to 4 significant digits (a row sums to 1 within 1e-3); entropies are
+// computed before rounding.
 //   GET /api/models     {"models": [{"name", "layers", "heads", "d_model", "max_len", "task"}, ...]}
 //
 // Every field but text is optional. Any bad input answers 400 with {"error": "..."} naming the

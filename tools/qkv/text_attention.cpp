@@ -84,6 +84,18 @@ nn::MultiHeadAttention make_layer(int64_t embed, int64_t heads, uint64_t seed) {
   return layer;
 }
 
+std::vector<uint8_t> visible_pairs(const Mask& mask, int64_t n) {
+  AttentionOptions options;
+  options.mask = mask;
+  options.need_weights = true;
+  options.backend = Backend::Reference;
+  const Tensor zeros = Tensor::zeros({1, 1, n, 1});
+  const std::vector<float> weights = scaled_dot_product_attention(zeros, zeros, zeros, options).weights.to_vector();
+  std::vector<uint8_t> visible(weights.size());
+  for (size_t e = 0; e < weights.size(); ++e) visible[e] = weights[e] > 0.0f ? 1 : 0;
+  return visible;
+}
+
 double mean_entropy(const std::vector<float>& weights, int64_t n) {
   return analysis::head_entropy(Tensor::from(weights, {1, n, n})).at({0});
 }

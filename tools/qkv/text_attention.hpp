@@ -29,6 +29,11 @@ nn::MultiHeadAttention make_layer(int64_t embed, int64_t heads, uint64_t seed);
 std::vector<std::vector<float>> head_weights(const nn::MultiHeadAttention& layer, const Tensor& x, const Mask& mask,
                                              double temperature);
 
+// Which (query, key) pairs of n tokens `mask` lets through, (n, n) row-major, 1 = visible. Read
+// from the library's own weights for uniform scores (q = k = 0), so it is exactly what attention
+// applies; a masked pair is then told apart from a weight that merely rounds to 0.
+std::vector<uint8_t> visible_pairs(const Mask& mask, int64_t n);
+
 // The mean row entropy (nats) of one head's (n, n) weights.
 double mean_entropy(const std::vector<float>& weights, int64_t n);
 

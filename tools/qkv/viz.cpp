@@ -2,7 +2,7 @@
 // the tokens on both axes (rows: queries, columns: keys) and one shared colour scale.
 //
 //   qkv viz --text "The cat sat on the mat" --heads 8 --embed 64 -o heads.png
-//   qkv viz --causal -o causal.png                      # no peeking: the upper triangle is 0
+//   qkv viz --causal -o causal.png                      # no peeking: the upper triangle is masked
 //   qkv viz --temperature 0.5,1,2 -o temperature.png    # sharper and softer softmax, side by side
 //   qkv viz --compare-heads 1,8 -o compare.png          # one head of 64 dims beside eight of 8
 //   qkv viz --model model.qkv -o trained.png            # a trained model's heads, every layer
@@ -84,6 +84,16 @@ std::vector<plot::HeatmapPanel> head_panels(const std::vector<std::vector<float>
   }
   if (weights.size() > 1) panels.push_back(make_panel(fmt::format("average of {} heads", weights.size()), average, n));
   return panels;
+}
+
+// Marks the pairs `mask` hides in every panel of the figure, so they are drawn hatched grey
+// rather than as weights of 0 (nothing to mark when the mask hides nothing).
+void mark_masked(plot::HeatmapFigure& figure, const Mask& mask, int64_t n) {
+  if (mask.is_none()) return;
+  std::vector<uint8_t> hidden = visible_pairs(mask, n);
+  for (uint8_t& flag : hidden) flag = flag ? 0 : 1;
+  for (auto& section : figure.sections)
+    for (auto& panel : section.panels) panel.masked = hidden;
 }
 
 int grid_columns(size_t panels) {
@@ -185,7 +195,7 @@ void run_model_viz(const VizOptions& o) {
                                        expected, predicted));
   }
   figure.notes.push_back(fmt::format("d_model {}, {} dims per head, {} positions; causal (token i sees tokens 0..i), "
-                                     "so above the diagonal is 0",
+                                     "so above the diagonal is masked (hatched grey)",
                                      c.d_model, c.d_model / c.num_heads, train::to_string(c.positions)));
   if (c.attention == nn::AttentionKind::Linear)
     figure.notes.push_back("linear attention: weight = phi(q_i).phi(k_j) / sum over j' <= i of phi(q_i).phi(k_j'), "
@@ -207,6 +217,8 @@ void run_model_viz(const VizOptions& o) {
   }
   figure.columns = static_cast<int>(std::min<size_t>(widest, 5));
   figure.value_max = 1;  // probabilities: the same scale in every figure of a trained model
+  // Every layer is causal, and-ed with the model's own mask (train::AttentionModel::forward).
+  mark_masked(figure, c.mask.empty() ? Mask::causal() : Mask::causal() & Mask::parse(c.mask), n);
   const plot::HeatmapLayout layout = plot::draw_heatmaps(figure, o.output);
   fmt::print("wrote {} ({} x {}): {} panels, {} layer{} of {} head{}, {} tokens, task {}, {} attention{}\n", o.output,
              layout.width, layout.height, panels, c.num_layers, c.num_layers == 1 ? "" : "s", c.num_heads,
@@ -214,20 +226,11 @@ void run_model_viz(const VizOptions& o) {
              c.mask.empty() ? std::string() : ", mask causal & (" + c.mask + ")");
 }
 
-// The pattern of `mask` over n tokens: 1 where a query sees a key, else 0. Read from the
-// library's own weights for uniform scores (q = k = 0), so it is exactly what attention applies.
+// The pattern of `mask` over n tokens: 1 where a query sees a key, else 0 (visible_pairs).
 plot::HeatmapPanel mask_panel(const Mask& mask, int64_t n) {
-  AttentionOptions options;
-  options.mask = mask;
-  options.need_weights = true;
-  const Tensor zeros = Tensor::zeros({1, 1, n, 1});
-  const AttentionResult result = scaled_dot_product_attention(zeros, zeros, zeros, options);
-  std::vector<float> pattern(static_cast<size_t>(n * n));
-  int64_t visible = 0;
-  for (int64_t r = 0; r < n * n; ++r) {
-    pattern[static_cast<size_t>(r)] = result.weights.data()[r] > 0.0f ? 1.0f : 0.0f;
-    visible += result.weights.data()[r] > 0.0f;
-  }
+  const std::vector<uint8_t> seen = visible_pairs(mask, n);
+  std::vector<float> pattern(seen.begin(), seen.end());
+  const auto visible = static_cast<int64_t>(std::count(seen.begin(), seen.end(), uint8_t{1}));
   plot::HeatmapPanel panel;
   panel.title = mask.str();
   panel.subtitle = fmt::format("{} of {} pairs visible ({:.0f}%)", visible, n * n, 100.0 * visible / (n * n));
@@ -259,7 +262,7 @@ void run_viz(const VizOptions& o) {
                                                : "bidirectional (every token sees all)";
   if (!o.mask.empty()) {
     plot::HeatmapSection section;
-    section.heading = "the mask: 1 where query i (row) sees key j (column)";
+    section.heading = "the mask: 1 where query i (row) sees key j (column), hatched where it is hidden";
     section.panels.push_back(mask_panel(mask, n));
     figure.sections.push_back(std::move(section));
   }
@@ -304,6 +307,7 @@ void run_viz(const VizOptions& o) {
                                      entropy_note));
   figure.notes.push_back(fmt::format("untrained layer (seed {}): the patterns are random, not learned", o.seed));
 
+  mark_masked(figure, mask, n);
   const plot::HeatmapLayout layout = plot::draw_heatmaps(figure, o.output);
   size_t panels = 0;
   for (const auto& section : figure.sections) panels += section.panels.size();

@@ -1,7 +1,15 @@
 // qkv attention explorer: reads the controls, asks POST /api/attention (tools/qkv/serve_api.hpp)
-// for weights and draws them: per-head heatmaps and their average, a head view, and for a
-// trained model a layers x heads overview. Everything is drawn here as SVG or canvas; nothing is
-// loaded from anywhere but this server.
+// for weights and draws them: per-head heatmaps and their average (canvas, one pixel block per
+// weight), a head view (SVG), and for a trained model a layers x heads overview (canvas). Nothing
+// is loaded from anywhere but this server.
+//
+// Colours are honest by default: one fixed scale, 0 white to 1 dark blue, for every panel, so a
+// near-uniform head at T = 5 looks pale; "stretch" rescales each panel to its own largest
+// weight. Pairs the mask hides (the answer's "visible") are hatched grey, never a weight's colour.
+//
+// Speed: an input sends at once, further inputs within THROTTLE_MS are folded into one later
+// request, a newer request aborts the one in flight (AbortController), and only the newest
+// answer is drawn. window.qkvLastRedraw holds the last input-to-drawn times (ms).
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -16,14 +24,21 @@ function temperatureToSlider(t) {
   return Math.round(SLIDER_MAX * Math.log(t / T_MIN) / Math.log(T_MAX / T_MIN));
 }
 
-// Sequential colour scale (white to dark blue), t in [0, 1].
+// Sequential colour scale (white to dark blue), t in [0, 1]; tests/serve/test_browser.py
+// computes the same colours to check the pixels.
 const RAMP = [[255, 255, 255], [198, 219, 239], [107, 174, 214], [33, 113, 181], [8, 48, 107]];
-function colour(t) {
-  t = Math.min(1, Math.max(0, t));
+function rampRgb(t) {
+  t = t > 0 ? Math.min(1, t) : 0;
   const x = t * (RAMP.length - 1), i = Math.min(RAMP.length - 2, Math.floor(x)), f = x - i;
-  const c = RAMP[i].map((a, k) => Math.round(a + (RAMP[i + 1][k] - a) * f));
+  const a = RAMP[i], b = RAMP[i + 1];
+  return [Math.round(a[0] + (b[0] - a[0]) * f), Math.round(a[1] + (b[1] - a[1]) * f), Math.round(a[2] + (b[2] - a[2]) * f)];
+}
+function colour(t) {
+  const c = rampRgb(t);
   return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
 }
+// A masked pair: light grey, hatched with darker grey lines at 45 degrees (every 6 px).
+const MASKED = [222, 222, 222], HATCH = [140, 140, 140], HATCH_STEP = 6;
 
 // The largest value of nested arrays (a loop: spreading 16 heads x 64 x 64 numbers into
 // Math.max could overflow the call stack), at least 1e-6 so a scale never divides by 0.
@@ -31,6 +46,11 @@ function largest(nested) {
   let m = 1e-6;
   for (const v of nested.flat(Infinity)) if (v > m) m = v;
   return m;
+}
+
+// A weight as the page prints it: 4 significant digits, what the API sends.
+function formatWeight(w) {
+  return w === 0 ? "0" : w.toPrecision(4);
 }
 
 function el(tag, attributes = {}, text) {
@@ -41,11 +61,15 @@ function el(tag, attributes = {}, text) {
 }
 
 const state = {
-  models: [],       // GET /api/models
-  response: null,   // the last good answer of /api/attention
-  layer: 0,         // the layer shown (trained model)
-  sequence: 0,      // requests sent; a late answer to an old one is dropped
-  preset: null,     // a preset button's exact temperature, until the slider moves
+  models: [],        // GET /api/models
+  response: null,    // the last good answer of /api/attention
+  layer: 0,          // the layer shown (trained model)
+  controller: null,  // the AbortController of the request in flight; a newer one aborts it
+  preset: null,      // a preset button's exact temperature, until the slider moves
+  inputAt: 0,        // performance.now() of the latest input event
+  views: [],         // the heatmap panels' elements, reused while their number stays
+  geometry: null,    // the heatmaps' sizes: {cell, label, size, every, columns}
+  width: null,       // the heatmaps' container's width (px), kept by a ResizeObserver
 };
 
 function temperature() {
@@ -82,7 +106,6 @@ function syncControls() {
   for (const name of ["window", "padding", "expression"]) {
     $(`${name}-options`).classList.toggle("shown", kind === name);
   }
-  $("mask-applied").textContent = maskExpression() || "none";
   $("temperature-value").textContent = temperature();
   const model = $("source").value !== "";
   $("layer-controls").disabled = model;
@@ -92,51 +115,85 @@ function syncControls() {
     : "Logarithmic, 0.05 to 5. Low T: nearly one-hot; high T: nearly uniform.";
 }
 
-let timer = null;
+// Every input: send at once when nothing was sent in the last THROTTLE_MS, else once when that
+// time is up, with the controls as they are then (a slider dragged or a word typed is one
+// request per THROTTLE_MS, not one per event).
+const THROTTLE_MS = 40;
+let cooling = false, dirty = false;
 function update() {
+  state.inputAt = performance.now();
   syncControls();
-  clearTimeout(timer);
-  timer = setTimeout(send, 60);
+  dirty = true;
+  if (!cooling) flush();
+}
+function flush() {
+  cooling = dirty;
+  if (!dirty) return;
+  dirty = false;
+  send(state.inputAt);
+  setTimeout(flush, THROTTLE_MS);
 }
 
-async function send() {
+async function send(inputAt) {
   const request = buildRequest();
-  const sequence = ++state.sequence;
+  if (state.controller) state.controller.abort();  // its answer would be stale
+  const controller = new AbortController();
+  state.controller = controller;
   $("status").textContent = "computing...";
+  const sentAt = performance.now();
   let answer, status;
   try {
     const reply = await fetch("/api/attention", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(request),
+      signal: controller.signal,
     });
     status = reply.status;
     answer = await reply.json();
   } catch (e) {
-    if (sequence !== state.sequence) return;
+    if (state.controller !== controller) return;  // aborted for a newer request
+    state.controller = null;
     showError(`the server did not answer (${e.message}); is qkv serve still running?`);
     return;
   }
-  if (sequence !== state.sequence) return;
+  if (state.controller !== controller) return;
+  state.controller = null;
+  const receivedAt = performance.now();
   if (status !== 200) {
     showError(answer.error || `HTTP ${status}`);
     return;
   }
   $("error").hidden = true;
+  $("mask-error").hidden = true;
   state.response = answer;
   if (answer.layers) state.layer = Math.min(state.layer, answer.layers.length - 1);
   render();
+  const drawnAt = performance.now();
+  // Input to drawn, and its parts: waiting for the server (and the JSON), drawing.
+  window.qkvLastRedraw = { total: drawnAt - inputAt, server: receivedAt - sentAt, draw: drawnAt - receivedAt,
+                           tokens: answer.tokens.length, panels: panels().length };
+  window.qkvLastRedrawMs = drawnAt - inputAt;
+  // And to the frame after it: the browser's own layout and paint of what was drawn.
+  const shown = window.qkvLastRedraw;
+  requestAnimationFrame(() => setTimeout(() => { shown.painted = performance.now() - inputAt; }, 0));
   // What the page shows, for anyone (the browser test) who wants to ask the API the same.
   document.body.dataset.request = JSON.stringify(request);
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
-  $("status").textContent = answer.model
+  $("status").textContent = (answer.model
     ? `model ${answer.model} (task ${answer.task}), ${answer.tokens.length} tokens ${answer.note}`
     : `${answer.tokens.length} tokens, ${answer.heads} heads x ${answer.embed / answer.heads} dims, ` +
-      `T = ${answer.temperature}, mask ${answer.mask}, seed ${answer.seed}`;
+      `T = ${answer.temperature}, mask ${answer.mask}, seed ${answer.seed}`) +
+    `; drawn ${Math.round(drawnAt - inputAt)} ms after the input`;
 }
 
+// A mask the server refused (its message starts "mask") is shown beside the mask's inputs, and
+// "Applied:" keeps the mask the heatmaps were drawn with; any other error above the heatmaps.
 function showError(message) {
-  $("error").textContent = message;
-  $("error").hidden = false;
-  $("status").textContent = "";
+  const mask = message.startsWith("mask");
+  $("mask-error").textContent = mask ? message : "";
+  $("mask-error").hidden = !mask;
+  $("error").textContent = mask ? "" : message;
+  $("error").hidden = mask;
+  $("status").textContent = mask ? "the heatmaps still show the last mask that worked" : "";
   document.body.dataset.errors = String(Number(document.body.dataset.errors || 0) + 1);
 }
 
@@ -173,11 +230,21 @@ function meanEntropy(rows) {
   return total / rows.length;
 }
 
+// True when the mask lets query i see key j (an answer without "visible" hides nothing).
+function isVisible(i, j) {
+  const v = state.response.visible;
+  return !v || v[i].charCodeAt(j) === 49;  // "1"
+}
+
+// The top of a panel's colour scale: 1, or with "stretch" the panel's own largest weight.
+function scaleTop(weights) {
+  return $("stretch").checked ? largest(weights) : 1;
+}
+
 function render() {
   const r = state.response, all = panels();
-  const scaleMax = largest(all.map((p) => p.weights));
-  state.scaleMax = scaleMax;
-  drawLegend(scaleMax);
+  drawLegend();
+  $("mask-applied").textContent = r.mask;
   $("uniform-note").textContent = `uniform over all ${r.tokens.length} keys = ${r.uniform_entropy.toFixed(2)} nats.`;
   $("layer-picker").hidden = !r.layers;
   if (r.layers) {
@@ -187,8 +254,7 @@ function render() {
     }
     picker.value = state.layer;
   }
-  const container = $("heatmaps");
-  container.replaceChildren(...all.map((p) => heatmapPanel(p, r.tokens, scaleMax)));
+  drawHeatmaps();
   const chosen = $("headview-head").value;
   $("headview-head").replaceChildren(...all.map((p) => el("option", { value: p.head }, p.title)));
   $("headview-head").value = all.some((p) => String(p.head) === chosen) ? chosen : String(all[all.length - 1].head);
@@ -197,83 +263,224 @@ function render() {
   if (r.layers) drawOverview();
 }
 
-function drawLegend(scaleMax) {
-  const width = 240, svg = el("svg:svg", { width: width + 80, height: 34, role: "img" });
+function drawLegend() {
+  const width = 240, stretch = $("stretch").checked;
+  const svg = el("svg:svg", { width: width + 230, height: 34, role: "img" });
   const steps = 48;
   for (let s = 0; s < steps; s++) {
     svg.append(el("svg:rect", { x: 10 + (s * width) / steps, y: 2, width: width / steps + 0.5, height: 14, fill: colour(s / (steps - 1)) }));
   }
   svg.append(el("svg:rect", { x: 10, y: 2, width, height: 14, fill: "none", stroke: "#888" }));
   svg.append(el("svg:text", { x: 10, y: 30, "font-size": 11 }, "0"));
-  svg.append(el("svg:text", { x: 10 + width, y: 30, "font-size": 11, "text-anchor": "end" }, scaleMax.toFixed(3)));
+  svg.append(el("svg:text", { x: 10 + width, y: 30, "font-size": 11, "text-anchor": "end" },
+    stretch ? "each panel's largest" : "1"));
   svg.append(el("svg:text", { x: width + 18, y: 14, "font-size": 11 }, "weight"));
+  // The masked swatch: grey with the heatmaps' hatching.
+  const x = width + 70;
+  svg.append(el("svg:rect", { x, y: 2, width: 14, height: 14, fill: `rgb(${MASKED})`, stroke: "#888" }));
+  for (let c = -14 + 3; c < 14; c += HATCH_STEP) {
+    svg.append(el("svg:line", { x1: x + Math.max(0, c), y1: 2 + Math.max(0, -c), x2: x + Math.min(14, 14 + c), y2: 2 + Math.min(14, 14 - c),
+      stroke: `rgb(${HATCH})`, "stroke-width": 1 }));
+  }
+  svg.append(el("svg:text", { x: x + 20, y: 14, "font-size": 11 }, "masked (no weight)"));
   $("legend").replaceChildren(svg);
 }
 
-// One heatmap: rows are queries, columns keys, token labels on both axes.
-function heatmapPanel(panel, tokens, scaleMax) {
-  const n = tokens.length;
-  const cell = Math.max(8, Math.min(34, Math.floor(260 / n)));
-  const label = Math.min(90, 12 + 7 * Math.max(...tokens.map((t) => t.length)));
-  const size = n * cell;
-  const div = el("div", { class: "panel", "data-head": panel.head });
-  div.append(el("h3", {}, panel.title));
-  div.append(el("p", { class: "entropy" }, `entropy ${panel.entropy.toFixed(2)} nats`));
-  const svg = el("svg:svg", {
-    width: label + size + 4, height: label + size + 4, tabindex: 0, role: "img",
-    "aria-label": `${panel.title} heatmap, ${n} by ${n}; arrow keys read the weights`,
-  });
-  const grid = el("svg:g", { transform: `translate(${label},${label})` });
-  for (let i = 0; i < n; i++) {
-    for (let j = 0; j < n; j++) {
-      const w = panel.weights[i][j];
-      grid.append(el("svg:rect", {
-        x: j * cell, y: i * cell, width: cell, height: cell, fill: colour(w / scaleMax),
-        class: "cell", "data-q": i, "data-k": j, "data-w": String(w),
-      }));
+// ---- Heatmaps on canvas
+
+const LABEL_FONT = '11px "DejaVu Sans", system-ui, sans-serif';
+const PANEL_PAD = 8, PANEL_GAP = 12, MAX_LABEL = 90, MAX_GRID = 460;
+let measurer = null;
+function textWidth(text) {
+  measurer ??= document.createElement("canvas").getContext("2d");
+  measurer.font = LABEL_FONT;
+  return measurer.measureText(text).width;
+}
+// A label cut to fit `room` px, with an ellipsis.
+function fitLabel(text, room) {
+  if (textWidth(text) <= room) return text;
+  while (text.length > 1 && textWidth(text + "\u2026") > room) text = text.slice(0, -1);
+  return text + "\u2026";
+}
+
+// Sizes for n tokens and `count` panels in the width the page has: as many columns as fit with
+// grids of at least minGrid px, then the grids as large as the columns allow (up to MAX_GRID).
+// Labels are thinned, as `qkv viz` does (tools/qkv/plot.cpp), to every k-th token when cells
+// are smaller than the text.
+function heatmapGeometry(tokens, count) {
+  // The width as the ResizeObserver last saw it: reading clientWidth here, after the render's
+  // other changes, would force a layout of the whole page (the head view's thousands of lines).
+  state.width ??= $("heatmaps").clientWidth;
+  const n = tokens.length, width = Math.max(320, state.width);
+  const label = Math.ceil(Math.min(MAX_LABEL, Math.max(...tokens.map(textWidth)))) + 8;
+  const minGrid = Math.min(260, Math.max(150, 4 * n));
+  const outer = (grid) => grid + label + 2 * PANEL_PAD + 2;
+  const columns = Math.max(1, Math.min(count, Math.floor((width + PANEL_GAP) / (outer(minGrid) + PANEL_GAP))));
+  const grid = Math.min(MAX_GRID, Math.floor((width + PANEL_GAP) / columns - PANEL_GAP - (outer(0))));
+  const cell = Math.max(2, Math.floor(grid / n));
+  const every = Math.max(1, Math.ceil(13.75 / cell));  // a label is 11 px tall, 1.25 x for room
+  return { cell, label, size: cell * n, every, columns, n };
+}
+
+// The 6 x 6 tile of the masked cells' hatching (a canvas pattern, anchored at the grid's corner):
+// grey, with the pixels where (x - y) mod 6 == 3 darker.
+let hatchTile = null;
+function hatchPattern(ctx) {
+  if (!hatchTile) {
+    hatchTile = document.createElement("canvas");
+    hatchTile.width = hatchTile.height = HATCH_STEP;
+    const g = hatchTile.getContext("2d"), img = g.createImageData(HATCH_STEP, HATCH_STEP);
+    for (let y = 0; y < HATCH_STEP; y++) for (let x = 0; x < HATCH_STEP; x++) {
+      const c = (((x - y) % HATCH_STEP) + HATCH_STEP) % HATCH_STEP === 3 ? HATCH : MASKED, o = 4 * (y * HATCH_STEP + x);
+      img.data[o] = c[0]; img.data[o + 1] = c[1]; img.data[o + 2] = c[2]; img.data[o + 3] = 255;
+    }
+    g.putImageData(img, 0, 0);
+  }
+  return ctx.createPattern(hatchTile, "repeat");
+}
+
+// An n x n image, one pixel per weight (masked pairs the MASKED grey), to be scaled up without
+// smoothing: one drawImage per panel instead of n * n rectangles.
+let cellsCanvas = null;
+function cellImage(weights, top) {
+  const n = weights.length;
+  cellsCanvas ??= document.createElement("canvas");
+  cellsCanvas.width = cellsCanvas.height = n;
+  const g = cellsCanvas.getContext("2d"), img = g.createImageData(n, n), data = img.data;
+  for (let i = 0, o = 0; i < n; i++) {
+    const row = weights[i];
+    for (let j = 0; j < n; j++, o += 4) {
+      const c = isVisible(i, j) ? rampRgb(row[j] / top) : MASKED;
+      data[o] = c[0]; data[o + 1] = c[1]; data[o + 2] = c[2]; data[o + 3] = 255;
     }
   }
-  grid.append(el("svg:rect", { x: 0, y: 0, width: size, height: size, fill: "none", stroke: "#888" }));
-  const cursor = el("svg:rect", { class: "cursor", width: cell, height: cell, visibility: "hidden" });
-  grid.append(cursor);
-  svg.append(grid);
-  tokens.forEach((t, i) => {
-    svg.append(el("svg:text", { x: label - 4, y: label + i * cell + cell / 2 + 4, "text-anchor": "end" }, t));
-    const x = label + i * cell + cell / 2 + 4;
-    svg.append(el("svg:text", { x, y: label - 4, transform: `rotate(-90 ${x} ${label - 4})` }, t));
-  });
+  g.putImageData(img, 0, 0);
+  return cellsCanvas;
+}
 
-  const describe = (i, j) => `${panel.title}: "${tokens[i]}" (query ${i}) \u2192 "${tokens[j]}" (key ${j}) = ` +
-    panel.weights[i][j].toFixed(6);
-  grid.addEventListener("mousemove", (e) => {
-    const c = e.target.closest(".cell");
-    if (!c) return;
-    const tip = $("tooltip");
-    tip.textContent = describe(Number(c.dataset.q), Number(c.dataset.k));
+// The masked cells as one path (grid coordinates), filled with the hatching in every panel.
+function maskedPath(g) {
+  const r = state.response;
+  if (!r.visible || r.visible.every((row) => !row.includes("0"))) return null;
+  const path = new Path2D();
+  for (let i = 0; i < g.n; i++) for (let j = 0; j < g.n; j++) if (!isVisible(i, j)) path.rect(j * g.cell, i * g.cell, g.cell, g.cell);
+  return path;
+}
+
+function panelView(index) {
+  const view = { div: el("div", { class: "panel" }), title: el("h3"), entropy: el("p", { class: "entropy" }),
+                 wrap: el("div", { class: "canvas-wrap" }), canvas: el("canvas", { tabindex: 0, role: "img" }),
+                 cursor: el("div", { class: "cursor", hidden: "" }), at: [0, 0], index };
+  view.wrap.append(view.canvas, view.cursor);
+  view.div.append(view.title, view.entropy, view.wrap);
+  const cellAt = (e) => {
+    const g = state.geometry, rect = view.canvas.getBoundingClientRect();
+    const i = Math.floor((e.clientY - rect.top - g.label) / g.cell), j = Math.floor((e.clientX - rect.left - g.label) / g.cell);
+    return i >= 0 && j >= 0 && i < g.n && j < g.n ? [i, j] : null;
+  };
+  view.canvas.addEventListener("mousemove", (e) => {
+    const at = cellAt(e), tip = $("tooltip");
+    if (!at) { tip.hidden = true; return; }
+    tip.textContent = describe(view, at[0], at[1]);
     tip.hidden = false;
     tip.style.left = `${e.clientX + 14}px`;
     tip.style.top = `${e.clientY + 14}px`;
   });
-  grid.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
-  let at = [0, 0];
-  const show = () => {
-    cursor.setAttribute("x", at[1] * cell);
-    cursor.setAttribute("y", at[0] * cell);
-    cursor.setAttribute("visibility", "visible");
-    $("readout").textContent = describe(at[0], at[1]);
-  };
-  svg.addEventListener("focus", show);
-  svg.addEventListener("blur", () => cursor.setAttribute("visibility", "hidden"));
-  svg.addEventListener("keydown", (e) => {
+  view.canvas.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+  view.canvas.addEventListener("focus", () => showCursor(view));
+  view.canvas.addEventListener("blur", () => { view.cursor.hidden = true; });
+  view.canvas.addEventListener("keydown", (e) => {
     const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
     if (!moves[e.key]) return;
     e.preventDefault();
-    at = [Math.min(n - 1, Math.max(0, at[0] + moves[e.key][0])), Math.min(n - 1, Math.max(0, at[1] + moves[e.key][1]))];
-    show();
+    const n = state.geometry.n;
+    view.at = [Math.min(n - 1, Math.max(0, view.at[0] + moves[e.key][0])), Math.min(n - 1, Math.max(0, view.at[1] + moves[e.key][1]))];
+    showCursor(view);
   });
-  div.append(svg);
-  return div;
+  return view;
 }
+
+function describe(view, i, j) {
+  const panel = panels()[view.index], tokens = state.response.tokens;
+  const pair = `${panel.title}: "${tokens[i]}" (query ${i}) \u2192 "${tokens[j]}" (key ${j})`;
+  return isVisible(i, j) ? `${pair} = ${formatWeight(panel.weights[i][j])}` : `${pair}: masked, no weight`;
+}
+
+function showCursor(view) {
+  const g = state.geometry, [i, j] = view.at = view.at.map((a) => Math.min(a, g.n - 1));
+  Object.assign(view.cursor.style, { left: `${g.label + j * g.cell - 1}px`, top: `${g.label + i * g.cell - 1}px`,
+                                     width: `${g.cell + 2}px`, height: `${g.cell + 2}px` });
+  view.cursor.hidden = document.activeElement !== view.canvas;
+  $("readout").textContent = describe(view, i, j);
+}
+
+function drawHeatmaps() {
+  const r = state.response, all = panels(), tokens = r.tokens, n = tokens.length;
+  const g = state.geometry = heatmapGeometry(tokens, all.length);
+  const container = $("heatmaps");
+  container.style.gridTemplateColumns = `repeat(${g.columns}, max-content)`;
+  if (state.views.length !== all.length) {
+    state.views = all.map((_, p) => panelView(p));
+    container.replaceChildren(...state.views.map((v) => v.div));
+  }
+  const dpr = window.devicePixelRatio || 1, side = g.label + g.size + 2, hatched = maskedPath(g);
+  const colLabels = [], rowLabels = [];
+  for (let i = 0; i < n; i += g.every) {
+    rowLabels.push([i, fitLabel(tokens[i], g.label - 6)]);
+    colLabels.push([i, fitLabel(tokens[i], g.label - 6)]);
+  }
+  g.labels = rowLabels.map(([i, text]) => [i, text]);  // what each axis shows, for the browser test
+  all.forEach((panel, p) => {
+    const view = state.views[p], canvas = view.canvas, top = scaleTop(panel.weights);
+    view.div.dataset.head = panel.head;
+    view.title.textContent = panel.title;
+    view.entropy.textContent = `entropy ${panel.entropy.toFixed(2)} nats` +
+      ($("stretch").checked ? `; colours 0 to ${formatWeight(top)}` : "");
+    canvas.setAttribute("aria-label", `${panel.title} heatmap, ${n} by ${n}; arrow keys read the weights`);
+    view.div.style.width = `${side}px`;  // longer titles wrap instead of widening the column
+    if (canvas.width !== Math.round(side * dpr) || canvas.height !== Math.round(side * dpr)) {
+      canvas.width = canvas.height = Math.round(side * dpr);
+      canvas.style.width = canvas.style.height = `${side}px`;
+    }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, side, side);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(cellImage(panel.weights, top), 0, 0, n, n, g.label, g.label, g.size, g.size);
+    if (hatched) {
+      ctx.save();
+      ctx.translate(g.label, g.label);
+      ctx.fillStyle = hatchPattern(ctx);
+      ctx.fill(hatched);
+      ctx.restore();
+    }
+    ctx.strokeStyle = "#888";
+    ctx.lineWidth = 1;
+    ctx.strokeRect(g.label - 0.5, g.label - 0.5, g.size + 1, g.size + 1);
+    ctx.font = LABEL_FONT;
+    ctx.fillStyle = "#1b1f24";
+    ctx.textAlign = "right";
+    for (const [i, text] of rowLabels) ctx.fillText(text, g.label - 4, g.label + i * g.cell + g.cell / 2 + 4);
+    ctx.textAlign = "left";
+    for (const [j, text] of colLabels) {
+      ctx.save();
+      ctx.translate(g.label + j * g.cell + g.cell / 2 + 4, g.label - 4);
+      ctx.rotate(-Math.PI / 2);
+      ctx.fillText(text, 0, 0);
+      ctx.restore();
+    }
+    if (document.activeElement === canvas) showCursor(view);
+  });
+}
+
+// For the browser test: where panel `head`'s cells are on its canvas, in canvas pixels.
+window.qkvExplorer = {
+  geometry() {
+    const g = state.geometry, dpr = window.devicePixelRatio || 1;
+    return { ...g, dpr, x0: g.label * dpr, y0: g.label * dpr, step: g.cell * dpr };
+  },
+  colour: rampRgb,
+};
 
 // BertViz-style: queries on the left, keys on the right, a line per weight.
 function drawHeadView() {
@@ -283,16 +490,17 @@ function drawHeadView() {
   const svg = el("svg:svg", { width, height: n * row + 10, role: "img", "aria-label": `head view of ${chosen.title}` });
   const lines = el("svg:g");
   const maxW = largest(chosen.weights);
+  // One markup string, parsed once: 64 x 64 lines built element by element took 30-120 ms.
+  const markup = [];
   for (let i = 0; i < n; i++) {
     for (let j = 0; j < n; j++) {
       const w = chosen.weights[i][j];
       if (w < 0.01 * maxW) continue;
-      lines.append(el("svg:line", {
-        x1: left + 6, y1: i * row + 16, x2: right - 6, y2: j * row + 16, "data-q": i, "data-k": j, "data-w": String(w),
-        "stroke-width": (0.5 + 7 * w).toFixed(2), "stroke-opacity": (0.15 + 0.85 * w / maxW).toFixed(2),
-      }));
+      markup.push(`<line x1="${left + 6}" y1="${i * row + 16}" x2="${right - 6}" y2="${j * row + 16}" data-q="${i}" ` +
+        `data-k="${j}" data-w="${w}" stroke-width="${(0.5 + 7 * w).toFixed(2)}" stroke-opacity="${(0.15 + 0.85 * w / maxW).toFixed(2)}"/>`);
     }
   }
+  lines.innerHTML = markup.join("");
   svg.append(lines);
   const focusQuery = (i) => {
     for (const line of lines.children) line.setAttribute("visibility", i === null || Number(line.dataset.q) === i ? "visible" : "hidden");
@@ -327,11 +535,8 @@ function drawOverview() {
         title: `layer ${l} head ${h}: entropy ${layer.entropy[h].toFixed(2)} nats`,
       });
       const g = canvas.getContext("2d");
-      const m = largest(w);
-      for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
-        g.fillStyle = colour(w[i][j] / m);
-        g.fillRect(j * scale, i * scale, scale, scale);
-      }
+      g.imageSmoothingEnabled = false;
+      g.drawImage(cellImage(w, scaleTop(w)), 0, 0, n, n, 0, 0, size, size);
       const choose = () => { state.layer = l; render(); $("headview-head").value = String(h); drawHeadView(); };
       canvas.addEventListener("click", choose);
       canvas.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); choose(); } });
@@ -372,6 +577,14 @@ function start() {
     });
   }
   $("layer").addEventListener("change", () => { state.layer = Number($("layer").value); render(); });
+  $("stretch").addEventListener("change", () => { if (state.response) render(); });
+  // A new width: new panel sizes, drawn from the answer in hand (no request).
+  new ResizeObserver((entries) => {
+    state.width = entries[entries.length - 1].contentRect.width;
+    if (!state.response || !state.geometry) return;
+    const g = state.geometry, next = heatmapGeometry(state.response.tokens, state.views.length);
+    if (g.cell !== next.cell || g.columns !== next.columns) drawHeatmaps();
+  }).observe($("heatmaps"));
   $("headview-head").addEventListener("change", drawHeadView);
   loadModels().then(update);
 }
