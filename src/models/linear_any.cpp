@@ -11,8 +11,11 @@ namespace qkv::models::detail {
 
 namespace {
 
-// A panel holds about this many floats (256 KiB: an L2's share), whole rows of W as stored.
-constexpr int64_t kPanelFloats = int64_t{1} << 16;
+// How many floats a panel of W holds (whole rows as stored). Few rows of x (decode) read each
+// panel once, right after widening it: 256 KiB stays in L2 between the two. Many rows (prefill)
+// spend O(m) per widened element, so larger panels (4 MiB) cut the sgemm calls, each of which may
+// open a parallel region.
+int64_t panel_floats(int64_t m) { return m <= 16 ? int64_t{1} << 16 : int64_t{1} << 20; }
 
 // The calling thread's scratch of at least `count` floats, reused from call to call.
 float* scratch(int64_t count) {
@@ -32,7 +35,7 @@ void linear_out_in(const float* x, int64_t m, const StoredMatrix& w, float* y) {
                        w.out);
     return;
   }
-  const int64_t rows = std::clamp<int64_t>(kPanelFloats / w.in, 1, w.out);
+  const int64_t rows = std::clamp<int64_t>(panel_floats(m) / w.in, 1, w.out);
   float* panel = scratch(rows * w.in);
   for (int64_t r0 = 0; r0 < w.out; r0 += rows) {
     const int64_t r = std::min(rows, w.out - r0);
@@ -48,7 +51,7 @@ void linear_in_out(const float* x, int64_t m, const StoredMatrix& w, float* y) {
                        w.out);
     return;
   }
-  const int64_t rows = std::clamp<int64_t>(kPanelFloats / w.out, 1, w.in);
+  const int64_t rows = std::clamp<int64_t>(panel_floats(m) / w.out, 1, w.in);
   float* panel = scratch(rows * w.out);
   for (int64_t k0 = 0; k0 < w.in; k0 += rows) {
     const int64_t k = std::min(rows, w.in - k0);
