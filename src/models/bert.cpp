@@ -37,8 +37,11 @@ class Bert final : public Network {
     const auto dense = [&](const std::string& name, int64_t out, int64_t in) {
       return Dense{w.matrix(name + ".weight", out, in), w.vector(name + ".bias", out)};
     };
+    // Checkpoints converted from the original TensorFlow BERT (bert-base-uncased among them) name
+    // a LayerNorm's parameters gamma and beta; Hugging Face renames them on load, as here.
     const auto norm = [&](const std::string& name) {
-      return Norm{w.vector(name + ".weight", d), w.vector(name + ".bias", d)};
+      const bool tf_names = !w.contains(name + ".weight") && w.contains(name + ".gamma");
+      return Norm{w.vector(name + (tf_names ? ".gamma" : ".weight"), d), w.vector(name + (tf_names ? ".beta" : ".bias"), d)};
     };
     words_ = w.matrix(p + "embeddings.word_embeddings.weight", c_.vocab_size, d);
     positions_ = w.matrix(p + "embeddings.position_embeddings.weight", c_.max_positions, d);
