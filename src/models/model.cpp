@@ -106,6 +106,13 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
     pass.counts.push_back(static_cast<int64_t>(sequence.size()));
     pass.length = std::max(pass.length, pass.counts.back());
   }
+  // The widest activation (logits, or the MLP's inner rows) of the whole batch must stay allocatable.
+  const int64_t widest = std::max({c.has_lm_head() ? c.vocab_size : 0, c.intermediate_size, 3 * c.hidden_size});
+  constexpr int64_t kMaxActivationFloats = int64_t{1} << 31;
+  if (pass.batch * pass.length > kMaxActivationFloats / widest)
+    throw Error(who + ": " + std::to_string(pass.batch) + " sequences of up to " + std::to_string(pass.length) +
+                " tokens need " + std::to_string(pass.batch * pass.length) + " x " + std::to_string(widest) +
+                " floats of activations, more than 2^31: split the batch");
   pass.ids.assign(static_cast<size_t>(pass.batch * pass.length), 0);
   if (types) pass.token_types.assign(pass.ids.size(), 0);
   for (size_t b = 0; b < input.ids.size(); ++b) {
