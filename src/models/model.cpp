@@ -113,6 +113,11 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
     throw Error(who + ": " + std::to_string(pass.batch) + " sequences of up to " + std::to_string(pass.length) +
                 " tokens need " + std::to_string(pass.batch * pass.length) + " x " + std::to_string(widest) +
                 " floats of activations, more than 2^31: split the batch");
+  // need_attention keeps (B, H, N, N) weights for every layer.
+  if (need_attention && pass.batch * c.num_heads * c.num_layers > kMaxActivationFloats / (pass.length * pass.length))
+    throw Error(who + ": need_attention on " + std::to_string(pass.batch) + " sequences of up to " +
+                std::to_string(pass.length) + " tokens keeps " + std::to_string(c.num_layers) + " layers x " +
+                std::to_string(c.num_heads) + " heads of (N, N) weights, more than 2^31 floats: ask for fewer tokens");
   pass.ids.assign(static_cast<size_t>(pass.batch * pass.length), 0);
   if (types) pass.token_types.assign(pass.ids.size(), 0);
   for (size_t b = 0; b < input.ids.size(); ++b) {

@@ -98,6 +98,11 @@ TEST(InputErrors, IdsLengthsAndArchitectures) {
   EXPECT_THAT(error_of([&] { model.generate({1, 2}, {.max_new_tokens = 40}); }), HasSubstr("max_new_tokens 40"));
   EXPECT_THAT(error_of([&] { model.forward(ModelInput{.ids = {{1}}, .token_type_ids = {{0}}}); }),
               HasSubstr("no token types"));
+  ModelConfig wide = c;  // 2 layers x 4 heads x 32768^2 weights: refused before anything runs
+  wide.max_positions = 1 << 15;
+  const Checkpoint wk = gpt2_checkpoint(wide, DType::BF16, 35);
+  EXPECT_THAT(error_of([&] { Model(wide, wk.weights).forward(std::vector<int64_t>(1 << 15, 1), true); }),
+              HasSubstr("more than 2^31 floats"));
   const ModelConfig b = parse_config(bert_json(true));
   const Model bert(b, bert_checkpoint(b, DType::F32, 34).weights);
   EXPECT_THAT(error_of([&] { bert.generate({1, 2}); }), HasSubstr("not a causal language model"));
