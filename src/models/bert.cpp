@@ -62,7 +62,9 @@ class Bert final : public Network {
       transform_ = dense("cls.predictions.transform.dense", d, d);
       transform_norm_ = norm("cls.predictions.transform.LayerNorm");
       decoder_ = c_.tie_word_embeddings ? words_ : w.matrix("cls.predictions.decoder.weight", c_.vocab_size, d);
-      decoder_bias_ = w.vector("cls.predictions.bias", c_.vocab_size);
+      // The bias is saved as cls.predictions.bias, or only as the decoder's (the two are tied).
+      const bool decoder_named = !w.contains("cls.predictions.bias") && w.contains("cls.predictions.decoder.bias");
+      decoder_bias_ = w.vector(decoder_named ? "cls.predictions.decoder.bias" : "cls.predictions.bias", c_.vocab_size);
     }
   }
 

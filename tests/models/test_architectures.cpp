@@ -64,15 +64,17 @@ TEST(Bert, MaskedLmMatchesOracleOnAPaddedBatch) {
   EXPECT_EQ(got.attention[1].at({1, 0, 5, 0}), 0.0f);
 }
 
-TEST(Bert, ReadsTensorFlowLayerNormNames) {
+TEST(Bert, ReadsTensorFlowLayerNormNamesAndTheDecoderBias) {
   const ModelConfig c = parse_config(bert_json(true));
   Checkpoint k = bert_checkpoint(c, DType::F32, 17);
-  // The same checkpoint with every LayerNorm's weight/bias renamed gamma/beta.
+  // The same checkpoint with every LayerNorm's weight/bias renamed gamma/beta, the MLM bias the
+  // decoder's.
   Checkpoint renamed;
   for (const auto& [name, values] : k.values) {
     std::string n = name;
     if (n.find("LayerNorm.weight") != std::string::npos) n.replace(n.size() - 6, 6, "gamma");
     if (n.find("LayerNorm.bias") != std::string::npos) n.replace(n.size() - 4, 4, "beta");
+    if (n == "cls.predictions.bias") n = "cls.predictions.decoder.bias";
     renamed.weights->add(n, values.shape, std::vector<float>(values.data.begin(), values.data.end()), DType::F32);
   }
   const std::vector<int64_t> ids = {4, 8, 15, 16, 23, 42};
