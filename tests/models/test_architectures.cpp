@@ -15,7 +15,12 @@ namespace {
 constexpr double kTolerance = 1e-4;
 const std::vector<int64_t> kIds = {3, 17, 0, 42, 8, 8, 29, 51, 1};
 
-void expect_matches(const ModelOutput& got, const OracleOutput& want, const std::string& what) {
+// The forward with weights (the Reference kernel) and without (a fused kernel) against the oracle.
+void expect_matches(const Model& model, const OracleOutput& want, const std::string& what) {
+  const ModelOutput fast = model.forward(kIds);
+  EXPECT_TRUE(fast.attention.empty());
+  expect_rows_close(fast.hidden, 0, want.hidden, kTolerance, what + " hidden, no weights");
+  const ModelOutput got = model.forward(kIds, true);
   expect_rows_close(got.hidden, 0, want.hidden, kTolerance, what + " hidden");
   if (!want.logits.empty()) expect_rows_close(got.logits, 0, want.logits, kTolerance, what + " logits");
   ASSERT_EQ(got.attention.size(), want.attention.size()) << what;
@@ -29,14 +34,14 @@ TEST_P(Gpt2, MatchesOracleTied) {
   const ModelConfig c = parse_config(gpt2_json());
   const Checkpoint k = gpt2_checkpoint(c, GetParam(), 11);
   const Model model(c, k.weights);
-  expect_matches(model.forward(kIds, true), gpt2_oracle(c, k, kIds), "gpt2");
+  expect_matches(model, gpt2_oracle(c, k, kIds), "gpt2");
 }
 
 TEST_P(Gpt2, MatchesOracleUntiedWithoutPrefix) {
   const ModelConfig c = parse_config(gpt2_json(false));
   const Checkpoint k = gpt2_checkpoint(c, GetParam(), 12, "");
   const Model model(c, k.weights);
-  expect_matches(model.forward(kIds, true), gpt2_oracle(c, k, kIds, ""), "gpt2 untied");
+  expect_matches(model, gpt2_oracle(c, k, kIds, ""), "gpt2 untied");
 }
 
 INSTANTIATE_TEST_SUITE_P(StoredDtypes, Gpt2, ::testing::Values(DType::F32, DType::BF16, DType::F16));
@@ -108,7 +113,7 @@ TEST_P(Llama, MatchesOracle) {
   const ModelConfig c = parse_config(llama_json(p.architecture, p.tied, p.extra));
   const Checkpoint k = llama_checkpoint(c, p.dtype, 15);
   const Model model(c, k.weights);
-  expect_matches(model.forward(kIds, true), llama_oracle(c, k, kIds), p.name);
+  expect_matches(model, llama_oracle(c, k, kIds), p.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(
