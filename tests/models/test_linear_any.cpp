@@ -3,6 +3,7 @@
 // rows (decode) and many-rows (prefill) panel sizes.
 #include <cmath>
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -68,7 +69,12 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{20, 1000, 1100, Layout::OutIn, DType::BF16},  // 953-row panels: 2
                       LinearCase{20, 1100, 1000, Layout::InOut, DType::BF16},  // 953-row panels of in: 2
                       LinearCase{5, 37, 29, Layout::InOut, DType::F32},
-                      LinearCase{5, 37, 29, Layout::OutIn, DType::F32}));
+                      LinearCase{5, 37, 29, Layout::OutIn, DType::F32}),
+    [](const auto& info) {
+      const LinearCase& c = info.param;
+      return "m" + std::to_string(c.m) + "_out" + std::to_string(c.out) + "_in" + std::to_string(c.in) +
+             (c.layout == Layout::OutIn ? "_OutIn_" : "_InOut_") + std::string(to_string(c.dtype));
+    });
 
 }  // namespace
 }  // namespace qkv::models::detail
