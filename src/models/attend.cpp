@@ -27,7 +27,8 @@ namespace {
 // it and j < pass.position + counts[b].
 Mask mask_of(const Pass& pass, const AttentionSpec& spec) {
   Mask mask;
-  if (spec.causal) mask = spec.window > 0 ? Mask::window(spec.window - 1, 0, pass.position) : Mask::causal(pass.position);
+  if (spec.causal)
+    mask = spec.window > 0 ? Mask::window(spec.window - 1, 0, pass.position) : Mask::causal(pass.position);
   if (pass.ragged()) {
     std::vector<int64_t> lengths = pass.counts;
     for (int64_t& l : lengths) l += pass.position;

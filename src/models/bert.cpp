@@ -41,7 +41,8 @@ class Bert final : public Network {
     // a LayerNorm's parameters gamma and beta; Hugging Face renames them on load, as here.
     const auto norm = [&](const std::string& name) {
       const bool tf_names = !w.contains(name + ".weight") && w.contains(name + ".gamma");
-      return Norm{w.vector(name + (tf_names ? ".gamma" : ".weight"), d), w.vector(name + (tf_names ? ".beta" : ".bias"), d)};
+      return Norm{w.vector(name + (tf_names ? ".gamma" : ".weight"), d),
+                  w.vector(name + (tf_names ? ".beta" : ".bias"), d)};
     };
     words_ = w.matrix(p + "embeddings.word_embeddings.weight", c_.vocab_size, d);
     positions_ = w.matrix(p + "embeddings.position_embeddings.weight", c_.max_positions, d);

@@ -48,12 +48,14 @@ class Fields {
   }
   bool boolean_or(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
-    if (!json_.at(key).is_boolean()) fail("field '" + std::string(key) + "' is " + json_.at(key).dump() + ", not a boolean");
+    if (!json_.at(key).is_boolean())
+      fail("field '" + std::string(key) + "' is " + json_.at(key).dump() + ", not a boolean");
     return json_.at(key).get<bool>();
   }
   std::string text_or(const char* key, const std::string& fallback) const {
     if (!has(key)) return fallback;
-    if (!json_.at(key).is_string()) fail("field '" + std::string(key) + "' is " + json_.at(key).dump() + ", not a string");
+    if (!json_.at(key).is_string())
+      fail("field '" + std::string(key) + "' is " + json_.at(key).dump() + ", not a string");
     return json_.at(key).get<std::string>();
   }
   // An id or a list of ids (eos_token_id), each in [0, high]; empty when absent.
@@ -104,8 +106,9 @@ Architecture architecture_of(const Fields& f) {
     if (name == "llama") return Architecture::Llama;
     if (name == "mistral") return Architecture::Mistral;
     if (name == "qwen2") return Architecture::Qwen2;
-    if (name.empty()) f.fail("neither 'architectures' nor 'model_type' names the architecture; supported: " +
-                             supported_architectures());
+    if (name.empty())
+      f.fail("neither 'architectures' nor 'model_type' names the architecture; supported: " +
+             supported_architectures());
   }
   f.fail("architecture '" + name + "' is not supported; supported: " + supported_architectures());
 }
@@ -116,7 +119,8 @@ Activation activation_from(const Fields& f, const char* key, const std::string& 
   if (name == "gelu") return Activation::GeluErf;
   if (name == "silu" || name == "swish") return Activation::Silu;
   if (name == "relu") return Activation::Relu;
-  f.fail("field '" + std::string(key) + "' is '" + name + "'; supported: gelu_new, gelu_pytorch_tanh, gelu, silu, relu");
+  f.fail("field '" + std::string(key) + "' is '" + name +
+         "'; supported: gelu_new, gelu_pytorch_tanh, gelu, silu, relu");
 }
 
 void parse_gpt2(const Fields& f, ModelConfig& c) {
@@ -201,7 +205,8 @@ void parse_llama(const Fields& f, ModelConfig& c) {
   } else {
     c.attention_bias = c.attention_output_bias = f.boolean_or("attention_bias", false);
     c.mlp_bias = f.boolean_or("mlp_bias", false);
-    if (c.architecture == Architecture::Mistral) c.sliding_window = f.integer_or("sliding_window", 0, 1, L::kMaxPositions);
+    if (c.architecture == Architecture::Mistral)
+      c.sliding_window = f.integer_or("sliding_window", 0, 1, L::kMaxPositions);
   }
 }
 
@@ -245,8 +250,8 @@ std::vector<double> rope_inverse_frequencies(int64_t head_dim, double rope_theta
       if (wavelength > long_wavelength) {
         f /= scaling.factor;
       } else if (wavelength >= short_wavelength) {
-        const double smooth = (context / wavelength - scaling.low_freq_factor) /
-                              (scaling.high_freq_factor - scaling.low_freq_factor);
+        const double smooth =
+            (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor);
         f = (1 - smooth) * f / scaling.factor + smooth * f;
       }
     }
@@ -264,8 +269,9 @@ void check_config(const ModelConfig& c, std::string_view source) {
   check_at_most(who, "head_dim", c.head_dim, 1, L::kMaxHeadDim);
   check_at_most(who, "intermediate_size", c.intermediate_size, 1, L::kMaxIntermediate);
   check_at_most(who, "max_position_embeddings", c.max_positions, 1, L::kMaxPositions);
-  check_at_most(who, "type_vocab_size", c.type_vocab_size, c.architecture == Architecture::Bert ||
-                c.architecture == Architecture::BertMaskedLM ? 1 : 0, L::kMaxTypeVocab);
+  check_at_most(who, "type_vocab_size", c.type_vocab_size,
+                c.architecture == Architecture::Bert || c.architecture == Architecture::BertMaskedLM ? 1 : 0,
+                L::kMaxTypeVocab);
   check_at_most(who, "sliding_window", c.sliding_window, 0, L::kMaxPositions);
   check_at_most(who, "max_window_layers", c.sliding_window_from_layer, 0, L::kMaxLayers);
   if (c.num_heads % c.num_kv_heads != 0)
@@ -275,8 +281,8 @@ void check_config(const ModelConfig& c, std::string_view source) {
     throw Error(who + "num_attention_heads " + str(c.num_heads) + " does not divide hidden_size " + str(c.hidden_size));
   if (c.is_llama_family() && c.head_dim % 2 != 0)
     throw Error(who + "head_dim " + str(c.head_dim) + " is odd: rotary embeddings rotate pairs of features");
-  if (!(c.norm_eps > 0) || !(c.norm_eps < 1)) throw Error(who + "the norm epsilon " + std::to_string(c.norm_eps) +
-                                                          " is outside (0, 1)");
+  if (!(c.norm_eps > 0) || !(c.norm_eps < 1))
+    throw Error(who + "the norm epsilon " + std::to_string(c.norm_eps) + " is outside (0, 1)");
   if (c.is_llama_family() && (!(c.rope_theta > 1) || !std::isfinite(c.rope_theta)))
     throw Error(who + "rope_theta " + std::to_string(c.rope_theta) + " must be finite and > 1");
   for (int64_t id : c.eos_token_ids) check_at_most(who, "eos_token_id", id, 0, c.vocab_size - 1);

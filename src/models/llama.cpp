@@ -18,7 +18,7 @@ namespace {
 
 struct LlamaLayer {
   std::vector<float> input_norm, post_attention_norm;
-  StoredMatrix q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;  // OutIn
+  StoredMatrix q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;        // OutIn
   std::vector<float> q_bias, k_bias, v_bias, o_bias, gate_bias, up_bias, down_bias;  // empty: none
 };
 
@@ -26,8 +26,9 @@ class Llama final : public Network {
  public:
   Llama(const ModelConfig& config, const WeightSource& source)
       : c_(config),
-        rotary_(config.head_dim, nn::RotaryEmbeddingOptions{.inverse_frequencies = rope_inverse_frequencies(
-                                                                config.head_dim, config.rope_theta, config.rope_scaling)}) {
+        rotary_(config.head_dim,
+                nn::RotaryEmbeddingOptions{.inverse_frequencies = rope_inverse_frequencies(
+                                               config.head_dim, config.rope_theta, config.rope_scaling)}) {
     const WeightTable w(source, model_name(config));
     const int64_t d = c_.hidden_size, inner = c_.intermediate_size;
     const int64_t q_width = c_.num_heads * c_.head_dim, kv_width = c_.num_kv_heads * c_.head_dim;
@@ -73,7 +74,8 @@ class Llama final : public Network {
       const Tensor k = linear(h, layer.k_proj, layer.k_bias);
       const Tensor v = linear(h, layer.v_proj, layer.v_bias);
       const Tensor heads_out = Tensor::empty({pass.batch, pass.length, c_.num_heads, hd});
-      const AttentionSpec spec{.causal = true, .window = c_.window_of_layer(static_cast<int64_t>(i)), .rotary = &rotary_};
+      const AttentionSpec spec{
+          .causal = true, .window = c_.window_of_layer(static_cast<int64_t>(i)), .rotary = &rotary_};
       attend(heads_view(q, pass, 0, c_.num_heads, hd), heads_view(k, pass, 0, c_.num_kv_heads, hd),
              heads_view(v, pass, 0, c_.num_kv_heads, hd), (*pass.caches)[i], pass, spec, heads_out.transpose(1, 2));
       add_into(x.data(), linear(heads_out.reshape({rows, c_.num_heads * hd}), layer.o_proj, layer.o_bias).data(),

@@ -45,7 +45,8 @@ struct Model::Impl {
   }
 
   // The logits (vocab) of the last of `tokens`, which follow `position` cached ones (batch 1).
-  std::vector<float> step(const std::vector<int64_t>& tokens, int64_t position, std::vector<nn::KVCache>& caches) const {
+  std::vector<float> step(const std::vector<int64_t>& tokens, int64_t position,
+                          std::vector<nn::KVCache>& caches) const {
     detail::Pass pass;
     pass.batch = 1;
     pass.length = static_cast<int64_t>(tokens.size());
@@ -151,8 +152,7 @@ std::vector<std::vector<float>> Model::cached_logits(const std::vector<int64_t>&
   impl_->check_tokens(who, ids, 0);
   if (prefill < 1 || prefill > static_cast<int64_t>(ids.size()))
     throw Error(who + ": prefill " + std::to_string(prefill) + " is outside [1, " + std::to_string(ids.size()) + "]");
-  std::vector<nn::KVCache> caches =
-      impl_->make_caches(1, static_cast<int64_t>(ids.size()), impl_->options.kv_dtype);
+  std::vector<nn::KVCache> caches = impl_->make_caches(1, static_cast<int64_t>(ids.size()), impl_->options.kv_dtype);
   std::vector<std::vector<float>> out;
   out.push_back(impl_->step({ids.begin(), ids.begin() + prefill}, 0, caches));
   for (auto position = prefill; position < static_cast<int64_t>(ids.size()); ++position)
@@ -172,13 +172,15 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   if (options.max_new_tokens < 0 || options.max_new_tokens > c.max_positions - prompt_length + 1)
     throw Error(who + ": max_new_tokens " + std::to_string(options.max_new_tokens) + " is outside [0, " +
                 std::to_string(c.max_positions - prompt_length + 1) + "] for a prompt of " +
-                std::to_string(prompt_length) + " tokens (max_position_embeddings " + std::to_string(c.max_positions) + ")");
+                std::to_string(prompt_length) + " tokens (max_position_embeddings " + std::to_string(c.max_positions) +
+                ")");
   uint64_t state = options.seed;
   GenerationResult result;
   result.prompt_tokens = prompt_length;
   if (options.max_new_tokens == 0) return result;
   // The last new token is never read back: the caches hold prompt + max_new_tokens - 1 positions.
-  std::vector<nn::KVCache> caches = impl_->make_caches(1, prompt_length + options.max_new_tokens - 1, impl_->options.kv_dtype);
+  std::vector<nn::KVCache> caches =
+      impl_->make_caches(1, prompt_length + options.max_new_tokens - 1, impl_->options.kv_dtype);
   using Clock = std::chrono::steady_clock;
   auto start = Clock::now();
   std::vector<float> logits = impl_->step(prompt, 0, caches);

@@ -16,14 +16,14 @@ namespace qkv::models::detail {
 
 // One forward pass over the new tokens of a batch, right-padded to the longest.
 struct Pass {
-  int64_t batch = 0, length = 0;          // B, N: the longest run of new tokens
-  std::vector<int64_t> counts;            // (B): element b's new tokens, 1..N
-  std::vector<int64_t> ids;               // (B, N) row-major, padding 0
-  std::vector<int64_t> token_types;       // (B, N), BERT; empty: all 0
-  int64_t position = 0;                   // the position of every element's first new token
+  int64_t batch = 0, length = 0;               // B, N: the longest run of new tokens
+  std::vector<int64_t> counts;                 // (B): element b's new tokens, 1..N
+  std::vector<int64_t> ids;                    // (B, N) row-major, padding 0
+  std::vector<int64_t> token_types;            // (B, N), BERT; empty: all 0
+  int64_t position = 0;                        // the position of every element's first new token
   std::vector<nn::KVCache>* caches = nullptr;  // one per layer, each holding `position` tokens
   std::vector<Tensor>* attention = nullptr;    // non-null: each layer's weights are appended
-  bool ragged() const;                    // some element has fewer than N new tokens
+  bool ragged() const;                         // some element has fewer than N new tokens
 };
 
 class Network {
@@ -45,8 +45,8 @@ std::string model_name(const ModelConfig& config);
 // How one layer attends.
 struct AttentionSpec {
   bool causal = true;
-  int64_t window = 0;                              // > 0: the query sees its last `window` positions
-  const nn::RotaryEmbedding* rotary = nullptr;     // rotates q and k to their positions first
+  int64_t window = 0;                           // > 0: the query sees its last `window` positions
+  const nn::RotaryEmbedding* rotary = nullptr;  // rotates q and k to their positions first
 };
 
 // One attention layer's core: q (B, H, N, hd), k and v (B, Hkv, N, hd) are views (last dim

@@ -31,8 +31,8 @@ void layer_norm(const float* x, int64_t rows, int64_t dim, const std::vector<flo
     for (int64_t i = 0; i < dim; ++i) squares += (row[i] - mean) * (row[i] - mean);
     const double inv = 1.0 / std::sqrt(squares / static_cast<double>(dim) + eps);
     for (int64_t i = 0; i < dim; ++i)
-      out[r * dim + i] = static_cast<float>((row[i] - mean) * inv) * gamma[static_cast<size_t>(i)] +
-                         beta[static_cast<size_t>(i)];
+      out[r * dim + i] =
+          static_cast<float>((row[i] - mean) * inv) * gamma[static_cast<size_t>(i)] + beta[static_cast<size_t>(i)];
   }
 }
 

@@ -17,8 +17,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 const WeightView& WeightTable::expect(const std::string& name, const std::vector<int64_t>& shape) const {
   const WeightView* view = source_.find(name);
   if (view == nullptr)
-    throw Error(model_ + ": missing weight '" + name + "' (" + source_.describe(name) + "): the config needs it with shape " +
-                shape_text(shape));
+    throw Error(model_ + ": missing weight '" + name + "' (" + source_.describe(name) +
+                "): the config needs it with shape " + shape_text(shape));
   if (view->shape != shape)
     throw Error(model_ + ": weight '" + name + "' (" + source_.describe(name) + ") is " + shape_text(view->shape) +
                 " but the config needs " + shape_text(shape));
@@ -32,7 +32,10 @@ const WeightView& WeightTable::expect(const std::string& name, const std::vector
 StoredMatrix WeightTable::matrix(const std::string& name, int64_t rows, int64_t cols, Layout layout) const {
   const WeightView& view = expect(name, {rows, cols});
   const bool out_in = layout == Layout::OutIn;
-  return StoredMatrix{.data = view.data, .dtype = view.dtype, .out = out_in ? rows : cols, .in = out_in ? cols : rows,
+  return StoredMatrix{.data = view.data,
+                      .dtype = view.dtype,
+                      .out = out_in ? rows : cols,
+                      .in = out_in ? cols : rows,
                       .layout = layout};
 }
 

@@ -81,7 +81,8 @@ struct Checkpoint {
 };
 
 // Checkpoints of each architecture for `config` (tensors named as Hugging Face saves them).
-inline Checkpoint gpt2_checkpoint(const ModelConfig& c, DType dtype, uint64_t seed, const std::string& prefix = "transformer.") {
+inline Checkpoint gpt2_checkpoint(const ModelConfig& c, DType dtype, uint64_t seed,
+                                  const std::string& prefix = "transformer.") {
   Checkpoint k;
   k.dtype = dtype;
   k.state = seed;

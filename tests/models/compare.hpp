@@ -14,7 +14,8 @@ namespace qkv::models::testing {
 
 // Rows [0, want.size()) of batch element b of got (B, N, F) agree with want to `tolerance` relative
 // to want's largest magnitude (at least 1).
-inline void expect_rows_close(const Tensor& got, int64_t b, const Rows& want, double tolerance, const std::string& what) {
+inline void expect_rows_close(const Tensor& got, int64_t b, const Rows& want, double tolerance,
+                              const std::string& what) {
   double scale = 1, worst = 0;
   for (const auto& row : want)
     for (double v : row) scale = std::max(scale, std::abs(v));
@@ -22,7 +23,8 @@ inline void expect_rows_close(const Tensor& got, int64_t b, const Rows& want, do
   ASSERT_EQ(f, static_cast<int64_t>(want[0].size())) << what;
   const float* data = got.contiguous().data() + b * n * f;
   for (size_t i = 0; i < want.size(); ++i)
-    for (int64_t j = 0; j < f; ++j) worst = std::max(worst, std::abs(data[static_cast<int64_t>(i) * f + j] - want[i][j]));
+    for (int64_t j = 0; j < f; ++j)
+      worst = std::max(worst, std::abs(data[static_cast<int64_t>(i) * f + j] - want[i][j]));
   EXPECT_LE(worst, tolerance * scale) << what << ": largest difference " << worst << " (scale " << scale << ")";
 }
 
@@ -35,7 +37,8 @@ inline void expect_attention_close(const Tensor& got, int64_t b, const std::vect
   for (int64_t h = 0; h < heads; ++h)
     for (size_t i = 0; i < want[h].size(); ++i)
       for (size_t j = 0; j < want[h].size(); ++j)
-        worst = std::max(worst, std::abs(got.at({b, h, static_cast<int64_t>(i), static_cast<int64_t>(j)}) - want[h][i][j]));
+        worst =
+            std::max(worst, std::abs(got.at({b, h, static_cast<int64_t>(i), static_cast<int64_t>(j)}) - want[h][i][j]));
   EXPECT_LE(worst, tolerance) << what << " (" << n << " positions)";
 }
 

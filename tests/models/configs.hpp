@@ -11,8 +11,8 @@ namespace qkv::models::testing {
 inline std::string gpt2_json(bool tied = true) {
   return R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 61, "n_embd": 48,
     "n_layer": 2, "n_head": 4, "n_positions": 32, "n_inner": null, "layer_norm_epsilon": 1e-5,
-    "activation_function": "gelu_new", "tie_word_embeddings": )" + std::string(tied ? "true" : "false") +
-         R"(, "eos_token_id": 60, "bos_token_id": 60})";
+    "activation_function": "gelu_new", "tie_word_embeddings": )" +
+         std::string(tied ? "true" : "false") + R"(, "eos_token_id": 60, "bos_token_id": 60})";
 }
 
 inline std::string bert_json(bool masked_lm) {
@@ -28,7 +28,8 @@ inline std::string llama_json(const std::string& architecture = "LlamaForCausalL
   return R"({"architectures": [")" + architecture + R"("], "vocab_size": 67, "hidden_size": 40,
     "intermediate_size": 72, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 48, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
-    "tie_word_embeddings": )" + std::string(tied ? "true" : "false") + R"(, "eos_token_id": [5, 66])" + extra + "}";
+    "tie_word_embeddings": )" +
+         std::string(tied ? "true" : "false") + R"(, "eos_token_id": [5, 66])" + extra + "}";
 }
 
 }  // namespace qkv::models::testing

@@ -17,8 +17,8 @@ namespace qkv::models::testing {
 using Rows = std::vector<std::vector<double>>;  // (N, features)
 
 struct OracleOutput {
-  Rows hidden;                         // (N, hidden_size)
-  Rows logits;                         // (N, vocab), empty without an lm head
+  Rows hidden;                               // (N, hidden_size)
+  Rows logits;                               // (N, vocab), empty without an lm head
   std::vector<std::vector<Rows>> attention;  // [layer][head] (N, N)
 };
 
@@ -70,7 +70,8 @@ inline Rows rms_norm(const Rows& x, const Values& g, double eps) {
 }
 inline double act(double x, Activation a) {
   switch (a) {
-    case Activation::GeluTanh: return 0.5 * x * (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
+    case Activation::GeluTanh:
+      return 0.5 * x * (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
     case Activation::GeluErf: return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
     case Activation::Silu: return x / (1 + std::exp(-x));
     case Activation::Relu: return x > 0 ? x : 0;
@@ -83,7 +84,8 @@ inline void activate(Rows& x, Activation a) {
 }
 inline Rows embedding(const Values& table, const std::vector<int64_t>& rows) {
   Rows x;
-  for (int64_t r : rows) x.emplace_back(table.data.begin() + r * table.cols(), table.data.begin() + (r + 1) * table.cols());
+  for (int64_t r : rows)
+    x.emplace_back(table.data.begin() + r * table.cols(), table.data.begin() + (r + 1) * table.cols());
   return x;
 }
 
@@ -154,8 +156,9 @@ inline OracleOutput gpt2_oracle(const ModelConfig& c, const Checkpoint& k, const
       v.emplace_back(row.begin() + 2 * d, row.end());
     }
     out.attention.emplace_back();
-    const Rows a = attention(q, kk, v, c.num_heads, c.num_heads, c.head_dim, [](int64_t i, int64_t j) { return j <= i; },
-                             out.attention.back());
+    const Rows a = attention(
+        q, kk, v, c.num_heads, c.num_heads, c.head_dim, [](int64_t i, int64_t j) { return j <= i; },
+        out.attention.back());
     add(x, linear(a, k[L + "attn.c_proj.weight"], &k[L + "attn.c_proj.bias"], true));
     Rows f = linear(layer_norm(x, k[L + "ln_2.weight"], k[L + "ln_2.bias"], c.norm_eps), k[L + "mlp.c_fc.weight"],
                     &k[L + "mlp.c_fc.bias"], true);
@@ -179,13 +182,15 @@ inline OracleOutput bert_oracle(const ModelConfig& c, const Checkpoint& k, const
       x[n][i] += k[p + "embeddings.position_embeddings.weight"].at(static_cast<int64_t>(n), i) +
                  k[p + "embeddings.token_type_embeddings.weight"].at(types.empty() ? 0 : types[n], i);
   x = layer_norm(x, k[p + "embeddings.LayerNorm.weight"], k[p + "embeddings.LayerNorm.bias"], c.norm_eps);
-  const auto dense = [&](const Rows& in, const std::string& name) { return linear(in, k[name + ".weight"], &k[name + ".bias"]); };
+  const auto dense = [&](const Rows& in, const std::string& name) {
+    return linear(in, k[name + ".weight"], &k[name + ".bias"]);
+  };
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string L = p + "encoder.layer." + std::to_string(l) + ".";
     out.attention.emplace_back();
-    Rows a = attention(dense(x, L + "attention.self.query"), dense(x, L + "attention.self.key"),
-                       dense(x, L + "attention.self.value"), c.num_heads, c.num_heads, c.head_dim,
-                       [](int64_t, int64_t) { return true; }, out.attention.back());
+    Rows a = attention(
+        dense(x, L + "attention.self.query"), dense(x, L + "attention.self.key"), dense(x, L + "attention.self.value"),
+        c.num_heads, c.num_heads, c.head_dim, [](int64_t, int64_t) { return true; }, out.attention.back());
     a = dense(a, L + "attention.output.dense");
     add(a, x);
     x = layer_norm(a, k[L + "attention.output.LayerNorm.weight"], k[L + "attention.output.LayerNorm.bias"], c.norm_eps);
@@ -201,9 +206,9 @@ inline OracleOutput bert_oracle(const ModelConfig& c, const Checkpoint& k, const
     activate(h, c.activation);
     h = layer_norm(h, k["cls.predictions.transform.LayerNorm.weight"], k["cls.predictions.transform.LayerNorm.bias"],
                    c.norm_eps);
-    out.logits = linear(h, c.tie_word_embeddings ? k[p + "embeddings.word_embeddings.weight"]
-                                                 : k["cls.predictions.decoder.weight"],
-                        &k["cls.predictions.bias"]);
+    out.logits = linear(
+        h, c.tie_word_embeddings ? k[p + "embeddings.word_embeddings.weight"] : k["cls.predictions.decoder.weight"],
+        &k["cls.predictions.bias"]);
   }
   return out;
 }
@@ -218,7 +223,8 @@ inline std::vector<double> hf_inverse_frequencies(const ModelConfig& c) {
     for (double& f : inv) f /= s.factor;
   if (s.kind == RopeScaling::Kind::Llama3) {
     const double old_context = static_cast<double>(s.original_max_position_embeddings);
-    const double low_freq_wavelen = old_context / s.low_freq_factor, high_freq_wavelen = old_context / s.high_freq_factor;
+    const double low_freq_wavelen = old_context / s.low_freq_factor,
+                 high_freq_wavelen = old_context / s.high_freq_factor;
     for (double& f : inv) {
       const double wavelen = 2 * std::numbers::pi / f;
       double scaled = wavelen > low_freq_wavelen ? f / s.factor : f;
@@ -248,9 +254,9 @@ inline OracleOutput llama_oracle(const ModelConfig& c, const Checkpoint& k, cons
     rotate(kk, c.num_kv_heads, c.head_dim, inv);
     const int64_t window = c.sliding_window > 0 && l >= c.sliding_window_from_layer ? c.sliding_window : 0;
     out.attention.emplace_back();
-    const Rows a = attention(q, kk, v, c.num_heads, c.num_kv_heads, c.head_dim,
-                             [&](int64_t i, int64_t j) { return j <= i && (window == 0 || i - j < window); },
-                             out.attention.back());
+    const Rows a = attention(
+        q, kk, v, c.num_heads, c.num_kv_heads, c.head_dim,
+        [&](int64_t i, int64_t j) { return j <= i && (window == 0 || i - j < window); }, out.attention.back());
     add(x, proj(a, L + "self_attn.o_proj"));
     const Rows h2 = rms_norm(x, k[L + "post_attention_layernorm.weight"], c.norm_eps);
     Rows gate = proj(h2, L + "mlp.gate_proj");

@@ -118,20 +118,21 @@ TEST_P(Llama, MatchesOracle) {
 
 INSTANTIATE_TEST_SUITE_P(
     Family, Llama,
-    ::testing::Values(
-        LlamaCase{"LlamaUntiedF32", "LlamaForCausalLM", false, "", DType::F32},
-        LlamaCase{"LlamaTiedBf16", "LlamaForCausalLM", true, "", DType::BF16},
-        LlamaCase{"LlamaBiasesF16", "LlamaForCausalLM", false, R"(, "attention_bias": true, "mlp_bias": true)", DType::F16},
-        LlamaCase{"RopeLinear", "LlamaForCausalLM", false, R"(, "rope_scaling": {"type": "linear", "factor": 4.0})",
-                  DType::F32},
-        LlamaCase{"RopeLlama3", "LlamaForCausalLM", true,
-                  R"(, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+    ::testing::Values(LlamaCase{"LlamaUntiedF32", "LlamaForCausalLM", false, "", DType::F32},
+                      LlamaCase{"LlamaTiedBf16", "LlamaForCausalLM", true, "", DType::BF16},
+                      LlamaCase{"LlamaBiasesF16", "LlamaForCausalLM", false,
+                                R"(, "attention_bias": true, "mlp_bias": true)", DType::F16},
+                      LlamaCase{"RopeLinear", "LlamaForCausalLM", false,
+                                R"(, "rope_scaling": {"type": "linear", "factor": 4.0})", DType::F32},
+                      LlamaCase{"RopeLlama3", "LlamaForCausalLM", true,
+                                R"(, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})",
-                  DType::BF16},
-        LlamaCase{"MistralWindow3", "MistralForCausalLM", false, R"(, "sliding_window": 3)", DType::F32},
-        LlamaCase{"Qwen2Biases", "Qwen2ForCausalLM", true, "", DType::BF16},
-        LlamaCase{"Qwen2WindowFromLayer1", "Qwen2ForCausalLM", false,
-                  R"(, "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1)", DType::F32}),
+                                DType::BF16},
+                      LlamaCase{"MistralWindow3", "MistralForCausalLM", false, R"(, "sliding_window": 3)", DType::F32},
+                      LlamaCase{"Qwen2Biases", "Qwen2ForCausalLM", true, "", DType::BF16},
+                      LlamaCase{"Qwen2WindowFromLayer1", "Qwen2ForCausalLM", false,
+                                R"(, "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1)",
+                                DType::F32}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Llama, RopeScalingChangesTheFrequenciesAsHuggingFaceDoes) {

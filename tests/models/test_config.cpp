@@ -47,7 +47,9 @@ TEST(Config, BertBaseUncased) {
   EXPECT_FALSE(c.is_causal());
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_EQ(parse_config(R"({"model_type": "bert", "vocab_size": 30, "hidden_size": 8, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 8})").architecture, Architecture::Bert);
+    "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 8})")
+                .architecture,
+            Architecture::Bert);
 }
 
 TEST(Config, TinyLlama) {

@@ -24,7 +24,7 @@ class CachedLogits : public ::testing::TestWithParam<CacheCase> {};
 
 Checkpoint checkpoint_for(const ModelConfig& c, uint64_t seed) {
   return c.architecture == Architecture::GPT2 ? gpt2_checkpoint(c, DType::BF16, seed)
-                                               : llama_checkpoint(c, DType::BF16, seed);
+                                              : llama_checkpoint(c, DType::BF16, seed);
 }
 
 // Each step's last logits from the cache equal the full forward's row at that position.

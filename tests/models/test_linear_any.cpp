@@ -21,8 +21,8 @@ struct LinearCase {
 };
 
 void PrintTo(const LinearCase& c, std::ostream* os) {
-  *os << "m " << c.m << ", out " << c.out << ", in " << c.in << (c.layout == Layout::OutIn ? ", (out, in) " : ", (in, out) ")
-      << c.dtype;
+  *os << "m " << c.m << ", out " << c.out << ", in " << c.in
+      << (c.layout == Layout::OutIn ? ", (out, in) " : ", (in, out) ") << c.dtype;
 }
 
 class LinearAny : public ::testing::TestWithParam<LinearCase> {};
@@ -46,7 +46,10 @@ TEST_P(LinearAny, EqualsTheProductOfTheStoredValues) {
   if (dtype != DType::F32) convert(stored.data(), dtype, back.data(), DType::F32, w.size());
   const std::vector<float>& values = dtype == DType::F32 ? w : back;  // what W holds, stored (rows, cols)
   const StoredMatrix matrix{.data = dtype == DType::F32 ? static_cast<const void*>(w.data()) : stored.data(),
-                            .dtype = dtype, .out = p.out, .in = p.in, .layout = p.layout};
+                            .dtype = dtype,
+                            .out = p.out,
+                            .in = p.in,
+                            .layout = p.layout};
   std::vector<float> y(static_cast<size_t>(p.m * p.out), NAN);
   linear(x.data(), p.m, matrix, bias.data(), y.data());
   double worst = 0;
@@ -64,8 +67,8 @@ TEST_P(LinearAny, EqualsTheProductOfTheStoredValues) {
 
 INSTANTIATE_TEST_SUITE_P(
     Panels, LinearAny,
-    ::testing::Values(LinearCase{3, 500, 300, Layout::OutIn, DType::BF16},   // 218-row panels: 3
-                      LinearCase{3, 300, 500, Layout::InOut, DType::F16},    // 218-row panels of in: 3
+    ::testing::Values(LinearCase{3, 500, 300, Layout::OutIn, DType::BF16},     // 218-row panels: 3
+                      LinearCase{3, 300, 500, Layout::InOut, DType::F16},      // 218-row panels of in: 3
                       LinearCase{20, 1000, 1100, Layout::OutIn, DType::BF16},  // 953-row panels: 2
                       LinearCase{20, 1100, 1000, Layout::InOut, DType::BF16},  // 953-row panels of in: 2
                       LinearCase{5, 37, 29, Layout::InOut, DType::F32},

@@ -41,12 +41,15 @@ TEST(ConfigErrors, UnknownArchitectureNamesItAndTheSupportedOnes) {
 }
 
 TEST(ConfigErrors, SizesAreBoundedAndDivisible) {
-  EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"("num_hidden_layers": 3)", R"("num_hidden_layers": 100000)")); }),
-              AllOf(HasSubstr("num_hidden_layers"), HasSubstr("100000")));
-  EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"("num_hidden_layers": 3)", R"("num_hidden_layers": 0)")); }),
-              HasSubstr("num_hidden_layers"));
-  EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"("num_key_value_heads": 2)", R"("num_key_value_heads": 3)")); }),
-              AllOf(HasSubstr("num_key_value_heads 3"), HasSubstr("num_attention_heads 4")));
+  EXPECT_THAT(
+      error_of([] { parse_config(with(llama_json(), R"("num_hidden_layers": 3)", R"("num_hidden_layers": 100000)")); }),
+      AllOf(HasSubstr("num_hidden_layers"), HasSubstr("100000")));
+  EXPECT_THAT(
+      error_of([] { parse_config(with(llama_json(), R"("num_hidden_layers": 3)", R"("num_hidden_layers": 0)")); }),
+      HasSubstr("num_hidden_layers"));
+  EXPECT_THAT(
+      error_of([] { parse_config(with(llama_json(), R"("num_key_value_heads": 2)", R"("num_key_value_heads": 3)")); }),
+      AllOf(HasSubstr("num_key_value_heads 3"), HasSubstr("num_attention_heads 4")));
   EXPECT_THAT(error_of([] { parse_config(with(gpt2_json(), R"("n_head": 4)", R"("n_head": 5)")); }),
               AllOf(HasSubstr("5"), HasSubstr("hidden_size 48")));
   EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"("hidden_size": 40)", R"("hidden_size": 44)")); }),
@@ -56,10 +59,11 @@ TEST(ConfigErrors, SizesAreBoundedAndDivisible) {
   EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"("intermediate_size": 72,)", "")); }),
               HasSubstr("missing field 'intermediate_size'"));
   EXPECT_THAT(error_of([] { parse_config(with(llama_json(), R"([5, 66])", "[5, 67]")); }), HasSubstr("eos_token_id"));
-  EXPECT_THAT(error_of([] {
-                parse_config(llama_json("LlamaForCausalLM", false, R"(, "rope_scaling": {"type": "yarn", "factor": 2})"));
-              }),
-              HasSubstr("'yarn'"));
+  EXPECT_THAT(
+      error_of([] {
+        parse_config(llama_json("LlamaForCausalLM", false, R"(, "rope_scaling": {"type": "yarn", "factor": 2})"));
+      }),
+      HasSubstr("'yarn'"));
   EXPECT_THAT(error_of([] { parse_config(with(gpt2_json(), "gelu_new", "mish")); }), HasSubstr("'mish'"));
 }
 
@@ -72,14 +76,15 @@ TEST(WeightErrors, MissingAndMisshapedTensorsAreNamed) {
                     HasSubstr("memory: tensor")));
   k = llama_checkpoint(c, DType::BF16, 31);
   k.weights->reshape("model.layers.1.self_attn.k_proj.weight", {40, 20});
-  EXPECT_THAT(error_of([&] { Model(c, k.weights); }),
-              AllOf(HasSubstr("'model.layers.1.self_attn.k_proj.weight'"), HasSubstr("is (40, 20)"),
-                    HasSubstr("needs (20, 40)")));
+  EXPECT_THAT(error_of([&] { Model(c, k.weights); }), AllOf(HasSubstr("'model.layers.1.self_attn.k_proj.weight'"),
+                                                            HasSubstr("is (40, 20)"), HasSubstr("needs (20, 40)")));
   // An untied model needs its lm_head; a GPT-2 Conv1D weight stored as (out, in) is refused.
   ModelConfig untied = parse_config(llama_json("LlamaForCausalLM", true));
   untied.tie_word_embeddings = false;
-  EXPECT_THAT(error_of([&] { Model(untied, llama_checkpoint(parse_config(llama_json("LlamaForCausalLM", true)),
-                                                            DType::F32, 3).weights); }),
+  EXPECT_THAT(error_of([&] {
+                Model(untied,
+                      llama_checkpoint(parse_config(llama_json("LlamaForCausalLM", true)), DType::F32, 3).weights);
+              }),
               HasSubstr("missing weight 'lm_head.weight'"));
   const ModelConfig g = parse_config(gpt2_json());
   Checkpoint gk = gpt2_checkpoint(g, DType::F32, 32);
@@ -106,7 +111,9 @@ TEST(InputErrors, IdsLengthsAndArchitectures) {
   const ModelConfig b = parse_config(bert_json(true));
   const Model bert(b, bert_checkpoint(b, DType::F32, 34).weights);
   EXPECT_THAT(error_of([&] { bert.generate({1, 2}); }), HasSubstr("not a causal language model"));
-  EXPECT_THAT(error_of([&] { bert.forward(ModelInput{.ids = {{1, 2}}, .token_type_ids = {{0, 2}}}); }),
+  EXPECT_THAT(error_of([&] {
+                bert.forward(ModelInput{.ids = {{1, 2}}, .token_type_ids = {{0, 2}}});
+              }),
               HasSubstr("token type 2"));
 }
 

@@ -38,8 +38,8 @@ struct RopeScaling {
   };
   Kind kind = Kind::None;
   double factor = 1;
-  double low_freq_factor = 1;                     // Llama3
-  double high_freq_factor = 4;                    // Llama3
+  double low_freq_factor = 1;                       // Llama3
+  double high_freq_factor = 4;                      // Llama3
   int64_t original_max_position_embeddings = 8192;  // Llama3
 };
 
@@ -54,26 +54,26 @@ struct ModelConfig {
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
   int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;        // num_heads without grouped-query attention
-  int64_t head_dim = 0;            // hidden_size / num_heads unless config.json gives it
-  int64_t intermediate_size = 0;   // the MLP's inner width
-  int64_t max_positions = 0;       // max_position_embeddings / n_positions
-  int64_t type_vocab_size = 0;     // BERT's token types; 0 elsewhere
-  double norm_eps = 1e-5;          // layer_norm_epsilon / layer_norm_eps / rms_norm_eps
+  int64_t num_kv_heads = 0;       // num_heads without grouped-query attention
+  int64_t head_dim = 0;           // hidden_size / num_heads unless config.json gives it
+  int64_t intermediate_size = 0;  // the MLP's inner width
+  int64_t max_positions = 0;      // max_position_embeddings / n_positions
+  int64_t type_vocab_size = 0;    // BERT's token types; 0 elsewhere
+  double norm_eps = 1e-5;         // layer_norm_epsilon / layer_norm_eps / rms_norm_eps
   Activation activation = Activation::Silu;
-  double rope_theta = 10000;       // Llama family
-  RopeScaling rope_scaling;        // Llama family
+  double rope_theta = 10000;  // Llama family
+  RopeScaling rope_scaling;   // Llama family
   // Llama family: > 0 when a layer's queries see only their last `sliding_window` positions (their
   // own included), in the layers [sliding_window_from_layer, num_layers) (Mistral: from 0; Qwen2:
   // from max_window_layers, and only with use_sliding_window).
   int64_t sliding_window = 0;
   int64_t sliding_window_from_layer = 0;
-  bool tie_word_embeddings = false;  // lm head = token embedding (GPT-2 and BERT's decoder: true)
-  bool attention_bias = false;     // biases on q, k, v (Qwen2: always; Llama: attention_bias)
+  bool tie_word_embeddings = false;    // lm head = token embedding (GPT-2 and BERT's decoder: true)
+  bool attention_bias = false;         // biases on q, k, v (Qwen2: always; Llama: attention_bias)
   bool attention_output_bias = false;  // bias on o_proj (Llama: attention_bias)
-  bool mlp_bias = false;           // Llama: mlp_bias
+  bool mlp_bias = false;               // Llama: mlp_bias
   std::vector<int64_t> eos_token_ids;  // eos_token_id (an id or a list); may be empty
-  int64_t bos_token_id = -1;       // -1: none given
+  int64_t bos_token_id = -1;           // -1: none given
 
   bool is_causal() const { return architecture != Architecture::Bert && architecture != Architecture::BertMaskedLM; }
   bool has_lm_head() const { return architecture != Architecture::Bert; }

@@ -37,10 +37,10 @@ struct ModelOutput {
 
 struct GenerationOptions {
   int64_t max_new_tokens = 32;
-  float temperature = 0;  // 0: greedy (argmax); else softmax(logits / temperature)
-  int64_t top_k = 0;      // > 0: sample among the k most likely tokens only
-  float top_p = 1;        // < 1: among the fewest most likely tokens whose probability reaches top_p
-  uint64_t seed = 0;      // the sampler's seed: the same seed gives the same tokens
+  float temperature = 0;    // 0: greedy (argmax); else softmax(logits / temperature)
+  int64_t top_k = 0;        // > 0: sample among the k most likely tokens only
+  float top_p = 1;          // < 1: among the fewest most likely tokens whose probability reaches top_p
+  uint64_t seed = 0;        // the sampler's seed: the same seed gives the same tokens
   bool stop_at_eos = true;  // stop after a token of config.eos_token_ids
 };
 
@@ -48,8 +48,8 @@ struct GenerationResult {
   std::vector<int64_t> tokens;  // the new tokens, the eos that stopped them included
   bool stopped_at_eos = false;
   int64_t prompt_tokens = 0;
-  double prefill_seconds = 0;  // the prompt's forward and the first token's choice
-  double decode_seconds = 0;   // every later token's step
+  double prefill_seconds = 0;                // the prompt's forward and the first token's choice
+  double decode_seconds = 0;                 // every later token's step
   double prefill_tokens_per_second() const;  // prompt_tokens / prefill_seconds
   double decode_tokens_per_second() const;   // (tokens - 1) / decode_seconds
 };
