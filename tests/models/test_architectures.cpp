@@ -1,6 +1,9 @@
 // Each architecture against its float64 oracle (oracles.hpp) on small random checkpoints: logits,
 // hidden states and per-layer attention weights, with f32 and 16-bit stored weights (the oracle
 // reads the very values stored, so the tolerance is float32 arithmetic's either way).
+#include <cmath>
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include "checkpoint.hpp"
@@ -164,6 +167,26 @@ TEST(Llama, RaggedBatchEqualsEachSequenceAlone) {
   for (int64_t b = 0; b < 2; ++b)
     expect_rows_close(batch.logits, b, llama_oracle(c, k, input.ids[b]).logits, kTolerance,
                       "element " + std::to_string(b));
+}
+
+// forward() only reads the model: two threads at once get what one thread gets alone.
+TEST(Llama, ConcurrentForwardsAgree) {
+  const ModelConfig c = parse_config(llama_json("Qwen2ForCausalLM"));
+  const Checkpoint k = llama_checkpoint(c, DType::BF16, 18);
+  const Model model(c, k.weights);
+  const std::vector<int64_t> a = {1, 2, 3, 4, 5, 6, 7, 8}, b = {9, 8, 7};
+  const std::vector<float> alone_a = model.forward(a).logits.to_vector(), alone_b = model.forward(b).logits.to_vector();
+  std::vector<float> together_a, together_b;
+  std::thread other([&] {
+    for (int i = 0; i < 20; ++i) together_b = model.forward(b).logits.to_vector();
+  });
+  for (int i = 0; i < 20; ++i) together_a = model.forward(a).logits.to_vector();
+  other.join();
+  // Equal up to the order of float sums, which a kernel may split by the threads it gets.
+  for (const auto& [got, want] : {std::pair{&together_a, &alone_a}, std::pair{&together_b, &alone_b}}) {
+    ASSERT_EQ(got->size(), want->size());
+    for (size_t i = 0; i < want->size(); ++i) EXPECT_NEAR((*got)[i], (*want)[i], 1e-5 * (1 + std::abs((*want)[i])));
+  }
 }
 
 }  // namespace
