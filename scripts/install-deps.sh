@@ -15,6 +15,7 @@ build=(
   libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
   libgomp1                 # OpenMP threads (ships with g++)
   libdnnl-dev              # oneDNN's sgemm for large GEMMs (optional to CMake: OpenBLAS without it)
+  nlohmann-json3-dev       # the models' config.json (src/models/config.cpp; header-only)
 )
 tools=(
   libcli11-dev libfmt-dev  # the qkv command line tool
