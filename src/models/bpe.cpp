@@ -35,7 +35,7 @@ class Bpe final : public Model {
     ignore_merges_ = bool_or(spec, "ignore_merges", false, where);
     if (const auto dropout = spec.find("dropout"); dropout != spec.end() && !dropout->is_null())
       if (!dropout->is_number() || dropout->get<double>() != 0.0)
-        bad_field(where + ".dropout", "qkv encodes without BPE dropout; found " + dropout->dump());
+        bad_field(where + ".dropout", "qkv encodes without BPE dropout; found " + brief(*dropout));
     read_merges(spec.contains("merges") ? spec["merges"] : Json::array(), where + ".merges");
   }
 
@@ -79,7 +79,7 @@ class Bpe final : public Model {
         left = merge[0].get<std::string>();
         right = merge[1].get<std::string>();
       } else {
-        bad_field(at, "expected \"left right\" or [\"left\", \"right\"], found " + merge.dump());
+        bad_field(at, "expected \"left right\" or [\"left\", \"right\"], found " + brief(merge));
       }
       const auto left_id = vocabulary_.find(left), right_id = vocabulary_.find(right),
                  merged_id = vocabulary_.find(left + right);

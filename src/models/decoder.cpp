@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "models/byte_level.hpp"
+#include "models/json_parse.hpp"
 #include "models/tokenizer_parts.hpp"
 #include "models/unicode.hpp"
 
@@ -103,7 +104,7 @@ Decoder strip(const Json& spec, const std::string& where) {
   const auto count = [&](const char* key) {
     const auto it = spec.find(key);
     if (it == spec.end()) return uint64_t{0};
-    if (!it->is_number_unsigned()) bad_field(where + "." + key, "expected a count, found " + it->dump());
+    if (!it->is_number_unsigned()) bad_field(where + "." + key, "expected a count, found " + brief(*it));
     return it->get<uint64_t>();
   };
   const uint64_t start = count("start"), stop = count("stop");
@@ -142,7 +143,7 @@ Decoder make_decoder(const Json& spec, const std::string& where) {
   if (type == "Replace") {
     const Json& pattern = required(spec, "pattern", where);
     if (!pattern.is_object() || !pattern.contains("String") || !pattern["String"].is_string())
-      bad_field(where + ".pattern", "qkv replaces string patterns only, found " + pattern.dump());
+      bad_field(where + ".pattern", "qkv replaces string patterns only, found " + brief(pattern));
     const std::string from = pattern["String"].get<std::string>(), to = string_or(spec, "content", "", where);
     return per_token([from, to](DecodedToken& token, size_t) { token.text = replace_all(token.text, from, to); });
   }

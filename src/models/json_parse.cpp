@@ -9,6 +9,13 @@ struct TooDeep {};
 
 }  // namespace
 
+std::string brief(const nlohmann::json& value) {
+  constexpr size_t kMost = 80;
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > kMost) text = text.substr(0, kMost) + "...";
+  return text;
+}
+
 nlohmann::json parse_json(std::string_view text, const std::string& source) {
   try {
     return nlohmann::json::parse(text.begin(), text.end(), [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {

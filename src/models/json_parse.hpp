@@ -10,6 +10,9 @@ namespace qkv::models::detail {
 
 constexpr int kMaxJsonDepth = 64;
 
+// A JSON value as an error message quotes it: its text, cut to 80 characters.
+std::string brief(const nlohmann::json& value);
+
 // Throws qkv::Error "<source>: not valid JSON: ..." or "... nested deeper than 64 levels".
 nlohmann::json parse_json(std::string_view text, const std::string& source);
 

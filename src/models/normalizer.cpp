@@ -1,5 +1,6 @@
 // tokenizer.json normalizers: NFC/NFD/NFKC/NFKD, Lowercase, StripAccents, Prepend, Replace (a
 // string pattern), Strip, BertNormalizer and Sequence of them.
+#include "models/json_parse.hpp"
 #include "models/tokenizer_parts.hpp"
 #include "models/unicode.hpp"
 
@@ -96,7 +97,7 @@ Normalizer make_normalizer(const Json& spec, const std::string& where) {
   if (type == "Replace") {
     const Json& pattern = required(spec, "pattern", where);
     if (!pattern.is_object() || !pattern.contains("String") || !pattern["String"].is_string())
-      bad_field(where + ".pattern", "qkv replaces string patterns only, found " + pattern.dump());
+      bad_field(where + ".pattern", "qkv replaces string patterns only, found " + brief(pattern));
     const std::string from = pattern["String"].get<std::string>();
     const std::string to = string_or(spec, "content", "", where);
     return [from, to](std::string_view t) { return replace_all(t, from, to); };

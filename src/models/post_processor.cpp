@@ -1,6 +1,7 @@
 // tokenizer.json post-processors, for a single sequence: TemplateProcessing ("single": special
 // tokens around $A), BertProcessing and RobertaProcessing ([CLS] ... [SEP]), ByteLevel (adds
 // nothing) and Sequence of them.
+#include "models/json_parse.hpp"
 #include "models/tokenizer_parts.hpp"
 
 namespace qkv::models::detail {
@@ -11,11 +12,11 @@ int64_t token_pair(const Json& spec, const char* key, const std::string& where,
                    const std::function<std::optional<int64_t>(const std::string&)>& find) {
   const Json& pair = required(spec, key, where);
   if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string() || !pair[1].is_number_integer())
-    bad_field(where + "." + key, "expected [\"token\", id], found " + pair.dump());
+    bad_field(where + "." + key, "expected [\"token\", id], found " + brief(pair));
   const std::string token = pair[0].get<std::string>();
   const std::optional<int64_t> id = find(token);
   if (!id || *id != pair[1].get<int64_t>())
-    bad_field(where + "." + key, "'" + token + "' is not token " + pair[1].dump() + " of the vocabulary");
+    bad_field(where + "." + key, "'" + token + "' is not token " + brief(pair[1]) + " of the vocabulary");
   return *id;
 }
 
@@ -29,7 +30,7 @@ std::vector<int64_t> template_special(const Json& spec, const std::string& name,
     if (!ids.is_array()) bad_field(where + ".special_tokens." + name + ".ids", "expected a list of ids");
     std::vector<int64_t> out;
     for (const Json& id : ids) {
-      if (!id.is_number_integer()) bad_field(where + ".special_tokens." + name + ".ids", "expected ids, found " + id.dump());
+      if (!id.is_number_integer()) bad_field(where + ".special_tokens." + name + ".ids", "expected ids, found " + brief(id));
       out.push_back(id.get<int64_t>());
     }
     return out;
@@ -50,7 +51,7 @@ PostProcessor template_processing(const Json& spec, const std::string& where,
       continue;
     }
     if (!item.is_object() || !item.contains("SpecialToken") || !item["SpecialToken"].is_object())
-      bad_field(where + ".single", "expected {\"Sequence\": ...} or {\"SpecialToken\": ...}, found " + item.dump());
+      bad_field(where + ".single", "expected {\"Sequence\": ...} or {\"SpecialToken\": ...}, found " + brief(item));
     const std::string name = string_or(item["SpecialToken"], "id", "", where + ".single");
     const std::vector<int64_t> ids = template_special(spec, name, where, find);
     auto& side = seen_sequence ? result.suffix : result.prefix;

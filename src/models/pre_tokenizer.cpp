@@ -5,6 +5,7 @@
 
 #include "models/byte_level.hpp"
 #include "models/split_pattern.hpp"
+#include "models/json_parse.hpp"
 #include "models/tokenizer_parts.hpp"
 #include "models/unicode.hpp"
 #include "qkv/error.hpp"
@@ -176,7 +177,7 @@ PreTokenizer split(const Json& spec, const std::string& where) {
     }
     return splitter([compiled](std::string_view text) { return compiled->matches(text); }, behavior, invert);
   }
-  bad_field(where + ".pattern", "expected {\"String\": ...} or {\"Regex\": ...}, found " + pattern.dump());
+  bad_field(where + ".pattern", "expected {\"String\": ...} or {\"Regex\": ...}, found " + brief(pattern));
 }
 
 }  // namespace

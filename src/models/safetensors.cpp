@@ -18,6 +18,7 @@ namespace {
 static_assert(std::endian::native == std::endian::little, "safetensors are little-endian, as this reader's host");
 
 using Json = nlohmann::json;
+using detail::brief;
 
 // The header may be at most this long (the format's reference reader has the same bound).
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
@@ -69,13 +70,13 @@ struct Header {
 }
 
 std::vector<int64_t> parse_shape(const std::filesystem::path& file, const std::string& name, const Json& shape) {
-  if (!shape.is_array()) bad_tensor(file, name, "shape must be an array of dims, found " + shape.dump());
+  if (!shape.is_array()) bad_tensor(file, name, "shape must be an array of dims, found " + brief(shape));
   std::vector<int64_t> dims;
   for (const Json& dim : shape) {
     if (!dim.is_number_integer() || (dim.is_number_integer() && !dim.is_number_unsigned() && dim.get<int64_t>() < 0))
-      bad_tensor(file, name, "shape " + shape.dump() + " must hold non-negative integers");
+      bad_tensor(file, name, "shape " + brief(shape) + " must hold non-negative integers");
     const uint64_t value = dim.get<uint64_t>();
-    if (value > static_cast<uint64_t>(INT64_MAX)) bad_tensor(file, name, "shape " + shape.dump() + " has a dim past 2^63");
+    if (value > static_cast<uint64_t>(INT64_MAX)) bad_tensor(file, name, "shape " + brief(shape) + " has a dim past 2^63");
     dims.push_back(static_cast<int64_t>(value));
   }
   return dims;
@@ -95,12 +96,12 @@ uint64_t tensor_bytes(const std::filesystem::path& file, const std::string& name
 
 Entry parse_entry(const std::filesystem::path& file, const std::string& name, const Json& value, uint64_t data_bytes) {
   if (name.empty()) bad(file, "a tensor has an empty name");
-  if (!value.is_object()) bad_tensor(file, name, "expected an object with dtype, shape and data_offsets, found " + value.dump());
+  if (!value.is_object()) bad_tensor(file, name, "expected an object with dtype, shape and data_offsets, found " + brief(value));
   for (const char* key : {"dtype", "shape", "data_offsets"})
     if (!value.contains(key)) bad_tensor(file, name, std::string("no '") + key + "'");
   Entry entry;
   const Json& dtype = value["dtype"];
-  if (!dtype.is_string()) bad_tensor(file, name, "dtype must be a string, found " + dtype.dump());
+  if (!dtype.is_string()) bad_tensor(file, name, "dtype must be a string, found " + brief(dtype));
   entry.dtype = dtype.get<std::string>();
   const std::optional<size_t> element = element_bytes(entry.dtype);
   if (!element) bad_tensor(file, name, "unknown dtype '" + entry.dtype + "'");
@@ -108,16 +109,16 @@ Entry parse_entry(const std::filesystem::path& file, const std::string& name, co
   const uint64_t bytes = tensor_bytes(file, name, entry.view.shape, *element);
   const Json& offsets = value["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
-    bad_tensor(file, name, "data_offsets must be [begin, end], two non-negative integers, found " + offsets.dump());
+    bad_tensor(file, name, "data_offsets must be [begin, end], two non-negative integers, found " + brief(offsets));
   entry.begin = offsets[0].get<uint64_t>();
   entry.end = offsets[1].get<uint64_t>();
   if (entry.begin > entry.end)
-    bad_tensor(file, name, "data_offsets " + offsets.dump() + " end before they begin");
+    bad_tensor(file, name, "data_offsets " + brief(offsets) + " end before they begin");
   if (entry.end > data_bytes)
-    bad_tensor(file, name, "data_offsets " + offsets.dump() + " run past the data section's " +
+    bad_tensor(file, name, "data_offsets " + brief(offsets) + " run past the data section's " +
                                std::to_string(data_bytes) + " bytes");
   if (entry.end - entry.begin != bytes)
-    bad_tensor(file, name, "data_offsets " + offsets.dump() + " hold " + std::to_string(entry.end - entry.begin) +
+    bad_tensor(file, name, "data_offsets " + brief(offsets) + " hold " + std::to_string(entry.end - entry.begin) +
                                " bytes but " + entry.dtype + " " + shape_text(entry.view.shape) + " needs " +
                                std::to_string(bytes));
   if (const std::optional<DType> type = qkv_dtype(entry.dtype)) {
@@ -251,7 +252,7 @@ SafetensorsWeights SafetensorsWeights::open_index(const std::filesystem::path& i
   std::map<std::string, std::string> where;  // tensor -> shard
   std::vector<std::string> shards;          // in first-mention order
   for (const auto& [tensor, shard] : json["weight_map"].items()) {
-    if (!shard.is_string()) bad(index, "weight_map['" + tensor + "'] must be a file name, found " + shard.dump());
+    if (!shard.is_string()) bad(index, "weight_map['" + tensor + "'] must be a file name, found " + brief(shard));
     const std::string name = shard.get<std::string>();
     check_shard_name(index, tensor, name);
     if (std::find(shards.begin(), shards.end(), name) == shards.end()) shards.push_back(name);

@@ -139,7 +139,7 @@ class JsonTokenizer final : public Tokenizer {
       const Json& entry = list[i];
       const std::string at = where + "[" + std::to_string(i) + "]";
       const Json& id = required(entry, "id", at);
-      if (!id.is_number_integer()) bad_field(at + ".id", "expected an id, found " + id.dump());
+      if (!id.is_number_integer()) bad_field(at + ".id", "expected an id, found " + brief(id));
       AddedToken token{string_or(entry, "content", "", at), id.is_number_unsigned() && id.get<uint64_t>() > INT64_MAX ? -1 : id.get<int64_t>(),
                        bool_or(entry, "special", false, at), bool_or(entry, "lstrip", false, at),
                        bool_or(entry, "rstrip", false, at)};

@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "models/json_parse.hpp"
+
 namespace qkv::models::detail {
 
 using Json = nlohmann::json;
@@ -33,8 +35,12 @@ using PreTokenizer = std::function<void(std::vector<std::string>& pieces, bool f
 PreTokenizer make_pre_tokenizer(const Json& spec, const std::string& where);
 
 // The vocabulary of a model: token <-> id, ids checked to be non-negative and unique.
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view text) const { return std::hash<std::string_view>{}(text); }
+};
 struct Vocabulary {
-  std::unordered_map<std::string, int64_t> ids;
+  std::unordered_map<std::string, int64_t, StringHash, std::equal_to<>> ids;
   std::vector<std::string> tokens;  // by id; holes are empty and absent from `ids`
   std::optional<int64_t> find(std::string_view token) const;
 };

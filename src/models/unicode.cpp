@@ -5,6 +5,8 @@
 #include <unicode/unistr.h>
 #include <unicode/ustring.h>
 
+#include <cstdint>
+
 #include "qkv/error.hpp"
 
 namespace qkv::models::detail {
@@ -69,6 +71,7 @@ std::string normalize_valid(std::string_view run, const icu::Normalizer2& n) {
 }  // namespace
 
 std::vector<Utf8Unit> utf8_units(std::string_view text) {
+  if (text.size() > UINT32_MAX) throw Error("qkv tokenizes at most 4 GiB of text at once");
   std::vector<Utf8Unit> units;
   units.reserve(text.size());
   for (size_t i = 0; i < text.size();) {

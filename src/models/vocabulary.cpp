@@ -15,8 +15,8 @@ void add_token(Vocabulary& vocabulary, const std::string& token, int64_t id, con
     bad_field(where, "token '" + token + "' has id " + std::to_string(id) + ", far past the " +
                          std::to_string(vocabulary.ids.size()) + " tokens seen so far (ids must be dense)");
   if (at >= vocabulary.tokens.size()) vocabulary.tokens.resize(at + 1);
-  if (vocabulary.ids.count(token) && vocabulary.ids[token] != id)
-    bad_field(where, "token '" + token + "' has two ids, " + std::to_string(vocabulary.ids[token]) + " and " +
+  if (const auto known = vocabulary.ids.find(token); known != vocabulary.ids.end() && known->second != id)
+    bad_field(where, "token '" + token + "' has two ids, " + std::to_string(known->second) + " and " +
                          std::to_string(id));
   if (!vocabulary.tokens[at].empty() && vocabulary.tokens[at] != token)
     bad_field(where, "id " + std::to_string(id) + " is both '" + vocabulary.tokens[at] + "' and '" + token + "'");
@@ -31,7 +31,7 @@ Vocabulary read_vocabulary(const Json& spec, const std::string& where) {
   // Dense ids in any order: sort them first so that the gap rule sees them rising.
   std::vector<std::pair<int64_t, std::string>> entries;
   for (const auto& [token, id] : spec.items()) {
-    if (!id.is_number_integer()) bad_field(where, "token '" + token + "': the id must be an integer, found " + id.dump());
+    if (!id.is_number_integer()) bad_field(where, "token '" + token + "': the id must be an integer, found " + brief(id));
     const int64_t value = id.is_number_unsigned() && id.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
                               ? -1 : id.get<int64_t>();
     entries.emplace_back(value, token);

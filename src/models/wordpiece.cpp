@@ -21,7 +21,7 @@ class WordPiece final : public Model {
       // The greedy search is quadratic in a word's length: the bound keeps it short.
       if (!it->is_number_unsigned() || it->get<uint64_t>() > kMostCharsPerWord)
         bad_field(where + ".max_input_chars_per_word",
-                  "expected a count up to " + std::to_string(kMostCharsPerWord) + ", found " + it->dump());
+                  "expected a count up to " + std::to_string(kMostCharsPerWord) + ", found " + brief(*it));
       max_chars_ = it->get<uint64_t>();
     }
   }
