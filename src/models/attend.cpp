@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <string>
 
-#include "network.hpp"
+#include "models/network.hpp"
 #include "qkv/attention.hpp"
 
 namespace qkv::models::detail {

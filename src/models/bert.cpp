@@ -5,9 +5,9 @@
 // word embeddings plus a bias.
 #include <string>
 
-#include "network.hpp"
-#include "token_ops.hpp"
-#include "weight_table.hpp"
+#include "models/network.hpp"
+#include "models/token_ops.hpp"
+#include "models/weight_table.hpp"
 
 namespace qkv::models::detail {
 

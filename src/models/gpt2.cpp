@@ -4,9 +4,9 @@
 // a final ln_f and the lm head tied to wte. Conv1D weights are stored (in, out).
 #include <string>
 
-#include "network.hpp"
-#include "token_ops.hpp"
-#include "weight_table.hpp"
+#include "models/network.hpp"
+#include "models/token_ops.hpp"
+#include "models/weight_table.hpp"
 
 namespace qkv::models::detail {
 

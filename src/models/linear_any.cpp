@@ -1,11 +1,11 @@
 // qkv::models::detail::linear (linear_any.hpp): panels of a 16-bit weight widened into per-thread
 // scratch, each multiplied by qkv::detail::sgemm.
-#include "linear_any.hpp"
+#include "models/linear_any.hpp"
 
 #include <algorithm>
 #include <vector>
 
-#include "gemm.hpp"
+#include "gemm/gemm.hpp"
 
 namespace qkv::models::detail {
 

@@ -8,9 +8,9 @@
 #include <optional>
 #include <string>
 
-#include "network.hpp"
-#include "token_ops.hpp"
-#include "weight_table.hpp"
+#include "models/network.hpp"
+#include "models/token_ops.hpp"
+#include "models/weight_table.hpp"
 
 namespace qkv::models::detail {
 

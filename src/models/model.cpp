@@ -5,7 +5,7 @@
 #include <chrono>
 #include <string>
 
-#include "network.hpp"
+#include "models/network.hpp"
 #include "qkv/error.hpp"
 #include "qkv/models/model.hpp"
 

@@ -9,7 +9,7 @@
 
 #include "qkv/error.hpp"
 #include "qkv/models/model.hpp"
-#include "random.hpp"
+#include "core/random.hpp"
 
 namespace qkv::models {
 

@@ -1,5 +1,5 @@
 // qkv::models::detail token ops (token_ops.hpp).
-#include "token_ops.hpp"
+#include "models/token_ops.hpp"
 
 #include <cmath>
 #include <numbers>

@@ -1,5 +1,5 @@
 // qkv::models::detail::WeightTable (weight_table.hpp): the shape and dtype checks of every weight.
-#include "weight_table.hpp"
+#include "models/weight_table.hpp"
 
 #include "qkv/error.hpp"
 #include "qkv/tensor.hpp"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "linear_any.hpp"
+#include "models/linear_any.hpp"
 #include "qkv/models/weights.hpp"
 
 namespace qkv::models::detail {
