@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _core
 from ._core import Backend, Error, Mask, MaskParseError, dropout_keeps, manual_seed
+from .models import Generation, Model, ModelOutput, load_model, write_safetensors  # real models: models.py
 
 __version__ = _core.__version__
 for _name in ("Backend", "Error", "Mask", "MaskParseError"):
