@@ -88,9 +88,12 @@ void run_heads(const HeadsOptions& o) {
   const models::Pretrained model = models::load_pretrained(o.folder);
   const std::vector<int64_t> ids = encode_text(model, o.text);
   if (ids.size() < 2) throw Error(fmt::format("the text has {} token; give at least 2", ids.size()));
-  fmt::print("{}: {}, measured on {} tokens of text and {} random tokens repeated twice\n", o.folder,
-             models::to_string(model.config.architecture), ids.size(), o.repeat);
-  const std::vector<models::HeadRoleScores> heads = measure_roles(model, ids, o.seed);
+  const int64_t positions = model.config.max_positions;
+  fmt::print("{}: {}, measured on {} tokens of text{} and {} random tokens repeated twice\n", o.folder,
+             models::to_string(model.config.architecture), std::min<int64_t>(std::ssize(ids), positions),
+             std::ssize(ids) > positions ? fmt::format(" (the first {}: its positions)", positions) : "",
+             std::min<int64_t>(o.repeat, positions / 2));
+  const std::vector<models::HeadRoleScores> heads = measure_roles(model, ids, o.repeat, o.seed);
   print_table(heads);
   if (!o.output.empty()) draw_picture(heads, model.config, o.folder, o.output);
 }

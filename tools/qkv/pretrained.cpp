@@ -68,7 +68,7 @@ std::vector<int64_t> encode_text(const models::Pretrained& model, const std::str
 }
 
 std::vector<models::HeadRoleScores> measure_roles(const models::Pretrained& model, const std::vector<int64_t>& ids,
-                                                  uint64_t seed) {
+                                                  int64_t repeat_length, uint64_t seed) {
   // Tokens to draw the repeated sequence from: the vocabulary's ordinary tokens.
   std::vector<int64_t> candidates;
   const int64_t vocab = std::min<int64_t>(model.config.vocab_size, model.tokenizer->vocab_size());
@@ -77,7 +77,12 @@ std::vector<models::HeadRoleScores> measure_roles(const models::Pretrained& mode
   // A special token the tokenizer puts first (BOS, [CLS]) starts the repeated sequence too.
   std::vector<int64_t> prefix;
   if (model.tokenizer->is_special(ids.front())) prefix.push_back(ids.front());
-  return models::measure_head_roles(model.model, ids, prefix, candidates, {.seed = seed});
+  // Both sequences within the model's positions: the text's first max_positions tokens, and a
+  // repeated sequence short enough to fit twice.
+  const int64_t positions = model.config.max_positions;
+  const std::vector<int64_t> text(ids.begin(), ids.begin() + std::min<int64_t>(positions, std::ssize(ids)));
+  const int64_t repeat = std::min<int64_t>(repeat_length, (positions - std::ssize(prefix)) / 2);
+  return models::measure_head_roles(model.model, text, prefix, candidates, {.repeat_length = repeat, .seed = seed});
 }
 
 void run_pretrained_generate(const PretrainedGenerateOptions& o) {

@@ -39,9 +39,10 @@ void run_pretrained_viz(const PretrainedVizOptions& options);
 // vocabulary spelling when it is not whole UTF-8 on its own.
 std::vector<std::string> token_labels(const models::Tokenizer& tokenizer, const std::vector<int64_t>& ids);
 
-// Every head's role scores on `ids` and on a repeated random sequence (models::measure_head_roles).
+// Every head's role scores on `ids` and on a random sequence of `repeat_length` tokens repeated
+// (models::measure_head_roles), each cut to fit the model's positions.
 std::vector<models::HeadRoleScores> measure_roles(const models::Pretrained& model, const std::vector<int64_t>& ids,
-                                                  uint64_t seed = 0);
+                                                  int64_t repeat_length = 24, uint64_t seed = 0);
 
 // The ids of `text` for `model`; qkv::Error when the folder has no tokenizer or the text no tokens.
 std::vector<int64_t> encode_text(const models::Pretrained& model, const std::string& text);
