@@ -47,7 +47,7 @@ fuzz_one() {
   return $result
 }
 
-targets=(fuzz_attention fuzz_model_load fuzz_mask_expression fuzz_explorer_api)
+targets=(fuzz_attention fuzz_model_load fuzz_mask_expression fuzz_explorer_api fuzz_safetensors fuzz_tokenizer_json)
 status=0
 for ((first = 0; first < ${#targets[@]}; first += jobs)); do
   pids=()

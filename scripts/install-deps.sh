@@ -17,6 +17,9 @@ build=(
   libhwy-dev               # SIMD in the flash kernel (Highway's dynamic dispatch)
   libgomp1                 # OpenMP threads (ships with g++)
   libdnnl-dev              # oneDNN's sgemm for large GEMMs (optional to CMake: OpenBLAS without it)
+  nlohmann-json3-dev       # model folders: safetensors headers, tokenizer.json, config.json
+  libicu-dev               # tokenizers: Unicode categories and normalization forms
+  libsentencepiece-dev     # tokenizer.model files (optional to CMake: an error without it)
 )
 tools=(
   libcli11-dev libfmt-dev  # the qkv command line tool

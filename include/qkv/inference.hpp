@@ -14,6 +14,9 @@ struct RotaryEmbeddingOptions {
   double base = 10000;       // theta_i = base^(-2 i / head_dim)
   bool interleaved = false;  // false: half-split pairs (x_i, x_{i + D/2}), GPT-NeoX / LLaMA;
                              // true: adjacent pairs (x_{2i}, x_{2i+1}), GPT-J
+  // Non-empty: the D/2 theta_i themselves, in place of base's (rope scaling: linear interpolation
+  // divides them by a factor, Llama 3.1 blends them per wavelength); each finite and > 0.
+  std::vector<double> inverse_frequencies;
 };
 
 // Rotary position embedding (RoFormer): the pair i of a head vector at position p is rotated by

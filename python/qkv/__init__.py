@@ -36,6 +36,7 @@ import numpy as np
 
 from . import _core
 from ._core import Backend, Error, Mask, MaskParseError
+from .models import Generation, Model, ModelOutput, load_model, write_safetensors  # real models: models.py
 
 __version__ = _core.__version__
 for _name in ("Backend", "Error", "Mask", "MaskParseError"):

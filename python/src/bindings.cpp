@@ -25,6 +25,8 @@
 
 #include <qkv/qkv.hpp>
 
+#include "models_bindings.hpp"
+
 namespace py = pybind11;
 
 namespace {
@@ -438,6 +440,7 @@ PYBIND11_MODULE(_core, m) {
   // Mask.parse's errors: a qkv.Error whose message quotes the expression and points at the column.
   py::register_exception<qkv::MaskParseError>(m, "MaskParseError", error.ptr());
   py::register_exception<ArrayError>(m, "ArrayError", error.ptr());
+  bind_models(m);  // the real models: models_bindings.cpp
 
   py::enum_<qkv::Backend>(m, "Backend")
       .value("Auto", qkv::Backend::Auto)

@@ -14,6 +14,16 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, const RotaryEmbeddingOptions&
     throw Error("RotaryEmbedding: head_dim must be even and at least 2, got " + std::to_string(head_dim));
   if (!(options.base > 1) || !std::isfinite(options.base))
     throw Error("RotaryEmbedding: base must be finite and > 1, got " + std::to_string(options.base));
+  if (!options.inverse_frequencies.empty()) {
+    if (static_cast<int64_t>(options.inverse_frequencies.size()) != head_dim / 2)
+      throw Error("RotaryEmbedding: " + std::to_string(options.inverse_frequencies.size()) +
+                  " inverse frequencies for head_dim " + std::to_string(head_dim) + " (need head_dim / 2)");
+    for (double f : options.inverse_frequencies)
+      if (!(f > 0) || !std::isfinite(f))
+        throw Error("RotaryEmbedding: inverse frequency " + std::to_string(f) + " is not finite and > 0");
+    inverse_frequency_ = options.inverse_frequencies;
+    return;
+  }
   for (int64_t i = 0; i < head_dim / 2; ++i)
     inverse_frequency_.push_back(std::pow(options.base, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
 }

@@ -28,6 +28,9 @@ void add_train_command(CLI::App& app);
 // `qkv generate`: greedy generation with a trained model, with or without its KV cache (generate.cpp).
 void add_generate_command(CLI::App& app);
 
+// `qkv heads`: the role of every head of a Hugging Face model, measured on it (heads.cpp).
+void add_heads_command(CLI::App& app);
+
 #ifdef QKV_HAVE_DIST
 // `qkv ring-bench`: ring attention over MPI, timed under mpirun (ring_bench.cpp); only when
 // qkv was built with MPI (qkv::dist).

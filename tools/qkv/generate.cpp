@@ -24,6 +24,7 @@
 #include "model_file.hpp"
 #include "numbers.hpp"
 #include "plot.hpp"
+#include "pretrained.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
 #include "text_attention.hpp"
@@ -38,7 +39,12 @@ struct GenerateCommandOptions {
   std::string model;
   std::string prompt;   // ids ("3 1 4") or the task's letters ("a b c |"); empty: one example
   int64_t tokens = -1;  // -1: the task's answer length
-  std::string kv_dtype = "f32";
+  std::string kv_dtype;  // empty: f32 for a .qkv model, bf16 for a model folder
+  // A Hugging Face model folder's sampling (pretrained.hpp); the prompt is text.
+  float temperature = 0;
+  int64_t top_k = 0;
+  float top_p = 1;
+  bool ignore_eos = false;
   bool no_cache = false;
   std::string plot;
   int64_t sweep = 0;    // generate to this position, cached and recomputed (--plot: default 2048)
@@ -204,16 +210,38 @@ void report_sweep(const Sweep& s, const train::AttentionModel& model, const std:
   fmt::print("wrote {} ({} x {})\n", plot_path, layout.width, layout.height);
 }
 
+// A Hugging Face model folder generates text (pretrained.cpp); the .qkv models' options that do
+// not apply to it are refused rather than ignored.
+void run_folder_generate(const GenerateCommandOptions& o) {
+  if (o.no_cache || !o.plot.empty() || o.sweep > 0)
+    throw Error("--no-cache, --plot and --sweep go with a .qkv model; a model folder always generates from its cache");
+  run_pretrained_generate({.folder = o.model,
+                           .prompt = o.prompt,
+                           .max_tokens = o.tokens >= 0 ? o.tokens : 32,
+                           .kv_dtype = o.kv_dtype.empty() ? "bf16" : o.kv_dtype,
+                           .temperature = o.temperature,
+                           .top_k = o.top_k,
+                           .top_p = o.top_p,
+                           .seed = o.seed,
+                           .ignore_eos = o.ignore_eos});
+}
+
 void run_generate(const GenerateCommandOptions& o) {
+  check_range("--threads", o.threads, 1, kMaxThreads);
+  omp_set_num_threads(o.threads);
+  openblas_set_num_threads(o.threads);
+  if (models::is_model_folder(o.model)) {
+    run_folder_generate(o);
+    return;
+  }
+  if (o.temperature != 0 || o.top_k != 0 || o.top_p != 1 || o.ignore_eos)
+    throw Error("--temperature, --top-k, --top-p and --ignore-eos go with a model folder (config.json, "
+                "model.safetensors); a .qkv model generates greedily");
   if (!o.plot.empty()) plot::format_from_path(o.plot);  // a bad extension fails before the work
-  if (o.repeats < 1) throw Error(fmt::format("--repeats must be at least 1, got {}", o.repeats));
   check_range("--repeats", o.repeats, 1, 1000);
   if (o.tokens >= 0) check_range("--tokens", o.tokens, 0, train::kMaxLen);
   if (o.sweep != 0) check_range("--sweep", o.sweep, 32, kMaxSweep);
-  check_range("--threads", o.threads, 1, kMaxThreads);
-  const DType dtype = parse_dtype(o.kv_dtype);
-  omp_set_num_threads(o.threads);
-  openblas_set_num_threads(o.threads);
+  const DType dtype = parse_dtype(o.kv_dtype.empty() ? "f32" : o.kv_dtype);
   const train::AttentionModel model = load_model(o.model);
   const train::ModelConfig& c = model.config();
   const ModelTask task = model_task(model, "", o.seed);
@@ -273,14 +301,26 @@ void run_generate(const GenerateCommandOptions& o) {
 void add_generate_command(CLI::App& app) {
   auto options = std::make_shared<GenerateCommandOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "generate", "Generate tokens with a trained model (qkv train --save), from its KV cache or recomputing");
-  cmd->add_option("--model", options->model, "The model file (qkv train --save)")->required();
-  cmd->add_option("--prompt", options->prompt,
-                  "Token ids (\"3 1 4\") or the task's letters (\"a b c |\"); default: one example of the model's task");
-  cmd->add_option("--tokens", options->tokens, "New tokens (default: the task's answer)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--kv-dtype", options->kv_dtype, "The cache's keys and values: f32, bf16 or f16")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      "generate", "Generate text with a Hugging Face model folder, or tokens with a trained .qkv model");
+  cmd->add_option("--model", options->model,
+                  "A Hugging Face model folder (config.json, model.safetensors, tokenizer.json) or a .qkv file "
+                  "(qkv train --save)")
+      ->required();
+  cmd->add_option("prompt,--prompt", options->prompt,
+                  "A model folder: the text to continue. A .qkv model: token ids (\"3 1 4\") or the task's letters "
+                  "(\"a b c |\"); default: one example of the model's task");
+  cmd->add_option("--tokens", options->tokens, "New tokens at most (default: 32, a .qkv model's task: its answer)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kv-dtype", options->kv_dtype,
+                  "The cache's keys and values: f32, bf16 or f16 (default: bf16 for a model folder, f32 for .qkv)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  cmd->add_option("--temperature", options->temperature, "A model folder: sampling temperature, 0 for greedy")
       ->capture_default_str();
+  cmd->add_option("--top-k", options->top_k, "A model folder: sample among the k most likely tokens (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--top-p", options->top_p, "A model folder: sample among the most likely tokens up to this mass")
+      ->capture_default_str();
+  cmd->add_flag("--ignore-eos", options->ignore_eos, "A model folder: do not stop at the end-of-sequence token");
   cmd->add_flag("--no-cache", options->no_cache, "Recompute the whole prefix at every step");
   cmd->add_option("--plot", options->plot,
                   "Draw the time per token against the position, cached and recomputed (.png, .svg or .pdf); "

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_bench_command(app);
   qkv::cli::add_train_command(app);
   qkv::cli::add_generate_command(app);
+  qkv::cli::add_heads_command(app);
 #ifdef QKV_HAVE_DIST
   qkv::cli::add_ring_bench_command(app);
 #endif

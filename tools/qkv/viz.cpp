@@ -35,6 +35,7 @@
 #include "commands.hpp"
 #include "model_file.hpp"
 #include "plot.hpp"
+#include "pretrained.hpp"
 #include "qkv/qkv.hpp"
 #include "qkv/train.hpp"
 #include "text_attention.hpp"
@@ -56,6 +57,7 @@ struct VizOptions {
   int64_t head = 0;                  // the head the temperature panels show
   std::vector<int64_t> compare_heads;
   std::string model;
+  int64_t layer = -1;  // a model folder's layer to draw; -1: chosen by its heads' roles
   std::string task;  // --model: the model's task; empty: inferred from the file
   uint64_t seed = 42;
   // Which options the command line gave (--model takes its layers from the file, not from these).
@@ -242,6 +244,11 @@ plot::HeatmapPanel mask_panel(const Mask& mask, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 
 void run_viz(const VizOptions& o) {
+  if (models::is_model_folder(o.model)) {
+    run_pretrained_viz({.folder = o.model, .text = o.text, .layer = o.layer, .output = o.output});
+    return;
+  }
+  if (o.layer >= 0) throw Error("--layer goes with --model DIR, a Hugging Face model folder");
   if (!o.model.empty()) {
     run_model_viz(o);
     return;
@@ -321,8 +328,11 @@ void add_viz_command(CLI::App& app) {
   auto options = std::make_shared<VizOptions>();
   CLI::App* viz = app.add_subcommand(
       "viz", "Draw attention weights as heatmaps: one panel per head and their average (PNG, SVG or PDF)");
-  viz->add_option("--text", options->text, "The text to attend over (whitespace-separated tokens)")
+  viz->add_option("text,--text", options->text,
+                  "The text to attend over (whitespace-separated tokens; a model folder tokenizes it)")
       ->capture_default_str();
+  viz->add_option("--layer", options->layer, "With --model DIR: the layer to draw (default: the one whose heads "
+                                             "have the most roles, qkv heads)");
   viz->add_flag("--chars", options->chars, "One token per character instead of per word");
   viz->add_option("--heads", options->heads, "Attention heads")->capture_default_str();
   viz->add_option("--embed", options->embed, "Model width (embed_dim), split evenly across the heads")
@@ -339,7 +349,8 @@ void add_viz_command(CLI::App& app) {
                   "Head counts drawn one above the other with the same projections, e.g. 1,8")
       ->delimiter(',');
   viz->add_option("--model", options->model,
-                  "A trained model's file (`qkv train --save`): its heads, every layer, on --text or an example");
+                  "A Hugging Face model folder (its heads of one layer on the text) or a trained model's file "
+                  "(`qkv train --save`: its heads, every layer, on --text or an example)");
   viz->add_option("--task", options->task,
                   "With --model: the model's task (copy, recall, reverse); default: inferred from the file")
       ->check(CLI::IsMember({"copy", "recall", "reverse"}));

@@ -1,0 +1,100 @@
+// qkv::models::Model: a transformer of one of the supported architectures (config.hpp) running on
+// its stored weights (weights.hpp, read in place in their dtype) and on qkv's attention: every
+// attention is qkv::scaled_dot_product_attention over a qkv::nn::KVCache, rotary positions are
+// qkv::nn::RotaryEmbedding. Inference only.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "qkv/dtype.hpp"
+#include "qkv/models/config.hpp"
+#include "qkv/models/weights.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::models {
+
+struct ModelOptions {
+  DType kv_dtype = DType::BF16;  // the dtype of generate()'s KV caches (F32, BF16 or F16)
+};
+
+// A batch of sequences, right-padded to the longest: sequence b has ids[b].size() tokens.
+struct ModelInput {
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<int64_t>> token_type_ids;  // BERT only; empty: all 0; else shaped as ids
+};
+
+struct ModelOutput {
+  // Rows of padding (n >= ids[b].size()) are finite but meaningless.
+  Tensor hidden;  // (B, N, hidden_size): the last hidden state (after the final norm, if any)
+  Tensor logits;  // (B, N, vocab_size); undefined for BertModel
+  // need_attention: layer l's attention weights (B, num_heads, N, N); a padded query's row and a
+  // padded key's column hold zeros.
+  std::vector<Tensor> attention;
+};
+
+struct GenerationOptions {
+  int64_t max_new_tokens = 32;
+  float temperature = 0;    // 0: greedy (argmax); else softmax(logits / temperature)
+  int64_t top_k = 0;        // > 0: sample among the k most likely tokens only
+  float top_p = 1;          // < 1: among the fewest most likely tokens whose probability reaches top_p
+  uint64_t seed = 0;        // the sampler's seed: the same seed gives the same tokens
+  bool stop_at_eos = true;  // stop after a token of config.eos_token_ids
+};
+
+struct GenerationResult {
+  std::vector<int64_t> tokens;  // the new tokens, the eos that stopped them included
+  bool stopped_at_eos = false;
+  int64_t prompt_tokens = 0;
+  double prefill_seconds = 0;                // the prompt's forward and the first token's choice
+  double decode_seconds = 0;                 // every later token's step
+  double prefill_tokens_per_second() const;  // prompt_tokens / prefill_seconds
+  double decode_tokens_per_second() const;   // (tokens - 1) / decode_seconds
+};
+
+// Called with each new token as it is chosen; return false to stop.
+using TokenCallback = std::function<bool(int64_t token)>;
+
+class Model {
+ public:
+  // Checks every weight the config needs against `weights` (present, F32/BF16/F16, its shape):
+  // qkv::Error names the tensor (WeightSource::describe), the expected and the found shape.
+  // `weights` must outlive the model; nothing is copied but the small vectors (norms, biases).
+  Model(const ModelConfig& config, std::shared_ptr<const WeightSource> weights, const ModelOptions& options = {});
+  ~Model();
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+
+  const ModelConfig& config() const;
+
+  // The full forward of a batch (no cache kept): causal models mask causally, BERT attends both
+  // ways; padding is masked out of every row. Ids are checked against the vocabulary and the
+  // length against max_positions.
+  ModelOutput forward(const ModelInput& input, bool need_attention = false) const;
+  ModelOutput forward(const std::vector<int64_t>& ids, bool need_attention = false) const;
+
+  // Causal models only: prefills the prompt into per-layer KV caches (options.kv_dtype), then one
+  // token per step from the caches. on_token may stop it early.
+  GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options = {},
+                            const TokenCallback& on_token = {}) const;
+
+  // The last position's logits (vocab_size) after each prefix of `ids`, computed with the KV cache
+  // as generate() does (prefill of the first `prefill` tokens, then one token per step): for
+  // tests of the cache against forward().
+  std::vector<std::vector<float>> cached_logits(const std::vector<int64_t>& ids, int64_t prefill) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// qkv::Error when temperature is negative or not finite, top_k negative, top_p outside (0, 1].
+void check_generation_options(const GenerationOptions& options);
+
+// The next token from one position's logits under `options` (temperature, top_k, top_p), drawing
+// from `state` (advanced): argmax when temperature is 0.
+int64_t sample_token(const float* logits, int64_t vocab, const GenerationOptions& options, uint64_t& state);
+
+}  // namespace qkv::models

@@ -1,0 +1,72 @@
+// qkv::models::detail::attend (network.hpp): every architecture's attention, on qkv's
+// scaled_dot_product_attention over a qkv::nn::KVCache. The mask says what the architecture
+// means: causal from the cache's position (or a sliding window of the last `window` positions,
+// Mistral), or both ways (BERT), and-ed with the padding of a ragged batch.
+#include <algorithm>
+#include <string>
+
+#include "models/network.hpp"
+#include "qkv/attention.hpp"
+
+namespace qkv::models::detail {
+
+bool Pass::ragged() const {
+  return std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != length; });
+}
+
+Tensor heads_view(const Tensor& x, const Pass& pass, int64_t first, int64_t heads, int64_t head_dim) {
+  const int64_t width = x.size(1);
+  return x.reshape({pass.batch, pass.length, width / head_dim, head_dim})
+      .narrow(2, first / head_dim, heads)
+      .transpose(1, 2);
+}
+
+namespace {
+
+// Query i (position pass.position + i) of element b sees key j when the architecture's rule allows
+// it and j < pass.position + counts[b].
+Mask mask_of(const Pass& pass, const AttentionSpec& spec) {
+  Mask mask;
+  if (spec.causal)
+    mask = spec.window > 0 ? Mask::window(spec.window - 1, 0, pass.position) : Mask::causal(pass.position);
+  if (pass.ragged()) {
+    std::vector<int64_t> lengths = pass.counts;
+    for (int64_t& l : lengths) l += pass.position;
+    mask &= Mask::key_lengths(std::move(lengths));
+  }
+  return mask;
+}
+
+// The rows of padded queries (i >= counts[b]) of weights (B, H, N, K) set to zero.
+void zero_padded_rows(const Tensor& weights, const Pass& pass) {
+  const int64_t heads = weights.size(1), keys = weights.size(3);
+  float* w = weights.data();
+  for (int64_t b = 0; b < pass.batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = pass.counts[static_cast<size_t>(b)]; i < pass.length; ++i)
+        std::fill_n(w + ((b * heads + h) * pass.length + i) * keys, keys, 0.0f);
+}
+
+}  // namespace
+
+void attend(const Tensor& q, const Tensor& k, const Tensor& v, nn::KVCache& cache, const Pass& pass,
+            const AttentionSpec& spec, const Tensor& out) {
+  if (spec.rotary != nullptr) {
+    spec.rotary->apply_inplace(q, {pass.position});
+    spec.rotary->apply_inplace(k, {pass.position});
+  }
+  cache.append(k, v, pass.counts);
+  const int64_t keys = pass.position + pass.length;
+  AttentionOptions options;
+  options.mask = mask_of(pass, spec);
+  options.need_weights = pass.attention != nullptr;
+  AttentionResult result;
+  result.output = out;
+  scaled_dot_product_attention_into(q, cache.keys(keys), cache.values(keys), result, options);
+  if (pass.attention != nullptr) {
+    zero_padded_rows(result.weights, pass);
+    pass.attention->push_back(result.weights);
+  }
+}
+
+}  // namespace qkv::models::detail

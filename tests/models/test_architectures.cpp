@@ -1,0 +1,193 @@
+// Each architecture against its float64 oracle (oracles.hpp) on small random checkpoints: logits,
+// hidden states and per-layer attention weights, with f32 and 16-bit stored weights (the oracle
+// reads the very values stored, so the tolerance is float32 arithmetic's either way).
+#include <cmath>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "checkpoint.hpp"
+#include "compare.hpp"
+#include "configs.hpp"
+#include "oracles.hpp"
+#include "qkv/models/model.hpp"
+
+namespace qkv::models::testing {
+namespace {
+
+constexpr double kTolerance = 1e-4;
+const std::vector<int64_t> kIds = {3, 17, 0, 42, 8, 8, 29, 51, 1};
+
+// The forward with weights (the Reference kernel) and without (a fused kernel) against the oracle.
+void expect_matches(const Model& model, const OracleOutput& want, const std::string& what) {
+  const ModelOutput fast = model.forward(kIds);
+  EXPECT_TRUE(fast.attention.empty());
+  expect_rows_close(fast.hidden, 0, want.hidden, kTolerance, what + " hidden, no weights");
+  const ModelOutput got = model.forward(kIds, true);
+  expect_rows_close(got.hidden, 0, want.hidden, kTolerance, what + " hidden");
+  if (!want.logits.empty()) expect_rows_close(got.logits, 0, want.logits, kTolerance, what + " logits");
+  ASSERT_EQ(got.attention.size(), want.attention.size()) << what;
+  for (size_t l = 0; l < want.attention.size(); ++l)
+    expect_attention_close(got.attention[l], 0, want.attention[l], kTolerance, what + " layer " + std::to_string(l));
+}
+
+class Gpt2 : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Gpt2, MatchesOracleTied) {
+  const ModelConfig c = parse_config(gpt2_json());
+  const Checkpoint k = gpt2_checkpoint(c, GetParam(), 11);
+  const Model model(c, k.weights);
+  expect_matches(model, gpt2_oracle(c, k, kIds), "gpt2");
+}
+
+TEST_P(Gpt2, MatchesOracleUntiedWithoutPrefix) {
+  const ModelConfig c = parse_config(gpt2_json(false));
+  const Checkpoint k = gpt2_checkpoint(c, GetParam(), 12, "");
+  const Model model(c, k.weights);
+  expect_matches(model, gpt2_oracle(c, k, kIds, ""), "gpt2 untied");
+}
+
+INSTANTIATE_TEST_SUITE_P(StoredDtypes, Gpt2, ::testing::Values(DType::F32, DType::BF16, DType::F16));
+
+TEST(Bert, MaskedLmMatchesOracleOnAPaddedBatch) {
+  const ModelConfig c = parse_config(bert_json(true));
+  const Checkpoint k = bert_checkpoint(c, DType::BF16, 13);
+  const Model model(c, k.weights);
+  const ModelInput input{.ids = {{2, 7, 30, 4, 11, 9, 1}, {5, 6, 40, 3}},
+                         .token_type_ids = {{0, 0, 0, 1, 1, 1, 1}, {0, 1, 1, 1}}};
+  const ModelOutput got = model.forward(input, true);
+  ASSERT_EQ(got.logits.shape(), (Shape{2, 7, 53}));
+  for (int64_t b = 0; b < 2; ++b) {
+    const OracleOutput want = bert_oracle(c, k, input.ids[b], input.token_type_ids[b]);
+    const std::string what = "bert element " + std::to_string(b);
+    expect_rows_close(got.logits, b, want.logits, kTolerance, what + " logits");
+    expect_rows_close(got.hidden, b, want.hidden, kTolerance, what + " hidden");
+    for (size_t l = 0; l < want.attention.size(); ++l)
+      expect_attention_close(got.attention[l], b, want.attention[l], kTolerance, what + " layer " + std::to_string(l));
+  }
+  // The padded keys of element 1 get no weight; its padded queries' rows are zero.
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t i = 0; i < 7; ++i)
+      for (int64_t j = 4; j < 7; ++j) EXPECT_EQ(got.attention[0].at({1, h, i, j}), 0.0f);
+  EXPECT_EQ(got.attention[1].at({1, 0, 5, 0}), 0.0f);
+}
+
+TEST(Bert, ReadsTensorFlowLayerNormNamesAndTheDecoderBias) {
+  const ModelConfig c = parse_config(bert_json(true));
+  Checkpoint k = bert_checkpoint(c, DType::F32, 17);
+  // The same checkpoint with every LayerNorm's weight/bias renamed gamma/beta, the MLM bias the
+  // decoder's.
+  Checkpoint renamed;
+  for (const auto& [name, values] : k.values) {
+    std::string n = name;
+    if (n.find("LayerNorm.weight") != std::string::npos) n.replace(n.size() - 6, 6, "gamma");
+    if (n.find("LayerNorm.bias") != std::string::npos) n.replace(n.size() - 4, 4, "beta");
+    if (n == "cls.predictions.bias") n = "cls.predictions.decoder.bias";
+    renamed.weights->add(n, values.shape, std::vector<float>(values.data.begin(), values.data.end()), DType::F32);
+  }
+  const std::vector<int64_t> ids = {4, 8, 15, 16, 23, 42};
+  expect_rows_close(Model(c, renamed.weights).forward(ids).logits, 0, bert_oracle(c, k, ids, {}).logits, kTolerance,
+                    "gamma/beta names");
+}
+
+TEST(Bert, BaseModelReturnsTheLastHiddenState) {
+  const ModelConfig c = parse_config(bert_json(false));
+  const Checkpoint k = bert_checkpoint(c, DType::F32, 14);
+  const Model model(c, k.weights);
+  const std::vector<int64_t> ids = {4, 8, 15, 16, 23, 42};
+  const ModelOutput got = model.forward(ids);
+  EXPECT_FALSE(got.logits.defined());
+  expect_rows_close(got.hidden, 0, bert_oracle(c, k, ids, {}).hidden, kTolerance, "bert hidden");
+}
+
+struct LlamaCase {
+  std::string name, architecture;
+  bool tied;
+  std::string extra;
+  DType dtype;
+};
+
+void PrintTo(const LlamaCase& c, std::ostream* os) { *os << c.name; }
+
+class Llama : public ::testing::TestWithParam<LlamaCase> {};
+
+TEST_P(Llama, MatchesOracle) {
+  const LlamaCase& p = GetParam();
+  const ModelConfig c = parse_config(llama_json(p.architecture, p.tied, p.extra));
+  const Checkpoint k = llama_checkpoint(c, p.dtype, 15);
+  const Model model(c, k.weights);
+  expect_matches(model, llama_oracle(c, k, kIds), p.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Family, Llama,
+    ::testing::Values(LlamaCase{"LlamaUntiedF32", "LlamaForCausalLM", false, "", DType::F32},
+                      LlamaCase{"LlamaTiedBf16", "LlamaForCausalLM", true, "", DType::BF16},
+                      LlamaCase{"LlamaBiasesF16", "LlamaForCausalLM", false,
+                                R"(, "attention_bias": true, "mlp_bias": true)", DType::F16},
+                      LlamaCase{"RopeLinear", "LlamaForCausalLM", false,
+                                R"(, "rope_scaling": {"type": "linear", "factor": 4.0})", DType::F32},
+                      LlamaCase{"RopeLlama3", "LlamaForCausalLM", true,
+                                R"(, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})",
+                                DType::BF16},
+                      LlamaCase{"MistralWindow3", "MistralForCausalLM", false, R"(, "sliding_window": 3)", DType::F32},
+                      LlamaCase{"Qwen2Biases", "Qwen2ForCausalLM", true, "", DType::BF16},
+                      LlamaCase{"Qwen2WindowFromLayer1", "Qwen2ForCausalLM", false,
+                                R"(, "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1)",
+                                DType::F32}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(Llama, RopeScalingChangesTheFrequenciesAsHuggingFaceDoes) {
+  for (const char* extra : {R"(, "rope_scaling": {"type": "linear", "factor": 4.0})",
+                            R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})"}) {
+    const ModelConfig c = parse_config(llama_json("LlamaForCausalLM", false, extra));
+    const std::vector<double> got = rope_inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling);
+    const std::vector<double> want = hf_inverse_frequencies(c);
+    ModelConfig plain = c;
+    plain.rope_scaling = {};
+    const std::vector<double> unscaled = hf_inverse_frequencies(plain);
+    ASSERT_EQ(got.size(), want.size());
+    int changed = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-12 * unscaled[i]) << extra << " frequency " << i;
+      changed += got[i] != unscaled[i];
+    }
+    EXPECT_GE(changed, 2) << extra;  // the scaling does something on this head_dim
+  }
+}
+
+TEST(Llama, RaggedBatchEqualsEachSequenceAlone) {
+  const ModelConfig c = parse_config(llama_json("MistralForCausalLM", false, R"(, "sliding_window": 4)"));
+  const Checkpoint k = llama_checkpoint(c, DType::BF16, 16);
+  const Model model(c, k.weights);
+  const ModelInput input{.ids = {{1, 2, 3, 4, 5, 6, 7}, {9, 10, 11, 12}}, .token_type_ids = {}};
+  const ModelOutput batch = model.forward(input);
+  for (int64_t b = 0; b < 2; ++b)
+    expect_rows_close(batch.logits, b, llama_oracle(c, k, input.ids[b]).logits, kTolerance,
+                      "element " + std::to_string(b));
+}
+
+// forward() only reads the model: two threads at once get what one thread gets alone.
+TEST(Llama, ConcurrentForwardsAgree) {
+  const ModelConfig c = parse_config(llama_json("Qwen2ForCausalLM"));
+  const Checkpoint k = llama_checkpoint(c, DType::BF16, 18);
+  const Model model(c, k.weights);
+  const std::vector<int64_t> a = {1, 2, 3, 4, 5, 6, 7, 8}, b = {9, 8, 7};
+  const std::vector<float> alone_a = model.forward(a).logits.to_vector(), alone_b = model.forward(b).logits.to_vector();
+  std::vector<float> together_a, together_b;
+  std::thread other([&] {
+    for (int i = 0; i < 20; ++i) together_b = model.forward(b).logits.to_vector();
+  });
+  for (int i = 0; i < 20; ++i) together_a = model.forward(a).logits.to_vector();
+  other.join();
+  // Equal up to the order of float sums, which a kernel may split by the threads it gets.
+  for (const auto& [got, want] : {std::pair{&together_a, &alone_a}, std::pair{&together_b, &alone_b}}) {
+    ASSERT_EQ(got->size(), want->size());
+    for (size_t i = 0; i < want->size(); ++i) EXPECT_NEAR((*got)[i], (*want)[i], 1e-5 * (1 + std::abs((*want)[i])));
+  }
+}
+
+}  // namespace
+}  // namespace qkv::models::testing

@@ -1,0 +1,174 @@
+// qkv generate / viz --model DIR on a Hugging Face model folder (pretrained.hpp).
+#include "pretrained.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <span>
+
+#include <fmt/core.h>
+
+#include "plot.hpp"
+#include "qkv/error.hpp"
+#include "qkv/models/head_roles.hpp"
+
+namespace qkv::cli {
+namespace {
+
+bool is_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t length = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    if (length == 0 || i + length > s.size()) return false;
+    for (size_t k = 1; k < length; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return false;
+    i += length;
+  }
+  return true;
+}
+
+DType kv_dtype_of(const std::string& name) {
+  if (name == "f32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  if (name == "f16") return DType::F16;
+  throw Error("unknown --kv-dtype '" + name + "': choose f32, bf16 or f16");
+}
+
+void describe(const models::Pretrained& model) {
+  const models::ModelConfig& c = model.config;
+  fmt::print(stderr, "{}: {}, {} layers, {} heads ({} for keys and values) of {} dims, vocabulary {}\n",
+             model.path.string(), models::to_string(c.architecture), c.num_layers, c.num_heads, c.num_kv_heads,
+             c.head_dim, c.vocab_size);
+}
+
+}  // namespace
+
+std::vector<std::string> token_labels(const models::Tokenizer& tokenizer, const std::vector<int64_t>& ids) {
+  std::vector<std::string> labels;
+  for (int64_t id : ids) {
+    const int64_t one[] = {id};
+    std::string text = tokenizer.decode(std::span<const int64_t>(one, 1));
+    if (text.empty() || !is_utf8(text)) text = tokenizer.id_to_token(id);
+    std::replace(text.begin(), text.end(), ' ', '_');
+    std::replace(text.begin(), text.end(), '\n', '/');
+    labels.push_back(text);
+  }
+  return labels;
+}
+
+std::vector<int64_t> encode_text(const models::Pretrained& model, const std::string& text) {
+  if (!model.tokenizer) throw Error(model.path.string() + ": the folder has no tokenizer.json or tokenizer.model");
+  std::vector<int64_t> ids = model.tokenizer->encode(text);
+  if (ids.empty()) throw Error("the text '" + text + "' has no tokens");
+  for (int64_t id : ids)
+    if (id >= model.config.vocab_size)
+      throw Error(fmt::format("the tokenizer gives id {} but the model's vocabulary has {} entries: they do not "
+                              "belong together",
+                              id, model.config.vocab_size));
+  return ids;
+}
+
+std::vector<models::HeadRoleScores> measure_roles(const models::Pretrained& model, const std::vector<int64_t>& ids,
+                                                  int64_t repeat_length, uint64_t seed) {
+  // Tokens to draw the repeated sequence from: the vocabulary's ordinary tokens.
+  std::vector<int64_t> candidates;
+  const int64_t vocab = std::min<int64_t>(model.config.vocab_size, model.tokenizer->vocab_size());
+  for (int64_t id = 0; id < vocab; ++id)
+    if (!model.tokenizer->is_special(id)) candidates.push_back(id);
+  // A special token the tokenizer puts first (BOS, [CLS]) starts the repeated sequence too.
+  std::vector<int64_t> prefix;
+  if (model.tokenizer->is_special(ids.front())) prefix.push_back(ids.front());
+  // Both sequences within the model's positions: the text's first max_positions tokens, and a
+  // repeated sequence short enough to fit twice.
+  const int64_t positions = model.config.max_positions;
+  const std::vector<int64_t> text(ids.begin(), ids.begin() + std::min<int64_t>(positions, std::ssize(ids)));
+  const int64_t repeat = std::min<int64_t>(repeat_length, (positions - std::ssize(prefix)) / 2);
+  return models::measure_head_roles(model.model, text, prefix, candidates, {.repeat_length = repeat, .seed = seed});
+}
+
+void run_pretrained_generate(const PretrainedGenerateOptions& o) {
+  if (o.prompt.empty()) throw Error("qkv generate --model DIR needs a prompt: qkv generate --model DIR \"Once upon\"");
+  if (o.max_tokens < 1 || o.max_tokens > (int64_t{1} << 20))
+    throw Error(fmt::format("--tokens must be between 1 and {}, got {}", int64_t{1} << 20, o.max_tokens));
+  const models::Pretrained model = models::load_pretrained(o.folder, {.model = {.kv_dtype = kv_dtype_of(o.kv_dtype)}});
+  if (!model.config.is_causal())
+    throw Error(fmt::format("{} is {}, an encoder: it fills masks, it does not generate; try qkv viz --model",
+                            o.folder, models::to_string(model.config.architecture)));
+  describe(model);
+  const std::vector<int64_t> prompt = encode_text(model, o.prompt);
+  models::GenerationOptions options{.max_new_tokens = o.max_tokens,
+                                    .temperature = o.temperature,
+                                    .top_k = o.top_k,
+                                    .top_p = o.top_p,
+                                    .seed = o.seed,
+                                    .stop_at_eos = !o.ignore_eos};
+  models::check_generation_options(options);
+  // Streams: after each token, the new part of the decoded text (a token may end mid-character).
+  std::vector<int64_t> generated;
+  std::string shown;
+  fmt::print("{}", o.prompt);
+  std::fflush(stdout);
+  const models::GenerationResult result = model.model.generate(prompt, options, [&](int64_t token) {
+    generated.push_back(token);
+    const std::string text = model.tokenizer->decode(generated, /*skip_special_tokens=*/true);
+    if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
+      fmt::print("{}", text.substr(shown.size()));
+      std::fflush(stdout);
+      shown = text;
+    }
+    return true;
+  });
+  fmt::print("\n");
+  fmt::print("{} prompt tokens: prefill {:.1f} tokens/s; {} new tokens: decode {:.1f} tokens/s{}\n",
+             result.prompt_tokens, result.prefill_tokens_per_second(), result.tokens.size(),
+             result.decode_tokens_per_second(), result.stopped_at_eos ? " (stopped at end of sequence)" : "");
+}
+
+void run_pretrained_viz(const PretrainedVizOptions& o) {
+  const plot::Format format = plot::format_from_path(o.output);  // a bad extension fails before the work
+  (void)format;
+  const models::Pretrained model = models::load_pretrained(o.folder);
+  const models::ModelConfig& c = model.config;
+  if (o.layer < -1 || o.layer >= c.num_layers)
+    throw Error(fmt::format("--layer {} is not a layer of {}: it has layers 0 to {}", o.layer, o.folder,
+                            c.num_layers - 1));
+  const std::vector<int64_t> ids = encode_text(model, o.text);
+  if (ids.size() > 256)
+    throw Error(fmt::format("the text has {} tokens; qkv viz draws at most 256 (qkv serve shows longer ones)",
+                            ids.size()));
+  const models::ModelOutput out = model.model.forward(ids, /*need_attention=*/true);
+  int64_t layer = o.layer;
+  std::string why = "--layer";
+  if (layer < 0) {  // the layer whose heads do the most recognisable things
+    const std::vector<models::HeadRoleScores> roles = measure_roles(model, ids);
+    std::vector<int64_t> named(static_cast<size_t>(c.num_layers), 0);
+    for (const auto& head : roles)
+      if (head.role != models::HeadRole::None && head.role != models::HeadRole::Broad)
+        ++named[static_cast<size_t>(head.layer)];
+    layer = std::max_element(named.begin(), named.end()) - named.begin();
+    why = fmt::format("layer {} has the most heads with a role (qkv heads): {} of {}; --layer picks another", layer,
+                      named[static_cast<size_t>(layer)], c.num_heads);
+  }
+  plot::HeatmapFigure figure;
+  figure.title = fmt::format("{}: layer {} of {}, {} heads", o.folder, layer, c.num_layers, c.num_heads);
+  figure.notes.push_back(fmt::format("{}; {} tokens; {}", models::to_string(c.architecture), ids.size(), why));
+  figure.row_labels = figure.col_labels = token_labels(*model.tokenizer, ids);
+  figure.value_max = 1;
+  figure.print_values = ids.size() <= 12;
+  figure.columns = 4;
+  const Tensor weights = out.attention[static_cast<size_t>(layer)].contiguous();  // (1, H, N, N)
+  const auto n = static_cast<int64_t>(ids.size());
+  plot::HeatmapSection section;
+  for (int64_t h = 0; h < c.num_heads; ++h) {
+    plot::HeatmapPanel panel;
+    panel.title = fmt::format("head {}", h);
+    panel.rows = panel.cols = n;
+    panel.values.assign(weights.data() + h * n * n, weights.data() + (h + 1) * n * n);
+    section.panels.push_back(std::move(panel));
+  }
+  figure.sections.push_back(std::move(section));
+  const plot::HeatmapLayout drawn = plot::draw_heatmaps(figure, o.output);
+  fmt::print("Wrote layer {}'s {} heads on {} tokens to {} ({} x {})\n", layer, c.num_heads, n, o.output, drawn.width,
+             drawn.height);
+}
+
+}  // namespace qkv::cli
