@@ -187,6 +187,16 @@ TEST(ByteLevelBpe, DigitsThenByteLevel) {
   EXPECT_THAT(tokens(*make(spec), "a12"), ElementsAre("a", "1", "2"));
 }
 
+TEST(Bpe, ContinuingSubwordPrefix) {
+  // Characters after a word's first are looked up with the prefix; "a" + "##b" merges to "ab".
+  const Json json = {{"pre_tokenizer", {{"type", "WhitespaceSplit"}}},
+                     {"model", {{"type", "BPE"}, {"continuing_subword_prefix", "##"}, {"unk_token", "?"},
+                                {"vocab", {{"?", 0}, {"a", 1}, {"##b", 2}, {"ab", 3}, {"b", 4}, {"##a", 5}}},
+                                {"merges", {"a ##b"}}}}};
+  const auto tokenizer = tokenizer_from_json(json.dump(), "prefix/tokenizer.json");
+  EXPECT_THAT(tokens(*tokenizer, "ab ba abc"), ElementsAre("ab", "b", "##a", "ab", "?"));
+}
+
 // Random text: code points of every width, invalid bytes, special tokens, spaces and newlines.
 std::string random_text(std::mt19937& rng) {
   static const char32_t samples[] = {U'a', U'Z', U' ', U'\n', U'\t', U'\'', U'1', U'é', U'ß', U'Ω', U'日', U'🙂',
