@@ -128,6 +128,8 @@ TEST(ByteLevelBpe, SpecialTokensSplitOutFirst) {
   const int64_t eot = *tokenizer->token_to_id("<|endoftext|>");
   EXPECT_TRUE(tokenizer->is_special(eot));
   EXPECT_FALSE(tokenizer->is_special(0));
+  EXPECT_FALSE(tokenizer->is_special(-1));
+  EXPECT_FALSE(tokenizer->is_special(tokenizer->vocab_size()));
   EXPECT_EQ(tokenizer->special_tokens().eos, eot);
   EXPECT_EQ(tokenizer->special_tokens().bos, eot);
   EXPECT_EQ(tokenizer->special_tokens().cls, std::nullopt);
