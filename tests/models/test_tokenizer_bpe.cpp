@@ -199,6 +199,24 @@ TEST(Bpe, ContinuingSubwordPrefix) {
   EXPECT_THAT(tokens(*tokenizer, "ab ba abc"), ElementsAre("ab", "b", "##a", "ab", "?"));
 }
 
+TEST(ByteLevelBpe, AddedTokenStripsSpaces) {
+  // RoBERTa's <mask> takes the spaces before it (lstrip); rstrip takes those after.
+  Json json = byte_level_json({.specials = {"<mask>", "<sep>"}});
+  json["added_tokens"][0]["lstrip"] = true;
+  json["added_tokens"][1]["rstrip"] = true;
+  const auto tokenizer = tokenizer_from_json(json.dump(), "test tokenizer.json");
+  EXPECT_THAT(tokens(*tokenizer, "a  <mask> b<sep>  c"), ElementsAre("a", "<mask>", "Ġ", "b", "<sep>", "c"));
+}
+
+TEST(ByteLevelBpe, NfcNormalizerComposes) {
+  // Qwen2 normalizes to NFC first: e + U+0301 is é, two bytes, before the byte-level split.
+  Json json = byte_level_json({});
+  json["normalizer"] = {{"type", "NFC"}};
+  const auto tokenizer = tokenizer_from_json(json.dump(), "test tokenizer.json");
+  EXPECT_EQ(tokenizer->encode("e\u0301", false), bytes_of("\xC3\xA9"));
+  EXPECT_EQ(tokenizer->decode(tokenizer->encode("e\u0301")), "\u00e9");
+}
+
 // Random text: code points of every width, invalid bytes, special tokens, spaces and newlines.
 std::string random_text(std::mt19937& rng) {
   static const char32_t samples[] = {U'a', U'Z', U' ', U'\n', U'\t', U'\'', U'1', U'é', U'ß', U'Ω', U'日', U'🙂',
