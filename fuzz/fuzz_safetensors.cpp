@@ -14,18 +14,27 @@
 
 namespace {
 
-// A folder of this process's own, in memory where the system has one.
-const std::filesystem::path& scratch() {
-  static const std::filesystem::path folder = [] {
-    const std::filesystem::path base = std::filesystem::exists("/dev/shm") ? "/dev/shm" : std::filesystem::temp_directory_path();
-    std::filesystem::path path = base / ("qkv-fuzz-safetensors-" + std::to_string(::getpid()));
+// A folder of this process's own, in memory where the system has one; removed at exit.
+struct Scratch {
+  std::filesystem::path path;
+  Scratch() {
+    const std::filesystem::path base =
+        std::filesystem::exists("/dev/shm") ? "/dev/shm" : std::filesystem::temp_directory_path();
+    path = base / ("qkv-fuzz-safetensors-" + std::to_string(::getpid()));
     std::filesystem::create_directories(path);
     const std::vector<uint8_t> eight(8, 1);
     qkv::models::write_safetensors(path / "shard.safetensors",
                                    std::vector<qkv::models::SafetensorsTensor>{{"a", "F32", {2}, eight}});
-    return path;
-  }();
-  return folder;
+  }
+  ~Scratch() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
+const std::filesystem::path& scratch() {
+  static const Scratch folder;
+  return folder.path;
 }
 
 void write(const std::filesystem::path& path, const uint8_t* data, size_t size) {

@@ -81,9 +81,12 @@ class Bpe final : public Model {
       } else {
         bad_field(at, "expected \"left right\" or [\"left\", \"right\"], found " + brief(merge));
       }
+      // With a continuing-subword prefix, "a" + "##b" is "ab": the right side's prefix goes.
+      const std::string merged = !prefix_.empty() && right.starts_with(prefix_) ? left + right.substr(prefix_.size())
+                                                                               : left + right;
       const auto left_id = vocabulary_.find(left), right_id = vocabulary_.find(right),
-                 merged_id = vocabulary_.find(left + right);
-      for (const auto& [part, id] : {std::pair{left, left_id}, {right, right_id}, {left + right, merged_id}})
+                 merged_id = vocabulary_.find(merged);
+      for (const auto& [part, id] : {std::pair{left, left_id}, {right, right_id}, {merged, merged_id}})
         if (!id) bad_field(at, "the merge of '" + left + "' and '" + right + "' uses '" + part + "', which is not in the vocabulary");
       merges_.try_emplace(pair_key(*left_id, *right_id), MergeResult{static_cast<int64_t>(rank), *merged_id});
     }

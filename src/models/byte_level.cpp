@@ -48,7 +48,9 @@ std::string to_byte_level(std::string_view bytes) {
 
 std::optional<std::string> from_byte_level(std::string_view token) {
   std::string out;
-  for (const Utf8Unit& unit : utf8_units(token)) {
+  for (size_t at = 0; at < token.size();) {
+    const Utf8Unit unit = utf8_unit_at(token, at);
+    at += unit.length;
     if (!unit.valid) return std::nullopt;
     const std::optional<uint8_t> byte = char_to_byte(unit.value);
     if (!byte) return std::nullopt;

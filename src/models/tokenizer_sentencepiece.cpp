@@ -69,7 +69,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     return processor_.IdToPiece(static_cast<int>(id));
   }
   bool is_special(int64_t id) const override {
-    check(id);
+    if (id < 0 || id >= vocab_size()) return false;
     return processor_.IsControl(static_cast<int>(id)) || processor_.IsUnknown(static_cast<int>(id));
   }
 

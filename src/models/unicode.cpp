@@ -70,21 +70,18 @@ std::string normalize_valid(std::string_view run, const icu::Normalizer2& n) {
 
 }  // namespace
 
+Utf8Unit utf8_unit_at(std::string_view text, size_t at) {
+  char32_t value = 0;
+  const uint32_t length = valid_sequence(text, at, value);
+  if (length == 0) return {static_cast<uint8_t>(text[at]), static_cast<uint32_t>(at), 1, false};
+  return {value, static_cast<uint32_t>(at), length, true};
+}
+
 std::vector<Utf8Unit> utf8_units(std::string_view text) {
   if (text.size() > UINT32_MAX) throw Error("qkv tokenizes at most 4 GiB of text at once");
   std::vector<Utf8Unit> units;
   units.reserve(text.size());
-  for (size_t i = 0; i < text.size();) {
-    char32_t value = 0;
-    const uint32_t length = valid_sequence(text, i, value);
-    if (length == 0) {
-      units.push_back({static_cast<uint8_t>(text[i]), static_cast<uint32_t>(i), 1, false});
-      i += 1;
-    } else {
-      units.push_back({value, static_cast<uint32_t>(i), length, true});
-      i += length;
-    }
-  }
+  for (size_t i = 0; i < text.size(); i += units.back().length) units.push_back(utf8_unit_at(text, i));
   return units;
 }
 

@@ -20,6 +20,8 @@ struct Utf8Unit {
 };
 
 std::vector<Utf8Unit> utf8_units(std::string_view text);
+// The unit that starts at text[at] (at < text.size()), without building the whole list.
+Utf8Unit utf8_unit_at(std::string_view text, size_t at);
 void append_utf8(std::string& out, char32_t code_point);
 
 // Character classes; an invalid byte is in none of them (it is "other").

@@ -128,6 +128,8 @@ TEST(ByteLevelBpe, SpecialTokensSplitOutFirst) {
   const int64_t eot = *tokenizer->token_to_id("<|endoftext|>");
   EXPECT_TRUE(tokenizer->is_special(eot));
   EXPECT_FALSE(tokenizer->is_special(0));
+  EXPECT_FALSE(tokenizer->is_special(-1));
+  EXPECT_FALSE(tokenizer->is_special(tokenizer->vocab_size()));
   EXPECT_EQ(tokenizer->special_tokens().eos, eot);
   EXPECT_EQ(tokenizer->special_tokens().bos, eot);
   EXPECT_EQ(tokenizer->special_tokens().cls, std::nullopt);
@@ -185,6 +187,34 @@ TEST(ByteLevelBpe, DigitsThenByteLevel) {
                          {{{"type", "Digits"}, {"individual_digits", true}},
                           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}}}};
   EXPECT_THAT(tokens(*make(spec), "a12"), ElementsAre("a", "1", "2"));
+}
+
+TEST(Bpe, ContinuingSubwordPrefix) {
+  // Characters after a word's first are looked up with the prefix; "a" + "##b" merges to "ab".
+  const Json json = {{"pre_tokenizer", {{"type", "WhitespaceSplit"}}},
+                     {"model", {{"type", "BPE"}, {"continuing_subword_prefix", "##"}, {"unk_token", "?"},
+                                {"vocab", {{"?", 0}, {"a", 1}, {"##b", 2}, {"ab", 3}, {"b", 4}, {"##a", 5}}},
+                                {"merges", {"a ##b"}}}}};
+  const auto tokenizer = tokenizer_from_json(json.dump(), "prefix/tokenizer.json");
+  EXPECT_THAT(tokens(*tokenizer, "ab ba abc"), ElementsAre("ab", "b", "##a", "ab", "?"));
+}
+
+TEST(ByteLevelBpe, AddedTokenStripsSpaces) {
+  // RoBERTa's <mask> takes the spaces before it (lstrip); rstrip takes those after.
+  Json json = byte_level_json({.specials = {"<mask>", "<sep>"}});
+  json["added_tokens"][0]["lstrip"] = true;
+  json["added_tokens"][1]["rstrip"] = true;
+  const auto tokenizer = tokenizer_from_json(json.dump(), "test tokenizer.json");
+  EXPECT_THAT(tokens(*tokenizer, "a  <mask> b<sep>  c"), ElementsAre("a", "<mask>", "Ġ", "b", "<sep>", "c"));
+}
+
+TEST(ByteLevelBpe, NfcNormalizerComposes) {
+  // Qwen2 normalizes to NFC first: e + U+0301 is é, two bytes, before the byte-level split.
+  Json json = byte_level_json({});
+  json["normalizer"] = {{"type", "NFC"}};
+  const auto tokenizer = tokenizer_from_json(json.dump(), "test tokenizer.json");
+  EXPECT_EQ(tokenizer->encode("e\u0301", false), bytes_of("\xC3\xA9"));
+  EXPECT_EQ(tokenizer->decode(tokenizer->encode("e\u0301")), "\u00e9");
 }
 
 // Random text: code points of every width, invalid bytes, special tokens, spaces and newlines.

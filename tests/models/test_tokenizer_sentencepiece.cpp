@@ -47,6 +47,7 @@ TEST(SentencePiece, TrainedModelRoundTrips) {
   EXPECT_EQ(tokenizer->token_to_id("</s>"), 2);
   EXPECT_EQ(tokenizer->token_to_id("not a piece"), std::nullopt);
   EXPECT_TRUE(tokenizer->is_special(1));
+  EXPECT_FALSE(tokenizer->is_special(tokenizer->vocab_size()));
   EXPECT_GE(tokenizer->vocab_size(), 259);  // the specials and 256 byte pieces at least
 
   const std::string text = "the cat sat on the hat";

@@ -44,6 +44,7 @@ class Tokenizer {
   virtual std::optional<int64_t> token_to_id(std::string_view token) const = 0;
   // The vocabulary's spelling of `id`; qkv::Error outside [0, vocab_size()).
   virtual std::string id_to_token(int64_t id) const = 0;
+  // Whether `id` is a special token (control tokens: <s>, [CLS], ...); false outside the vocabulary.
   virtual bool is_special(int64_t id) const = 0;
   const SpecialTokens& special_tokens() const { return roles_; }
 
