@@ -111,6 +111,7 @@ void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const
 
 // The dropout decision for one weight: a counter-based hash of (seed, batch, head, query, key),
 // so every kernel drops exactly the same elements. True = kept (and scaled by 1 / (1 - p)).
+// p is checked as attention checks dropout_p: outside [0, 1) (or NaN) throws qkv::Error.
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key,
                    float p);
 

@@ -46,9 +46,17 @@ MatmulPrecision matmul_precision_from_string(std::string_view name) {
   throw Error("unknown matmul precision '" + std::string(name) + "': expected highest, high or medium");
 }
 
-bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
+namespace {
+// The rule itself, for a p already checked (the kernels' problems were built by build_problem).
+bool keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
   return detail::counter_uniform(seed, static_cast<uint64_t>(batch), static_cast<uint64_t>(head),
                                  static_cast<uint64_t>(query), static_cast<uint64_t>(key)) >= p;
+}
+}  // namespace
+
+bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
+  detail::check_dropout_p("dropout_keeps: ", p);
+  return keeps(seed, batch, head, query, key, p);
 }
 
 namespace detail {
@@ -61,7 +69,7 @@ int threads_for(double flops) { return flops < min_flops_to_thread.load() ? 1 : 
 double set_min_flops_to_thread_for_test(double flops) { return min_flops_to_thread.exchange(flops); }
 
 bool dropout_keeps(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return qkv::dropout_keeps(problem.seed, b, h, i, j, problem.dropout_p);
+  return keeps(problem.seed, b, h, i, j, problem.dropout_p);
 }
 }  // namespace detail
 

@@ -163,6 +163,10 @@ void prepare_output(const char* who, Tensor& t, const char* name, const Shape& s
 
 }  // namespace
 
+void check_dropout_p(const char* who, float p) {
+  if (!(p >= 0 && p < 1)) fail(who, "dropout_p must be in [0, 1), got " + format_float(p));
+}
+
 template <class T>
 Rows<T> rows_of(const Tensor& t) {
   const auto& st = t.strides();
@@ -202,8 +206,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   // ---- scalar options
   const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(qd.dim)));
   if (!std::isfinite(scale) || scale <= 0) fail(who, "scale must be finite and positive, got " + format_float(scale));
-  if (!(options.dropout_p >= 0 && options.dropout_p < 1))
-    fail(who, "dropout_p must be in [0, 1), got " + format_float(options.dropout_p));
+  check_dropout_p(who, options.dropout_p);
   if (!(options.softcap >= 0 && std::isfinite(options.softcap)))
     fail(who, "softcap must be 0 (off) or finite and positive, got " + format_float(options.softcap));
 

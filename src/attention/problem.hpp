@@ -104,6 +104,10 @@ struct AttentionBackwardProblem {
   float* grad_sinks;              // (Hq), overwritten, or nullptr without sinks
 };
 
+// The dropout probability's check, shared by build_problem and qkv::dropout_keeps: p in [0, 1),
+// else qkv::Error "<who>dropout_p must be in [0, 1), got <p>".
+void check_dropout_p(const char* who, float p);
+
 // The dropout rule every kernel shares: weight (b, h, i, j) is kept when the counter-based
 // uniform for those coordinates is >= p.
 bool dropout_keeps(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, int64_t j);
