@@ -102,6 +102,9 @@ struct AttentionBackwardProblem {
   Rows<float> grad_k;             // (B, Hkv, Nk, Dk), overwritten
   Rows<float> grad_v;             // (B, Hkv, Nk, Dv), overwritten
   float* grad_sinks;              // (Hq), overwritten, or nullptr without sinks
+  // The flash backward recomputes S in decode's order (dot_scores-inl.h) instead of its
+  // micro-GEMM's: set when the forward ran decode, so the recomputed scores are its scores.
+  bool decode_scores = false;
 };
 
 // The dropout probability's check, shared by build_problem and qkv::dropout_keeps: p in [0, 1),
@@ -138,10 +141,19 @@ struct BuiltBackwardProblem {
   BuiltProblem forward;
   AttentionBackwardProblem problem;
   std::vector<float> row_shift, row_scale;
+  // Given lse alone: the rows whose lse lost precision (lse_lost_precision), whose shift and
+  // scale the dispatcher restores from a forward pass before the kernel runs (attention.cpp).
+  std::vector<int64_t> rows_to_restore;
 };
 void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_output, const Tensor& q,
                             const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
                             const AttentionOptions& options);
+
+// Weights recomputed from lse alone, exp(s - lse), carry lse's rounding as a relative error, up to
+// half an ulp of lse: from |lse| >= 128 that is 2^-18 or more, and a row whose keys all carry a
+// -1e9 bias loses log(n) entirely (its weights would each be 1, not 1 / n). True for such an lse
+// (+inf included); false for -inf (a row that saw nothing) and NaN (a NaN row stays NaN).
+bool lse_lost_precision(float lse);
 
 // The backward's per-row shift and scale of the weights (AttentionBackwardProblem), for `rows`
 // rows: from the forward's row max and sum when `sums` is given (shift = max, scale = 1 / sum),
