@@ -881,7 +881,8 @@ TEST(Backward, RecomputesTheScoresOfTheForwardsKernel) {
             double top_score = -INFINITY;
             for (int64_t j = 0; j < visible; ++j) {
               double dot = 0;
-              for (int64_t d = 0; d < x.dk; ++d) dot += q[static_cast<size_t>((h * nq + i) * x.dk + d)] * k[static_cast<size_t>((g * nk + j) * x.dk + d)];
+              for (int64_t d = 0; d < x.dk; ++d)
+                dot += q[static_cast<size_t>((h * nq + i) * x.dk + d)] * k[static_cast<size_t>((g * nk + j) * x.dk + d)];
               if (dot > top_score) top_score = dot, top = j;
             }
             const float row_sum = forward.row_sum.at({0, h, i});
@@ -889,7 +890,8 @@ TEST(Backward, RecomputesTheScoresOfTheForwardsKernel) {
             double largest = 0;
             for (int64_t c = 0; c < 8; ++c) {
               double out = 0;
-              for (int64_t j = 0; j < nk; ++j) out += double{grads.dv.at({0, g, j, 0})} * v[static_cast<size_t>((g * nk + j) * 8 + c)];
+              for (int64_t j = 0; j < nk; ++j)
+                out += double{grads.dv.at({0, g, j, 0})} * v[static_cast<size_t>((g * nk + j) * 8 + c)];
               largest = std::max(largest, std::abs(out - forward.output.at({0, h, i, c})));
             }
             EXPECT_LT(largest, 2e-6) << what << ", row " << h << "," << i;

@@ -205,7 +205,8 @@ TEST(Pipeline, BackwardFromLseAloneStaysExactUnderHugeFiniteBiases) {
         if (bias_value <= -1e9f)  // every score rounds to the bias: uniform weights
           for (int64_t j = 0; j < 4; ++j) EXPECT_FLOAT_EQ(from_lse.dv.at({0, 0, j, 0}), 0.25f) << what;
         if (all_rows) {
-          const AttentionGrads from_stats = qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, forward, options);
+          const AttentionGrads from_stats =
+              qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, forward, options);
           EXPECT_TRUE(same_bits(from_lse.dq, from_stats.dq)) << what;
           EXPECT_TRUE(same_bits(from_lse.dk, from_stats.dk)) << what;
           EXPECT_TRUE(same_bits(from_lse.dv, from_stats.dv)) << what;

@@ -103,8 +103,8 @@ constexpr size_t kKeyBlock = 4 * kKeyTile;
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
 struct ScratchLayout {
   size_t dk, dv, dk_pad, dv_pad;
-  size_t q_t, grad_out_t, q_rows, grad_out_rows, q_scaled, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k, grad_v,
-      grad_q, shift, scale, row_dot, total;
+  size_t q_t, grad_out_t, q_rows, grad_out_rows, q_scaled, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k,
+      grad_v, grad_q, shift, scale, row_dot, total;
 
   ScratchLayout(size_t br, size_t dk_, size_t dv_)
       : dk(dk_), dv(dv_), dk_pad(round_to_cache_line(dk_)), dv_pad(round_to_cache_line(dv_)) {
@@ -223,8 +223,8 @@ size_t BackwardTileRowsFor(const AttentionProblem& p) {
 struct Scratch {
   size_t br, dk_pad, dv_pad;
   size_t dk_cols, dv_cols;  // Dk and Dv rounded up to whole vectors: the columns the products compute
-  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *q_scaled, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows, *grad_k,
-      *grad_v, *grad_q, *shift, *scale, *row_dot;
+  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *q_scaled, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows,
+      *grad_k, *grad_v, *grad_q, *shift, *scale, *row_dot;
   Scratch(float* s, size_t br_, const flash_backward::ScratchLayout& l)
       : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(round_up(l.dk, hn::Lanes(DF()))),
         dv_cols(round_up(l.dv, hn::Lanes(DF()))),
@@ -321,7 +321,8 @@ HWY_INLINE void DecodeOrderScores(const AttentionProblem& p, int64_t b, int64_t 
   constexpr size_t kKeys = dot_scores::kKeys;
   for (size_t j = 0; j < cols; j += kKeys) {
     const float* keys[kKeys];
-    for (size_t x = 0; x < kKeys; ++x) keys[x] = p.k.row(b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * key_step);
+    for (size_t x = 0; x < kKeys; ++x)
+      keys[x] = p.k.row(b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * key_step);
     dot_scores::ScoreRows(w.br, dk, full, w.q_scaled, w.dk_pad, keys, w.weights_t + j * w.br, 1, w.br);
   }
 }
