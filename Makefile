@@ -43,7 +43,7 @@ test-sanitize:
 	cmake --build $(BUILD)/sanitize -j$(JOBS)
 	cd $(BUILD)/sanitize && ctest --output-on-failure -j$(JOBS)
 
-# ThreadSanitizer: only the library and the concurrency stress test (tests/test_concurrency.cpp).
+# ThreadSanitizer: only the library and the concurrency stress test (tests/concurrency/test_concurrency.cpp).
 test-tsan:
 	@bash scripts/install-deps.sh test
 	cmake -S . -B $(BUILD)/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKV_TSAN=ON

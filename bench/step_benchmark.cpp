@@ -1,5 +1,5 @@
 // Where a flash forward's time goes: each step of the pipeline (src/attention/steps/pipeline-inl.h,
-// tile_gemm-inl.h) timed in isolation on one work item's tile, on one thread, beside the same
+// gemm/micro_kernel-inl.h) timed in isolation on one work item's tile, on one thread, beside the same
 // run's one-thread FMA peak; then the steps composed as FlashKeyTile composes them, and whole
 // flash calls divided into the tiles they visit. This VM exposes no hardware counters, so the
 // breakdown is timed, not sampled; docs/performance.md ("Where the time goes") reads its table.
@@ -20,7 +20,7 @@
 //   Tile/Diagonal     Scores + MaskCausal + Softmax + Rescale + Accumulate
 //   Call/W0, Call/W1  the whole scaled_dot_product_attention (Backend::Flash); counters give
 //                     the call's time per visited tile and the tile and item counts
-// The backward's steps (flash_backward.cpp's BackwardPair), on one W1 pair: Br queries (96) x
+// The backward's steps (flash/backward.cpp's BackwardPair), on one W1 pair: Br queries (96) x
 // Bc = 64 keys, d = 64, head 0 of W1's problem; each product is 2 Bc Br d FLOPs:
 //   Bwd/ScoresT       S^T = K Qt, the micro-GEMM (Bc x Br, depth d)
 //   Bwd/Weights       P = exp(S - shift) * scale from the row stats
@@ -57,7 +57,7 @@
 
 namespace qkv::bench {
 
-// One worker's scratch for one work item, as flash.cpp lays it out, and where in W0 it sits.
+// One worker's scratch for one work item, as flash/forward.cpp lays it out, and where in W0 it sits.
 struct StepTile {
   const detail::AttentionProblem* problem;  // W0's, causal
   size_t br, d, bc;
@@ -65,7 +65,7 @@ struct StepTile {
   float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *inverse, *lse;
 };
 
-// One backward worker's scratch for one (query tile, key tile) pair, as flash_backward.cpp lays
+// One backward worker's scratch for one (query tile, key tile) pair, as flash/backward.cpp lays
 // it out (d_pad = d for d = 64), and W1's K and V read in place. The kernel reads a whole query
 // tile's Q and dO rows in place too: q_rows and grad_out_rows stand for them (rows d apart, as
 // W1's are).
@@ -92,7 +92,7 @@ using detail::HWY_NAMESPACE::tile_gemm::kTileVectors;
 using detail::HWY_NAMESPACE::tile_gemm::PanelGemm;
 
 size_t TileRows() { return kTileVectors * hn::Lanes(hn::ScalableTag<float>()); }
-// flash_backward.cpp's Br (BackwardQueryTileRows): about 96, whole micro-tile widths.
+// flash/backward.cpp's Br (BackwardQueryTileRows): about 96, whole micro-tile widths.
 size_t BackwardTileRows() { return std::max<size_t>(1, 96 / TileRows()) * TileRows(); }
 
 void PackQ(const StepTile& t) {
@@ -273,7 +273,7 @@ HWY_EXPORT(FloatLanes);
 
 namespace {
 
-constexpr size_t kKeyTile = 64;  // flash.cpp's Bc
+constexpr size_t kKeyTile = 64;  // flash/forward.cpp's Bc
 double g_peak_gflops = 0;        // one thread's FMA peak, measured in main before the benchmarks
 
 // A workload's problem, built and bound by the library's builder as a Flash call binds it.
@@ -388,7 +388,7 @@ void BM_Step(benchmark::State& state, const Tile& t, Step step, int gemms) {
   if (gemms > 0) set_flops(state, 2.0 * gemms * static_cast<double>(t.bc * t.br * t.d));
 }
 
-// The tiles and items a flash call over `w` visits (flash.cpp's loops, band only): per head,
+// The tiles and items a flash call over `w` visits (flash/forward.cpp's loops, band only): per head,
 // query tiles of br rows, each over the key tiles of 64 up to its last row's last visible key.
 struct CallTiles {
   double items = 0, full = 0, diagonal = 0;

@@ -95,10 +95,16 @@ void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const T
 struct AttentionGrads { Tensor dq, dk, dv, dsinks; };
 // grad_output: shaped as forward.output. `forward` is the result of the forward call on the same
 // q, k, v and options: its output is used, and the weights are recomputed from its row_max and
-// row_sum (exact whatever the biases), or from its lse when those are undefined (exact unless a
-// row's scores are all huge, e.g. a -1e9 bias on every key). grad_output and forward's tensors may
-// be views, as q, k and v. options.backend: Reference, Flash, or Auto (Flash). Decode has no
-// backward: Auto/Flash serve it.
+// row_sum (exact whatever the biases), or from its lse when those are undefined: exact where
+// |lse| < 128; a row with a larger lse (a -1e9 bias on every key, where lse loses log(n), or huge
+// scores) gets its max and sum from a forward pass first. grad_output and forward's tensors may
+// be views, as q, k and v.
+// options must be the forward's (need_weights and backend included): the backward recomputes the
+// scores in the order the forward's kernel summed them, so its weights come from the forward's
+// scores bit for bit. After Reference (asked for, or Auto with need_weights) it runs the reference
+// backward; after Flash the flash backward; after Decode (asked for, or Auto's choice) the flash
+// backward with decode's dot products (Auto's choice depends on omp_get_max_threads(): run both
+// directions with the same thread count).
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                      const Tensor& v, const AttentionResult& forward,
                                                      const AttentionOptions& options = {});
@@ -111,6 +117,7 @@ void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const
 
 // The dropout decision for one weight: a counter-based hash of (seed, batch, head, query, key),
 // so every kernel drops exactly the same elements. True = kept (and scaled by 1 / (1 - p)).
+// p is checked as attention checks dropout_p: outside [0, 1) (or NaN) throws qkv::Error.
 bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key,
                    float p);
 

@@ -10,8 +10,9 @@
 // phi is applied to every element of q and k:
 //   EluPlusOne  phi(x) = elu(x) + 1 = x + 1 (x > 0), exp(x) (x <= 0): positive, so every
 //               denominator is positive (the paper's choice);
-//   Relu        phi(x) = max(x, 0): a query or key whose features are all <= 0 weighs nothing,
-//               and a row whose weights are all 0 gets out = 0 (eps keeps it finite).
+//   Relu        phi(x) = max(x, 0): a query or key whose features are all <= 0 weighs nothing.
+// A row whose weights are all 0 with eps = 0 (it sees no key, Nk = 0 included, or ReLU zeroes
+// every product) gets out = 0 and zero gradients, as softmax attention's empty rows, never NaN.
 // Non-causal: phi(K)^T V (d x Dv) once, then phi(Q) times it. Causal: chunked prefix sums, a
 // dense masked block within each chunk and a running state across chunks (docs/linear.md).
 #pragma once

@@ -46,14 +46,60 @@ MatmulPrecision matmul_precision_from_string(std::string_view name) {
   throw Error("unknown matmul precision '" + std::string(name) + "': expected highest, high or medium");
 }
 
-bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
+namespace {
+// The rule itself, for a p already checked (the kernels' problems were built by build_problem).
+bool keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
   return detail::counter_uniform(seed, static_cast<uint64_t>(batch), static_cast<uint64_t>(head),
                                  static_cast<uint64_t>(query), static_cast<uint64_t>(key)) >= p;
+}
+}  // namespace
+
+bool dropout_keeps(uint64_t seed, int64_t batch, int64_t head, int64_t query, int64_t key, float p) {
+  detail::check_dropout_p("dropout_keeps: ", p);
+  return keeps(seed, batch, head, query, key, p);
 }
 
 namespace detail {
 namespace {
 std::atomic<double> min_flops_to_thread{kMinFlopsToThread};
+
+// ---- dispatch, in one place for both directions: only the reference materialises weights; of
+// the fused kernels, decode serves few queries against many keys, flash the rest. The backward
+// asks it which kernel made the scores it recomputes (given the forward's options).
+Backend forward_kernel(const AttentionProblem& problem, const AttentionOptions& options) {
+  if (options.backend != Backend::Auto) return options.backend;
+  if (options.need_weights) return Backend::Reference;
+  return decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
+}
+
+void run_forward(Backend kernel, const AttentionProblem& problem) {
+  switch (kernel) {
+    case Backend::Reference: reference_attention(problem); break;
+    case Backend::Flash: flash_attention(problem); break;
+    case Backend::Decode: decode_attention(problem); break;
+    case Backend::Auto: break;  // forward_kernel resolves it
+  }
+}
+
+// A backward given lse alone (lse_lost_precision, problem.hpp): the listed rows get their max and
+// sum from a forward pass of the forward's kernel, into scratch; every other row keeps lse's.
+// The pass covers the whole problem: such rows are rare (huge biases or scores), and a pass of
+// the fused kernels over every row costs less than picking rows apart.
+void restore_row_stats(BuiltBackwardProblem& built, Backend kernel) {
+  if (built.rows_to_restore.empty()) return;
+  AttentionProblem p = built.problem.forward;
+  const int64_t rows = p.batch * p.q_heads * p.q_len;
+  const Tensor out = Tensor::empty(Shape{rows, p.value_dim}), stats = Tensor::empty(Shape{3, rows});
+  p.output = {out.data(), p.q_heads * p.q_len * p.value_dim, p.q_len * p.value_dim, p.value_dim};
+  p.weights = nullptr;
+  p.lse = stats.data();
+  p.row_max = p.lse + rows;
+  p.row_sum = p.row_max + rows;
+  run_forward(kernel, p);
+  for (int64_t r : built.rows_to_restore)
+    weight_row_stats(p.row_max + r, p.row_sum + r, 1, &built.row_shift[static_cast<size_t>(r)],
+                     &built.row_scale[static_cast<size_t>(r)]);
+}
 }  // namespace
 
 int threads_for(double flops) { return flops < min_flops_to_thread.load() ? 1 : omp_get_max_threads(); }
@@ -61,7 +107,7 @@ int threads_for(double flops) { return flops < min_flops_to_thread.load() ? 1 : 
 double set_min_flops_to_thread_for_test(double flops) { return min_flops_to_thread.exchange(flops); }
 
 bool dropout_keeps(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return qkv::dropout_keeps(problem.seed, b, h, i, j, problem.dropout_p);
+  return keeps(problem.seed, b, h, i, j, problem.dropout_p);
 }
 }  // namespace detail
 
@@ -86,23 +132,7 @@ void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
   detail::bind_forward_outputs(built, result, options.need_weights, q, k, v);
 
-  // ---- dispatch, in one place: only the reference materialises weights; of the fused kernels,
-  // decode serves few queries against many keys, flash the rest.
-  const detail::AttentionProblem& problem = built.problem;
-  Backend backend = options.backend;
-  if (backend == Backend::Auto) {
-    if (options.need_weights) {
-      backend = Backend::Reference;
-    } else {
-      backend = detail::decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
-    }
-  }
-  switch (backend) {
-    case Backend::Reference: detail::reference_attention(problem); break;
-    case Backend::Flash: detail::flash_attention(problem); break;
-    case Backend::Decode: detail::decode_attention(problem); break;
-    case Backend::Auto: break;  // resolved above
-  }
+  detail::run_forward(detail::forward_kernel(built.problem, options), built.problem);
 }
 
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,
@@ -113,26 +143,44 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, 
   return grads;
 }
 
+namespace detail {
+namespace {
+// The backward of both entries. restore_rows: rows whose lse lost precision get their max and sum
+// from a forward pass (restore_row_stats); a block of a longer sequence must not, since its
+// forward.lse is the whole row's and a pass over the block would give the block's.
+void backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const AttentionResult& forward, AttentionGrads& grads, const AttentionOptions& options,
+                   int64_t alibi_shift, bool restore_rows) {
+  BuiltBackwardProblem built;
+  build_backward_problem(built, grad_output, q, k, v, forward, grads, options);
+  built.problem.forward.alibi_shift = alibi_shift;
+  // ---- dispatch: the backward recomputes the scores in the order the forward's kernel summed
+  // them, so its weights come from the forward's scores: after the reference, the reference
+  // backward (the same sgemm); after flash, flash backward; after decode, flash backward with
+  // decode's dot products (decode has no backward of its own).
+  const Backend kernel = forward_kernel(built.problem.forward, options);
+  built.problem.decode_scores = kernel == Backend::Decode;
+  if (restore_rows) restore_row_stats(built, kernel);
+  if (kernel == Backend::Reference) {
+    reference_attention_backward(built.problem);
+  } else {
+    flash_attention_backward(built.problem);
+  }
+  sink_gradients(built.problem);
+}
+}  // namespace
+}  // namespace detail
+
 void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const AttentionResult& forward,
                                                 AttentionGrads& grads, const AttentionOptions& options) {
-  detail::block_attention_backward_into(grad_output, q, k, v, forward, grads, options, 0);
+  detail::backward_into(grad_output, q, k, v, forward, grads, options, 0, true);
 }
 
 void detail::block_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                            const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
                                            const AttentionOptions& options, int64_t alibi_shift) {
-  detail::BuiltBackwardProblem built;
-  detail::build_backward_problem(built, grad_output, q, k, v, forward, grads, options);
-  built.problem.forward.alibi_shift = alibi_shift;
-  // ---- dispatch: the reference when asked for, else flash (decode has no backward; a forward
-  // that ran on decode has the same output and row stats, which is all backward reads).
-  if (options.backend == Backend::Reference) {
-    detail::reference_attention_backward(built.problem);
-  } else {
-    detail::flash_attention_backward(built.problem);
-  }
-  detail::sink_gradients(built.problem);
+  backward_into(grad_output, q, k, v, forward, grads, options, alibi_shift, false);
 }
 
 }  // namespace qkv

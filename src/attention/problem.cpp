@@ -1,6 +1,6 @@
 // The one problem builder (problem.hpp): every argument of scaled_dot_product_attention and its
 // backward checked once, with messages that name the shapes or values involved, and normalised
-// into the AttentionProblem the kernels trust. The library's entry points (attention.cpp) and the
+// into the AttentionProblem the kernels trust. The library's entry points (attention/dispatch.cpp) and the
 // kernel tests both build their problems here.
 #include "attention/problem.hpp"
 
@@ -196,6 +196,10 @@ void check_attention_request(const char* who, const Tensor& q, const Tensor& k, 
 
 }  // namespace
 
+void check_dropout_p(const char* who, float p) {
+  if (!(p >= 0 && p < 1)) fail(who, "dropout_p must be in [0, 1), got " + format_float(p));
+}
+
 template <class T>
 Rows<T> rows_of(const Tensor& t) {
   const auto& st = t.strides();
@@ -235,8 +239,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   // ---- scalar options
   const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(qd.dim)));
   if (!std::isfinite(scale) || scale <= 0) fail(who, "scale must be finite and positive, got " + format_float(scale));
-  if (!(options.dropout_p >= 0 && options.dropout_p < 1))
-    fail(who, "dropout_p must be in [0, 1), got " + format_float(options.dropout_p));
+  check_dropout_p(who, options.dropout_p);
   if (!(options.softcap >= 0 && std::isfinite(options.softcap)))
     fail(who, "softcap must be 0 (off) or finite and positive, got " + format_float(options.softcap));
 
@@ -328,14 +331,19 @@ void expect_shape(const char* who, const Tensor& t, const char* name, const Shap
 }
 
 // Row shift and scale of the recomputed weights (problem.hpp), from row_max and row_sum when
-// the forward gave them, else from lse.
-void row_stats(const AttentionResult& forward, std::vector<float>& shift, std::vector<float>& scale) {
+// the forward gave them, else from lse, listing the rows whose lse lost precision.
+void row_stats(const AttentionResult& forward, BuiltBackwardProblem& built) {
   const bool exact = forward.row_max.defined() && forward.row_sum.defined();
   const std::vector<float> first = exact ? forward.row_max.to_vector() : forward.lse.to_vector();
   const std::vector<float> sums = exact ? forward.row_sum.to_vector() : std::vector<float>();
-  shift.resize(first.size());
-  scale.resize(first.size());
-  weight_row_stats(first.data(), exact ? sums.data() : nullptr, first.size(), shift.data(), scale.data());
+  built.row_shift.resize(first.size());
+  built.row_scale.resize(first.size());
+  weight_row_stats(first.data(), exact ? sums.data() : nullptr, first.size(), built.row_shift.data(),
+                   built.row_scale.data());
+  built.rows_to_restore.clear();
+  if (!exact)
+    for (size_t r = 0; r < first.size(); ++r)
+      if (lse_lost_precision(first[r])) built.rows_to_restore.push_back(static_cast<int64_t>(r));
 }
 }  // namespace
 
@@ -353,7 +361,7 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
   expect_shape(who, forward.lse, "forward.lse", f.lse_shape, "q's leading dims + (Nq)");
   if (forward.row_max.defined()) expect_shape(who, forward.row_max, "forward.row_max", f.lse_shape, "as lse");
   if (forward.row_sum.defined()) expect_shape(who, forward.row_sum, "forward.row_sum", f.lse_shape, "as lse");
-  row_stats(forward, built.row_shift, built.row_scale);
+  row_stats(forward, built);
 
   const auto inputs = {&q, &k, &v};
   prepare_output(who, grads.dq, "grads.dq", q.shape(), inputs, false);
@@ -375,6 +383,11 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
       .grad_q = rows_of<float>(grads.dq), .grad_k = rows_of<float>(grads.dk), .grad_v = rows_of<float>(grads.dv),
       .grad_sinks = grads.dsinks.defined() ? grads.dsinks.data() : nullptr,
   };
+}
+
+bool lse_lost_precision(float lse) {
+  constexpr float kExactBelow = 128;  // |lse| < 128: half an ulp is at most 2^-18
+  return !std::isnan(lse) && lse != kMinusInf && !(std::abs(lse) < kExactBelow);
 }
 
 void weight_row_stats(const float* first, const float* sums, size_t rows, float* shift, float* scale) {

@@ -42,7 +42,7 @@ struct AttentionProblem {
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
   // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], every term allows it and
-  // the rule does (mask_rule.hpp).
+  // the rule does (mask/rule.hpp).
   int64_t band_lo, band_hi;
   std::vector<int64_t> key_lengths;  // one per batch; kv_len where no padding mask was given
   std::vector<MaskTermView> terms;
@@ -51,7 +51,7 @@ struct AttentionProblem {
   float dropout_p;  // 0: no dropout
   uint64_t seed;
   // The bfloat16 parts each float32 operand of the flash forward's products may be split into
-  // on AMX tiles (attention/amx.hpp): 2 at MatmulPrecision::High, 1 at Medium, 0 (float32) at
+  // on AMX tiles (gemm/amx.hpp): 2 at MatmulPrecision::High, 1 at Medium, 0 (float32) at
   // Highest and when K and V are 16-bit.
   int amx_parts = 0;
 
@@ -102,7 +102,14 @@ struct AttentionBackwardProblem {
   Rows<float> grad_k;             // (B, Hkv, Nk, Dk), overwritten
   Rows<float> grad_v;             // (B, Hkv, Nk, Dv), overwritten
   float* grad_sinks;              // (Hq), overwritten, or nullptr without sinks
+  // The flash backward recomputes S in decode's order (attention/steps/dot_scores-inl.h) instead of its
+  // micro-GEMM's: set when the forward ran decode, so the recomputed scores are its scores.
+  bool decode_scores = false;
 };
+
+// The dropout probability's check, shared by build_problem and qkv::dropout_keeps: p in [0, 1),
+// else qkv::Error "<who>dropout_p must be in [0, 1), got <p>".
+void check_dropout_p(const char* who, float p);
 
 // The dropout rule every kernel shares: weight (b, h, i, j) is kept when the counter-based
 // uniform for those coordinates is >= p.
@@ -134,10 +141,19 @@ struct BuiltBackwardProblem {
   BuiltProblem forward;
   AttentionBackwardProblem problem;
   std::vector<float> row_shift, row_scale;
+  // Given lse alone: the rows whose lse lost precision (lse_lost_precision), whose shift and
+  // scale the dispatcher restores from a forward pass before the kernel runs (attention/dispatch.cpp).
+  std::vector<int64_t> rows_to_restore;
 };
 void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_output, const Tensor& q,
                             const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
                             const AttentionOptions& options);
+
+// Weights recomputed from lse alone, exp(s - lse), carry lse's rounding as a relative error, up to
+// half an ulp of lse: from |lse| >= 128 that is 2^-18 or more, and a row whose keys all carry a
+// -1e9 bias loses log(n) entirely (its weights would each be 1, not 1 / n). True for such an lse
+// (+inf included); false for -inf (a row that saw nothing) and NaN (a NaN row stays NaN).
+bool lse_lost_precision(float lse);
 
 // The backward's per-row shift and scale of the weights (AttentionBackwardProblem), for `rows`
 // rows: from the forward's row max and sum when `sums` is given (shift = max, scale = 1 / sum),

@@ -18,6 +18,8 @@ namespace qkv::detail {
 void block_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                           const AttentionOptions& options, int64_t alibi_shift);
 
+// forward.lse is the whole row's (every key block's): rows whose lse lost precision are not
+// restored from a pass over this block, whose max and sum are the block's, not the row's.
 void block_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const AttentionResult& forward, AttentionGrads& grads,
                                    const AttentionOptions& options, int64_t alibi_shift);

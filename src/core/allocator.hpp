@@ -54,7 +54,7 @@ enum class WorkspaceSlot {
   DecodeScratch,
   LinearScratch,
   GemmPanels,
-  GemmRows,  // the Small GEMM's aligned copies of x (small_gemm.cpp)
+  GemmRows,  // the Small GEMM's aligned copies of x (gemm/small.cpp)
   Count
 };
 Workspace& thread_workspace(WorkspaceSlot slot);

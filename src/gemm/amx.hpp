@@ -5,7 +5,7 @@
 // float32 by the tile unit: 1 part (Medium) is one bf16 product, 2 parts (High) are
 // hi hi' + hi lo' + lo hi', about 16 significant bits.
 //
-// The layouts are the flash kernels' (flash.cpp, flash_backward.cpp): St = K Qt (Bc keys x Br
+// The layouts are the flash kernels' (flash/forward.cpp, flash/backward.cpp): St = K Qt (Bc keys x Br
 // query lanes), Ot (Dv x Br) and the backward's accumulators stay float32 in the worker's
 // scratch, so every other step of the pipeline runs on them unchanged; only the operands are
 // split, into bf16 arrays the tiles read (the forward's):

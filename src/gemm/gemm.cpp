@@ -1,4 +1,4 @@
-// qkv::detail::sgemm (gemm.hpp): one entry point, five paths, chosen per shape class.
+// qkv::detail::sgemm (gemm/gemm.hpp): one entry point, five paths, chosen per shape class.
 //
 // The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
 //   - x W^T (A not transposed, B transposed) whose rows are whole AVX-512 vectors, 32-64 of them

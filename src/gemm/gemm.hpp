@@ -4,9 +4,9 @@
 // shape class (choose_gemm_path, gemm.cpp), so that these GEMMs run near the machine's best sgemm
 // whatever the environment says to one library (OPENBLAS_CORETYPE=Haswell halves OpenBLAS on an
 // AVX-512 core; oneDNN and qkv's own kernel pick their code from the CPU itself):
-//   Small     qkv's Highway kernel (small_gemm.hpp): A not transposed, B transposed, few rows
-//   Tiled     the fused kernels' micro-GEMM on packed panels of B (tiled_gemm.hpp): any transposes
-//   TiledT    the same kernel on the transposed product, C^T = op(B)^T op(A)^T (tiled_gemm.hpp)
+//   Small     qkv's Highway kernel (gemm/small.hpp): A not transposed, B transposed, few rows
+//   Tiled     the fused kernels' micro-GEMM on packed panels of B (gemm/tiled.hpp): any transposes
+//   TiledT    the same kernel on the transposed product, C^T = op(B)^T op(A)^T (gemm/tiled.hpp)
 //   OneDnn    dnnl_sgemm, when qkv was built with oneDNN (QKV_HAVE_DNNL)
 //   OpenBlas  cblas_sgemm
 // docs/performance.md gives the measurements behind the choice (`qkv bench` times every path on

@@ -1,4 +1,4 @@
-// small_rows_gemm (small_gemm.hpp): y = alpha x W^T + beta y as dot products of x rows with W rows, a
+// small_rows_gemm (gemm/small.hpp): y = alpha x W^T + beta y as dot products of x rows with W rows, a
 // register tile of kRows x kOutputs accumulators at a time (each a vector of partial sums over k,
 // reduced once at the end), so W streams through once per kRows rows and is never packed.
 //

@@ -1,5 +1,5 @@
 // y = alpha x W^T + beta y for few rows (internal): the "small" path of qkv::detail::sgemm
-// (gemm.hpp), which picks it for A not transposed, B transposed and few rows of A.
+// (gemm/gemm.hpp), which picks it for A not transposed, B transposed and few rows of A.
 //
 // With few rows (W5: 20 rows of 512 through a 1536 x 512 weight) sgemm spends as much time
 // packing W as multiplying (OpenBLAS: sgemm_incopy ~ 1/4 of the call), and its kernels follow

@@ -1,4 +1,4 @@
-// tiled_gemm (tiled_gemm.hpp): C = alpha op(A) op(B) + beta C on tile_gemm-inl.h's micro-GEMM.
+// tiled_gemm (gemm/tiled.hpp): C = alpha op(A) op(B) + beta C on gemm/micro_kernel-inl.h's micro-GEMM.
 //
 // alpha op(B) is packed into the panels tile_gemm::ForEachPanel gives (those Gemm runs), left to
 // right; a panel holds k rows of its width, contiguous, zero past column n. Each thread packs its
@@ -237,7 +237,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   const bool own_panels = threaded && padded * k <= kMaxOwnPanelFloats && m >= kRowBlock * threads;
   float* panels = thread_workspace(WorkspaceSlot::GemmPanels).floats((own_panels ? threads : 1) * padded * k);
   const size_t pack_parts = threaded ? threads : 1;
-  // Blocks dealt in contiguous shares (item_shares.hpp): a thread keeps its rows of A and C in its
+  // Blocks dealt in contiguous shares (simd/item_shares.hpp): a thread keeps its rows of A and C in its
   // caches from call to call, which OpenMP's dynamic schedule dealt to either thread. Sapphire
   // Rapids-class Xeon, 2 threads, three runs alternated as above, Tiled over oneDNN: NT 512 x 512 x
   // 64 0.98-0.99 against 0.95-0.97, NN 512 x 64 x 512 1.00-1.05 against 0.97-0.98, TN 512 x 64 x

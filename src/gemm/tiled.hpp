@@ -1,5 +1,5 @@
 // C = alpha op(A) op(B) + beta C on the fused kernels' register-tiled micro-GEMM (internal): the
-// "tiled" path of qkv::detail::sgemm (gemm.hpp), which picks it (on AVX-512) for many rows against
+// "tiled" path of qkv::detail::sgemm (gemm/gemm.hpp), which picks it (on AVX-512) for many rows against
 // a head dimension, the reference kernel's products (S = Q K^T with k = d, P V and dS^T Q with
 // n = d), and for many rows of a mid-size Linear (the rule and its measurements: gemm.cpp).
 //
@@ -7,7 +7,7 @@
 // Ice Lake). Here alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a
 // last 4-vector block), each panel contiguous so that a block of its rows stays in L1 whatever
 // ldb is (B rows a power of two apart fell into a few L1 sets and missed), and threads take
-// blocks of A's rows, each running tile_gemm-inl.h's PanelGemm over every panel, a block of
+// blocks of A's rows, each running gemm/micro_kernel-inl.h's PanelGemm over every panel, a block of
 // depth at a time.
 #pragma once
 
@@ -15,7 +15,7 @@
 
 namespace qkv::detail {
 
-// BLAS's semantics in row-major order, as sgemm (gemm.hpp): op(A) m x k, op(B) k x n, C m x n with
+// BLAS's semantics in row-major order, as sgemm (gemm/gemm.hpp): op(A) m x k, op(B) k x n, C m x n with
 // rows ldc apart; beta == 0 does not read C. m, n, k >= 1; C must not overlap A or B.
 void tiled_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc);

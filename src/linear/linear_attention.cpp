@@ -16,7 +16,7 @@
 // Non-causal: the whole state before the first chunk, no intra block. Causal: each key enters
 // the state once (Dk Dv flops) and each query pays Dk Dv (inter) + C (Dk + Dv) (intra): O(N d Dv)
 // time and O(d Dv + C (d + Dv + C)) scratch per worker, never an N-sized buffer. The products are
-// the flash kernel's register-tiled micro-GEMM (tile_gemm-inl.h); phi is Highway SIMD; work items
+// the flash kernel's register-tiled micro-GEMM (gemm/micro_kernel-inl.h); phi is Highway SIMD; work items
 // run on OpenMP threads.
 //
 // The backward (same file, below the forward) is derived in docs/linear.md.
@@ -244,6 +244,14 @@ ChunkKeys KeysOfChunk(const Problem& p, int64_t lo, int64_t i_end) {
   return {lo, seen_end, i_end < p.q_len ? p.visible_keys(i_end) : seen_end};
 }
 
+// 1 / (den + eps), or 0 when that is 0: a row whose weights are all 0 (it sees no key, or ReLU
+// zeroes every product) with eps = 0 gets output 0 and gives zero gradients, as softmax
+// attention's empty rows do, never 0 / 0.
+float InverseDenominator(float den, float eps) {
+  const float total = den + eps;
+  return total == 0.0f ? 0.0f : 1.0f / total;
+}
+
 // Zeroes what query i0 + x does not see among keys [lo, lo + width) in row x of `a` (stride
 // kChunk), after adding `add[x]` (when given) to what it sees; den[x] (when given) += the row's sum.
 void MaskQueryRows(const Problem& p, int64_t i0, size_t rows, int64_t lo, size_t width, float* a, const float* add,
@@ -293,7 +301,7 @@ void ChunkQueryGrads(const Problem& p, int64_t b, int64_t h, int64_t i0, size_t 
   float* gext = p.g_ext + ((b * p.q_heads + h) * p.q_len + i0) * static_cast<int64_t>(ldg);
   for (size_t x = 0; x < rows; ++x) {
     const float* d_out = p.grad_output.row(b, h, i0 + static_cast<int64_t>(x));
-    const float inverse = 1.0f / (w.den[x] + p.eps);
+    const float inverse = InverseDenominator(w.den[x], p.eps);
     float dot = 0.0f;
     for (size_t c = 0; c < dv; ++c) {
       dot += d_out[c] * w.out[x * dv + c] * inverse;
@@ -340,7 +348,7 @@ void QueryPass(const Problem& p, int64_t b, int64_t h, float* HWY_RESTRICT scrat
     } else {
       for (size_t x = 0; x < rows; ++x) {
         float* out = p.output.row(b, h, i0 + static_cast<int64_t>(x));
-        const float inverse = 1.0f / (w.den[x] + p.eps);
+        const float inverse = InverseDenominator(w.den[x], p.eps);
         for (size_t c = 0; c < dv; ++c) out[c] = w.out[x * dv + c] * inverse;
       }
     }

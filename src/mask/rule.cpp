@@ -1,4 +1,4 @@
-// The symbolic mask rule (mask_rule.hpp): normalised from Mask::rule() once per call, then
+// The symbolic mask rule (mask/rule.hpp): normalised from Mask::rule() once per call, then
 // evaluated per element by the reference and per tile by every kernel.
 #include "mask/rule.hpp"
 

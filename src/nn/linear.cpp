@@ -1,6 +1,6 @@
 // qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims; backward is two more
 // sgemms (dx = g W, dW += g^T x) and a column sum (db += sum of g's rows). Every sgemm goes
-// through qkv::detail::sgemm (gemm.hpp), which picks the library per shape class.
+// through qkv::detail::sgemm (gemm/gemm.hpp), which picks the library per shape class.
 #include <algorithm>
 #include <cmath>
 

@@ -1,8 +1,10 @@
 // qkv::nn::RotaryEmbedding (include/qkv/inference.hpp): rotates pairs of head features by an
 // angle proportional to the token's position, in either pairing convention.
 #include <cmath>
+#include <cstdint>
 #include <string>
 
+#include "core/allocator.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
 
@@ -14,6 +16,11 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, const RotaryEmbeddingOptions&
     throw Error("RotaryEmbedding: head_dim must be even and at least 2, got " + std::to_string(head_dim));
   if (!(options.base > 1) || !std::isfinite(options.base))
     throw Error("RotaryEmbedding: base must be finite and > 1, got " + std::to_string(options.base));
+  // The table holds a double per pair of features: counted against the memory limit before it grows.
+  const int64_t pairs = head_dim / 2;
+  const int64_t bytes = pairs > INT64_MAX / 8 ? INT64_MAX : pairs * static_cast<int64_t>(sizeof(double));
+  detail::check_request("RotaryEmbedding", "head_dim " + std::to_string(head_dim), bytes,
+                        "a table of " + std::to_string(pairs) + " inverse frequencies", "");
   if (!options.inverse_frequencies.empty()) {
     if (static_cast<int64_t>(options.inverse_frequencies.size()) != head_dim / 2)
       throw Error("RotaryEmbedding: " + std::to_string(options.inverse_frequencies.size()) +
@@ -24,7 +31,8 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, const RotaryEmbeddingOptions&
     inverse_frequency_ = options.inverse_frequencies;
     return;
   }
-  for (int64_t i = 0; i < head_dim / 2; ++i)
+  inverse_frequency_.reserve(static_cast<size_t>(pairs));
+  for (int64_t i = 0; i < pairs; ++i)
     inverse_frequency_.push_back(std::pow(options.base, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
 }
 

@@ -1,6 +1,6 @@
 // A head's queries as query tiles of whole SIMD vectors: tiles of max_vectors vectors, except that
 // a remainder under half a tile shares the last whole tile's vectors as evenly as can be. The
-// flash forward (flash.cpp) and backward (flash_backward.cpp) both run a head's queries this way.
+// flash forward (flash/forward.cpp) and backward (flash/backward.cpp) both run a head's queries this way.
 // Forward, 3-vector tiles: W0's 256 queries are 4 x 48 + 2 x 32, not 5 x 48 + 16 (a one-vector
 // tile's micro-GEMM, 8 broadcasts and 1 load per 8 FMAs, waits on loads: that 16-query tile took
 // 18% of W0's tile time for 11% of its work). Backward, 6-vector tiles: W1's 512 queries are

@@ -1,6 +1,6 @@
 // The backward of the functional core, scaled_dot_product_attention_backward:
 //   - both backends against central finite differences in float64 of the loss sum(G * output),
-//     the forward being the float64 oracle (oracle.hpp), on small shapes: every mask kind, GQA,
+//     the forward being the float64 oracle (harness/oracle.hpp), on small shapes: every mask kind, GQA,
 //     Nq != Nk, Dk != Dv, dropout with a fixed seed, ranks 2 and 3;
 //   - the flash kernel against the reference kernel on random larger shapes, both measured
 //     against an analytic float64 backward (itself checked against the finite differences):
@@ -378,7 +378,7 @@ BackwardCase prepare(Case c, Random& rng) {
   return bc;
 }
 
-// Flash's tolerance: the forward tests' (kernel_cases.hpp), per gradient: a floor, a multiple of
+// Flash's tolerance: the forward tests' (harness/kernel_cases.hpp), per gradient: a floor, a multiple of
 // the reference's own error, and what float32 logits allow (Grads64's weight terms). Flash
 // recomputes each weight from its own logit and the reference forward's row stats, so where
 // logits are huge its weights differ from the reference's by their logits' rounding (a row whose
@@ -474,7 +474,7 @@ TEST(Backward, FlashMatchesReferenceLargerShapesAndDropout) {
   check_flash_everywhere(cases);
 }
 
-// The strided residues (flash_backward.cpp, as the forward's): long enough for many residue and
+// The strided residues (flash/backward.cpp, as the forward's): long enough for many residue and
 // key tiles, every kind of `rest`, GQA, Nq != Nk, modifiers and dropout, against the float64
 // analytic backward on every target.
 TEST(Backward, FlashStridedResiduesOnLongSequences) {
@@ -819,21 +819,87 @@ TEST(Backward, NonFiniteValuesAtHiddenKeysStayHidden) {
 // ---------------------------------------------------------------------------------------------
 // Dispatch and errors
 
-TEST(Backward, AutoAndDecodeServeWithFlash) {
+// Scores near 137 (an ulp is 1.5e-5 there): q and k share a large first feature.
+struct LargeScores {
+  Tensor q, k, v;
+  int64_t dk;
+};
+LargeScores large_scores(Random& rng, int64_t hq, int64_t hkv, int64_t nq, int64_t nk, int64_t dk) {
+  LargeScores x{rng.randn(Shape{1, hq, nq, dk}), rng.randn(Shape{1, hkv, nk, dk}), rng.randn(Shape{1, hkv, nk, 8}), dk};
+  const float first = static_cast<float>(std::sqrt(137.0 * std::sqrt(static_cast<double>(dk))));
+  for (int64_t h = 0; h < hq; ++h)
+    for (int64_t i = 0; i < nq; ++i) x.q.at({0, h, i, 0}) = first;
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t j = 0; j < nk; ++j) x.k.at({0, h, j, 0}) = first;
+  return x;
+}
+
+// The backward recomputes the scores the forward's kernel computed, summed in its order: after
+// Auto's decode, Decode, Flash, and Auto with weights (the reference). Per row (b, h, i), a
+// dO that is 1 at (i, 0) alone makes dV's column 0 that row's recomputed weights, so
+//   - at the key with the largest score, exp(s - row_max) / row_sum = exactly 1 / row_sum (the
+//     recomputed score is row_max, bit for bit; summed in another order it was an ulp off);
+//   - sum_j P_j v_j, in float64, is the forward's output to float32's rounding (1.5e-5 off
+//     relative when each weight carried its score's ulp, a flash backward after a decode forward).
+// On every SIMD target: decode's order is each target's own.
+TEST(Backward, RecomputesTheScoresOfTheForwardsKernel) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  const Case c = make_case(rng, {1, 4, 2, 2, 500, 32, 32}, MaskKind::KeyLengths, 1.0, 0.0f);
-  const Tensor grad_output = rng.randn(Shape{1, 4, 2, 32});
-  const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, options_of(c, Backend::Decode));
-  const AttentionGrads flash =
-      qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options_of(c, Backend::Flash));
-  for (Backend backend : {Backend::Auto, Backend::Decode}) {
-    const AttentionGrads grads =
-        qkv::scaled_dot_product_attention_backward(grad_output, c.q, c.k, c.v, forward, options_of(c, backend));
-    EXPECT_EQ(qkv_test::max_rel_diff(grads.dq, flash.dq), 0.0);
-    EXPECT_EQ(qkv_test::max_rel_diff(grads.dk, flash.dk), 0.0);
-    EXPECT_EQ(qkv_test::max_rel_diff(grads.dv, flash.dv), 0.0);
+  const int64_t hq = 4, hkv = 2, nq = 3, nk = 70;
+  const LargeScores x = large_scores(rng, hq, hkv, nq, nk, 37);
+  const std::vector<double> q = qkv_test::to_doubles(x.q), k = qkv_test::to_doubles(x.k), v = qkv_test::to_doubles(x.v);
+  struct Run {
+    Backend backend;
+    bool need_weights;
+  };
+  const int threads_before = omp_get_max_threads();
+  for (int64_t target : qkv_test::runnable_targets()) {
+    qkv_test::ForcedTarget forced(target);
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      ASSERT_TRUE(qkv::detail::decode_is_faster(
+          qkv::detail::build_problem("test: ", x.q, x.k, x.v, AttentionOptions{}).problem))
+          << "Auto would not run decode on these shapes";
+      for (const Run& run : {Run{Backend::Auto, false}, Run{Backend::Decode, false}, Run{Backend::Flash, false},
+                             Run{Backend::Auto, true}, Run{Backend::Reference, false}}) {
+        AttentionOptions options;
+        options.backend = run.backend;
+        options.need_weights = run.need_weights;
+        options.mask = Mask::causal(nk - nq);
+        const AttentionResult forward = qkv::scaled_dot_product_attention(x.q, x.k, x.v, options);
+        const std::string what = std::string(hwy::TargetName(target)) + ", " + std::to_string(threads) +
+                                 " threads, " + std::string(qkv::to_string(run.backend)) +
+                                 (run.need_weights ? " with weights" : "");
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t i = 0; i < nq; ++i) {
+            Tensor grad_output = Tensor::zeros(forward.output.shape());
+            grad_output.at({0, h, i, 0}) = 1;
+            const AttentionGrads grads =
+                qkv::scaled_dot_product_attention_backward(grad_output, x.q, x.k, x.v, forward, options);
+            const int64_t g = h / (hq / hkv), visible = i + nk - nq + 1;
+            int64_t top = 0;
+            double top_score = -INFINITY;
+            for (int64_t j = 0; j < visible; ++j) {
+              double dot = 0;
+              for (int64_t d = 0; d < x.dk; ++d)
+                dot += q[static_cast<size_t>((h * nq + i) * x.dk + d)] * k[static_cast<size_t>((g * nk + j) * x.dk + d)];
+              if (dot > top_score) top_score = dot, top = j;
+            }
+            const float row_sum = forward.row_sum.at({0, h, i});
+            EXPECT_EQ(grads.dv.at({0, g, top, 0}), 1.0f / row_sum) << what << ", row " << h << "," << i;
+            double largest = 0;
+            for (int64_t c = 0; c < 8; ++c) {
+              double out = 0;
+              for (int64_t j = 0; j < nk; ++j)
+                out += double{grads.dv.at({0, g, j, 0})} * v[static_cast<size_t>((g * nk + j) * 8 + c)];
+              largest = std::max(largest, std::abs(out - forward.output.at({0, h, i, c})));
+            }
+            EXPECT_LT(largest, 2e-6) << what << ", row " << h << "," << i;
+          }
+      }
+    }
   }
+  omp_set_num_threads(threads_before);
 }
 
 std::string backward_error(const std::function<void()>& call) {

@@ -1,5 +1,5 @@
 // What the one attention pipeline promises beyond matching the oracle (src/attention/problem.cpp,
-// pipeline-inl.h): views are read and written where they are, with the same bits as their packed
+// attention/steps/pipeline-inl.h): views are read and written where they are, with the same bits as their packed
 // copies; gradients stay exact when a row's keys carry huge finite biases; the modifiers' options
 // are checked; the threads deal every work item exactly once.
 #include <gmock/gmock.h>
@@ -88,7 +88,6 @@ TEST(Pipeline, StridedViewsGiveTheBitsOfTheirPackedCopies) {
         EXPECT_TRUE(same_bits(r->output, packed.output)) << qkv::to_string(backend);
         EXPECT_TRUE(same_bits(r->lse, packed.lse)) << qkv::to_string(backend);
       }
-      if (backend == Backend::Decode) continue;  // no backward of its own
       const Tensor grad_output = rng.randn(packed.output.shape());
       const AttentionGrads want = qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, packed, options);
       AttentionGrads got;  // gradients written into (B, N, H, D) buffers through transposed views
@@ -175,6 +174,58 @@ TEST(Pipeline, BackwardFromLseAloneMatchesRowStats) {
   EXPECT_LT(qkv_test::max_rel_diff(a.dsinks, b.dsinks), 1e-5);
 }
 
+// The same biases with lse alone (PyTorch's and FlashAttention's backward signature): rows whose
+// lse lost log(n) get their max and sum back, so dV is the oracle's; when every row needs it, the
+// gradients are those of the row stats, bit for bit. The reproducer: 1 query, 4 keys, -1e9
+// on all of them, dv = 0.25 (it was 1.0).
+TEST(Pipeline, BackwardFromLseAloneStaysExactUnderHugeFiniteBiases) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (float bias_value : {-1e4f, -1e9f, std::numeric_limits<float>::lowest()}) {
+    for (bool all_rows : {false, true}) {
+      const Tensor q = rng.randn(Shape{1, 1, 4, 8}), k = rng.randn(Shape{1, 1, 4, 8}), v = rng.randn(Shape{1, 1, 4, 8});
+      Tensor bias = Tensor::zeros(Shape{4, 4});
+      for (int64_t i = all_rows ? 0 : 3; i < 4; ++i)
+        for (int64_t j = 0; j < 4; ++j) bias.at({i, j}) = bias_value;
+      for (Backend backend : {Backend::Reference, Backend::Flash, Backend::Decode, Backend::Auto}) {
+        AttentionOptions options;
+        options.mask = Mask::additive(bias);
+        options.backend = backend;
+        const AttentionResult forward = qkv::scaled_dot_product_attention(q, k, v, options);
+        const AttentionResult lse_only{forward.output, {}, forward.lse, {}, {}};
+        Tensor grad_output = Tensor::zeros(Shape{1, 1, 4, 8});
+        grad_output.at({0, 0, 3, 0}) = 1;
+        const AttentionGrads from_lse =
+            qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, lse_only, options);
+        const std::vector<double> p = float32_softmax_row(q, k, bias, 3);
+        const std::string what = "bias " + std::to_string(bias_value) + (all_rows ? " on all rows" : " on one row") +
+                                 ", " + std::string(qkv::to_string(backend));
+        for (int64_t j = 0; j < 4; ++j)
+          EXPECT_NEAR(from_lse.dv.at({0, 0, j, 0}), p[static_cast<size_t>(j)], 1e-5) << what << ", key " << j;
+        if (bias_value <= -1e9f)  // every score rounds to the bias: uniform weights
+          for (int64_t j = 0; j < 4; ++j) EXPECT_FLOAT_EQ(from_lse.dv.at({0, 0, j, 0}), 0.25f) << what;
+        if (all_rows) {
+          const AttentionGrads from_stats =
+              qkv::scaled_dot_product_attention_backward(grad_output, q, k, v, forward, options);
+          EXPECT_TRUE(same_bits(from_lse.dq, from_stats.dq)) << what;
+          EXPECT_TRUE(same_bits(from_lse.dk, from_stats.dk)) << what;
+          EXPECT_TRUE(same_bits(from_lse.dv, from_stats.dv)) << what;
+        }
+      }
+    }
+  }
+  // The reproducer.
+  const Tensor q = rng.randn(Shape{1, 8}), k = rng.randn(Shape{4, 8}), v = rng.randn(Shape{4, 8});
+  AttentionOptions options;
+  options.mask = Mask::additive(Tensor::full(Shape{1, 4}, -1e9f));
+  const AttentionResult forward = qkv::scaled_dot_product_attention(q, k, v, options);
+  Tensor grad_output = Tensor::zeros(Shape{1, 8});
+  grad_output.at({0, 0}) = 1;
+  const AttentionGrads grads = qkv::scaled_dot_product_attention_backward(
+      grad_output, q, k, v, AttentionResult{forward.output, {}, forward.lse, {}, {}}, options);
+  for (int64_t j = 0; j < 4; ++j) EXPECT_EQ(grads.dv.at({j, 0}), 0.25f) << "key " << j;
+}
+
 // A row that sees no key with a sink: output zeros, lse = the sink, no NaN anywhere.
 TEST(Pipeline, EmptyRowWithASinkGivesTheSinkAsLse) {
   for (Backend backend : {Backend::Reference, Backend::Flash, Backend::Decode}) {
@@ -215,7 +266,7 @@ TEST(Pipeline, ModifierOptionsAreChecked) {
   EXPECT_THAT(message(options), HasSubstr("sinks[1] = inf is not finite"));
 }
 
-// for_each_item (item_shares.hpp) runs every item exactly once for any count of workers and
+// for_each_item (simd/item_shares.hpp) runs every item exactly once for any count of workers and
 // items, and a thread that runs out of its own share takes the others' items: with thread 0
 // slowed down, the other threads run most of thread 0's share.
 TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {

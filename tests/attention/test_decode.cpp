@@ -5,7 +5,7 @@
 // heads and queries per K/V head, more rows than one row block), every mask kind, the KV-cache
 // causal mask Mask::causal(Nk - Nq), rows and whole chunks that see no key, large logits and
 // dropout; on 1 and 2 threads and on every SIMD target. Cases, tolerance and the running on
-// every target are kernel_cases.hpp's, shared with test_flash.cpp.
+// every target are harness/kernel_cases.hpp's, shared with attention/test_flash.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -208,4 +208,26 @@ TEST(DropoutKeeps, PureFunctionOfEveryArgument) {
   for (int64_t count : differs) EXPECT_GT(count, 700);
 }
 
+// dropout_keeps refuses a p that attention refuses, with attention's message; p = 0 and just
+// below 1 are answered.
+TEST(DropoutKeeps, RefusesTheProbabilitiesAttentionRefuses) {
+  const Tensor x = Tensor::zeros(Shape{2, 4});
+  for (float p : {std::nanf(""), 1.0f, 2.0f, -1.0f, -0.0f - 1e-30f, INFINITY}) {
+    SCOPED_TRACE(p);
+    std::string attention_message;
+    try {
+      attend(x, x, x, Backend::Auto, p, 1);
+    } catch (const qkv::Error& e) {
+      attention_message = e.what();
+    }
+    ASSERT_THAT(attention_message, ::testing::HasSubstr("dropout_p must be in [0, 1), got "));
+    const std::string expected = attention_message.substr(attention_message.find("dropout_p"));
+    EXPECT_THAT([&] { qkv::dropout_keeps(1, 0, 0, 0, 0, p); },
+                ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(::testing::StartsWith("dropout_keeps: "),
+                                                                       ::testing::EndsWith(expected))));
+  }
+  EXPECT_NO_THROW(qkv::dropout_keeps(1, 0, 0, 0, 0, 0.0f));
+  EXPECT_NO_THROW(qkv::dropout_keeps(1, 0, 0, 0, 0, std::nextafter(1.0f, 0.0f)));
+}
+
 }  // namespace

@@ -2,11 +2,11 @@
 // headers, on fresh random shapes: lengths 1, 3, 17, 113, 1000 and random ones (never a
 // multiple of a tile), Nq != Nk, Dk != Dv, grouped-query heads, every mask kind and their
 // combinations, rows that see no key, large logits and dropout; on 1 and 2 threads and on every
-// SIMD target flash.cpp was compiled for (forced in turn with hwy::SetSupportedTargetsForTest).
+// SIMD target flash/forward.cpp was compiled for (forced in turn with hwy::SetSupportedTargetsForTest).
 // Flash's outputs are poisoned with NaN before each call, so an element left unwritten fails.
 //
-// Cases, tolerance and the running on every target live in kernel_cases.hpp, shared with
-// test_decode.cpp.
+// Cases, tolerance and the running on every target live in harness/kernel_cases.hpp, shared with
+// attention/test_decode.cpp.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 #include <omp.h>
@@ -99,7 +99,7 @@ TEST(Flash, AwkwardLengthsAndDims) {
   check_everywhere(cases);
 }
 
-// The strided residues (flash.cpp) on sequences long enough for many residue and key tiles:
+// The strided residues (flash/forward.cpp) on sequences long enough for many residue and key tiles:
 // every kind of `rest`, GQA, Nq != Nk both ways, odd dims, modifiers, dropout, 16-bit K/V.
 TEST(Flash, StridedResiduesOnLongSequences) {
   Random rng;

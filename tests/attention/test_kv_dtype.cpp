@@ -1,7 +1,7 @@
 // Attention with keys and values in bf16 or f16 (q, output and lse in f32): every kernel against
 // the float64 oracle evaluated on the rounded K/V (the exact values the kernels read), on random
 // odd shapes, grouped-query heads, every mask kind, modifiers and dropout, on every SIMD target
-// and on 1 and 2 threads (kernel_cases.hpp, outputs poisoned with NaN). Decode reads the 16-bit
+// and on 1 and 2 threads (harness/kernel_cases.hpp, outputs poisoned with NaN). Decode reads the 16-bit
 // elements in place, flash widens a tile at a time, the reference widens a copy. Then the public entry point: strided
 // 16-bit views, every backend, and the errors for mixed or unsupported dtypes.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// MatmulPrecision High and Medium: the flash forward's products on AMX tiles (attention/amx.hpp)
+// MatmulPrecision High and Medium: the flash forward's products on AMX tiles (gemm/amx.hpp)
 // against the float64 oracle, on fresh random shapes (dims that are no multiple of a tile, so
 // Q and K are zero-padded to 32 depth steps and Dv % 16 != 0 takes the float32 product for P V),
 // every mask kind, the score modifiers, grouped-query heads, strided residues (which stay

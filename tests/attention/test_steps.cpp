@@ -1,9 +1,9 @@
-// The pipeline's steps (src/attention/steps/pipeline-inl.h, tile_gemm-inl.h) one by one, on every SIMD
+// The pipeline's steps (src/attention/steps/pipeline-inl.h, gemm/micro_kernel-inl.h) one by one, on every SIMD
 // target this CPU runs, against scalar loops in float64: the softmax's exponential over its whole
 // domain, the transposes that pack queries into the lanes and unpack the output, the
 // micro-GEMM with its folded rescale, and the band mask. Outputs are poisoned with NaN first, so an element left
 // unwritten (or one written that should not be) fails. The kernels built of these steps are
-// tested whole in test_flash.cpp, test_decode.cpp and test_backward.cpp.
+// tested whole in attention/test_flash.cpp, attention/test_decode.cpp and attention/test_backward.cpp.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "attention/test_steps.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep

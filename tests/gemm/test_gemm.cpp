@@ -295,7 +295,7 @@ TEST(Gemm, AlphaZeroReadsNeitherAnorB) {
 }
 
 // x rows off the 64-byte lines (numpy's 16-byte alignment, a padded stride): the Small path
-// copies them into aligned scratch (small_gemm.cpp), which memory_stats counts; under a memory
+// copies them into aligned scratch (gemm/small.cpp), which memory_stats counts; under a memory
 // limit that refuses the scratch, it runs on the rows as they are. Both against float64.
 TEST(Gemm, SmallCopiesRowsOffTheLinesAndRunsWithoutTheCopyUnderALimit) {
   Random rng;
@@ -396,7 +396,7 @@ TEST(Gemm, LinearOnEveryPathMatchesFloat64) {
 
 // The reference kernel on every path: forward against the float64 oracle (NaN-poisoned outputs,
 // several masks and modifiers), backward against the flash backward (its own micro-GEMM, tested
-// against float64 in test_backward.cpp).
+// against float64 in attention/test_backward.cpp).
 TEST(Gemm, ReferenceKernelOnEveryPath) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -1,4 +1,4 @@
-// The shared test cases of the fast kernels (test_flash.cpp, test_decode.cpp): building an
+// The shared test cases of the fast kernels (attention/test_flash.cpp, attention/test_decode.cpp): building an
 // AttentionProblem as src/attention/dispatch.cpp does, random cases with every mask kind, the
 // float64 oracle and the reference kernel's own error as the measure of a kernel's result, and
 // running a kernel on every SIMD target and on 1 and 2 threads.
@@ -620,7 +620,7 @@ class ForcedTarget {
 };
 
 // The targets the kernels hold code for that this CPU can run, one bit each. Every kernel file
-// is compiled with the same flags, so flash.cpp's targets are every kernel's.
+// is compiled with the same flags, so flash/forward.cpp's targets are every kernel's.
 inline std::vector<int64_t> runnable_targets() {
   std::vector<int64_t> targets;
   const int64_t bits = qkv::detail::flash_attention_compiled_targets() & hwy::SupportedTargets();

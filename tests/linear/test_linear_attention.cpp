@@ -93,8 +93,10 @@ Forward oracle(const Dims& d, const Operands& x, const LinearAttentionOptions& o
         }
         for (int64_t c = 0; c < d.dv; ++c) {
           const size_t at = static_cast<size_t>(((b * d.q_heads + h) * d.q_len + i) * d.dv + c);
-          f.out[at] = num[static_cast<size_t>(c)] / (den + o.eps);
-          f.scale[at] = mag[static_cast<size_t>(c)] / (den + o.eps) + std::abs(f.out[at]);
+          // A row of zero weights without eps: zeros (the header's contract), not 0 / 0.
+          const double inverse = den + o.eps == 0 ? 0.0 : 1.0 / (den + o.eps);
+          f.out[at] = num[static_cast<size_t>(c)] * inverse;
+          f.scale[at] = mag[static_cast<size_t>(c)] * inverse + std::abs(f.out[at]);
         }
       }
     }
@@ -356,6 +358,7 @@ Grads analytic(const Dims& d, const Operands& x, const std::vector<double>& grad
         };
         for (int64_t j = 0; j < d.kv_len; ++j)
           if (visible(o, i, j)) den += a_of(static_cast<size_t>(((b * d.kv_heads + gh) * d.kv_len + j) * d.dk));
+        if (den == 0) continue;  // a row of zero weights without eps: zero gradients (the contract)
         for (int64_t j = 0; j < d.kv_len; ++j) {
           if (!visible(o, i, j)) continue;
           const size_t kj = static_cast<size_t>(((b * d.kv_heads + gh) * d.kv_len + j) * d.dk);
@@ -480,6 +483,36 @@ TEST(LinearAttentionBackward, BadArguments) {
   qkv::AttentionGrads wrong{Tensor::empty(Shape{1, 2, 8, 5}), Tensor(), Tensor(), Tensor()};
   EXPECT_THAT(error_message([&] { qkv::linear_attention_backward_into(q, k, v, rng.randn(Shape{1, 2, 8, 3}), wrong); }),
               HasSubstr("grads.dq is (1, 2, 8, 5) but should be (1, 2, 8, 4)"));
+}
+
+// With eps = 0, rows whose weights are all 0 (no keys at all, keys a causal offset hides, ReLU
+// zeroing every product) give zeros forward and zero gradients, as softmax attention: not 0 / 0.
+TEST(LinearAttention, ZeroWeightRowsWithoutEpsGetZeros) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  struct Case {
+    Dims d;
+    LinearAttentionOptions o;
+    bool negative_keys;
+  };
+  const std::vector<Case> cases = {
+      {{1, 2, 1, 5, 0, 3, 4}, options(FeatureMap::EluPlusOne, false, 0, 0.0f), false},
+      {{1, 2, 1, 5, 0, 3, 4}, options(FeatureMap::Relu, true, 0, 0.0f), false},
+      {{1, 1, 1, 9, 7, 4, 3}, options(FeatureMap::EluPlusOne, true, -4, 0.0f), false},
+      {{2, 1, 1, 6, 5, 3, 2}, options(FeatureMap::Relu, false, 0, 0.0f), true},
+  };
+  for (const Case& c : cases) {
+    Inputs in = random_inputs(rng, c.d);
+    if (c.negative_keys) in.k = Tensor::full(in.k.shape(), -1.0f);  // ReLU: every product 0
+    check_everywhere(c.d, in, c.o);
+    const Tensor grad_output = rng.randn(Shape{c.d.batch, c.d.q_heads, c.d.q_len, c.d.dv});
+    const Grads want = analytic(c.d, doubles(in.q, in.k, in.v), qkv_test::to_doubles(grad_output), c.o);
+    for (int64_t target : qkv_test::runnable_targets()) {
+      qkv_test::ForcedTarget forced(target);
+      expect_grads(as_grads(poisoned_backward(in, grad_output, c.o)), want, 1e-4,
+                   describe(c.d, c.o) + " backward on " + hwy::TargetName(target));
+    }
+  }
 }
 
 // 16-bit K/V are for softmax attention's caches: linear attention says so instead of reading them.

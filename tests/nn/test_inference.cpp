@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -263,6 +264,22 @@ TEST(Rotary, RelativePositionsAndInverse) {
   EXPECT_LT(max_error(y, q), 1e-6);
   EXPECT_THROW(RotaryEmbedding(7), qkv::Error);
   EXPECT_THROW(rope.apply(rng.randn(Shape{1, 1, 2, 6})), qkv::Error);
+}
+
+// A head_dim whose table cannot fit is refused before the table grows (it used to grow for a
+// minute before std::bad_alloc), naming the size; one that fits under the limit still works.
+TEST(Rotary, RefusesATableOverTheMemoryLimit) {
+  const int64_t huge = int64_t{1} << 40;
+  try {
+    const RotaryEmbedding rope(huge);
+    ADD_FAILURE() << "RotaryEmbedding(2^40) was built";
+  } catch (const qkv::Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("RotaryEmbedding: head_dim 1099511627776 need 4398046511104 bytes"), std::string::npos)
+        << message;
+  }
+  EXPECT_THROW(RotaryEmbedding(std::numeric_limits<int64_t>::max() - 1), qkv::Error);
+  EXPECT_EQ(RotaryEmbedding(1 << 12).head_dim(), 1 << 12);
 }
 
 // A linear-attention layer has no softmax K/V to cache: forward(x, cache) says so.

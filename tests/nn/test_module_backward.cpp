@@ -390,7 +390,7 @@ TEST(MultiHeadAttentionBackward, ReplacedProjectionLeavesTheFusedPath) {
 // AttentionKind::Linear: the heads run linear_attention (causal, GQA, cross with Nq != Nk), the
 // fused self-attention path and the separate projections. elu+1 only: relu's kink at 0 is within
 // this file's step (1e-2) of some projection, which breaks the finite differences, not the
-// backward (relu is checked with a 1e-6 step in float64 in test_linear_attention.cpp).
+// backward (relu is checked with a 1e-6 step in float64 in linear/test_linear_attention.cpp).
 TEST(MultiHeadAttentionBackward, LinearAttentionKind) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -30,7 +30,7 @@ INTERESTING_U32 = [0, 1, 2, 3, 4, 7, 255, 4096, 4097, 65535, 2**31, 2**32 - 1]
 
 
 def crc32c(data):
-    """CRC-32C (Castagnoli), reflected, as src/crc32c.hpp computes it."""
+    """CRC-32C (Castagnoli), reflected, as src/core/crc32c.hpp computes it."""
     table = crc32c.table
     crc = 0xFFFFFFFF
     for byte in data:

@@ -1,5 +1,5 @@
 // The JSON API of `qkv serve` as plain functions, JSON text in, status and JSON text out, so
-// tests call it without a socket (tests/test_serve_api.cpp) and serve.cpp only moves bytes.
+// tests call it without a socket (tests/serve/test_serve_api.cpp) and serve.cpp only moves bytes.
 //
 //   POST /api/attention  {"text": "The cat sat", "heads": 8, "embed": 64, "seed": 42,
 //                         "temperature": 1.0, "mask": "causal", "chars": false, "model": null}

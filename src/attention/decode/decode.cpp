@@ -1,6 +1,6 @@
 // The decode kernel: softmax(Q K^T * scale + mask) V for a few queries against a long KV cache
 // (generation time: Nq = 1 or a few, Nk in the thousands), split over the keys as in
-// FlashDecoding and ggml's split-KV flash_attn_ext. Same semantics as reference.cpp, dropout
+// FlashDecoding and ggml's split-KV flash_attn_ext. Same semantics as reference/forward.cpp, dropout
 // included; writes output and lse, never weights.
 //
 // Work. One item is (batch b, key/value head g, key chunk c). Its rows are every query of every
@@ -30,8 +30,9 @@
 //
 // Per item and per tile of Bc keys (rows in blocks of at most kRowBlock):
 //   1. S = Qs K_tile^T (rows x Bc), Qs = scale * Q packed once per item. Vectorised along Dk:
-//      a register tile of kScoreRows rows x kScoreKeys keys, each accumulator a vector of
-//      partial dot products summed across lanes at the end (K rows are contiguous in Dk).
+//      a register tile of rows x keys, each accumulator a vector of partial dot products summed
+//      across lanes at the end (K rows are contiguous in Dk): attention/steps/dot_scores-inl.h, whose order the
+//      flash backward repeats when it recomputes a decode forward's scores.
 //   2. Masks: the band and key lengths as a per-row key range (a tile every row fully sees does
 //      no mask work), tensor terms per element. A `rest | strided(S)` rule (Sparse Transformer's
 //      window | strided) runs the tiles on `rest` only, which skips the tiles it hides, and
@@ -42,7 +43,7 @@
 //   5. O += P V_tile (rows x Dv). Vectorised along Dv: a register tile of kValueRows rows x
 //      kValueVectors vectors, "broadcast a weight, load a row of V".
 //
-// Highway's foreach_target re-includes this file once per SIMD target (see flash.cpp); the
+// Highway's foreach_target re-includes this file once per SIMD target (see flash/forward.cpp); the
 // threading, the merge and the exported entry point live in the HWY_ONCE part below.
 
 #undef HWY_TARGET_INCLUDE
@@ -50,6 +51,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "simd/kv_load-inl.h"
+#include "attention/steps/dot_scores-inl.h"
 #include "attention/steps/pipeline-inl.h"
 #include "hwy/highway.h"
 
@@ -180,71 +182,24 @@ using decode::kKeyTile;
 using decode::kRowBlock;
 using tile_gemm::AllFinite;
 
-// Register tiles. AVX-512 has 32 vector registers: scores 4 x 4 = 16 accumulators + 4 K + 4 Q
-// loads = 24; values 4 x 4 = 16 accumulators + 4 V loads + 1 broadcast = 21. The 16-register
-// targets halve the rows: 8 + 4 + 2 = 14 and 8 + 4 + 1 = 13.
+// The value tile's registers. AVX-512 has 32 vector registers: 4 x 4 = 16 accumulators + 4 V
+// loads + 1 broadcast = 21. The 16-register targets halve the rows: 8 + 4 + 1 = 13. (The score
+// tile is dot_scores::ScoreTile, attention/steps/dot_scores-inl.h, shared with the flash backward.)
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
-constexpr size_t kScoreRows = 4;
 constexpr size_t kValueRows = 4;
 #else
-constexpr size_t kScoreRows = 2;
 constexpr size_t kValueRows = 2;
 #endif
-constexpr size_t kScoreKeys = 4;
 constexpr size_t kValueVectors = 4;
+using dot_scores::WithConstant;
+constexpr size_t kScoreKeys = dot_scores::kKeys;
 static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
-
-// Calls body(std::integral_constant<size_t, n>()) for a run-time 1 <= n <= Max, so the
-// remainder of a register tile gets its own fully unrolled instance.
-template <size_t Max, class Body>
-HWY_INLINE void WithConstant(size_t n, const Body& body) {
-  if constexpr (Max >= 1) {
-    if (n == Max) return body(std::integral_constant<size_t, Max>());
-    WithConstant<Max - 1>(n, body);
-  }
-}
 
 // Prefetches the cache lines of [begin, end) into L2 (locality hint 2: prefetcht1 on x86).
 HWY_INLINE void PrefetchRange(const void* begin, const void* end) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
   for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(end); line += 64)
     __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
-}
-
-// ---- Step 1's register tile: s[r * kKeyTile + x] = sum_d q[r * q_stride + d] keys[x][d] for
-// Rows rows and kScoreKeys keys. Vectors over the first `full` dims (a whole number of vectors),
-// then a scalar tail up to dk: K rows are read in place and must not be read past their end.
-template <size_t Rows, class T>
-HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT q, size_t q_stride,
-                          const T* const* keys, float* HWY_RESTRICT s) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  VF acc[Rows][kScoreKeys];
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kScoreKeys; ++x) acc[r][x] = hn::Zero(df);
-  }
-  for (size_t d = 0; d < full; d += lanes) {
-    VF key_vec[kScoreKeys];
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kScoreKeys; ++x) key_vec[x] = kv::LoadWide(df, keys[x] + d);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < Rows; ++r) {
-      const VF q_vec = hn::Load(df, q + r * q_stride + d);
-      HWY_UNROLL(16)
-      for (size_t x = 0; x < kScoreKeys; ++x) acc[r][x] = hn::MulAdd(q_vec, key_vec[x], acc[r][x]);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kScoreKeys; ++x) {
-      float dot = hn::GetLane(hn::SumOfLanes(df, acc[r][x]));
-      for (size_t d = full; d < dk; ++d) dot += q[r * q_stride + d] * kv::ToFloat(keys[x][d]);
-      s[r * kKeyTile + x] = dot;
-    }
-  }
 }
 
 // ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
@@ -384,12 +339,7 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
     const T* keys[kScoreKeys];
     for (size_t x = 0; x < kScoreKeys; ++x)
       keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
-    for (size_t r = 0; r < rows; r += kScoreRows) {
-      WithConstant<kScoreRows>(std::min(kScoreRows, rows - r), [&](auto tile_rows) {
-        ScoreTile<decltype(tile_rows)::value>(dk, full_dk, w.q + r * plan.q_stride, plan.q_stride, keys,
-                                              w.scores + r * kKeyTile + j);
-      });
-    }
+    dot_scores::ScoreRows(rows, dk, full_dk, w.q, plan.q_stride, keys, w.scores + j, kKeyTile, 1);
   }
 }
 
@@ -498,7 +448,7 @@ TileVisibility RuleTileOfRows(const AttentionProblem& p, const decode::Plan& pla
   return !any ? TileVisibility::Hidden : (all ? TileVisibility::Full : TileVisibility::Partial);
 }
 
-// The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp) within
+// The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask/rule.hpp) within
 // [chunk_begin, chunk_end), gathered per query: the rows of query i (contiguous, Plan::query_of)
 // see the keys j = O + i (mod S) inside the band and key lengths, read as tiles of step S into the
 // same online softmax as the tiles, which visit what `rest` shows. Never reads another key.
@@ -707,7 +657,7 @@ void decode_attention(const AttentionProblem& problem) {
   // the merge. One worker runs both on the calling thread, without a parallel region: a small
   // step pays no thread wake-up.
   // Items in (batch, kv head, chunk) order, dealt in contiguous shares with stealing
-  // (item_shares.hpp): a thread keeps its heads from call to call, and masks that make chunks
+  // (simd/item_shares.hpp): a thread keeps its heads from call to call, and masks that make chunks
   // unequal still balance.
   ItemShares shares(workers, items);
   const auto run_items = [&](int worker) {

@@ -3,9 +3,9 @@
 // weights per worker. P is recomputed per tile from the forward's lse, P = exp(S - lse); with
 // D = rowsum(dO * O) (computed once per row up front) every tile is independent. (P is
 // exp(S - shift) * scale from the row stats, problem.hpp; score modifiers and masks are the
-// pipeline's steps, pipeline-inl.h, shared with the forward.)
+// pipeline's steps, attention/steps/pipeline-inl.h, shared with the forward.)
 //
-//   forward (flash.cpp, per tile)          backward (per tile, in this order)
+//   forward (flash/forward.cpp, per tile)          backward (per tile, in this order)
 //   1. S = scale * Q K^T                   S^T = (scale K) ... recomputed: S^T = K Qt
 //   2. mask                                 the same masking, so hidden keys get P = 0
 //   3. P = softmax(S)                       P = exp(S - lse)  (lse = -inf: P = 0, never NaN)
@@ -24,7 +24,7 @@
 // on which thread runs an item, so the same inputs and thread count give the same bits; the
 // thread count only decides the number of chunks.
 //
-// Layout: queries along the SIMD lanes as in flash.cpp (Qt, dOt (d, Br)) for the two products
+// Layout: queries along the SIMD lanes as in flash/forward.cpp (Qt, dOt (d, Br)) for the two products
 // whose output is a (Bc, Br) tile; for the three whose output runs along d, Q, dO and K rows read
 // in place, or copied into scratch padded to whole vectors where they are not whole (a short
 // query tile, a d that is not whole vectors; K also where some K of the key block is not finite).
@@ -36,6 +36,9 @@
 //   dK  += dS^T Q        (Bc x Dk, depth Br)   A = dS^T tile
 //   dQ  += dS K          (Br x Dk, depth Bc)   A = dS^T tile read transposed; the scale applied
 //                                              as dQ is added to the output (or K copied scaled)
+// After a decode forward (bp.decode_scores) S^T is summed in decode's order instead
+// (attention/steps/dot_scores-inl.h, from scale * Q rows packed per query tile), so that the weights are
+// recomputed from the forward's own scores, bit for bit; the other four products stay as above.
 // A query tile is packed once per block of kKeyBlock keys (4 tiles) and runs against each of its
 // tiles: the packing is redone per block rather than kept for all of Nq, and per 64-key tile it
 // took about a tenth of the time (bench/step_benchmark.cpp times one transpose at 0.5 us).
@@ -47,12 +50,12 @@
 // hidden key's non-finite K is kept out of dQ by a scalar path that skips zero dS.
 //
 // Strided keys (a root rule `rest | strided(S, O)`, S >= Bc) are gathered by residues as in the
-// forward (flash.cpp): passes 1-3 run the tiles on `rest`, then pass 4 adds each residue's pairs
+// forward (flash/forward.cpp): passes 1-3 run the tiles on `rest`, then pass 4 adds each residue's pairs
 // (queries r, r + S, ... against keys kr, kr + S, ...; items own a (b, g)'s residues, so their
 // dQ, dK and dV rows) into the gradients the tiles wrote.
 //
 // At a lower matmul precision (AttentionOptions::precision High or Medium) on a CPU with AMX, with
-// Dk and Dv multiples of 16, the five products run on AMX tiles (attention/amx.hpp) on bf16 parts
+// Dk and Dv multiples of 16, the five products run on AMX tiles (gemm/amx.hpp) on bf16 parts
 // of their operands, and every other step stays as above: K, V and K^T are split once per key
 // block, Qt, dOt, Q and dO once per query tile, P'^T and dS^T per pair; dQ accumulates as
 // dQ^T += K^T dS^T, so dS^T's layout serves, and is added into dQ transposed. A key block or
@@ -66,6 +69,7 @@
 #define HWY_TARGET_INCLUDE "attention/flash/backward.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "attention/steps/dot_scores-inl.h"
 #include "attention/steps/pipeline-inl.h"
 #include "hwy/highway.h"
 
@@ -84,7 +88,7 @@
 
 namespace qkv::detail::flash_backward {
 
-// Bc, keys per tile: the same as the forward's (flash.cpp), for the same reasons.
+// Bc, keys per tile: the same as the forward's (flash/forward.cpp), for the same reasons.
 constexpr size_t kKeyTile = 64;
 
 // Keys per block: a query tile is packed (Qt and dOt: two transposes of Br x d; Q and dO rows
@@ -99,8 +103,8 @@ constexpr size_t kKeyBlock = 4 * kKeyTile;
 // cache lines. br = queries per tile (per target); dk_pad / dv_pad the padded dims.
 struct ScratchLayout {
   size_t dk, dv, dk_pad, dv_pad;
-  size_t q_t, grad_out_t, q_rows, grad_out_rows, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k, grad_v,
-      grad_q, shift, scale, row_dot, total;
+  size_t q_t, grad_out_t, q_rows, grad_out_rows, q_scaled, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k,
+      grad_v, grad_q, shift, scale, row_dot, total;
 
   ScratchLayout(size_t br, size_t dk_, size_t dv_)
       : dk(dk_), dv(dv_), dk_pad(round_to_cache_line(dk_)), dv_pad(round_to_cache_line(dv_)) {
@@ -114,6 +118,7 @@ struct ScratchLayout {
     grad_out_t = take(dv * br);           // dOt (Dv, Br)
     q_rows = take(br * dk_pad);           // Q (Br, Dk_pad), where not read in place
     grad_out_rows = take(br * dv_pad);    // dO (Br, Dv_pad), where not read in place
+    q_scaled = take(br * dk_pad);         // scale * Q (Br, Dk_pad), for decode's score order
     weights_t = take(kKeyTile * br);      // S^T then P^T (Bc, Br)
     dropped_t = take(kKeyTile * br);      // P'^T (Bc, Br), with dropout
     grad_t = take(kKeyTile * br);         // dP'^T then dS^T (Bc, Br)
@@ -138,7 +143,7 @@ struct AmxArray {
 };
 
 // One worker's block for the products on AMX tiles (MatmulPrecision High or Medium on a CPU with
-// AMX, attention/amx.hpp; Dk and Dv multiples of 16), offsets in bf16 elements from a 64-byte
+// AMX, gemm/amx.hpp; Dk and Dv multiples of 16), offsets in bf16 elements from a 64-byte
 // aligned base, every part on its own cache lines. br: the most queries a tile takes.
 //   split per key block: K rows and V rows (kKeyBlock + 16 rows: a pair's 16-row blocks from any
 //     key of the block), K^T (kKeyBlock + 32 columns: its 32-key steps from any key); zero past
@@ -218,13 +223,14 @@ size_t BackwardTileRowsFor(const AttentionProblem& p) {
 struct Scratch {
   size_t br, dk_pad, dv_pad;
   size_t dk_cols, dv_cols;  // Dk and Dv rounded up to whole vectors: the columns the products compute
-  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows, *grad_k,
-      *grad_v, *grad_q, *shift, *scale, *row_dot;
+  float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *q_scaled, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows,
+      *grad_k, *grad_v, *grad_q, *shift, *scale, *row_dot;
   Scratch(float* s, size_t br_, const flash_backward::ScratchLayout& l)
       : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(round_up(l.dk, hn::Lanes(DF()))),
         dv_cols(round_up(l.dv, hn::Lanes(DF()))),
         q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
-        q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), weights_t(s + l.weights_t),
+        q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), q_scaled(s + l.q_scaled),
+        weights_t(s + l.weights_t),
         dropped_t(s + l.dropped_t), grad_t(s + l.grad_t), softcap_t(s + l.softcap_t), k_rows(s + l.k_rows),
         grad_k(s + l.grad_k), grad_v(s + l.grad_v), grad_q(s + l.grad_q), shift(s + l.shift), scale(s + l.scale),
         row_dot(s + l.row_dot) {}
@@ -295,6 +301,32 @@ HWY_INLINE void PackRows(const Rows<const float>& a, int64_t b, int64_t h, int64
   for (size_t i = 0; i < rows; ++i) std::copy_n(a.row(b, h, i0 + static_cast<int64_t>(i)), d, out + i * d_pad);
 }
 
+// Decode's Qs for the tile's `rows` queries (view q): scale * Q rows, dk_pad apart, as decode
+// packs them (one rounded product per element); the padding rows zero, so their scores are 0.
+HWY_INLINE void PackScaledRows(const Rows<const float>& q, int64_t b, int64_t h, size_t rows, size_t dk, float scale,
+                               const Scratch& w) {
+  std::fill_n(w.q_scaled, w.br * w.dk_pad, 0.0f);
+  for (size_t i = 0; i < rows; ++i) {
+    const float* row = q.row(b, h, static_cast<int64_t>(i));
+    for (size_t d = 0; d < dk; ++d) w.q_scaled[i * w.dk_pad + d] = scale * row[d];
+  }
+}
+
+// S^T (cols keys j0, j0 + key_step, ..., Br queries) in decode's order (attention/steps/dot_scores-inl.h): the
+// scores of a forward that ran decode, bit for bit. Past the last key the pointers repeat it
+// (its scores land in rows of weights_t that nothing reads).
+HWY_INLINE void DecodeOrderScores(const AttentionProblem& p, int64_t b, int64_t g, int64_t j0, int64_t key_step,
+                                  size_t cols, const Scratch& w) {
+  const size_t dk = static_cast<size_t>(p.head_dim), full = dk / hn::Lanes(DF()) * hn::Lanes(DF());
+  constexpr size_t kKeys = dot_scores::kKeys;
+  for (size_t j = 0; j < cols; j += kKeys) {
+    const float* keys[kKeys];
+    for (size_t x = 0; x < kKeys; ++x)
+      keys[x] = p.k.row(b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * key_step);
+    dot_scores::ScoreRows(w.br, dk, full, w.q_scaled, w.dk_pad, keys, w.weights_t + j * w.br, 1, w.br);
+  }
+}
+
 // The query tile i0, i0 + step, ... (`rows` queries) of head (b, h): Qt = scale * Q^T and dOt
 // (queries in lanes), and per query the weights' shift and scale and D; returns where Q's and
 // dO's rows are. A whole tile (rows = Br, Dk and Dv whole vectors) is read in place; any other is
@@ -316,6 +348,7 @@ QueryRows PackQueryTile(const AttentionBackwardProblem& bp, int64_t b, int64_t h
     PackRows(grad_out, b, h, 0, rows, dv, w.dv_pad, w.br, w.grad_out_rows);
     in_rows = {w.q_rows, w.dk_pad, w.grad_out_rows, w.dv_pad};
   }
+  if (bp.decode_scores) PackScaledRows(q, b, h, rows, dk, p.scale, w);
   const int64_t row0 = (b * p.q_heads + h) * p.q_len + i0;
   for (size_t i = 0; i < w.br; ++i) {
     const int64_t row = row0 + static_cast<int64_t>(i) * step;
@@ -457,8 +490,11 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, int64_t 
     amx::product(amx->parts, (*amx)(rows) + amx->key * depth_pad, depth_pad, rows.part, key_blocks, (*amx)(pairs),
                  pairs.part, depth_pad / amx::kDepth, br, out, br, false);
   };
-  // ---- Forward 1-3: "S = scale * Q K^T", "modifiers", "mask": S^T = K_tile Qt, the same steps.
-  if (amx)
+  // ---- Forward 1-3: "S = scale * Q K^T", "modifiers", "mask": S^T = K_tile Qt, the same steps;
+  // summed in decode's order when the forward ran decode.
+  if (bp.decode_scores)
+    DecodeOrderScores(p, b, g, j0, ks, cols, w);
+  else if (amx)
     keys_times_queries(at->k, at->dk_pad, at->q_t, w.weights_t);
   else
     Gemm(cols, br, dk, p.k.row(b, g, j0), static_cast<size_t>(p.k.row_stride * ks), 1, w.q_t, br, w.weights_t, br,
@@ -559,7 +595,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
   const flash_backward::ScratchLayout layout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
                                              static_cast<size_t>(p.value_dim));
   // A head's queries in tiles of br, a short remainder sharing the last whole tile's vectors
-  // (query_tiles.hpp): W1's 512 as 4 x 96 + 2 x 64, not 5 x 96 + 32. Each tile runs on the
+  // (simd/query_tiles.hpp): W1's 512 as 4 x 96 + 2 x 64, not 5 x 96 + 32. Each tile runs on the
   // vectors its queries fill: the same scratch, its own Br.
   const QueryTiles tiling(p.q_len, static_cast<int64_t>(lanes), static_cast<int64_t>(br / lanes));
   const Scratch w(scratch, br, layout);
@@ -612,7 +648,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
 }
 
 // ---- The strided keys of a `rest | strided(S, O)` rule, by residues as in the forward
-// (flash.cpp): queries r, r + S, ... against keys kr, kr + S, ... (kr = r + O mod S), after the
+// (flash/forward.cpp): queries r, r + S, ... against keys kr, kr + S, ... (kr = r + O mod S), after the
 // tiles (which evaluated `rest`), hiding what `rest` shows. Adds into dQ, dK and dV.
 
 // The residue tile of queries i0 + x S (x < rows) of head h against the key block's keys the

@@ -1,6 +1,6 @@
 // The flash kernel: softmax(Q K^T * scale + mask) V by tiles of queries x keys with an online
 // softmax (FlashAttention-2's forward, ggml's flash_attn_ext), never materialising more than one
-// Bc x Br tile of scores per worker. Same semantics as reference.cpp, dropout included; writes
+// Bc x Br tile of scores per worker. Same semantics as reference/forward.cpp, dropout included; writes
 // output and lse, never weights (Auto picks Reference when weights are asked for).
 //
 // Layout: everything runs "transposed", queries along the SIMD lanes. A work item is one
@@ -31,7 +31,7 @@
 // [first_visible_key, last_visible_key); a key tile outside every range of the query tile is
 // skipped (causal costs about half), a tile inside every range runs with no per-element mask
 // work, the rest mask per element. Tensor terms are read per tile, per element. Score
-// modifiers (softcap, ALiBi) and the sink are the pipeline's steps (pipeline-inl.h), as is every
+// modifiers (softcap, ALiBi) and the sink are the pipeline's steps (attention/steps/pipeline-inl.h), as is every
 // step named below.
 //
 // Strided keys (a root rule `rest | strided(S, O)`, S >= Bc): a stride leaves one visible key
@@ -122,7 +122,7 @@ struct AmxHeld {
 };
 
 // One worker's block for the AMX products (MatmulPrecision High or Medium on a CPU with AMX,
-// attention/amx.hpp), offsets in bf16 elements from a 64-byte aligned base: a header (AmxHeld),
+// gemm/amx.hpp), offsets in bf16 elements from a 64-byte aligned base: a header (AmxHeld),
 // the query tile's Q parts, one key tile's P parts, and one K/V head's K and V^T parts, split as
 // far as the worker's tiles have needed (consecutive items share the head): 2 n_pad (dk_pad + Dv)
 // bytes a part.
@@ -366,7 +366,7 @@ void StartQueryTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0,
   std::fill_n(w.row_sum, br, step::InitialSum(p));
 }
 
-// ---- The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask_rule.hpp), gathered
+// ---- The strided keys of a `rest | strided(S, O)` rule (StridedSplit, mask/rule.hpp), gathered
 // by residues: queries i0, i0 + S, ... meet keys j0, j0 + S, ... (j0 = i0 + O mod S), a dense
 // block that runs as flash tiles of lines with steps (S, 0), which every pipeline step reads.
 // The residues run first and leave their softmax state (O unnormalised, max and sum, in the
@@ -478,7 +478,7 @@ void FlashQueryTile(const AttentionProblem& p, bool carried, int64_t b, int64_t 
                     const flash::QueryTile& next) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
-  // The width of this tile: the vectors its queries fill (QueryTiles, query_tiles.hpp).
+  // The width of this tile: the vectors its queries fill (QueryTiles, simd/query_tiles.hpp).
   const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
   Scratch w(scratch, flash::ScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
   // AMX tiles hold 16 query lanes a row: only targets with 16 float lanes take them.
@@ -605,7 +605,7 @@ void flash_attention(const AttentionProblem& problem) {
   };
 
   // Items in (batch, head, query tile) order, so neighbouring items share K and V in cache (a
-  // thread's share is whole heads, item_shares.hpp); within a head the last query tiles come
+  // thread's share is whole heads, simd/item_shares.hpp); within a head the last query tiles come
   // first: under a causal mask they see the most keys, so a share runs its longest items first
   // and leaves its shortest at the back, where other threads take them.
   const auto query_tile_of = [&](int64_t item) {

@@ -2,7 +2,7 @@
 // one (batch, head) at a time, with the Nq x Nk matrices materialised (llm.c's
 // attention_backward). Clarity first: it is the oracle the flash backward is tested against.
 //
-// The forward (reference.cpp), per (b, h) with g = the key/value head of h:
+// The forward (reference/forward.cpp), per (b, h) with g = the key/value head of h:
 //   1. S = scale * Q K^T
 //   2. S = softcap tanh(S / softcap); S[i,j] -= slope[h] |i + Nk - Nq - j|
 //   3. S[i,j] = -inf where the mask hides key j from query i; additive terms are added

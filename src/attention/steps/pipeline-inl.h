@@ -1,5 +1,5 @@
 // The attention pipeline: the named per-target steps every fused kernel is composed of
-// (flash.cpp, flash_backward.cpp, decode.cpp). A kernel differs from another only in its loop
+// (flash/forward.cpp, flash/backward.cpp, decode/decode.cpp). A kernel differs from another only in its loop
 // order and in what it accumulates; each step below exists once.
 //
 //   step                 forward (flash, decode)            backward (flash_backward)
@@ -250,7 +250,7 @@ HWY_INLINE TileClass ClassifyTile(const AttentionProblem& p, int64_t b, int64_t 
   return TileClass::Partial;
 }
 
-// The same for the whole mask, the symbolic rule (mask_rule.hpp) of query head h included: a tile
+// The same for the whole mask, the symbolic rule (mask/rule.hpp) of query head h included: a tile
 // the band or the rule hides is skipped; one both fully show needs no per-element mask work.
 HWY_INLINE TileClass ClassifyMaskTile(const AttentionProblem& p, int64_t b, int64_t h, int64_t i0, int64_t i_last,
                                       int64_t j0, int64_t j_end) {
@@ -446,7 +446,7 @@ HWY_INLINE void MaskTerms(const AttentionProblem& p, const Line& line, float* HW
   }
 }
 
-// ---- Step "mask", the symbolic rule (mask_rule.hpp): visible[x] = 1 where node `node` lets
+// ---- Step "mask", the symbolic rule (mask/rule.hpp): visible[x] = 1 where node `node` lets
 // element x of the line through, else 0, over n floats (whole vectors, at most kRuleLine). Band,
 // key lengths, global and strided rules run in SIMD from the line's coordinates; block layouts
 // and keep tensors are read for the `count` real elements only (the rest get 0).
