@@ -5,6 +5,8 @@
 #   serve_model_train   fixture: a tiny trained model for the servers to load
 #   serve_http          the API over HTTP against `qkv serve --port 0` on 127.0.0.1 (pytest)
 #   serve_browser       the page in headless Chromium: slider, causal, screenshots (pytest + Selenium)
+#   serve_browser_models  the page on Hugging Face folders (qkv_make_tiny_model's): model view,
+#                       head view toggles, neuron view, prediction (pytest + Selenium)
 #   serve_load          8 clients x 200 requests on 127.0.0.1: no error, no memory growth
 #   serve_connections   slow, idle and bursting clients against one server (pytest)
 #   serve_probe         probe_server.py at its CI size: bad Hosts, NUL bytes, oversize and
@@ -47,6 +49,10 @@ foreach(name http browser load connections)
   set_tests_properties(serve_${name} PROPERTIES ENVIRONMENT "${serve_env}" FIXTURES_REQUIRED serve_model
     TIMEOUT 300)
 endforeach()
+add_test(NAME serve_browser_models
+  COMMAND ${QKV_PYTHON3} -m pytest -q -s -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/test_browser_models.py)
+set_tests_properties(serve_browser_models PROPERTIES ENVIRONMENT "${serve_env};QKV_TINY=${tiny}"
+  FIXTURES_REQUIRED "tiny_gpt2;tiny_bert" TIMEOUT 300)
 add_test(NAME serve_probe COMMAND ${QKV_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/probe_server.py --qkv $<TARGET_FILE:qkv_cli>)
 set_tests_properties(serve_probe PROPERTIES ENVIRONMENT "${serve_env}" TIMEOUT 120)
 # The load test measures memory and speed, and the connection tests time requests: alone, not
