@@ -34,7 +34,7 @@ if(NOT QKV_PYTHON3)
 endif()
 # ASan's quarantine would hold freed memory back for up to 256 MiB and look like growth to the
 # load test; a small one keeps use-after-free detection without that.
-set(serve_env "QKV_BIN=$<TARGET_FILE:qkv_cli>" "QKV_MODEL=${serve_out}/copy.qkv" "QKV_OUT=${serve_out}"
+set(serve_env "QKV_BIN=$<TARGET_FILE:qkv_cli>" "QKV_MODEL=${serve_out}/copy.qkv" "QKV_OUT=${serve_out}" "QKV_TINY=${tiny}"
   "ASAN_OPTIONS=quarantine_size_mb=4" "PYTHONDONTWRITEBYTECODE=1")
 if(QKV_SANITIZE)
   list(APPEND serve_env "QKV_SANITIZED=1")  # test_load.py: the allocator's own growth, bounded looser
@@ -51,8 +51,10 @@ foreach(name http browser load connections)
 endforeach()
 add_test(NAME serve_browser_models
   COMMAND ${QKV_PYTHON3} -m pytest -q -s -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/test_browser_models.py)
-set_tests_properties(serve_browser_models PROPERTIES ENVIRONMENT "${serve_env};QKV_TINY=${tiny}"
+set_tests_properties(serve_browser_models PROPERTIES ENVIRONMENT "${serve_env}"
   FIXTURES_REQUIRED "tiny_gpt2;tiny_bert" TIMEOUT 300)
+# serve_http's last test runs qkv_make_tiny_model's folders over HTTP.
+set_tests_properties(serve_http PROPERTIES FIXTURES_REQUIRED "serve_model;tiny_gpt2;tiny_bert")
 add_test(NAME serve_probe COMMAND ${QKV_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/probe_server.py --qkv $<TARGET_FILE:qkv_cli>)
 set_tests_properties(serve_probe PROPERTIES ENVIRONMENT "${serve_env}" TIMEOUT 120)
 # The load test measures memory and speed, and the connection tests time requests: alone, not
