@@ -564,7 +564,8 @@ function drawOverview() {
   box.style.gridTemplateColumns = `auto repeat(${heads}, auto)`;
   const items = [el("span")];
   for (let h = 0; h < heads; h++) items.push(el("span", { class: "col-label" }, `head ${h}`));
-  const scale = Math.max(4, Math.floor(72 / n)), size = n * scale;
+  // A model folder may have 30 layers x 16 heads: its thumbnails stay 64 px whatever the tokens.
+  const size = r.kind === "pretrained" ? 64 : n * Math.max(4, Math.floor(72 / n));
   r.layers.forEach((layer, l) => {
     const first = r.kind === "pretrained" && l === r.first_layer;
     items.push(el("span", { class: "row-label" + (first ? " first" : ""), title: first ? r.first_layer_why : "" },
