@@ -573,6 +573,9 @@ TEST_F(ExplorerFolders, BadInputIsA400AndNamesTheProblem) {
   EXPECT_NE(error_of({{"model", "bert"}, {"text", words}}).find("the explorer shows at most 64"), std::string::npos);
   EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {1, 2, 999999}}}).find("not a token id"), std::string::npos);
   EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {-1}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {1.5}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {uint64_t{1} << 63}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", "1 2"}}).find("must be a list"), std::string::npos);
   EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", json::array()}}).find("empty"), std::string::npos);
   EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "a"}, {"ids", {1}}}).find("not both"), std::string::npos);
   EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "the"}, {"heads", 4}}).find("does not apply"), std::string::npos);

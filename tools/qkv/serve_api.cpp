@@ -379,9 +379,12 @@ std::vector<int64_t> folder_ids(const json& request, const LoadedPretrained& loa
       throw BadRequest(fmt::format("\"ids\" has {} tokens; the explorer shows at most {} for model \"{}\"", list.size(),
                                    most, loaded.name));
     }
+    const int64_t vocab = p.config.vocab_size;
     for (const json& id : list) {
-      if (!id.is_number_integer() || (id.is_number_unsigned() && id.get<uint64_t>() >= static_cast<uint64_t>(p.config.vocab_size)) ||
-          id.get<int64_t>() < 0 || id.get<int64_t>() >= p.config.vocab_size) {
+      const bool known = id.is_number_integer() && (id.is_number_unsigned()
+                                                        ? id.get<uint64_t>() < static_cast<uint64_t>(vocab)
+                                                        : id.get<int64_t>() >= 0 && id.get<int64_t>() < vocab);
+      if (!known) {
         throw BadRequest(fmt::format("\"ids\": {} is not a token id of model \"{}\", whose vocabulary is [0, {})",
                                      shown(id), loaded.name, p.config.vocab_size));
       }
@@ -440,7 +443,9 @@ json folder_prediction(const models::Pretrained& p, const models::ModelOutput& o
   const auto n = static_cast<int64_t>(ids.size());
   const Tensor logits = out.logits.contiguous();  // (1, n, V)
   const float* row0 = logits.data();
-  if (c.is_causal()) return {{"kind", "next"}, {"top", top_tokens(row0 + (n - 1) * c.vocab_size, c.vocab_size, *p.tokenizer, 5)}};
+  if (c.is_causal()) {
+    return {{"kind", "next"}, {"top", top_tokens(row0 + (n - 1) * c.vocab_size, c.vocab_size, *p.tokenizer, 5)}};
+  }
   json masks = json::array();
   const std::optional<int64_t> mask = p.tokenizer->special_tokens().mask;
   for (int64_t i = 0; i < n && mask; ++i) {
@@ -486,7 +491,8 @@ json folder_attention(const json& request, const LoadedPretrained& loaded, const
     }
     for (const auto& r : roles)
       if (r.layer == l) roles_json.push_back(role_scores_json(r));
-    layers.push_back({{"weights", std::move(heads_json)}, {"entropy", entropies(heads, n)}, {"roles", std::move(roles_json)}});
+    layers.push_back(
+        {{"weights", std::move(heads_json)}, {"entropy", entropies(heads, n)}, {"roles", std::move(roles_json)}});
   }
   const Mask mask = folder_mask(c);
   return {{"model", loaded.name},
@@ -516,10 +522,13 @@ json folder_neuron(const json& request, const LoadedPretrained& loaded, const Se
   const std::vector<int64_t> ids = folder_ids(request, loaded, limits);
   const auto n = static_cast<int64_t>(ids.size());
   const json& spec = request["neuron"];
-  if (!spec.is_object()) throw BadRequest(fmt::format("\"neuron\" must be {{\"layer\", \"head\", \"query\"}}, got {}", shown(spec)));
+  if (!spec.is_object()) {
+    throw BadRequest(fmt::format("\"neuron\" must be {{\"layer\", \"head\", \"query\"}}, got {}", shown(spec)));
+  }
   for (const auto& [key, value] : spec.items()) {
     if (key != "layer" && key != "head" && key != "query") {
-      throw BadRequest(fmt::format("unknown field \"neuron.{}\"; its fields are layer, head and query", escaped_text(key)));
+      throw BadRequest(
+          fmt::format("unknown field \"neuron.{}\"; its fields are layer, head and query", escaped_text(key)));
     }
   }
   for (const char* key : {"layer", "head", "query"})
