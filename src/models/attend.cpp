@@ -55,6 +55,8 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, nn::KVCache& cach
     spec.rotary->apply_inplace(q, {pass.position});
     spec.rotary->apply_inplace(k, {pass.position});
   }
+  if (pass.queries != nullptr) *pass.queries = q.clone();
+  if (pass.keys != nullptr) *pass.keys = k.clone();
   cache.append(k, v, pass.counts);
   const int64_t keys = pass.position + pass.length;
   AttentionOptions options;

@@ -80,6 +80,7 @@ class Bert final : public Network {
       const Tensor heads_out = Tensor::empty({pass.batch, pass.length, heads, hd});
       attend(heads_view(q, pass, 0, heads, hd), heads_view(k, pass, 0, heads, hd), heads_view(v, pass, 0, heads, hd),
              (*pass.caches)[i], pass, AttentionSpec{.causal = false}, heads_out.transpose(1, 2));
+      if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
       Tensor a = linear(heads_out.reshape({rows, d}), layer.attention_output.weight, layer.attention_output.bias);
       add_into(a.data(), x.data(), rows * d);
       layer_norm(a.data(), rows, d, layer.attention_norm.weight, layer.attention_norm.bias, c_.norm_eps, x.data());

@@ -62,6 +62,7 @@ class Gpt2 final : public Network {
       attend(heads_view(qkv, pass, 0, heads, hd), heads_view(qkv, pass, d, heads, hd),
              heads_view(qkv, pass, 2 * d, heads, hd), (*pass.caches)[i], pass, AttentionSpec{.causal = true},
              heads_out.transpose(1, 2));
+      if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
       add_into(x.data(), linear(heads_out.reshape({rows, d}), layer.attn_c_proj, layer.attn_c_proj_bias).data(),
                rows * d);
       layer_norm(x.data(), rows, d, layer.ln_2_weight, layer.ln_2_bias, c_.norm_eps, h.data());

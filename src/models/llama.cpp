@@ -78,6 +78,7 @@ class Llama final : public Network {
           .causal = true, .window = c_.window_of_layer(static_cast<int64_t>(i)), .rotary = &rotary_};
       attend(heads_view(q, pass, 0, c_.num_heads, hd), heads_view(k, pass, 0, c_.num_kv_heads, hd),
              heads_view(v, pass, 0, c_.num_kv_heads, hd), (*pass.caches)[i], pass, spec, heads_out.transpose(1, 2));
+      if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
       add_into(x.data(), linear(heads_out.reshape({rows, c_.num_heads * hd}), layer.o_proj, layer.o_bias).data(),
                rows * d);
       rms_norm(x.data(), rows, d, layer.post_attention_norm, c_.norm_eps, h.data());

@@ -3,6 +3,7 @@
 // for a full forward, options.kv_dtype ones kept across generate()'s steps.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 
 #include "models/network.hpp"
@@ -142,6 +143,31 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
   if (c.has_lm_head())
     out.logits = impl_->network->logits(out.hidden.reshape({pass.batch * pass.length, c.hidden_size}))
                      .reshape({pass.batch, pass.length, c.vocab_size});
+  return out;
+}
+
+QueryKeys Model::query_keys(const std::vector<int64_t>& ids, int64_t layer) const {
+  const ModelConfig& c = impl_->config;
+  const std::string who = "Model::query_keys";
+  impl_->check_tokens(who, ids, 0);
+  if (layer < 0 || layer >= c.num_layers)
+    throw Error(who + ": layer " + std::to_string(layer) + " is outside [0, " + std::to_string(c.num_layers) + ")");
+  detail::Pass pass;
+  pass.batch = 1;
+  pass.length = static_cast<int64_t>(ids.size());
+  pass.counts = {pass.length};
+  pass.ids = ids;
+  std::vector<nn::KVCache> caches = impl_->make_caches(1, pass.length, DType::F32);
+  pass.caches = &caches;
+  QueryKeys out;
+  out.layer = layer;
+  out.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  pass.stop_layer = layer;
+  pass.queries = &out.queries;
+  pass.keys = &out.keys;
+  (void)impl_->network->hidden_states(pass);
+  out.queries = out.queries.reshape({c.num_heads, pass.length, c.head_dim});
+  out.keys = out.keys.reshape({c.num_kv_heads, pass.length, c.head_dim});
   return out;
 }
 

@@ -23,6 +23,11 @@ struct Pass {
   int64_t position = 0;                        // the position of every element's first new token
   std::vector<nn::KVCache>* caches = nullptr;  // one per layer, each holding `position` tokens
   std::vector<Tensor>* attention = nullptr;    // non-null: each layer's weights are appended
+  // >= 0: the pass ends once this layer has attended (hidden_states returns an undefined
+  // Tensor), after attend() has kept its q and k in `queries` and `keys` (Model::query_keys).
+  int64_t stop_layer = -1;
+  Tensor* queries = nullptr;                   // with stop_layer: q (B, H, N, hd) after rotary
+  Tensor* keys = nullptr;                      // with stop_layer: k (B, Hkv, N, hd) after rotary
   bool ragged() const;                         // some element has fewer than N new tokens
 };
 
@@ -53,7 +58,8 @@ struct AttentionSpec {
 // contiguous) of the pass's new tokens. Rotates q and k in place (spec.rotary), appends k and v to
 // `cache`, attends q over the cache's keys with the spec's mask and the pass's padding, writing
 // `out` (B, H, N, hd), a view. With pass.attention, appends the weights (B, H, N, position + N),
-// zero in the rows of padded queries.
+// zero in the rows of padded queries. With pass.queries and pass.keys, copies q and k there once
+// rotated (the caller has stopped at the layer it wants, pass.stop_layer).
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, nn::KVCache& cache, const Pass& pass,
             const AttentionSpec& spec, const Tensor& out);
 

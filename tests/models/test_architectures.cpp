@@ -1,6 +1,7 @@
 // Each architecture against its float64 oracle (oracles.hpp) on small random checkpoints: logits,
 // hidden states and per-layer attention weights, with f32 and 16-bit stored weights (the oracle
 // reads the very values stored, so the tolerance is float32 arithmetic's either way).
+#include <algorithm>
 #include <cmath>
 #include <thread>
 
@@ -10,6 +11,7 @@
 #include "compare.hpp"
 #include "configs.hpp"
 #include "oracles.hpp"
+#include "qkv/error.hpp"
 #include "qkv/models/model.hpp"
 
 namespace qkv::models::testing {
@@ -17,6 +19,43 @@ namespace {
 
 constexpr double kTolerance = 1e-4;
 const std::vector<int64_t> kIds = {3, 17, 0, 42, 8, 8, 29, 51, 1};
+
+// Model::query_keys: each layer's softmax(scale * q . k) under the architecture's mask (causal,
+// a sliding window, or both ways) is the attention forward() returns, head by head (GQA: query
+// head h reads key head h / (H / Hkv)).
+void expect_query_keys_give_the_weights(const Model& model, const ModelOutput& got, const std::string& what) {
+  const ModelConfig& c = model.config();
+  const auto n = static_cast<int64_t>(kIds.size());
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const QueryKeys qk = model.query_keys(kIds, l);
+    ASSERT_EQ(qk.queries.shape(), (Shape{c.num_heads, n, c.head_dim})) << what;
+    ASSERT_EQ(qk.keys.shape(), (Shape{c.num_kv_heads, n, c.head_dim})) << what;
+    EXPECT_DOUBLE_EQ(qk.scale, 1 / std::sqrt(static_cast<double>(c.head_dim)));
+    const Tensor q = qk.queries.contiguous(), k = qk.keys.contiguous(), w = got.attention[static_cast<size_t>(l)].contiguous();
+    const int64_t window = c.is_causal() ? c.window_of_layer(l) : 0;
+    for (int64_t h = 0; h < c.num_heads; ++h) {
+      const int64_t kh = h / (c.num_heads / c.num_kv_heads);
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<double> e(static_cast<size_t>(n), 0.0);
+        double top = -INFINITY, sum = 0;
+        const auto seen = [&](int64_t j) { return !c.is_causal() || (j <= i && (window == 0 || j > i - window)); };
+        for (int64_t j = 0; j < n; ++j) {
+          if (!seen(j)) continue;
+          double dot = 0;
+          for (int64_t d = 0; d < c.head_dim; ++d)
+            dot += double(q.data()[(h * n + i) * c.head_dim + d]) * k.data()[(kh * n + j) * c.head_dim + d];
+          e[static_cast<size_t>(j)] = dot * qk.scale;
+          top = std::max(top, e[static_cast<size_t>(j)]);
+        }
+        for (int64_t j = 0; j < n; ++j) sum += e[static_cast<size_t>(j)] = seen(j) ? std::exp(e[static_cast<size_t>(j)] - top) : 0;
+        for (int64_t j = 0; j < n; ++j)
+          ASSERT_NEAR(e[static_cast<size_t>(j)] / sum, w.data()[((h * n) + i) * n + j], 1e-5)
+              << what << " layer " << l << " head " << h << " query " << i << " key " << j;
+      }
+    }
+  }
+  EXPECT_THROW((void)model.query_keys(kIds, c.num_layers), Error);
+}
 
 // The forward with weights (the Reference kernel) and without (a fused kernel) against the oracle.
 void expect_matches(const Model& model, const OracleOutput& want, const std::string& what) {
@@ -29,6 +68,7 @@ void expect_matches(const Model& model, const OracleOutput& want, const std::str
   ASSERT_EQ(got.attention.size(), want.attention.size()) << what;
   for (size_t l = 0; l < want.attention.size(); ++l)
     expect_attention_close(got.attention[l], 0, want.attention[l], kTolerance, what + " layer " + std::to_string(l));
+  expect_query_keys_give_the_weights(model, got, what);
 }
 
 class Gpt2 : public ::testing::TestWithParam<DType> {};
@@ -48,6 +88,13 @@ TEST_P(Gpt2, MatchesOracleUntiedWithoutPrefix) {
 }
 
 INSTANTIATE_TEST_SUITE_P(StoredDtypes, Gpt2, ::testing::Values(DType::F32, DType::BF16, DType::F16));
+
+TEST(Bert, QueryKeysGiveTheWeightsBothWays) {
+  const ModelConfig c = parse_config(bert_json(true));
+  const Checkpoint k = bert_checkpoint(c, DType::F32, 19);
+  const Model model(c, k.weights);
+  expect_query_keys_give_the_weights(model, model.forward(kIds, true), "bert");
+}
 
 TEST(Bert, MaskedLmMatchesOracleOnAPaddedBatch) {
   const ModelConfig c = parse_config(bert_json(true));

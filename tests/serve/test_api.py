@@ -274,3 +274,40 @@ def test_another_host_is_warned_about():
                             capture_output=True, text=True, timeout=30)
     assert "warning: listening on 192.0.2.1, not loopback" in result.stderr
     assert result.returncode == 2 and "cannot listen on 192.0.2.1:0" in result.stderr
+
+
+QKV_TINY = os.environ.get("QKV_TINY", "")
+
+
+@pytest.fixture
+def folders_server():
+    """A server with qkv_make_tiny_model's gpt2 and bert folders (QKV_TINY, set by serve.cmake) beside the .qkv model."""
+    if not QKV_TINY or not os.path.isdir(os.path.join(QKV_TINY, "gpt2")):
+        pytest.fail(f"QKV_TINY={QKV_TINY!r} does not hold qkv_make_tiny_model's folders; run through ctest")
+    s = Server(["--model", QKV_MODEL, "--model", os.path.join(QKV_TINY, "gpt2"), "--model", os.path.join(QKV_TINY, "bert")])
+    yield s
+    code, _, err = s.stop()
+    assert code == 0, err
+
+
+def test_model_folders_over_http_and_bad_input_leaves_the_server_up(folders_server):
+    status, listing, _ = folders_server.request("/api/models")
+    assert status == 200
+    kinds = {m["name"]: m["kind"] for m in listing["models"]}
+    assert kinds == {MODEL_NAME: "qkv", "gpt2": "pretrained", "bert": "pretrained"}
+    status, answer = folders_server.attention({"model": "gpt2", "text": "the cat sat"})
+    assert status == 200, answer
+    n = len(answer["tokens"])
+    assert len(answer["layers"]) == 2 and all(len(h) == n for layer in answer["layers"] for h in layer["weights"])
+    for layer in answer["layers"]:
+        assert_rows_sum_to_one(layer["weights"])
+    assert len(answer["prediction"]["top"]) == 5
+    bad = [{"model": "gpt9", "text": "a"}, {"model": "gpt2", "text": "the " * 70}, {"model": "gpt2", "ids": [1, 10**6]},
+           {"model": "gpt2", "text": "a", "mask": "causal"}, {"model": "bert", "text": "a", "neuron": {"layer": 5, "head": 0, "query": 0}}]
+    for body in bad:
+        status, error = folders_server.attention(body)
+        assert status == 400 and error["error"], (body, error)
+    status, error, _ = folders_server.request("/api/attention", b'{"model": "gpt2", "text": "a\xff"}')
+    assert status == 400 and "error" in error
+    status, answer = folders_server.attention({"model": "bert", "text": "the [MASK] sat"})
+    assert status == 200 and answer["prediction"]["masks"][0]["position"] == 2

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <mutex>
 #include <string>
@@ -15,7 +16,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "pretrained.hpp"
 #include "qkv/mask.hpp"
+#include "qkv/models/pretrained.hpp"
 #include "qkv/train.hpp"
 #include "serve_api.hpp"
 #include "serve_hosts.hpp"
@@ -279,7 +282,7 @@ TEST(ExplorerApi, ControlCharactersInErrorsAreEscaped) {
   EXPECT_EQ(error_of(api, body),
             "mask 'causal\\u0000 & window(1)': column 7, found '\\u0000': a control character, not part of a mask");
   EXPECT_EQ(error_of(api, R"({"text": "a", "ab\u0000cd": 1})"),
-            "unknown field \"ab\\u0000cd\"; the fields are text, heads, embed, seed, temperature, mask, chars and model");
+            "unknown field \"ab\\u0000cd\"; the fields are text, heads, embed, seed, temperature, mask, chars, model, and for a model folder ids and neuron");
   EXPECT_NE(error_of(api, R"({"text": "a", "model": "x\u0001y"})").find("unknown model \"x\\u0001y\""), std::string::npos);
   // Whitespace is the parser's own: a tab still separates.
   EXPECT_EQ(ask(api, {{"text", "a b"}, {"mask", "causal\t&\nwindow(1)"}}).first, 200);
@@ -398,6 +401,199 @@ TEST(FairSlots, FirstComeFirstServedAndTimeoutsLeaveTheLine) {
   EXPECT_EQ(order, std::vector<int>({0, 2, 3}));
   EXPECT_TRUE(slots.acquire_for(0s));  // every slot given back
 }
+
+// ---- Hugging Face model folders (qkv_make_tiny_model's gpt2, llama, bert; QKV_TINY names their parent)
+
+class ExplorerFolders : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* tiny = std::getenv("QKV_TINY");
+    if (tiny == nullptr) return;
+    root_ = tiny;
+    api_ = std::make_unique<ExplorerApi>(
+        std::vector<std::string>{root_ + "/gpt2", root_ + "/llama/", root_ + "/bert"}, ServeLimits{});
+  }
+  static void TearDownTestSuite() { api_.reset(); }
+  void SetUp() override {
+    if (!api_) GTEST_SKIP() << "QKV_TINY is not set (ctest sets it to qkv_make_tiny_model's folders)";
+  }
+  static json ask(const json& request, int status = 200) {
+    const ApiResponse answer = api_->attention(request.dump());
+    EXPECT_EQ(answer.status, status) << request.dump() << " -> " << answer.body;
+    return json::parse(answer.body);
+  }
+  static std::string root_;
+  static std::unique_ptr<ExplorerApi> api_;
+};
+std::string ExplorerFolders::root_;
+std::unique_ptr<ExplorerApi> ExplorerFolders::api_;
+
+std::vector<double> softmax_of(const float* logits, int64_t vocab) {
+  const float top = *std::max_element(logits, logits + vocab);
+  std::vector<double> p(static_cast<size_t>(vocab));
+  double sum = 0;
+  for (int64_t v = 0; v < vocab; ++v) sum += p[static_cast<size_t>(v)] = std::exp(double(logits[v]) - top);
+  for (double& x : p) x /= sum;
+  return p;
+}
+
+TEST_F(ExplorerFolders, ListedWithTheirArchitecture) {
+  const json models = json::parse(api_->models().body)["models"];
+  ASSERT_EQ(models.size(), 3u);
+  const std::vector<std::string> names = {"gpt2", "llama", "bert"};
+  for (size_t i = 0; i < 3; ++i) {
+    const json& m = models[i];
+    EXPECT_EQ(m["name"], names[i]);  // "llama/" named by its folder
+    EXPECT_EQ(m["kind"], "pretrained");
+    const models::Pretrained p = models::load_pretrained(root_ + "/" + names[i]);
+    EXPECT_EQ(m["architecture"], std::string(models::to_string(p.config.architecture)));
+    EXPECT_EQ(m["layers"], p.config.num_layers);
+    EXPECT_EQ(m["heads"], p.config.num_heads);
+    EXPECT_EQ(m["vocab_size"], p.config.vocab_size);
+    EXPECT_EQ(m["causal"], names[i] != "bert");
+  }
+}
+
+TEST_F(ExplorerFolders, EveryLayersHeadsRolesAndTheFirstLayer) {
+  for (const std::string name : {"gpt2", "llama", "bert"}) {
+    SCOPED_TRACE(name);
+    const models::Pretrained p = models::load_pretrained(root_ + "/" + name);
+    const json a = ask({{"model", name}, {"text", "the cat sat on the mat"}});
+    const auto n = a["tokens"].size();
+    EXPECT_EQ(a["ids"].get<std::vector<int64_t>>(), encode_text(p, "the cat sat on the mat"));
+    ASSERT_EQ(a["layers"].size(), static_cast<size_t>(p.config.num_layers));
+    int64_t most = -1, first = -1;
+    for (size_t l = 0; l < a["layers"].size(); ++l) {
+      const json& layer = a["layers"][l];
+      ASSERT_EQ(layer["weights"].size(), static_cast<size_t>(p.config.num_heads));
+      ASSERT_EQ(layer["roles"].size(), static_cast<size_t>(p.config.num_heads));
+      int64_t named = 0;
+      for (const json& role : layer["roles"]) {
+        EXPECT_TRUE(role["scores"].contains("induction"));
+        if (role["role"] != "-" && role["role"] != "broad") ++named;
+      }
+      if (named > most) most = named, first = static_cast<int64_t>(l);
+      for (const json& head : layer["weights"]) {
+        ASSERT_EQ(head.size(), n);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(head[i].size(), n);
+          double sum = 0;
+          for (size_t j = 0; j < n; ++j) {
+            sum += head[i][j].get<double>();
+            if (a["visible"][i].get<std::string>()[j] == '0') EXPECT_EQ(head[i][j].get<double>(), 0.0);
+          }
+          EXPECT_NEAR(sum, 1.0, 1e-3);
+        }
+      }
+    }
+    EXPECT_EQ(a["first_layer"], first);
+    EXPECT_EQ(a["mask"], name == "bert" ? "none" : "causal");
+    EXPECT_EQ(a["visible"][0].get<std::string>()[n - 1], name == "bert" ? '1' : '0');
+  }
+}
+
+TEST_F(ExplorerFolders, PredictionsAreTheSoftmaxOfTheModelsLogits) {
+  {
+    const models::Pretrained p = models::load_pretrained(root_ + "/gpt2");
+    const json a = ask({{"model", "gpt2"}, {"text", "the cat sat"}});
+    const std::vector<int64_t> ids = a["ids"];
+    const models::ModelOutput out = p.model.forward(ids);
+    const Tensor logits = out.logits.contiguous();
+    const std::vector<double> probs =
+        softmax_of(logits.data() + (std::ssize(ids) - 1) * p.config.vocab_size, p.config.vocab_size);
+    ASSERT_EQ(a["prediction"]["kind"], "next");
+    const json& top = a["prediction"]["top"];
+    ASSERT_EQ(top.size(), 5u);
+    const double best = *std::max_element(probs.begin(), probs.end());
+    EXPECT_NEAR(top[0]["p"].get<double>(), best, 1e-6);
+    for (size_t r = 0; r < 5; ++r) {
+      EXPECT_NEAR(top[r]["p"].get<double>(), probs[top[r]["id"].get<size_t>()], 1e-6);
+      if (r > 0) EXPECT_LE(top[r]["p"].get<double>(), top[r - 1]["p"].get<double>());
+    }
+  }
+  {
+    const models::Pretrained p = models::load_pretrained(root_ + "/bert");
+    const json a = ask({{"model", "bert"}, {"text", "the cat [MASK] on the mat"}});
+    ASSERT_EQ(a["prediction"]["kind"], "fill");
+    ASSERT_EQ(a["prediction"]["masks"].size(), 1u);
+    const json& fill = a["prediction"]["masks"][0];
+    const std::vector<int64_t> ids = a["ids"];
+    const auto position = fill["position"].get<int64_t>();
+    EXPECT_EQ(ids[static_cast<size_t>(position)], *p.tokenizer->special_tokens().mask);
+    const Tensor logits = p.model.forward(ids).logits.contiguous();
+    const std::vector<double> probs = softmax_of(logits.data() + position * p.config.vocab_size, p.config.vocab_size);
+    for (const json& t : fill["top"]) EXPECT_NEAR(t["p"].get<double>(), probs[t["id"].get<size_t>()], 1e-6);
+  }
+}
+
+TEST_F(ExplorerFolders, NeuronScoresAreScaledDotsAndTheirSoftmaxIsTheWeightsRow) {
+  for (const std::string name : {"gpt2", "llama", "bert"}) {
+    SCOPED_TRACE(name);
+    const std::string text = "the cat sat on the mat";
+    const json a = ask({{"model", name}, {"text", text}});
+    const int64_t layers = std::ssize(a["layers"]), heads = std::ssize(a["layers"][0]["weights"]);
+    const int64_t n = std::ssize(a["tokens"]);
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      for (int64_t head : {int64_t{0}, heads - 1}) {
+        const int64_t query = n - 2;
+        const json b = ask({{"model", name}, {"text", text}, {"neuron", {{"layer", layer}, {"head", head}, {"query", query}}}});
+        const json& nr = b["neuron"];
+        const auto d = nr["head_dim"].get<size_t>();
+        EXPECT_NEAR(nr["scale"].get<double>(), 1 / std::sqrt(double(d)), 1e-12);
+        ASSERT_EQ(nr["q"].size(), d);
+        ASSERT_EQ(nr["k"].size(), static_cast<size_t>(n));
+        double sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const bool seen = nr["visible"][j];
+          EXPECT_EQ(seen, a["visible"][query].get<std::string>()[j] == '1');
+          if (!seen) {
+            EXPECT_TRUE(nr["scores"][j].is_null());
+            EXPECT_EQ(nr["weights"][j].get<double>(), 0.0);
+            continue;
+          }
+          double dot = 0;
+          for (size_t e = 0; e < d; ++e) dot += nr["q"][e].get<double>() * nr["k"][j][e].get<double>();
+          EXPECT_NEAR(nr["scores"][j].get<double>(), dot / std::sqrt(double(d)), 1e-5);
+          sum += nr["weights"][j].get<double>();
+          EXPECT_NEAR(nr["weights"][j].get<double>(), a["layers"][layer]["weights"][head][query][j].get<double>(), 1e-3);
+        }
+        EXPECT_NEAR(sum, 1.0, 1e-9);
+      }
+    }
+  }
+}
+
+TEST_F(ExplorerFolders, BadInputIsA400AndNamesTheProblem) {
+  const auto error_of = [](const json& request) { return ask(request, 400)["error"].get<std::string>(); };
+  EXPECT_NE(error_of({{"model", "gpt3"}, {"text", "the"}}).find("unknown model \"gpt3\""), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"text", std::string(150, 'a') + " b c d e f g h"}}).find("at most"),
+            std::string::npos);
+  std::string words;
+  for (int i = 0; i < 70; ++i) words += "the ";
+  EXPECT_NE(error_of({{"model", "bert"}, {"text", words}}).find("the explorer shows at most 64"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {1, 2, 999999}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {-1}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {1.5}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", {uint64_t{1} << 63}}}).find("not a token id"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", "1 2"}}).find("must be a list"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"ids", json::array()}}).find("empty"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "a"}, {"ids", {1}}}).find("not both"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "the"}, {"heads", 4}}).find("does not apply"), std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "the cat"}, {"neuron", {{"layer", 9}, {"head", 0}, {"query", 0}}}})
+                .find("\"layer\" must be between 0 and"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"model", "gpt2"}, {"text", "the cat"}, {"neuron", {{"layer", 0}, {"head", 0}}}}).find("query"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"text", "the cat"}, {"neuron", {{"layer", 0}}}}).find("model folder"), std::string::npos);
+  // Bytes that are not UTF-8: the JSON parser refuses them before the tokenizer sees them.
+  const ApiResponse raw = api_->attention(std::string("{\"model\": \"gpt2\", \"text\": \"a\xff\xfe b\"}"));
+  EXPECT_EQ(raw.status, 400);
+  EXPECT_TRUE(json::parse(raw.body).contains("error"));
+  // Token ids given directly run like text.
+  const json ok = ask({{"model", "gpt2"}, {"ids", {10, 11, 12}}});
+  EXPECT_EQ(ok["tokens"].size(), 3u);
+}
+
 
 }  // namespace
 }  // namespace qkv::cli

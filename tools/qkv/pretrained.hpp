@@ -35,6 +35,9 @@ struct PretrainedVizOptions {
 };
 void run_pretrained_viz(const PretrainedVizOptions& options);
 
+// Whether `s` is whole UTF-8 (no stray continuation byte, no cut sequence).
+bool is_utf8(const std::string& s);
+
 // The labels of tokens for figures: each token's own text (" the" shown as "_the"), or its
 // vocabulary spelling when it is not whole UTF-8 on its own.
 std::vector<std::string> token_labels(const models::Tokenizer& tokenizer, const std::vector<int64_t>& ids);

@@ -3,6 +3,7 @@
 //   qkv serve                                  # http://127.0.0.1:8080/
 //   qkv serve --port 0                         # any free port; the URL printed says which
 //   qkv serve --model copy.qkv --model recall.qkv
+//   qkv serve --model ~/models/gpt2 --model ~/models/bert-base-uncased   # Hugging Face folders
 //
 // The page (tools/qkv/explorer/, embedded in the binary at build time) asks POST /api/attention
 // for weights and draws them; the API's requests and answers are in serve_api.hpp. Safety:
@@ -207,7 +208,7 @@ void run_serve(const ServeOptions& o) {
   const int port = bind(server, o, connections);
   guard_hosts(server, std::make_shared<const HostAllowList>(o.host, port, o.allowed_hosts));
   fmt::print("qkv serve: the attention explorer is at http://{}:{}/  ({} model{}; Ctrl-C stops)\n", url_host(o.host),
-             port, api.loaded_models().size(), api.loaded_models().size() == 1 ? "" : "s");
+             port, api.model_count(), api.model_count() == 1 ? "" : "s");
   std::fflush(stdout);
   const int received = serve_until_stopped(server, fmt::format("{}:{}", url_host(o.host), port));
   fmt::print("qkv serve: stopped ({})\n", received == SIGINT ? "Ctrl-C" : received == SIGTERM ? "SIGTERM" : "done");
@@ -225,7 +226,8 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   serve->add_option("--port", options->port, "Port to listen on; 0 picks a free one")->capture_default_str();
   serve->add_option("--model", options->models,
-                    "A trained model's file (`qkv train --save`) the page may show; repeat for more");
+                    "A trained model's file (`qkv train --save`) or a Hugging Face model folder (config.json, "
+                    "safetensors, tokenizer) the page may show; repeat for more");
   serve->add_option("--allow-host", options->allowed_hosts,
                     "Another name the browser may use for this server (its Host header), e.g. my-laptop.local; "
                     "repeat for more. Besides these: the --host address, localhost, 127.0.0.1 and [::1]");

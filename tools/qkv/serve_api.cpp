@@ -14,8 +14,10 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "pretrained.hpp"
 #include "qkv/analysis.hpp"
 #include "qkv/error.hpp"
+#include "qkv/models/head_roles.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -33,7 +35,8 @@ class BadRequest : public std::exception {
   std::string message_;
 };
 
-const std::set<std::string> kFields = {"text", "heads", "embed", "seed", "temperature", "mask", "chars", "model"};
+const std::set<std::string> kFields = {"text", "heads", "embed", "seed", "temperature", "mask", "chars", "model", "ids",
+                                       "neuron"};
 
 // JSON text; a byte that is not UTF-8 becomes U+FFFD instead of an exception.
 std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
@@ -163,10 +166,11 @@ json parse_request(const std::string& body, const ServeLimits& limits) {
   for (const auto& [key, value] : request.items()) {
     if (!kFields.contains(key)) {
       throw BadRequest(fmt::format("unknown field \"{}\"; the fields are text, heads, embed, seed, temperature, mask, "
-                                   "chars and model",
+                                   "chars, model, and for a model folder ids and neuron",
                                    escaped_text(key)));
     }
   }
+  if (!request.contains("text") && request.contains("ids")) return request;  // a model folder's ids (checked there)
   if (!request.contains("text")) throw BadRequest("\"text\" is missing: give the sentence to attend over");
   if (!request["text"].is_string()) throw BadRequest(fmt::format("\"text\" must be a string, got {}", shown(request["text"])));
   return request;
@@ -234,8 +238,19 @@ Mask mask_field(const json& request, int64_t n, const ServeLimits& limits) {
   return mask;
 }
 
+// "ids" and "neuron" belong to model folders only.
+void refuse_folder_fields(const json& request, const std::string& who) {
+  for (const char* field : {"ids", "neuron"}) {
+    if (request.contains(field)) {
+      throw BadRequest(fmt::format("\"{}\" is for a Hugging Face model folder; {} has none", field, who));
+    }
+  }
+  if (!request.contains("text")) throw BadRequest("\"text\" is missing: give the sentence to attend over");
+}
+
 // An untrained layer of `heads` x `embed` on the text's tokens.
 json untrained_attention(const json& request, const ServeLimits& limits) {
+  refuse_folder_fields(request, "the untrained layer");
   const std::vector<std::string> tokens = request_tokens(request, limits);
   const int64_t heads = integer_field(request, "heads", 8, 1, limits.max_heads);
   const int64_t embed = integer_field(request, "embed", 64, 1, limits.max_embed);
@@ -280,6 +295,7 @@ Mask model_mask(const LoadedModel& loaded, const Mask& requested) {
 // A trained model's every layer on the text's tokens when they are in its vocabulary, else on
 // one example of its task.
 json model_attention(const json& request, const LoadedModel& loaded, const ServeLimits& limits) {
+  refuse_folder_fields(request, fmt::format("model \"{}\" (a .qkv file)", loaded.name));
   for (const char* field : {"heads", "embed"}) {
     if (request.contains(field) && !request[field].is_null()) {
       throw BadRequest(fmt::format("\"{}\" describes the untrained layer; model \"{}\" brings its own", field, loaded.name));
@@ -347,6 +363,240 @@ ModelTask explorer_task(const train::AttentionModel& model, const ServeLimits& l
   return task;
 }
 
+// ---- Hugging Face model folders
+
+// The request's ids for a folder: "text" through its tokenizer (special tokens added, as the
+// model expects), or "ids" as given; within the explorer's tokens and the model's positions.
+std::vector<int64_t> folder_ids(const json& request, const LoadedPretrained& loaded, const ServeLimits& limits) {
+  const models::Pretrained& p = *loaded.model;
+  const int64_t most = std::min<int64_t>(limits.max_tokens, p.config.max_positions);
+  std::vector<int64_t> ids;
+  if (request.contains("ids")) {
+    if (request.contains("text")) throw BadRequest("give \"text\" or \"ids\", not both");
+    const json& list = request["ids"];
+    if (!list.is_array()) throw BadRequest(fmt::format("\"ids\" must be a list of token ids, got {}", shown(list)));
+    if (static_cast<int64_t>(list.size()) > most) {
+      throw BadRequest(fmt::format("\"ids\" has {} tokens; the explorer shows at most {} for model \"{}\"", list.size(),
+                                   most, loaded.name));
+    }
+    const int64_t vocab = p.config.vocab_size;
+    for (const json& id : list) {
+      const bool known = id.is_number_integer() && (id.is_number_unsigned()
+                                                        ? id.get<uint64_t>() < static_cast<uint64_t>(vocab)
+                                                        : id.get<int64_t>() >= 0 && id.get<int64_t>() < vocab);
+      if (!known) {
+        throw BadRequest(fmt::format("\"ids\": {} is not a token id of model \"{}\", whose vocabulary is [0, {})",
+                                     shown(id), loaded.name, p.config.vocab_size));
+      }
+      ids.push_back(id.get<int64_t>());
+    }
+    if (ids.empty()) throw BadRequest("\"ids\" is empty: give at least one token id");
+    return ids;
+  }
+  const std::string text = request["text"].get<std::string>();
+  if (text.size() > limits.max_text_bytes) {
+    throw BadRequest(fmt::format("\"text\" has {} bytes; the limit is {}", text.size(), limits.max_text_bytes));
+  }
+  if (!is_utf8(text)) throw BadRequest("\"text\" is not UTF-8 text");
+  ids = encode_text(p, text);  // qkv::Error (a 400) when the tokenizer and the model disagree
+  if (static_cast<int64_t>(ids.size()) > most) {
+    throw BadRequest(fmt::format("\"text\" has {} tokens for model \"{}\"; the explorer shows at most {}{}", ids.size(),
+                                 loaded.name, most,
+                                 most < limits.max_tokens ? " (the model's positions)" : ""));
+  }
+  return ids;
+}
+
+// Which keys each query of a folder's model sees: causal (layer 0's sliding window, if any) or all.
+Mask folder_mask(const models::ModelConfig& c) {
+  if (!c.is_causal()) return Mask();
+  const int64_t window = c.window_of_layer(0);
+  return window > 0 ? Mask::window(window - 1, 0) : Mask::causal();
+}
+
+// The `count` most likely of `logits` (vocab) under softmax: [{"id", "token", "p"}].
+json top_tokens(const float* logits, int64_t vocab, const models::Tokenizer& tokenizer, int count) {
+  const float top = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int64_t v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(logits[v]) - top);
+  std::vector<int64_t> order(static_cast<size_t>(vocab));
+  for (int64_t v = 0; v < vocab; ++v) order[static_cast<size_t>(v)] = v;
+  const auto k = std::min<int64_t>(count, vocab);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  json list = json::array();
+  for (int64_t r = 0; r < k; ++r) {
+    const int64_t id = order[static_cast<size_t>(r)];
+    const bool known = id < tokenizer.vocab_size();
+    list.push_back({{"id", id},
+                    {"token", known ? token_labels(tokenizer, {id}).front() : fmt::format("#{}", id)},
+                    {"p", std::exp(static_cast<double>(logits[id]) - top) / sum}});
+  }
+  return list;
+}
+
+// The model's prediction: the next token's top 5 (causal LM), each [MASK]'s top 5 fills (BERT
+// MLM), or null (a BertModel has no head).
+json folder_prediction(const models::Pretrained& p, const models::ModelOutput& out, const std::vector<int64_t>& ids) {
+  const models::ModelConfig& c = p.config;
+  if (!c.has_lm_head()) return nullptr;
+  const auto n = static_cast<int64_t>(ids.size());
+  const Tensor logits = out.logits.contiguous();  // (1, n, V)
+  const float* row0 = logits.data();
+  if (c.is_causal()) {
+    return {{"kind", "next"}, {"top", top_tokens(row0 + (n - 1) * c.vocab_size, c.vocab_size, *p.tokenizer, 5)}};
+  }
+  json masks = json::array();
+  const std::optional<int64_t> mask = p.tokenizer->special_tokens().mask;
+  for (int64_t i = 0; i < n && mask; ++i) {
+    if (ids[static_cast<size_t>(i)] != *mask) continue;
+    masks.push_back({{"position", i}, {"top", top_tokens(row0 + i * c.vocab_size, c.vocab_size, *p.tokenizer, 5)}});
+  }
+  return {{"kind", "fill"},
+          {"mask_token", mask ? p.tokenizer->id_to_token(*mask) : std::string()},
+          {"masks", std::move(masks)}};
+}
+
+json role_scores_json(const models::HeadRoleScores& r) {
+  return {{"role", std::string(models::to_string(r.role))},
+          {"scores",
+           {{"previous-token", r.previous_token},
+            {"first-token", r.first_token},
+            {"self", r.self},
+            {"induction", r.induction},
+            {"broad", r.broad}}}};
+}
+
+// Every layer's heads on the request's tokens, their roles, the prediction and the layer to show first.
+json folder_attention(const json& request, const LoadedPretrained& loaded, const ServeLimits& limits) {
+  const models::Pretrained& p = *loaded.model;
+  const models::ModelConfig& c = p.config;
+  const std::vector<int64_t> ids = folder_ids(request, loaded, limits);
+  const auto n = static_cast<int64_t>(ids.size());
+  const models::ModelOutput out = p.model.forward(ids, /*need_attention=*/true);
+  std::vector<models::HeadRoleScores> roles;
+  if (n >= 2) roles = measure_roles(p, ids);
+  std::vector<int64_t> named(static_cast<size_t>(c.num_layers), 0);
+  for (const auto& r : roles)
+    if (r.role != models::HeadRole::None && r.role != models::HeadRole::Broad) ++named[static_cast<size_t>(r.layer)];
+  const auto first = std::max_element(named.begin(), named.end()) - named.begin();
+  json layers = json::array();
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Tensor weights = out.attention[static_cast<size_t>(l)].contiguous();  // (1, H, n, n)
+    std::vector<std::vector<float>> heads;
+    json heads_json = json::array(), roles_json = json::array();
+    for (int64_t h = 0; h < c.num_heads; ++h) {
+      heads.emplace_back(weights.data() + h * n * n, weights.data() + (h + 1) * n * n);
+      heads_json.push_back(rows_json(heads.back(), n));
+    }
+    for (const auto& r : roles)
+      if (r.layer == l) roles_json.push_back(role_scores_json(r));
+    layers.push_back(
+        {{"weights", std::move(heads_json)}, {"entropy", entropies(heads, n)}, {"roles", std::move(roles_json)}});
+  }
+  const Mask mask = folder_mask(c);
+  return {{"model", loaded.name},
+          {"kind", "pretrained"},
+          {"architecture", std::string(models::to_string(c.architecture))},
+          {"task", c.is_causal() ? "next token" : c.has_lm_head() ? "fill [MASK]" : "encoder"},
+          {"note", fmt::format("{}: {} layers x {} heads on your text's {} tokens", models::to_string(c.architecture),
+                               c.num_layers, c.num_heads, n)},
+          {"tokens", token_labels(*p.tokenizer, ids)},
+          {"ids", ids},
+          {"layers", std::move(layers)},
+          {"first_layer", first},
+          {"first_layer_why",
+           roles.empty() ? std::string("one token: no roles measured")
+                         : fmt::format("layer {} has the most heads with a named role (broad aside): {} of {}", first,
+                                       named[static_cast<size_t>(first)], c.num_heads)},
+          {"prediction", folder_prediction(p, out, ids)},
+          {"uniform_entropy", std::log(static_cast<double>(n))},
+          {"mask", mask.is_none() ? std::string("none") : mask.str()},
+          {"visible", visible_json(mask, n)}};
+}
+
+// One query row of one head, step by step: q, every key's k, the scores, the softmax.
+json folder_neuron(const json& request, const LoadedPretrained& loaded, const ServeLimits& limits) {
+  const models::Pretrained& p = *loaded.model;
+  const models::ModelConfig& c = p.config;
+  const std::vector<int64_t> ids = folder_ids(request, loaded, limits);
+  const auto n = static_cast<int64_t>(ids.size());
+  const json& spec = request["neuron"];
+  if (!spec.is_object()) {
+    throw BadRequest(fmt::format("\"neuron\" must be {{\"layer\", \"head\", \"query\"}}, got {}", shown(spec)));
+  }
+  for (const auto& [key, value] : spec.items()) {
+    if (key != "layer" && key != "head" && key != "query") {
+      throw BadRequest(
+          fmt::format("unknown field \"neuron.{}\"; its fields are layer, head and query", escaped_text(key)));
+    }
+  }
+  for (const char* key : {"layer", "head", "query"})
+    if (!spec.contains(key)) throw BadRequest(fmt::format("\"neuron.{}\" is missing", key));
+  const int64_t layer = integer_field(spec, "layer", 0, 0, c.num_layers - 1);
+  const int64_t head = integer_field(spec, "head", 0, 0, c.num_heads - 1);
+  const int64_t query = integer_field(spec, "query", 0, 0, n - 1);
+  const models::QueryKeys qk = p.model.query_keys(ids, layer);
+  const int64_t d = c.head_dim, kv_head = head / (c.num_heads / c.num_kv_heads);
+  const Tensor q_all = qk.queries.contiguous(), k_all = qk.keys.contiguous();
+  const float* q = q_all.data() + (head * n + query) * d;
+  const std::vector<uint8_t> visible = visible_pairs(folder_mask(c), n);
+  json k_rows = json::array(), scores = json::array(), visible_json_row = json::array();
+  std::vector<double> score(static_cast<size_t>(n));
+  double top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = k_all.data() + (kv_head * n + j) * d;
+    k_rows.push_back(std::vector<float>(k, k + d));
+    double dot = 0;
+    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(q[e]) * k[e];
+    score[static_cast<size_t>(j)] = dot * qk.scale;
+    const bool seen = visible[static_cast<size_t>(query * n + j)] != 0;
+    visible_json_row.push_back(seen);
+    scores.push_back(seen ? json(score[static_cast<size_t>(j)]) : json(nullptr));
+    if (seen) top = std::max(top, score[static_cast<size_t>(j)]);
+  }
+  json exps = json::array(), weights = json::array();
+  double sum = 0;
+  std::vector<double> e(static_cast<size_t>(n), 0.0);
+  for (int64_t j = 0; j < n; ++j)
+    if (visible[static_cast<size_t>(query * n + j)]) sum += e[static_cast<size_t>(j)] = std::exp(score[static_cast<size_t>(j)] - top);
+  for (int64_t j = 0; j < n; ++j) {
+    exps.push_back(e[static_cast<size_t>(j)]);
+    weights.push_back(e[static_cast<size_t>(j)] / sum);
+  }
+  return {{"model", loaded.name},
+          {"tokens", token_labels(*p.tokenizer, ids)},
+          {"neuron",
+           {{"layer", layer},
+            {"head", head},
+            {"kv_head", kv_head},
+            {"query", query},
+            {"head_dim", d},
+            {"scale", qk.scale},
+            {"q", std::vector<float>(q, q + d)},
+            {"k", std::move(k_rows)},
+            {"visible", std::move(visible_json_row)},
+            {"scores", std::move(scores)},
+            {"max", top},
+            {"exp", std::move(exps)},
+            {"sum", sum},
+            {"weights", std::move(weights)}}}};
+}
+
+json pretrained_request(const json& request, const LoadedPretrained& loaded, const ServeLimits& limits) {
+  for (const char* field : {"heads", "embed", "temperature", "mask", "chars", "seed"}) {
+    if (request.contains(field) && !request[field].is_null()) {
+      throw BadRequest(fmt::format("\"{}\" does not apply to model \"{}\", a {} run as trained: give text (or ids)",
+                                   field, loaded.name, models::to_string(loaded.model->config.architecture)));
+    }
+  }
+  if (!loaded.model->tokenizer && !request.contains("ids")) {
+    throw BadRequest(fmt::format("model \"{}\" has no tokenizer: give \"ids\"", loaded.name));
+  }
+  if (request.contains("neuron")) return folder_neuron(request, loaded, limits);
+  return folder_attention(request, loaded, limits);
+}
+
 }  // namespace
 
 std::string escaped_text(const std::string& text) {
@@ -364,13 +614,21 @@ std::string error_json(const std::string& message) {
 
 ExplorerApi::ExplorerApi(const std::vector<std::string>& model_paths, ServeLimits limits) : limits_(limits) {
   for (const std::string& path : model_paths) {
-    const std::string name = std::filesystem::path(path).filename().string();
-    for (const LoadedModel& other : models_) {
-      if (other.name == name) {
-        throw Error(fmt::format("--model: '{}' and '{}' are both named '{}'; requests name models by file name, so "
-                                "rename one",
-                                other.path, path, name));
+    std::filesystem::path where(path);
+    if (!where.has_filename()) where = where.parent_path();  // "dir/" names "dir"
+    const std::string name = where.filename().string();
+    const auto clash = [&](const std::string& other_name, const std::string& other_path) {
+      if (other_name == name) {
+        throw Error(fmt::format("--model: '{}' and '{}' are both named '{}'; requests name models by file or folder "
+                                "name, so rename one",
+                                other_path, path, name));
       }
+    };
+    for (const LoadedModel& other : models_) clash(other.name, other.path);
+    for (const LoadedPretrained& other : pretrained_) clash(other.name, other.path);
+    if (models::is_model_folder(path)) {
+      pretrained_.push_back({name, path, std::make_unique<models::Pretrained>(models::load_pretrained(path))});
+      continue;
     }
     train::AttentionModel model = train::AttentionModel::load(path);
     ModelTask task = explorer_task(model, limits_);
@@ -386,8 +644,12 @@ ApiResponse ExplorerApi::attention(const std::string& request_body) const {
     for (const LoadedModel& loaded : models_) {
       if (loaded.name == model_name) return {200, dump(model_attention(request, loaded, limits_))};
     }
+    for (const LoadedPretrained& loaded : pretrained_) {
+      if (loaded.name == model_name) return {200, dump(pretrained_request(request, loaded, limits_))};
+    }
     std::string names;
     for (const LoadedModel& loaded : models_) names += (names.empty() ? "" : ", ") + loaded.name;
+    for (const LoadedPretrained& loaded : pretrained_) names += (names.empty() ? "" : ", ") + loaded.name;
     throw BadRequest(fmt::format("unknown model \"{}\"; the server was started with {}", escaped_text(model_name),
                                  names.empty() ? "no --model" : "--model " + names));
   } catch (const BadRequest& e) {
@@ -404,6 +666,7 @@ ApiResponse ExplorerApi::models() const {
   for (const LoadedModel& loaded : models_) {
     const train::ModelConfig& c = loaded.model.config();
     list.push_back({{"name", loaded.name},
+                    {"kind", "qkv"},
                     {"layers", c.num_layers},
                     {"heads", c.num_heads},
                     {"d_model", c.d_model},
@@ -411,6 +674,22 @@ ApiResponse ExplorerApi::models() const {
                     {"vocab_size", c.vocab_size},
                     {"task", loaded.task.name},
                     {"task_how", loaded.task.how}});
+  }
+  for (const LoadedPretrained& loaded : pretrained_) {
+    const models::ModelConfig& c = loaded.model->config;
+    list.push_back({{"name", loaded.name},
+                    {"kind", "pretrained"},
+                    {"architecture", std::string(models::to_string(c.architecture))},
+                    {"layers", c.num_layers},
+                    {"heads", c.num_heads},
+                    {"kv_heads", c.num_kv_heads},
+                    {"head_dim", c.head_dim},
+                    {"hidden", c.hidden_size},
+                    {"vocab_size", c.vocab_size},
+                    {"max_positions", c.max_positions},
+                    {"max_tokens", std::min<int64_t>(limits_.max_tokens, c.max_positions)},
+                    {"causal", c.is_causal()},
+                    {"task", c.is_causal() ? "next token" : c.has_lm_head() ? "fill [MASK]" : "encoder"}});
   }
   return {200, dump(json{{"models", std::move(list)}})};
 }

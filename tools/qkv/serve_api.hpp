@@ -12,7 +12,26 @@
 //                         "visible": [...], ...}
 // Weights are rounded to 4 significant digits (a row sums to 1 within 1e-3); entropies are
 // computed before rounding.
-//   GET /api/models     {"models": [{"name", "layers", "heads", "d_model", "max_len", "task"}, ...]}
+//   GET /api/models     {"models": [{"name", "kind": "qkv", "layers", "heads", "d_model", "max_len", "task"},
+//                                  {"name", "kind": "pretrained", "architecture", "layers", "heads",
+//                                   "kv_heads", "head_dim", "hidden", "vocab_size", "max_positions",
+//                                   "causal", "task"}, ...]}
+//
+// A Hugging Face folder (--model DIR, loaded at start-up, memory-mapped) is named by its folder
+// name; its request gives "text" (or "ids", the token ids themselves) and "model", nothing else:
+//     -> {"model", "kind": "pretrained", "architecture", "task", "tokens": [labels], "ids": [...],
+//         "layers": [{"weights": [head][query][key], "entropy": [...],
+//                     "roles": [{"role": "previous-token" | ... | "-", "scores": {...}}]}],
+//         "first_layer": L, "first_layer_why": "...", "visible": [...], "mask": "causal" | "none",
+//         "prediction": {"kind": "next", "top": [{"id", "token", "p"}] (5)}        causal LM
+//                     | {"kind": "fill", "masks": [{"position", "top": [...]}]}     BERT MLM
+//                     | null                                                       BertModel
+//     with "neuron": {"layer": L, "head": h, "query": i} instead: one row of one head as the
+//     attention computes it (models::Model::query_keys) -> {"model", "tokens", "neuron":
+//         {"layer", "head", "kv_head", "query", "head_dim", "scale", "q": [d], "k": [key][d],
+//          "visible": [key] (bool), "scores": [key] (scale q.k; null when masked), "max",
+//          "exp": [key] (exp(score - max); 0 when masked), "sum", "weights": [key]}}
+//   The text has at most max_tokens tokens and the model's positions.
 //
 // Every field but text is optional. Any bad input answers 400 with {"error": "..."} naming the
 // field and the value. Weights come from qkv::scaled_dot_product_attention (text_attention.cpp)
@@ -26,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "qkv/models/pretrained.hpp"
 #include "qkv/train.hpp"
 #include "text_attention.hpp"
 
@@ -57,9 +77,17 @@ struct LoadedModel {
   std::unique_ptr<std::mutex> busy = std::make_unique<std::mutex>();
 };
 
+// One Hugging Face model folder named at start-up. Model::forward keeps no state: requests share it.
+struct LoadedPretrained {
+  std::string name;  // the folder's name, what requests name
+  std::string path;
+  std::unique_ptr<models::Pretrained> model;
+};
+
 class ExplorerApi {
  public:
-  // Loads every model file (qkv::Error naming the file on a bad one or a repeated name).
+  // Loads every model file and folder (models::is_model_folder tells them apart); qkv::Error
+  // naming the file on a bad one or a repeated name.
   ExplorerApi(const std::vector<std::string>& model_paths, ServeLimits limits);
 
   // POST /api/attention with this body. Never throws: bad input is a 400, a failure of ours a 500.
@@ -69,10 +97,13 @@ class ExplorerApi {
 
   const ServeLimits& limits() const { return limits_; }
   const std::vector<LoadedModel>& loaded_models() const { return models_; }
+  const std::vector<LoadedPretrained>& loaded_pretrained() const { return pretrained_; }
+  size_t model_count() const { return models_.size() + pretrained_.size(); }
 
  private:
   ServeLimits limits_;
   std::vector<LoadedModel> models_;
+  std::vector<LoadedPretrained> pretrained_;
 };
 
 // {"error": message} as JSON text.

@@ -54,6 +54,16 @@ struct GenerationResult {
   double decode_tokens_per_second() const;   // (tokens - 1) / decode_seconds
 };
 
+// One layer's queries and keys on a sequence, as that layer's attention uses them (after rotary
+// positions, for the architectures that have them): its weights are softmax over keys of
+// scale * q_i . k_j under the architecture's mask (causal, or both ways for BERT).
+struct QueryKeys {
+  int64_t layer = 0;
+  Tensor queries;    // (num_heads, N, head_dim)
+  Tensor keys;       // (num_kv_heads, N, head_dim): query head h reads key head h / (H / Hkv)
+  double scale = 1;  // 1 / sqrt(head_dim)
+};
+
 // Called with each new token as it is chosen; return false to stop.
 using TokenCallback = std::function<bool(int64_t token)>;
 
@@ -74,6 +84,11 @@ class Model {
   // length against max_positions.
   ModelOutput forward(const ModelInput& input, bool need_attention = false) const;
   ModelOutput forward(const std::vector<int64_t>& ids, bool need_attention = false) const;
+
+  // Layer `layer`'s q and k on `ids` (batch 1): runs the layers up to that one on the
+  // architecture's own code and stops once it has attended. Ids and length are checked as
+  // forward() checks them; qkv::Error when the layer is not one of the model's.
+  QueryKeys query_keys(const std::vector<int64_t>& ids, int64_t layer) const;
 
   // Causal models only: prefills the prompt into per-layer KV caches (options.kv_dtype), then one
   // token per step from the caches. on_token may stop it early.

@@ -7,6 +7,12 @@
 // near-uniform head at T = 5 looks pale; "stretch" rescales each panel to its own largest
 // weight. Pairs the mask hides (the answer's "visible") are hatched grey, never a weight's colour.
 //
+// A Hugging Face model folder (an answer of "kind": "pretrained") adds BertViz's views: the model
+// view (layers x heads thumbnails, with role badges) at the top, opened at the layer whose heads
+// have the most named roles; the head view with every head of the layer overlaid in its own
+// colour, each toggled on or off, beside the heatmaps; the model's prediction; and the neuron
+// view of a hovered cell (q, k, q*k, the score, the row's softmax; asked of the API's "neuron").
+//
 // Speed: an input sends at once, further inputs within THROTTLE_MS are folded into one later
 // request, a newer request aborts the one in flight (AbortController), and only the newest
 // answer is drawn. window.qkvLastRedraw holds the last input-to-drawn times (ms).
@@ -70,7 +76,16 @@ const state = {
   views: [],         // the heatmap panels' elements, reused while their number stays
   geometry: null,    // the heatmaps' sizes: {cell, label, size, every, columns}
   width: null,       // the heatmaps' container's width (px), kept by a ResizeObserver
+  shownModel: null,  // the model folder whose first layer was last chosen (a new model opens at its first_layer)
+  hiddenHeads: new Set(),  // heads the head view's toggles turned off (a model folder's)
+  neuron: null,      // {key, controller, at}: the neuron view's request and the cell it is for
 };
+
+// The chosen source is a Hugging Face model folder.
+function pretrainedSelected() {
+  const m = state.models.find((x) => x.name === $("source").value);
+  return !!m && m.kind === "pretrained";
+}
 
 function temperature() {
   return state.preset ?? sliderToTemperature(Number($("temperature").value));
@@ -87,6 +102,7 @@ function maskExpression() {
 }
 
 function buildRequest() {
+  if (pretrainedSelected()) return { text: $("text").value, model: $("source").value };
   const request = { text: $("text").value, mask: maskExpression(), chars: $("chars").checked };
   const seed = Number($("seed").value);
   if ($("source").value) {
@@ -110,6 +126,8 @@ function syncControls() {
   const model = $("source").value !== "";
   $("layer-controls").disabled = model;
   $("temperature-controls").disabled = model;
+  $("mask-controls").disabled = pretrainedSelected();
+  $("chars").disabled = pretrainedSelected();
   $("temperature-help").textContent = model
     ? "A trained model runs as trained (T = 1); the temperature is the untrained layer's."
     : "Logarithmic, 0.05 to 5. Low T: nearly one-hot; high T: nearly uniform.";
@@ -165,6 +183,12 @@ async function send(inputAt) {
   $("error").hidden = true;
   $("mask-error").hidden = true;
   state.response = answer;
+  if (answer.kind === "pretrained" && state.shownModel !== answer.model) {
+    state.layer = answer.first_layer;  // the layer whose heads have the most named roles
+    state.shownModel = answer.model;
+    state.hiddenHeads.clear();
+  }
+  if (answer.kind !== "pretrained") state.shownModel = null;
   if (answer.layers) state.layer = Math.min(state.layer, answer.layers.length - 1);
   render();
   const drawnAt = performance.now();
@@ -178,7 +202,9 @@ async function send(inputAt) {
   // What the page shows, for anyone (the browser test) who wants to ask the API the same.
   document.body.dataset.request = JSON.stringify(request);
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
-  $("status").textContent = (answer.model
+  $("status").textContent = (answer.kind === "pretrained"
+    ? `model ${answer.model}: ${answer.note}; ${answer.first_layer_why}`
+    : answer.model
     ? `model ${answer.model} (task ${answer.task}), ${answer.tokens.length} tokens ${answer.note}`
     : `${answer.tokens.length} tokens, ${answer.heads} heads x ${answer.embed / answer.heads} dims, ` +
       `T = ${answer.temperature}, mask ${answer.mask}, seed ${answer.seed}`) +
@@ -217,7 +243,9 @@ function panels() {
     average = r.average;
     averageEntropy = r.average_entropy;
   }
-  const out = heads.map((w, h) => ({ title: `head ${h}`, weights: w, entropy: entropy[h], head: h }));
+  const roles = r.layers ? r.layers[state.layer].roles : null;
+  const out = heads.map((w, h) => ({ title: `head ${h}`, weights: w, entropy: entropy[h], head: h,
+                                     role: roles && roles[h] ? roles[h].role : null }));
   if (heads.length > 1) {
     out.push({ title: `average of ${heads.length} heads`, weights: average, entropy: averageEntropy, head: "average" });
   }
@@ -254,11 +282,19 @@ function render() {
     }
     picker.value = state.layer;
   }
+  const pretrained = r.kind === "pretrained";
+  document.body.classList.toggle("pretrained", pretrained);
+  $("headview-picker").hidden = pretrained;
+  $("headview-toggles").hidden = !pretrained;
+  $("roles-help").hidden = !pretrained;
+  $("prediction-section").hidden = !pretrained || !r.prediction;
+  $("neuron-section").hidden = !pretrained;
+  if (pretrained) drawPrediction();
   drawHeatmaps();
   const chosen = $("headview-head").value;
   $("headview-head").replaceChildren(...all.map((p) => el("option", { value: p.head }, p.title)));
   $("headview-head").value = all.some((p) => String(p.head) === chosen) ? chosen : String(all[all.length - 1].head);
-  drawHeadView();
+  if (pretrained) drawHeadViewAll(); else drawHeadView();
   $("overview-section").hidden = !r.layers;
   if (r.layers) drawOverview();
 }
@@ -383,6 +419,7 @@ function panelView(index) {
     if (!at) { tip.hidden = true; return; }
     tip.textContent = describe(view, at[0], at[1]);
     tip.hidden = false;
+    askNeuron(view, at[0], at[1]);
     tip.style.left = `${e.clientX + 14}px`;
     tip.style.top = `${e.clientY + 14}px`;
   });
@@ -396,6 +433,7 @@ function panelView(index) {
     const n = state.geometry.n;
     view.at = [Math.min(n - 1, Math.max(0, view.at[0] + moves[e.key][0])), Math.min(n - 1, Math.max(0, view.at[1] + moves[e.key][1]))];
     showCursor(view);
+    askNeuron(view, view.at[0], view.at[1]);
   });
   return view;
 }
@@ -434,6 +472,7 @@ function drawHeatmaps() {
     const view = state.views[p], canvas = view.canvas, top = scaleTop(panel.weights);
     view.div.dataset.head = panel.head;
     view.title.textContent = panel.title;
+    if (panel.role && panel.role !== "-") view.title.append(badge(panel.role));
     view.entropy.textContent = `entropy ${panel.entropy.toFixed(2)} nats` +
       ($("stretch").checked ? `; colours 0 to ${formatWeight(top)}` : "");
     canvas.setAttribute("aria-label", `${panel.title} heatmap, ${n} by ${n}; arrow keys read the weights`);
@@ -525,9 +564,12 @@ function drawOverview() {
   box.style.gridTemplateColumns = `auto repeat(${heads}, auto)`;
   const items = [el("span")];
   for (let h = 0; h < heads; h++) items.push(el("span", { class: "col-label" }, `head ${h}`));
-  const scale = Math.max(4, Math.floor(72 / n)), size = n * scale;
+  // A model folder may have 30 layers x 16 heads: its thumbnails stay 64 px whatever the tokens.
+  const size = r.kind === "pretrained" ? 64 : n * Math.max(4, Math.floor(72 / n));
   r.layers.forEach((layer, l) => {
-    items.push(el("span", { class: "row-label" }, `layer ${l}`));
+    const first = r.kind === "pretrained" && l === r.first_layer;
+    items.push(el("span", { class: "row-label" + (first ? " first" : ""), title: first ? r.first_layer_why : "" },
+      first ? `layer ${l} ★` : `layer ${l}`));
     layer.weights.forEach((w, h) => {
       const canvas = el("canvas", {
         width: size, height: size, tabindex: 0, role: "button", class: "thumb" + (l === state.layer ? " selected" : ""),
@@ -537,13 +579,201 @@ function drawOverview() {
       const g = canvas.getContext("2d");
       g.imageSmoothingEnabled = false;
       g.drawImage(cellImage(w, scaleTop(w)), 0, 0, n, n, 0, 0, size, size);
-      const choose = () => { state.layer = l; render(); $("headview-head").value = String(h); drawHeadView(); };
+      const choose = () => {
+        state.layer = l;
+        render();
+        if (r.kind === "pretrained") return;  // its head view overlays every head of the layer
+        $("headview-head").value = String(h);
+        drawHeadView();
+      };
       canvas.addEventListener("click", choose);
       canvas.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); choose(); } });
-      items.push(canvas);
+      canvas.dataset.layer = l;
+      canvas.dataset.head = h;
+      const role = layer.roles && layer.roles[h] ? layer.roles[h].role : null;
+      if (!role) { items.push(canvas); return; }
+      const cell = el("div", { class: "cell" });
+      cell.append(canvas);
+      if (role !== "-") cell.append(badge(role));
+      items.push(cell);
     });
   });
   box.replaceChildren(...items);
+}
+
+// ---- A model folder's views: role badges, the prediction, every head overlaid, the neuron view
+
+const ROLE_SHORT = { "previous-token": "prev", "first-token": "first", self: "self", induction: "induction", broad: "broad" };
+function badge(role) {
+  return el("span", { class: `badge ${role}`, title: `role: ${role}` }, ROLE_SHORT[role] || role);
+}
+
+// The next token's top 5, or each [MASK]'s top 5 fills, as bars.
+function drawPrediction() {
+  const p = state.response.prediction, box = $("prediction");
+  if (!p) { box.replaceChildren(); return; }
+  const list = (top) => {
+    const ol = el("ol");
+    for (const t of top) {
+      const li = el("li", {}, `${t.token}  ${(100 * t.p).toFixed(1)}%`);
+      li.dataset.p = t.p;
+      li.append(el("span", { class: "bar", style: `width: ${Math.max(1, Math.round(160 * t.p))}px` }));
+      ol.append(li);
+    }
+    return ol;
+  };
+  const items = [];
+  if (p.kind === "next") {
+    items.push(el("p", { class: "help" }, "The next token, most likely first (softmax of the last position's logits):"), list(p.top));
+  } else if (!p.masks.length) {
+    items.push(el("p", { class: "help" }, `Put ${p.mask_token || "[MASK]"} in the text to see the model fill it.`));
+  } else {
+    for (const m of p.masks) {
+      items.push(el("p", { class: "help" }, `${p.mask_token} at token ${m.position}: the fills, most likely first:`), list(m.top));
+    }
+  }
+  box.replaceChildren(...items);
+}
+
+// A head's colour in the head view: hues around the wheel.
+function headColour(h, heads) {
+  return `hsl(${Math.round((360 * h) / heads)}, 70%, 42%)`;
+}
+
+// BertViz's head view: every head of the layer at once, each in its own colour, toggled by its
+// checkbox; hovering (or focusing) a query token on the left keeps only its lines.
+function drawHeadViewAll() {
+  const r = state.response, layer = r.layers[state.layer], heads = layer.weights.length, n = r.tokens.length;
+  const toggles = $("headview-toggles");
+  toggles.replaceChildren(...layer.weights.map((_, h) => {
+    const box = el("input", { type: "checkbox", "data-head": h });
+    box.checked = !state.hiddenHeads.has(h);
+    box.addEventListener("change", () => {
+      if (box.checked) state.hiddenHeads.delete(h); else state.hiddenHeads.add(h);
+      for (const g of $("headview").querySelectorAll(`g[data-head="${h}"]`)) g.setAttribute("visibility", box.checked ? "visible" : "hidden");
+    });
+    const label = el("label");
+    label.append(box, el("span", { class: "swatch", style: `background: ${headColour(h, heads)}` }), `head ${h}`);
+    if (layer.roles && layer.roles[h] && layer.roles[h].role !== "-") label.append(badge(layer.roles[h].role));
+    return label;
+  }));
+  const row = 22, width = 360, left = 100, right = width - 100;
+  const svg = el("svg:svg", { width, height: n * row + 10, role: "img",
+                              "aria-label": `head view of layer ${state.layer}, ${heads} heads overlaid` });
+  const groups = [];
+  layer.weights.forEach((w, h) => {
+    const markup = [];
+    for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
+      const x = w[i][j];
+      if (x < 0.02) continue;
+      markup.push(`<line x1="${left + 6}" y1="${i * row + 16}" x2="${right - 6}" y2="${j * row + 16}" data-q="${i}" ` +
+        `data-k="${j}" data-w="${x}" stroke-width="${(0.5 + 3 * x).toFixed(2)}" stroke-opacity="${(0.1 + 0.8 * x).toFixed(2)}"/>`);
+    }
+    const g = el("svg:g", { "data-head": h, stroke: headColour(h, heads),
+                            visibility: state.hiddenHeads.has(h) ? "hidden" : "visible" });
+    g.innerHTML = markup.join("");
+    groups.push(g);
+    svg.append(g);
+  });
+  const focusQuery = (i) => {
+    for (const g of groups) for (const line of g.children) {
+      line.setAttribute("visibility", i === null || Number(line.dataset.q) === i ? "inherit" : "hidden");
+    }
+    for (const t of svg.querySelectorAll("text.query")) t.classList.toggle("active", Number(t.dataset.q) === i);
+  };
+  r.tokens.forEach((t, i) => {
+    const q = el("svg:text", { x: left, y: i * row + 20, "text-anchor": "end", class: "query", "data-q": i, tabindex: 0 }, t);
+    q.addEventListener("mouseenter", () => focusQuery(i));
+    q.addEventListener("focus", () => focusQuery(i));
+    q.addEventListener("mouseleave", () => focusQuery(null));
+    q.addEventListener("blur", () => focusQuery(null));
+    svg.append(q);
+    svg.append(el("svg:text", { x: right, y: i * row + 20 }, t));
+  });
+  $("headview").replaceChildren(svg);
+}
+
+// The neuron view of a hovered head cell (query i, key j): asks the API for that row's q, k and
+// scores (one request in flight; a newer cell aborts it; an answer in hand is reused).
+function askNeuron(view, i, j) {
+  const r = state.response;
+  if (!r || r.kind !== "pretrained") return;
+  const panel = panels()[view.index];
+  if (typeof panel.head !== "number") return;
+  const key = `${r.model}|${r.ids.join(",")}|${state.layer}|${panel.head}|${i}`;
+  const at = { layer: state.layer, head: panel.head, query: i, key: j };
+  if (state.neuron && state.neuron.key === key) {
+    state.neuron.at = at;
+    if (state.neuron.answer) drawNeuron(state.neuron.answer, at);
+    return;
+  }
+  if (state.neuron && state.neuron.controller) state.neuron.controller.abort();
+  const controller = new AbortController();
+  const mine = state.neuron = { key, controller, at, answer: null };
+  fetch("/api/attention", {
+    method: "POST", headers: { "Content-Type": "application/json" }, signal: controller.signal,
+    body: JSON.stringify({ model: r.model, ids: r.ids, neuron: { layer: at.layer, head: at.head, query: i } }),
+  }).then((reply) => reply.json().then((answer) => [reply.status, answer])).then(([status, answer]) => {
+    if (state.neuron !== mine) return;
+    mine.controller = null;
+    if (status !== 200) { $("neuron").replaceChildren(el("p", { role: "alert" }, answer.error || `HTTP ${status}`)); return; }
+    mine.answer = answer.neuron;
+    drawNeuron(mine.answer, mine.at);
+  }).catch(() => {});
+}
+
+// Numbers as the neuron view prints them.
+function num(x, digits = 4) {
+  return x === null || x === undefined ? "masked" : Number(x).toPrecision(digits);
+}
+
+// A vector as a strip of coloured cells (negative red, positive blue, white 0) on a canvas.
+function vectorStrip(values, top, label) {
+  const cell = Math.max(3, Math.min(14, Math.floor(448 / values.length)));
+  const canvas = el("canvas", { width: values.length * cell, height: 14, role: "img", "aria-label": label, title: label });
+  const g = canvas.getContext("2d");
+  values.forEach((v, e) => {
+    const t = Math.min(1, Math.abs(v) / top), c = v >= 0 ? [33, 113, 181] : [203, 24, 29];
+    g.fillStyle = `rgb(${c.map((x) => Math.round(255 + (x - 255) * t)).join(",")})`;
+    g.fillRect(e * cell, 0, cell, 14);
+  });
+  return canvas;
+}
+
+function drawNeuron(nr, at) {
+  const tokens = state.response.tokens, j = at.key, i = nr.query, d = nr.head_dim;
+  const q = nr.q, k = nr.k[j], product = q.map((x, e) => x * k[e]);
+  const dot = product.reduce((a, b) => a + b, 0);
+  const top = Math.max(1e-6, ...q.map(Math.abs), ...k.map(Math.abs));
+  const topProduct = Math.max(1e-6, ...product.map(Math.abs));
+  const vectors = el("div", { class: "vectors" });
+  vectors.append(el("span", {}, `q ("${tokens[i]}", query ${i})`), vectorStrip(q, top, `q: ${q.map((x) => num(x, 3)).join(" ")}`),
+    el("span", {}, `k ("${tokens[j]}", key ${j})`), vectorStrip(k, top, `k: ${k.map((x) => num(x, 3)).join(" ")}`),
+    el("span", {}, "q × k"), vectorStrip(product, topProduct, `q*k: ${product.map((x) => num(x, 3)).join(" ")}`));
+  const sums = el("p", { class: "sums" });
+  const seen = nr.visible[j];
+  sums.innerHTML = "";
+  sums.append(`layer ${nr.layer}, head ${nr.head}${nr.kv_head !== nr.head ? ` (key head ${nr.kv_head})` : ""}, d = ${d}: `,
+    "q·k = ", el("b", { id: "neuron-dot" }, num(dot)), `; × 1/√${d} = ${num(nr.scale)}: score `,
+    el("b", { id: "neuron-score" }, seen ? num(nr.scores[j]) : "masked"), "; weight ",
+    el("b", { id: "neuron-weight" }, seen ? num(nr.weights[j]) : "0 (masked)"),
+    ` = exp(${seen ? num(nr.scores[j]) : "-∞"} − ${num(nr.max)}) / ${num(nr.sum)}`);
+  const table = el("table", { id: "neuron-table" });
+  const head = el("tr");
+  for (const h of ["key", "score q·k/√d", "exp(score − max)", "weight = exp / sum"]) head.append(el("th", {}, h));
+  table.append(head);
+  nr.k.forEach((_, key) => {
+    const tr = el("tr", { class: (key === j ? "hovered " : "") + (nr.visible[key] ? "" : "masked"), "data-key": key });
+    tr.append(el("td", {}, `${key} "${tokens[key]}"`), el("td", {}, num(nr.scores[key])),
+      el("td", {}, nr.visible[key] ? num(nr.exp[key]) : "0"), el("td", {}, nr.visible[key] ? num(nr.weights[key]) : "0"));
+    table.append(tr);
+  });
+  const foot = el("tr");
+  foot.append(el("td", {}, "row"), el("td", {}, `max ${num(nr.max)}`), el("td", {}, `sum ${num(nr.sum)}`), el("td", {}, "1"));
+  table.append(foot);
+  $("neuron").replaceChildren(el("p", { class: "help" },
+    `"${tokens[i]}" (query ${i}) → "${tokens[j]}" (key ${j}) in layer ${nr.layer}, head ${nr.head}`), vectors, sums, table);
+  $("neuron").dataset.cell = JSON.stringify([nr.layer, nr.head, i, j]);
 }
 
 // ---- Start
@@ -556,8 +786,9 @@ async function loadModels() {
     state.models = [];
   }
   for (const m of state.models) {
-    $("source").append(el("option", { value: m.name },
-      `model ${m.name}: ${m.layers} layers x ${m.heads} heads, task ${m.task}`));
+    $("source").append(el("option", { value: m.name }, m.kind === "pretrained"
+      ? `model ${m.name}: ${m.architecture}, ${m.layers} layers x ${m.heads} heads, vocabulary ${m.vocab_size}`
+      : `model ${m.name}: ${m.layers} layers x ${m.heads} heads, task ${m.task}`));
   }
 }
 
