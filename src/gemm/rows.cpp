@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "gemm/rows.hpp"
 #include "qkv/error.hpp"
@@ -85,6 +87,104 @@ HWY_NOINLINE void DotTile(const float* HWY_RESTRICT x, size_t k, const T* HWY_RE
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// bfloat16 W two elements at a time: a u32 lane holds elements 2m (low half) and 2m + 1 (high
+// half), which become floats by a shift and a mask; no shuffle (PromoteTo's vpmovzxwd), which
+// bounded the widening at one vector a cycle. x comes split the same way (SplitPairs): per step
+// of 2 x lanes elements, the even ones, then the odd ones.
+using DU = hn::RebindToUnsigned<DF>;
+
+HWY_INLINE void Pairs(const hwy::bfloat16_t* HWY_RESTRICT p, VF& even, VF& odd) {
+  const DU du;
+  const auto bits = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+  even = hn::BitCast(DF(), hn::ShiftLeft<16>(bits));
+  odd = hn::BitCast(DF(), hn::And(bits, hn::Set(du, 0xffff0000u)));
+}
+
+// x's R rows (k apart) split for the pair kernels into out (rows `steps` x 2 x lanes apart).
+inline void SplitPairs(const float* x, size_t rows, size_t k, size_t steps, float* out) {
+  const size_t lanes = hn::Lanes(DF());
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t s = 0; s < steps; ++s)
+      for (size_t m = 0; m < lanes; ++m) {
+        out[(r * steps + s) * 2 * lanes + m] = x[r * k + s * 2 * lanes + 2 * m];
+        out[(r * steps + s) * 2 * lanes + lanes + m] = x[r * k + s * 2 * lanes + 2 * m + 1];
+      }
+}
+
+// DotTile on bfloat16 W by pairs: xs is x split (SplitPairs, `steps` steps a row); the k - steps x
+// 2 x lanes last terms come from x itself.
+template <size_t R, size_t O>
+HWY_NOINLINE void DotTilePairs(const float* HWY_RESTRICT xs, size_t steps, const float* HWY_RESTRICT x, size_t k,
+                               const hwy::bfloat16_t* HWY_RESTRICT w, float* HWY_RESTRICT y, size_t ldy) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df), step = 2 * lanes;
+  VF acc[R][O];
+  HWY_UNROLL(1)
+  for (size_t r = 0; r < R; ++r)
+    for (size_t o = 0; o < O; ++o) acc[r][o] = hn::Zero(df);
+  for (size_t s = 0; s < steps; ++s) {
+    VF we[O], wo[O];
+    HWY_UNROLL(16)
+    for (size_t o = 0; o < O; ++o) Pairs(w + o * k + s * step, we[o], wo[o]);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < R; ++r) {
+      const VF xe = hn::LoadU(df, xs + (r * steps + s) * step), xo = hn::LoadU(df, xs + (r * steps + s) * step + lanes);
+      HWY_UNROLL(16)
+      for (size_t o = 0; o < O; ++o) acc[r][o] = hn::MulAdd(xo, wo[o], hn::MulAdd(xe, we[o], acc[r][o]));
+    }
+  }
+  for (size_t r = 0; r < R; ++r) {
+    for (size_t o = 0; o < O; ++o) {
+      float sum = hn::GetLane(hn::SumOfLanes(df, acc[r][o]));
+      for (size_t t = steps * step; t < k; ++t) sum += x[r * k + t] * ToFloat(w[o * k + t]);
+      y[r * ldy + o] = sum;
+    }
+  }
+}
+
+// AxpyTile on bfloat16 W by pairs: O loads of 2 x lanes columns, each two vectors (even and odd
+// columns) of accumulators, put back in column order once at the end.
+template <size_t R, size_t O>
+HWY_NOINLINE void AxpyTilePairs(const float* HWY_RESTRICT x, size_t k, const hwy::bfloat16_t* HWY_RESTRICT w,
+                                size_t ldw, float* HWY_RESTRICT y, size_t ldy) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF even[R][O], odd[R][O];
+  HWY_UNROLL(1)
+  for (size_t r = 0; r < R; ++r)
+    for (size_t o = 0; o < O; ++o) even[r][o] = odd[r][o] = hn::Zero(df);
+  for (size_t i = 0; i < k; ++i) {
+    const hwy::bfloat16_t* HWY_RESTRICT row = w + i * ldw;
+    VF we[O], wo[O];
+    HWY_UNROLL(16)
+    for (size_t o = 0; o < O; ++o) Pairs(row + o * 2 * lanes, we[o], wo[o]);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < R; ++r) {
+      const VF xv = hn::Set(df, x[r * k + i]);
+      HWY_UNROLL(16)
+      for (size_t o = 0; o < O; ++o) {
+        even[r][o] = hn::MulAdd(xv, we[o], even[r][o]);
+        odd[r][o] = hn::MulAdd(xv, wo[o], odd[r][o]);
+      }
+    }
+  }
+  HWY_ALIGN float e[hn::MaxLanes(DF())], od[hn::MaxLanes(DF())];
+  for (size_t r = 0; r < R; ++r)
+    for (size_t o = 0; o < O; ++o) {
+      hn::Store(even[r][o], df, e);
+      hn::Store(odd[r][o], df, od);
+      float* out = y + r * ldy + o * 2 * lanes;
+      for (size_t m = 0; m < lanes; ++m) out[2 * m] = e[m], out[2 * m + 1] = od[m];
+    }
+}
+
+template <size_t R>
+constexpr size_t PairOutputs() {
+  return Outputs<R>() / 2 > 0 ? Outputs<R>() / 2 : 1;
+}
+#endif  // HWY_TARGET != HWY_SCALAR
+
 // Outputs [o, o + count) (count < O) as one tile of `count` W rows.
 template <class T, size_t R, size_t O>
 void DotTail(const float* x, size_t k, const T* w, float* y, size_t ldy, size_t o, size_t count) {
@@ -99,6 +199,15 @@ template <class T, size_t R>
 void DotRange(const float* x, size_t k, const T* w, float* y, size_t n, size_t begin, size_t end) {
   constexpr size_t O = Outputs<R>();
   size_t o = begin;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
+    const size_t lanes = Lanes(), steps = k / (2 * lanes);
+    thread_local std::vector<float> split;
+    split.resize(R * steps * 2 * lanes);
+    SplitPairs(x, R, k, steps, split.data());
+    for (; o + O <= end; o += O) DotTilePairs<R, O>(split.data(), steps, x, k, w + o * k, y + o, n);
+  }
+#endif
   for (; o + O <= end; o += O) DotTile<T, R, O>(x, k, w + o * k, y + o, n);
   if (o < end) DotTail<T, R, O>(x, k, w, y, n, o, end - o);
 }
@@ -148,6 +257,12 @@ void AxpyRange(const float* x, size_t k, const T* w, float* y, size_t n, size_t 
   constexpr size_t O = Outputs<R>();
   const size_t lanes = Lanes(), width = O * lanes;
   size_t j = begin;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
+    constexpr size_t P = PairOutputs<R>();
+    for (; j + P * 2 * lanes <= end; j += P * 2 * lanes) AxpyTilePairs<R, P>(x, k, w + j, n, y + j, n);
+  }
+#endif
   for (; j + width <= end; j += width) AxpyTile<T, R, O>(x, k, w + j, n, y + j, n);
   if (const size_t vectors = (end - j) / lanes; vectors > 0) {
     AxpyTail<T, R, O>(x, k, w, y, n, j, vectors);
