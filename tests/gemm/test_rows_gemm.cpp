@@ -1,6 +1,7 @@
 // qkv::detail::rows_gemm (src/gemm/rows.hpp), the models' decode kernel: y = x W^T with W read in
 // its stored dtype, against a float64 loop over the stored values, on odd shapes (1-5 rows, and
-// 6 and 9: several passes over W; in/out dims not multiples of any vector width), every dtype,
+// 6 and 9: several passes over W; in/out dims not multiples of any vector width; some large
+// enough to run threaded), every dtype,
 // both layouts, 1 and 2 threads, on every SIMD target Highway compiled that the CPU runs; y is
 // poisoned with NaN first, so every output must be written.
 #include <gtest/gtest.h>
@@ -43,10 +44,14 @@ Stored store(const std::vector<float>& w, DType dtype) {
 TEST(RowsGemm, EqualsAFloat64LoopOnEveryTargetDtypeAndLayout) {
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 3, 5},    {2, 17, 9},   {3, 33, 31},  {4, 65, 47},
                                      {5, 70, 129}, {1, 576, 193}, {2, 100, 257}, {6, 37, 41}, {9, 19, 300},
-                                     {1, 1000, 3}, {3, 7, 1030}};
+                                     {1, 1000, 3}, {3, 7, 1030},
+                                     // enough work for threads (rows_gemm_threads)
+                                     {1, 1030, 1031}, {2, 1001, 601}};
   const std::vector<int64_t> targets = qkv_test::runnable_targets();
   ASSERT_FALSE(targets.empty());
   const int threads_before = omp_get_max_threads();
+  omp_set_num_threads(2);
+  EXPECT_TRUE(qkv::detail::rows_gemm_threads(1, 1031, 1030)) << "no shape runs threaded";
   qkv_test::Random random(12345);
   for (const Shape& s : shapes) {
     std::vector<float> x(static_cast<size_t>(s.rows * s.k)), w(static_cast<size_t>(s.n * s.k));
