@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gemm/gemm.hpp"
+#include "gemm/rows.hpp"
 
 namespace qkv::models::detail {
 
@@ -60,10 +61,21 @@ void linear_in_out(const float* x, int64_t m, const StoredMatrix& w, float* y) {
   }
 }
 
+// Few rows of x (decode) on a 16-bit W, or on a float32 W stored (in, out): rows_gemm reads W
+// once where it is and widens it in registers. Widening panels into scratch for sgemm made decode
+// write and re-read twice the bytes of W it had to read; a float32 (out, in) W goes to sgemm,
+// whose Small path reads it in place the same way.
+constexpr int64_t kMaxRowsInPlace = 16;
+bool reads_in_place(int64_t m, const StoredMatrix& w) {
+  return m <= kMaxRowsInPlace && (w.dtype != DType::F32 || w.layout == Layout::InOut);
+}
+
 }  // namespace
 
 void linear(const float* x, int64_t m, const StoredMatrix& w, const float* bias, float* y) {
-  if (w.layout == Layout::OutIn) {
+  if (reads_in_place(m, w)) {
+    qkv::detail::rows_gemm(x, m, w.in, w.data, w.dtype, w.layout == Layout::InOut, w.out, y);
+  } else if (w.layout == Layout::OutIn) {
     linear_out_in(x, m, w, y);
   } else {
     linear_in_out(x, m, w, y);
