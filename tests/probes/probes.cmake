@@ -26,15 +26,17 @@ add_test(NAME cli_train_threads_bound COMMAND qkv_cli ${tiny_train} --steps 1 --
 add_test(NAME cli_generate_threads_bound COMMAND qkv_cli generate --model ${probe_dir}/none.qkv --threads 100000)
 add_test(NAME cli_train_lr_bound COMMAND qkv_cli ${tiny_train} --steps 1 --lr nan)
 # Within the bounds, lr 10 without warm-up overflows the default model's weights in about ten steps.
+# The learning rate the CLI allows at its top: whether 20 steps overflow depends on the last bits
+# of the kernels' sums (ModelFile.DivergedTrainingIsAnErrorAndSavesNothingNonFinite forces it),
+# so either end is right; a crash (the progress shading indexed its table with NaN) is not.
 add_test(NAME cli_train_diverges COMMAND qkv_cli train --task copy --length 3 --symbols 4 --eval 4 --steps 20 --batch 2
-  --warmup 0 --lr 10 --save ${probe_dir}/diverged.qkv)
+  --warmup 0 --lr 10)
 add_test(NAME cli_generate_model_is_a_folder COMMAND qkv_cli generate --model ${CMAKE_CURRENT_SOURCE_DIR})
 set_tests_properties(cli_train_threads_bound cli_generate_threads_bound PROPERTIES
   PASS_REGULAR_EXPRESSION "qkv: error: --threads must be in \\[1, 1024\\], got 100000")
 set_tests_properties(cli_train_lr_bound PROPERTIES PASS_REGULAR_EXPRESSION "qkv: error: --lr must be in \\[1e-09, 10\\], got nan")
 set_tests_properties(cli_train_diverges PROPERTIES
-  PASS_REGULAR_EXPRESSION "qkv: error: train: training diverged at step [0-9]+: .*stopped without saving"
-  FAIL_REGULAR_EXPRESSION "Saved the model")
+  PASS_REGULAR_EXPRESSION "qkv: error: train: training diverged at step [0-9]+: .*stopped without saving|Held-out accuracy")
 set_tests_properties(cli_generate_model_is_a_folder PROPERTIES
   PASS_REGULAR_EXPRESSION "qkv: error: AttentionModel::load: '.*tests': is a directory, not a model file")
 set_tests_properties(cli_train_threads_bound cli_generate_threads_bound cli_train_lr_bound cli_train_diverges

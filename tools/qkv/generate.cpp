@@ -286,13 +286,13 @@ void run_generate(const GenerateCommandOptions& o) {
   fmt::print("ids:       {}\n", ids);
   fmt::print("{} tokens in {:.3f} ms: {:.0f} tokens/s ({}{}; {:.0f}% of the time in attention layers)\n", tokens,
              1e3 * seconds, seconds > 0 ? static_cast<double>(tokens) / seconds : 0,
-             cache ? "KV cache in " + o.kv_dtype : std::string("no cache: the prefix recomputed at every step"), why,
+             cache ? "KV cache in " + std::string(to_string(dtype)) : std::string("no cache: the prefix recomputed at every step"), why,
              seconds > 0 ? 100 * attention / seconds : 0);
   const int64_t sweep = o.sweep > 0 ? o.sweep : (o.plot.empty() ? 0 : 2048);
   if (sweep > 0) {
     if (c.attention != nn::AttentionKind::Softmax)
       throw Error("--sweep / --plot compare the KV cache with recomputing: they need a softmax (or sparse) model");
-    report_sweep(run_sweep(model, prompt, sweep, dtype, o.repeats), model, o.kv_dtype, o.plot);
+    report_sweep(run_sweep(model, prompt, sweep, dtype, o.repeats), model, std::string(to_string(dtype)), o.plot);
   }
 }
 
