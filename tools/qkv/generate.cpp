@@ -286,7 +286,9 @@ void run_generate(const GenerateCommandOptions& o) {
   fmt::print("ids:       {}\n", ids);
   fmt::print("{} tokens in {:.3f} ms: {:.0f} tokens/s ({}{}; {:.0f}% of the time in attention layers)\n", tokens,
              1e3 * seconds, seconds > 0 ? static_cast<double>(tokens) / seconds : 0,
-             cache ? "KV cache in " + std::string(to_string(dtype)) : std::string("no cache: the prefix recomputed at every step"), why,
+             cache ? "KV cache in " + std::string(to_string(dtype))
+                   : std::string("no cache: the prefix recomputed at every step"),
+             why,
              seconds > 0 ? 100 * attention / seconds : 0);
   const int64_t sweep = o.sweep > 0 ? o.sweep : (o.plot.empty() ? 0 : 2048);
   if (sweep > 0) {
