@@ -103,11 +103,21 @@ void run_pretrained_viz(const PretrainedVizOptions& o) {
   figure.columns = 4;
   const Tensor weights = out.attention[static_cast<size_t>(layer)].contiguous();  // (1, H, N, N)
   const auto n = static_cast<int64_t>(ids.size());
+  // The pairs the architecture's mask hides (a causal model's future, a sliding window's past),
+  // hatched rather than drawn as weights of 0.
+  std::vector<uint8_t> masked;
+  if (c.is_causal()) {
+    const int64_t window = c.window_of_layer(layer);
+    masked.resize(static_cast<size_t>(n * n));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) masked[static_cast<size_t>(i * n + j)] = j > i || (window > 0 && i - j >= window);
+  }
   plot::HeatmapSection section;
   for (int64_t h = 0; h < c.num_heads; ++h) {
     plot::HeatmapPanel panel;
     panel.title = fmt::format("head {}", h);
     panel.rows = panel.cols = n;
+    panel.masked = masked;
     panel.values.assign(weights.data() + h * n * n, weights.data() + (h + 1) * n * n);
     section.panels.push_back(std::move(panel));
   }
