@@ -93,6 +93,10 @@ void run_pretrained_viz(const PretrainedVizOptions& o) {
     layer = std::max_element(named.begin(), named.end()) - named.begin();
     why = fmt::format("layer {} has the most heads with a role (qkv heads): {} of {}; --layer picks another", layer,
                       named[static_cast<size_t>(layer)], c.num_heads);
+    if (named[static_cast<size_t>(layer)] == 0) {
+      layer = c.num_layers / 2;
+      why = "no head has a role but broad (qkv heads), so the middle layer; --layer picks another";
+    }
   }
   plot::HeatmapFigure figure;
   figure.title = fmt::format("{}: layer {} of {}, {} heads", o.folder, layer, c.num_layers, c.num_heads);
