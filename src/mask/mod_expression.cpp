@@ -42,9 +42,9 @@ std::string shown(const std::string& text) {
                        column);
 }
 
-std::vector<Token> lex(const std::string& text, ModKind kind) {
+std::vector<Token> lex(const std::string& text, ModKind kind, size_t skip) {
   std::vector<Token> tokens;
-  for (size_t i = 0; i < text.size();) {
+  for (size_t i = skip; i < text.size();) {
     const auto c = static_cast<unsigned char>(text[i]);
     const size_t column = i + 1;
     size_t j = i + 1;
@@ -146,10 +146,10 @@ float derive(Op op, float v, float a, float b, float da, float db, float dc) {
 
 class ModParser {
  public:
-  ModParser(const std::string& text, ModKind kind, const std::vector<std::string>& inputs)
-      : text_(text), kind_(kind), inputs_(inputs), tokens_(lex(text, kind)) {
+  ModParser(const std::string& text, ModKind kind, const std::vector<std::string>& inputs, size_t skip)
+      : text_(text), kind_(kind), inputs_(inputs), tokens_(lex(text, kind, skip)) {
     e_.kind_ = kind;
-    e_.text_ = text;
+    e_.text_ = text.substr(std::min(skip, text.size()));
   }
 
   ModExpression parse() {
@@ -324,7 +324,8 @@ class ModParser {
   ModExpression e_;
 };
 
-ModExpression ModExpression::parse(const std::string& text, ModKind kind, const std::vector<std::string>& inputs) {
+ModExpression ModExpression::parse(const std::string& text, ModKind kind, const std::vector<std::string>& inputs,
+                                   size_t skip) {
   static const char* const kReserved[] = {"s", "q", "k", "b", "h", "abs", "exp", "log", "sqrt", "tanh", "floor",
                                           "min", "max", "where"};
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -337,7 +338,7 @@ ModExpression ModExpression::parse(const std::string& text, ModKind kind, const 
     for (size_t j = 0; j < i; ++j)
       if (inputs[j] == name) throw Error(label(kind) + ": input name '" + name + "' is given twice");
   }
-  return ModParser(text, kind, inputs).parse();
+  return ModParser(text, kind, inputs, skip).parse();
 }
 
 void ModExpression::evaluate(const ModLine& line, size_t n, const float* s, const ModInput* inputs, float* out,

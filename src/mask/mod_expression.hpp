@@ -54,8 +54,11 @@ class ModExpression {
   };
 
   ModExpression() = default;
-  // Parses `text`; `inputs` are the names the caller provides (in the order evaluate() takes them).
-  static ModExpression parse(const std::string& text, ModKind kind, const std::vector<std::string>& inputs = {});
+  // Parses `text` from its byte `skip` on (a prefix such as "mask:" before it; error columns
+  // count from the start of `text`); `inputs` are the names the caller provides (in the order
+  // evaluate() takes them).
+  static ModExpression parse(const std::string& text, ModKind kind, const std::vector<std::string>& inputs = {},
+                             size_t skip = 0);
 
   bool empty() const { return program_.empty(); }
   ModKind kind() const { return kind_; }

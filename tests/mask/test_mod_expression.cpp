@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "mask/mod_expression.hpp"
+#include "qkv/qkv.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -142,3 +143,51 @@ TEST(ModExpression, InputNamesAreCheckedOnce) {
 
 }  // namespace
 }  // namespace qkv::detail
+
+// ---- The mask function as a qkv::Mask (Mask::expression, Mask::parse's "mask:").
+namespace qkv {
+namespace {
+
+TEST(MaskFunction, ParseTakesAWholeMaskFunctionAndCountsColumnsInTheWholeText) {
+  const Mask m = Mask::parse("  mask: k < 4 || k <= q");
+  ASSERT_TRUE(m.rule());
+  EXPECT_EQ(m.rule()->kind, Mask::Rule::Kind::Expression);
+  EXPECT_EQ(m.str(), "mask:  k < 4 || k <= q");
+  try {
+    Mask::parse("mask: k <= q && s > 0");
+    ADD_FAILURE() << "parsed";
+  } catch (const MaskParseError& e) {
+    EXPECT_EQ(e.column(), 17u) << e.what();
+  }
+}
+
+TEST(MaskFunction, InputsAreCheckedAgainstTheProblem) {
+  const Tensor q = Tensor::zeros(Shape{2, 3, 5, 4}), kv = Tensor::zeros(Shape{2, 3, 7, 4});
+  const auto attend = [&](const Mask& mask) {
+    AttentionOptions options;
+    options.mask = mask;
+    return scaled_dot_product_attention(q, kv, kv, options);
+  };
+  const auto expect_error = [&](const Mask& mask, const std::string& words) {
+    try {
+      attend(mask);
+      ADD_FAILURE() << "no error for " << mask.str();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  // doc(k) needs Nk = 7 entries; (B, L) needs B = 2; b-indexed inputs are (L).
+  expect_error(Mask::expression("doc(q) == doc(k)", {{"doc", Tensor::zeros(Shape{5})}}),
+               "input 'doc' is (5): indexed by k (Nk = 7) it needs L >= 7");
+  expect_error(Mask::expression("doc(q) == doc(k)", {{"doc", Tensor::zeros(Shape{3, 7})}}),
+               "input 'doc' is (3, 7) but should be (L) or (B, L) with B = 2");
+  expect_error(Mask::expression("p(b) > 0", {{"p", Tensor::zeros(Shape{2, 7})}}), "indexed by b it should be (L)");
+  expect_error(Mask::expression("on(h) > 0", {{"on", Tensor::zeros(Shape{2})}}), "indexed by h (Hq = 3)");
+  EXPECT_THROW(Mask::expression("doc(q) == doc(k)"), MaskParseError);  // no input named doc
+  // Every key hidden from every query: zeros, as an empty row gives, never NaN.
+  const AttentionResult hidden = attend(Mask::expression("q < 0"));
+  for (int64_t x = 0; x < hidden.output.numel(); ++x) EXPECT_EQ(hidden.output.data()[x], 0.0f);
+}
+
+}  // namespace
+}  // namespace qkv

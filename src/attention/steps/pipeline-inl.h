@@ -512,6 +512,7 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
       return;
     case Kind::BlockSparse:
     case Kind::Keep:
+    case Kind::Expression:
       for (size_t x = 0; x < n; ++x)
         visible[x] = x < count && rule.visible(line.b, line.h, line.query(x), line.key(x), node) ? 1.0f : 0.0f;
       return;
