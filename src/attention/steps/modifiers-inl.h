@@ -29,9 +29,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 // scale * tanh(x) for softcap's hot loop: x P(x^2) / Q(x^2) on [-9, 9] (past 9, tanh is 1 to
 // within 3e-8), P of degree 4 and Q of degree 4 in x^2, fitted by iterated least squares on the
 // relative error (max 6e-8 in float64, 3.4e-7 absolute when evaluated in float32). Eight FMAs and
-// a refined reciprocal: about half the cost of an Exp-based tanh, which made softcap cost a third
-// of W1's time. `scale` multiplies P's coefficients (once per call, not per vector). NaN stays
-// NaN.
+// a refined reciprocal, cheaper than an Exp-based tanh, which made softcap a large share of a
+// softcapped forward (docs/performance-log.md). `scale` multiplies P's coefficients (once per
+// call, not per vector). NaN stays NaN.
 HWY_INLINE VF ScaledTanh(VF x, float scale) {
   const DF df;
   const VF limit = hn::Set(df, 9.0f), minus_limit = hn::Set(df, -9.0f);

@@ -49,8 +49,7 @@ HWY_INLINE void Transpose4(V4& r0, V4& r1, V4& r2, V4& r3) {
 // four blocks (broadcast loads and blends, no shuffle), so that a 4 x 4 transpose within the
 // blocks (Transpose4's two rounds of interleaves, floats then pairs) leaves whole columns: 32
 // shuffles for 256 floats, where 4 x 4 blocks in 128-bit vectors take 128 (the shuffle port is
-// what bounds a transpose). W0's step benchmark: PackQ 0.81, Finish 0.64 of the time they took
-// by 4 x 4 blocks (Sapphire Rapids-class Xeon, one thread, alternated).
+// what bounds a transpose; measured: docs/performance-log.md).
 #undef QKV_PIPELINE_TRANSPOSE16  // once per target
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 #define QKV_PIPELINE_TRANSPOSE16 1
@@ -85,8 +84,8 @@ HWY_INLINE void LoadTransposed16(const float* HWY_RESTRICT src, int64_t stride, 
 
 // ---- Step "load a tile", queries in the lanes: At (d, br) = factor * A^T for the `rows` rows
 // i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero. By 4 x 4 blocks in
-// vectors (scalar, 1.2 cycles a float: a tenth of W0's time on AVX2), on AVX-512 by 16 x 16
-// blocks first, the rows and columns left over one by one.
+// vectors (a scalar transpose took a large share of a forward: docs/performance-log.md), on
+// AVX-512 by 16 x 16 blocks first, the rows and columns left over one by one.
 HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
                                size_t br, float factor, float* HWY_RESTRICT a_t) {
   const float* HWY_RESTRICT first = a.row(b, h, i0);

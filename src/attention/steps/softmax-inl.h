@@ -38,9 +38,9 @@ HWY_INLINE float InitialSum(const AttentionProblem& p) { return p.sinks ? 1.0f :
 
 // ---- Step "softmax"'s exponential: e^x for x <= 88 (softmax passes s - max <= 0), within 1 ulp
 // (0.85 at worst over [-87.3, 0], against a double exp, with FMA; 1.14 on targets without, which
-// round each product apart: tests/attention/test_steps.cpp), in 12 vector ops on AVX-512 and 14 elsewhere,
-// where Highway's general Exp takes about 25 (a W0 tile's softmax: 0.96 us of its 4.5 with
-// hn::Exp, qkv_step_benchmark).
+// round each product apart: tests/attention/test_steps.cpp), in 12 vector ops on AVX-512 and 14
+// elsewhere, where Highway's general Exp takes about 25 (the difference shows in a forward
+// tile's time: docs/performance-log.md).
 // x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is
 // exact); e^r = 1 + r + r^2 q(r), q of degree 4 fitted for the least worst relative error over
 // that interval (4e-9; degree-7 Taylor, one FMA more, had 1.4e-9; degree 3's 1e-7 would cost up
@@ -81,9 +81,8 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
 // A NaN score, whatever the max, has a NaN weight, which makes its query's running sum NaN for
 // good; FinishColumns poisons the row from that, as the reference's softmax does. (A +inf score's
 // weight, exp(inf - inf), is NaN too: output, lse and row_sum NaN in both kernels, row_max NaN
-// here and +inf in the reference.) Noting NaN in the max pass instead took two of its three
-// vector ops per vector, which on the Sapphire Rapids-class Xeon, where every 512-bit op takes
-// one of the two FMA ports' slots, cost time (docs/performance.md). Both passes go key line by
+// here and +inf in the reference.) Noting NaN in the max pass instead would take two of its
+// three vector ops per vector, on the ports the exponentials need. Both passes go key line by
 // key line over all V vectors, so each step has V independent chains (the max's: 2 V, even and
 // odd lines): one vector at a time, the exponentials of a 64-key tile waited on the max pass and
 // on each other's latency.
@@ -152,10 +151,11 @@ HWY_INLINE void RescaleColumns(float* HWY_RESTRICT out_t, size_t d, size_t br, c
     }
 }
 
-// ---- Step "finish", queries in the lanes (flash): finish_row's values for br queries at once
-// (a scalar log per row took 1-2% of W0): 1 / l into `inverse`, lse = max + log l into `lse`,
-// and the row stats left in running_max and row_sum for the backward. A query that saw nothing
-// (l = 0) gets 0 and lse -inf; one that saw a NaN score (its sum is NaN) NaN everywhere.
+// ---- Step "finish", queries in the lanes (flash): finish_row's values for br queries at once,
+// with a vector log where finish_row takes a scalar one per row: 1 / l into `inverse`, lse = max
+// + log l into `lse`, and the row stats left in running_max and row_sum for the backward. A
+// query that saw nothing (l = 0) gets 0 and lse -inf; one that saw a NaN score (its sum is NaN)
+// NaN everywhere.
 HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRICT row_sum, size_t br,
                               float* HWY_RESTRICT inverse, float* HWY_RESTRICT lse) {
   const DF df;

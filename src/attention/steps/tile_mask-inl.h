@@ -58,10 +58,8 @@ HWY_INLINE TileClass ClassifyMaskTile(const AttentionProblem& p, int64_t b, int6
 // j0 + l key_step over queries i0 + x q (q > 0, x < br, whole vectors), lines br floats apart.
 // Each line sees its key in one run of lanes, x in [ceil((j - i0 - band_hi) / q),
 // floor((j - i0 - band_lo) / q)] (empty past the key length): the vectors outside the run are
-// stored -inf whole, the one or two it cuts by a masked store, those inside are not touched. A
-// causal diagonal tile (64 key lines of 48 queries) took 246-248 ns, against 423-429 when each
-// line was its own call testing both edges and the key length lane by lane (Sapphire
-// Rapids-class core, qkv_step_benchmark's Step/MaskCausal, alternated).
+// stored -inf whole, the one or two it cuts by a masked store, those inside are not touched: a
+// vector's edges are decided once a line, not lane by lane, and the whole tile is one call.
 HWY_INLINE int64_t FloorDiv(int64_t a, int64_t q) { return a >= 0 ? a / q : -((-a + q - 1) / q); }
 
 // Band edges within +-2^61 (Mask's unbounded is 2^60), so that j - i0 - edge cannot overflow.
