@@ -31,16 +31,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // ---- Step "mask", the symbolic rule (mask/rule.hpp): visible[x] = 1 where node `node` lets
 // element x of the line through, else 0, over n floats (whole vectors, at most kRuleLine). Band,
-// key lengths, global and strided rules run in SIMD from the line's coordinates; block layouts
-// and keep tensors are read for the `count` real elements only (the rest get 0).
+// key lengths, global and strided rules run in SIMD from the line's coordinates (RuleLeafLine);
+// block layouts and keep tensors are read for the `count` real elements only (the rest get 0).
 constexpr size_t kRuleLine = 256;
-inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n, size_t count,
-                     float* HWY_RESTRICT visible) {
+
+// A leaf computed from the line's coordinates (r.kind Band, KeyLengths, Global or Strided).
+HWY_INLINE void RuleLeafLine(const RuleNode& r, const Line& line, size_t n, float* HWY_RESTRICT visible) {
   using Kind = Mask::Rule::Kind;
   const DF df;
   const DI di;
   const size_t lanes = hn::Lanes(df);
-  const RuleNode& r = rule.nodes[static_cast<size_t>(node)];
   const auto iota = hn::Iota(di, 0);
   const VF one = hn::Set(df, 1.0f);
   auto store = [&](size_t x, auto mask) HWY_ATTR { hn::Store(hn::IfThenElseZero(hn::RebindMask(df, mask), one), df, visible + x); };
@@ -48,17 +48,6 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
   const int32_t diff_step = static_cast<int32_t>(line.query_step - line.key_step);
   auto lane_values = [&](int64_t base, int32_t step) HWY_ATTR { return hn::Add(hn::Set(di, ClampEdge(base)), hn::Mul(iota, hn::Set(di, step))); };
   switch (r.kind) {
-    case Kind::And:
-    case Kind::Or: {
-      alignas(64) float right[kRuleLine];
-      RuleLine(rule, r.left, line, n, count, visible);
-      RuleLine(rule, r.right, line, n, count, right);
-      for (size_t x = 0; x < n; x += lanes) {
-        const VF a = hn::Load(df, visible + x), c = hn::Load(df, right + x);
-        hn::Store(r.kind == Kind::And ? hn::Min(a, c) : hn::Max(a, c), df, visible + x);
-      }
-      return;
-    }
     case Kind::Band:
       for (size_t x = 0; x < n; x += lanes) {
         const auto d = lane_values(line.key(x) - line.query(x), -diff_step);  // j - i
@@ -92,6 +81,39 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
       }
       for (size_t x = 0; x < n; ++x)
         visible[x] = floor_mod(r.offset + line.query(x) - line.key(x), r.stride) == 0 ? 1.0f : 0.0f;
+      return;
+    case Kind::BlockSparse:  // read from tables, and the combinations: RuleLine
+    case Kind::Keep:
+    case Kind::And:
+    case Kind::Or:
+      return;
+  }
+}
+
+// Any node: combinations recurse, leaves from coordinates are RuleLeafLine, tables are read.
+inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n, size_t count,
+                     float* HWY_RESTRICT visible) {
+  using Kind = Mask::Rule::Kind;
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const RuleNode& r = rule.nodes[static_cast<size_t>(node)];
+  switch (r.kind) {
+    case Kind::And:
+    case Kind::Or: {
+      alignas(64) float right[kRuleLine];
+      RuleLine(rule, r.left, line, n, count, visible);
+      RuleLine(rule, r.right, line, n, count, right);
+      for (size_t x = 0; x < n; x += lanes) {
+        const VF a = hn::Load(df, visible + x), c = hn::Load(df, right + x);
+        hn::Store(r.kind == Kind::And ? hn::Min(a, c) : hn::Max(a, c), df, visible + x);
+      }
+      return;
+    }
+    case Kind::Band:
+    case Kind::KeyLengths:
+    case Kind::Global:
+    case Kind::Strided:
+      RuleLeafLine(r, line, n, visible);
       return;
     case Kind::BlockSparse:
     case Kind::Keep:
