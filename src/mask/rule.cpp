@@ -12,14 +12,20 @@ namespace qkv::detail {
 namespace {
 using Kind = Mask::Rule::Kind;
 
-// A mask function over keys [j0, j0 + n) of query i (or one element): 1 where shown. The scratch
-// is the calling thread's, grown once (kernels classify tiles on their own threads).
-const float* expression_line(const RuleNode& n, int64_t b, int64_t h, int64_t i, int64_t j0, size_t count) {
-  thread_local std::vector<float> scratch, out;
+// A mask function over a line into `out`. The scratch is the calling thread's, grown once
+// (kernels classify and mask tiles on their own threads).
+void evaluate_function(const RuleNode& n, const ModLine& line, size_t count, float* out) {
+  thread_local std::vector<float> scratch;
   const size_t need = n.expression->scratch_floats(count);
   if (scratch.size() < need) scratch.resize(need);
+  n.expression->evaluate(line, count, nullptr, n.inputs.data(), out, nullptr, scratch.data());
+}
+
+// Keys [j0, j0 + count) of query i (or one element): 1 where shown.
+const float* expression_line(const RuleNode& n, int64_t b, int64_t h, int64_t i, int64_t j0, size_t count) {
+  thread_local std::vector<float> out;
   if (out.size() < count) out.resize(count);
-  n.expression->evaluate({b, h, i, j0, 0, 1}, count, nullptr, n.inputs.data(), out.data(), nullptr, scratch.data());
+  evaluate_function(n, {b, h, i, j0, 0, 1}, count, out.data());
   return out.data();
 }
 
@@ -91,6 +97,10 @@ bool MaskRule::visible(int64_t b, int64_t h, int64_t i, int64_t j, int node) con
     case Kind::Or: return visible(b, h, i, j, n.left) || visible(b, h, i, j, n.right);
   }
   return false;
+}
+
+void MaskRule::function_line(int node, const ModLine& line, size_t count, float* out) const {
+  evaluate_function(nodes[static_cast<size_t>(node)], line, count, out);
 }
 
 TileVisibility MaskRule::classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1,

@@ -59,6 +59,8 @@ struct MaskRule {
   int root() const { return root_node >= 0 ? root_node : static_cast<int>(nodes.size()) - 1; }
   // Whether key j is visible to query i of head h, batch b, under node `node` (the root by default).
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j, int node = -2) const;
+  // A mask function node over the `count` elements of a line: out[x] = 1 where it shows the key.
+  void function_line(int node, const ModLine& line, size_t count, float* out) const;
   // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b. A mask function
   // is evaluated over the whole tile (FlexAttention's block mask, made per tile as it is met).
   TileVisibility classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int node = -2) const;
