@@ -116,10 +116,12 @@ inline void RuleLine(const MaskRule& rule, int node, const Line& line, size_t n,
     case Kind::Strided:
       RuleLeafLine(r, line, n, visible);
       return;
-    case Kind::Expression:  // the mask function's program over the real elements
-      rule.function_line(node, {line.b, line.h, line.i0, line.j0, line.query_step, line.key_step}, count, visible);
-      std::fill(visible + count, visible + n, 0.0f);
+    case Kind::Expression: {  // the mask function's program over the real elements
+      const size_t real = std::min(count, n);
+      rule.function_line(node, {line.b, line.h, line.i0, line.j0, line.query_step, line.key_step}, real, visible);
+      std::fill(visible + real, visible + n, 0.0f);
       return;
+    }
     case Kind::BlockSparse:
     case Kind::Keep:
       for (size_t x = 0; x < n; ++x)
