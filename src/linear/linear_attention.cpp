@@ -1,8 +1,6 @@
 // qkv::linear_attention and its backward (include/qkv/linear_attention.hpp): the options checked,
 // the problem built on scaled_dot_product_attention's checks and operand views (problem.cpp), and
 // the kernels launched, one work item a head (query_pass.cpp, key_pass.cpp; docs/linear.md).
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -11,6 +9,7 @@
 #include <string>
 
 #include "attention/kernels.hpp"
+#include "attention/launch.hpp"
 #include "attention/problem.hpp"
 #include "core/allocator.hpp"
 #include "linear/problem.hpp"
@@ -59,19 +58,17 @@ double head_flops(const linear::Problem& p) {
   return 2.0 * (static_cast<double>(p.q_len) * (d * dv + intra) + static_cast<double>(p.kv_len) * d * dv);
 }
 
-// Runs `item(index, scratch)` for index in [0, items) on the threads the work pays for, each
-// worker with its own scratch block.
+// Runs item(index, scratch) for index in [0, items) through Launch (attention/launch.hpp): on the
+// workers the work pays for (one runs on the calling thread, with no OpenMP region), each with its
+// own scratch block, the items dealt in contiguous shares with stealing. No items: nothing, not
+// even the workspace.
 template <class Item>
-void run_items(const linear::Problem& p, int64_t items, double flops_per_item, Item item) {
+void launch_items(const linear::Problem& p, int64_t items, double flops_per_item, const Item& item) {
   if (items <= 0) return;
-  const int threads = threads_for(flops_per_item * static_cast<double>(items));
-  const int workers = static_cast<int>(std::min<int64_t>(threads, items));
   const size_t block =
       linear::ScratchLayout(static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim)).total;
-  float* scratch = thread_workspace(WorkspaceSlot::LinearScratch).floats(static_cast<size_t>(workers) * block);
-#pragma omp parallel for schedule(dynamic) num_threads(workers)
-  for (int64_t index = 0; index < items; ++index)
-    item(index, scratch + static_cast<size_t>(omp_get_thread_num()) * block);
+  const Launch launch(WorkspaceSlot::LinearScratch, flops_per_item * static_cast<double>(items), items, block);
+  launch.for_each(items, [&](int64_t index) { item(index, launch.block_of_this_worker()); });
 }
 
 }  // namespace
@@ -104,7 +101,7 @@ void linear_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Te
   detail::prepare_result(who, output, "output", built.attention.output_shape, {&q, &k, &v}, false);
   detail::linear::Problem& p = built.problem;
   p.output = detail::rows_of<float>(output);
-  detail::run_items(p, p.batch * p.q_heads, detail::head_flops(p), [&](int64_t item, float* scratch) {
+  detail::launch_items(p, p.batch * p.q_heads, detail::head_flops(p), [&](int64_t item, float* scratch) {
     detail::linear::forward_head(p, item / p.q_heads, item % p.q_heads, scratch);
   });
 }
@@ -140,13 +137,13 @@ void linear_attention_backward_into(const Tensor& q, const Tensor& k, const Tens
   const Tensor g_ext = Tensor::empty(Shape{std::max<int64_t>(g_ext_size, 1)});
   p.g_ext = g_ext.data();
   const double flops = 2 * detail::head_flops(p);
-  detail::run_items(p, p.batch * p.q_heads, flops, [&](int64_t item, float* scratch) {
+  detail::launch_items(p, p.batch * p.q_heads, flops, [&](int64_t item, float* scratch) {
     detail::linear::query_grads_head(p, item / p.q_heads, item % p.q_heads, scratch);
   });
-  detail::run_items(p, p.batch * p.kv_heads, flops * static_cast<double>(p.q_heads / p.kv_heads),
-                    [&](int64_t item, float* scratch) {
-                      detail::linear::key_grads_group(p, item / p.kv_heads, item % p.kv_heads, scratch);
-                    });
+  detail::launch_items(p, p.batch * p.kv_heads, flops * static_cast<double>(p.q_heads / p.kv_heads),
+                       [&](int64_t item, float* scratch) {
+                         detail::linear::key_grads_group(p, item / p.kv_heads, item % p.kv_heads, scratch);
+                       });
 }
 
 }  // namespace qkv
