@@ -26,6 +26,7 @@
 #include <qkv/qkv.hpp>
 
 #include "models_bindings.hpp"
+#include "rotary_bindings.hpp"
 
 namespace py = pybind11;
 
@@ -441,6 +442,7 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<qkv::MaskParseError>(m, "MaskParseError", error.ptr());
   py::register_exception<ArrayError>(m, "ArrayError", error.ptr());
   bind_models(m);  // the real models: models_bindings.cpp
+  bind_rotary_tables(m);  // rotary from tables: rotary_bindings.cpp
 
   py::enum_<qkv::Backend>(m, "Backend")
       .value("Auto", qkv::Backend::Auto)
