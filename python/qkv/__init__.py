@@ -845,3 +845,10 @@ def __getattr__(name):
             raise AttributeError("qkv.torch needs PyTorch, which is not installed")
         return importlib.import_module(".torch", __name__)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
+
+# Rotary positions from caller-supplied tables (FlashAttention's rotary_cos / rotary_sin): rotary.py,
+# imported last because it uses the helpers above.
+from .rotary import RotaryTable, apply_rotary  # noqa: E402
+
+__all__ += ["RotaryTable", "apply_rotary"]
