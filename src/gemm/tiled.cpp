@@ -29,6 +29,7 @@
 
 #include "simd/item_shares.hpp"
 #include "core/allocator.hpp"
+#include "gemm/layout.hpp"
 #include "gemm/tiled.hpp"
 
 namespace qkv::detail::tiled {
@@ -229,8 +230,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
   const bool threaded = tiled::threaded(m, n, k, static_cast<int>(threads));
-  size_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  if (threaded) blocks = (blocks + threads - 1) / threads * threads;
+  const size_t blocks = threaded ? layout::block_count(m, kRowBlock, threads) : layout::ceil_div(m, kRowBlock);
   const auto block_start = [&](size_t block) {
     return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
   };
