@@ -3,7 +3,8 @@
 // inside its own per-target code, as Highway's -inl.h convention asks.
 //
 //   MicroTile / PanelGemm / Gemm   C (+)= A B, "broadcast an element of A, load a row of B", in a
-//                                  register tile of PanelRows<V>() x V vectors
+//                                  register tile of PanelRows<V>() x V vectors (the tile and its
+//                                  steps: gemm/register_tile-inl.h, shared with small.cpp, rows.cpp)
 //   AllFinite                      no NaN and no +-Inf among some floats
 
 // Per-target include guard (Highway's pattern: toggles once per target).

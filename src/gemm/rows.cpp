@@ -292,11 +292,9 @@ HWY_EXPORT(RowsBlock);
 HWY_EXPORT(RowsTileOutputs);
 
 bool rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
-  // Multiply-adds: as small_rows_gemm. A region per product of a decode step (SmolLM2-135M's
-  // 576 x 576 ... 1536 x 576 at 2^17) lost to one thread on a shared, loaded 2-core machine: a
-  // step's 211 products of bf16 W took 1.44 x the widen-and-sgemm time with libgomp's spinning
-  // waits (0.84 with OMP_WAIT_POLICY=passive); from 2^20 on (the lm_head and larger) 0.73-0.74
-  // either way (in-process alternation, 30 pairs).
+  // Multiply-adds: as small_rows_gemm. A parallel region per product of a decode step
+  // (SmolLM2-135M's 576 x 576 ... 1536 x 576 at 2^17) loses to one thread on a loaded machine;
+  // from 2^20 on (the lm_head and larger) two threads win.
   constexpr int64_t kMinWorkForThreads = int64_t{1} << 20;
   return std::max<int64_t>(rows, 1) * n * k >= kMinWorkForThreads && omp_get_max_threads() > 1;
 }

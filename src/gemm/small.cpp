@@ -81,8 +81,7 @@ HWY_INLINE V4 SumsOf4(V4 a, V4 b, V4 c, V4 d) {
 // The sums of a, b, c and d's 16 lanes each, in lanes 0-3, by one tree over all four: halves of
 // a and c (b and d) added into one vector, then 128-bit blocks of those two, then lanes within
 // the blocks; 16 vector ops where To128 of each and SumsOf4 take 25, beside the tile's 640 FMAs
-// at k = 512. NT m x 512 x 512 (m = 20, 32, 64) and 20 x 1536 x 512 took 0.95-0.97 of the time
-// (Ice Lake, one thread, in-process A/B, 2 runs of 150 alternations).
+// at k = 512.
 HWY_INLINE V4 SumsOf4Wide(VF a, VF b, VF c, VF d) {
   const DF df;
   // a's partial sums in blocks 0-1, c's in 2-3 (likewise b and d).
@@ -249,12 +248,11 @@ namespace {
 constexpr int64_t kBlock = 48;
 
 // x rows that do not start on a 64-byte line (numpy allocates on 16 bytes; a view's offset; a row
-// stride not a multiple of 16 floats) make each x load of the tile straddle two lines: with x 16
-// bytes off, NT 20 x 512 x 512 and 20 x 1536 x 512 ran at 0.73-0.86 of the aligned rate on one
-// thread, 0.78-0.82 on two (Sapphire Rapids-class Xeon). Such rows are first copied into aligned
-// ones, by each worker into its own part of the calling thread's scratch (small_rows_gemm): since,
-// 1.0 on one thread and 0.95-0.98 on two. The copy costs about what one output of the product
-// does, so it is made from a few dozen outputs on, for two rows or more (one row: the same time
+// stride not a multiple of 16 floats) make each x load of the tile straddle two lines, which
+// costs up to a quarter of the time. Such rows are first copied into aligned ones, by each
+// worker into its own part of the calling thread's scratch (small_rows_gemm). The copy costs
+// about what one output of the product does, so it is made from a few dozen outputs on, for two
+// rows or more (one row: the same time
 // either way), and for up to 256 KiB of rows a worker (the scratch stays held, as every
 // workspace, until release_workspaces()). With more than kMaxCopyWorkers threads, nobody copies.
 constexpr int64_t kAlignedLine = 64;  // bytes
@@ -281,11 +279,8 @@ void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const
   // are about as many as a multiple of the threads (rounded to whole tiles): W5's 512 outputs are
   // 12 blocks of 44 (the last 28), not 11 of 48, which left one of two threads a sixth block
   // while the other waited. The same share from call to call keeps a thread's part of W in its
-  // L2: with OpenMP's dynamic schedule, which deals the blocks to whichever thread is free, a
-  // Sapphire Rapids-class Xeon (2 MiB L2 per core; W5's in-projection W is 3 MiB) ran the Small
-  // path at 1.65-1.81x oneDNN's speed on NT 20 x 1536 x 512, against 2.03-2.09x with shares, and
-  // the W5 module took 0.246-0.256 ms against 0.216-0.230 (`qkv bench --threads 2 --workload W5
-  // --no-reference --runs 20`, three runs of each, alternated).
+  // L2 (W5's in-projection W is 3 MiB, an L2 2 MiB a core), which OpenMP's dynamic schedule,
+  // dealing the blocks to whichever thread is free, did not.
   const int64_t threads = omp_get_max_threads();
   const bool threaded = small_rows_gemm_threads(rows, n, k);
   const int workers = threaded ? static_cast<int>(threads) : 1;
