@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <map>
 #include <optional>
 #include <string_view>
 
@@ -53,6 +54,16 @@ struct AttentionOptions {
                         // but carries no value (gpt-oss, StreamingLLM):
                         //   w_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij));
                         // lse includes it, and a row that sees no key gets lse = sinks[h]
+
+  // Your own score and mask functions as text (FlexAttention's score_mod and mask_mod; the
+  // language: docs/flex.md). score_mod rewrites each score after softcap and ALiBi, before the
+  // mask, e.g. "s - 0.1 * abs(q - k)"; the backward differentiates it. mask_mod hides key k from
+  // query q where it is false, e.g. "doc(q) == doc(k)", ANDed with `mask` (Mask::expression).
+  // Both read the named tensors of mod_inputs, each (L) or (B, L) float32, indexed by q, k, h or b.
+  // Empty: off.
+  std::string score_mod;
+  std::string mask_mod;
+  std::map<std::string, Tensor> mod_inputs;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

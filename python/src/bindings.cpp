@@ -187,6 +187,26 @@ qkv::Tensor per_head(const py::object& value, const char* name) {
   return copy;
 }
 
+// mod_inputs: None or a dict of name -> (L,) or (B, L) number array, copied to float32 tensors
+// (the core checks the shapes against what the functions index them by).
+std::map<std::string, qkv::Tensor> mod_inputs_from(const py::object& value) {
+  std::map<std::string, qkv::Tensor> inputs;
+  if (value.is_none()) return inputs;
+  if (!py::isinstance<py::dict>(value))
+    throw qkv::Error("mod_inputs must be None or a dict of name: (L,) or (B, L) array, got " + brief(value));
+  for (const auto& [key, item] : py::reinterpret_borrow<py::dict>(value)) {
+    const std::string name = py::str(key);
+    const py::array a = py::array::ensure(item);
+    if (!a || a.ndim() < 1 || a.ndim() > 2 || std::string("fiub").find(a.dtype().kind()) == std::string::npos)
+      throw qkv::Error("mod_inputs['" + name + "'] must be a (L,) or (B, L) number array, got " +
+                       brief(py::reinterpret_borrow<py::object>(item)));
+    qkv::Tensor copy = qkv::Tensor::empty(shape_of(a));
+    py::module_::import("numpy").attr("copyto")(to_numpy(copy), a, py::arg("casting") = "unsafe");
+    inputs.emplace(name, std::move(copy));
+  }
+  return inputs;
+}
+
 void bind_attention_options(py::module_& m) {
   using O = qkv::AttentionOptions;
   py::class_<O>(m, "AttentionOptions", "qkv::AttentionOptions (include/qkv/attention.hpp), field by field.")
@@ -211,7 +231,18 @@ void bind_attention_options(py::module_& m) {
           "None or a (heads,) float array")
       .def_property(
           "sinks", [](const O& o) { return to_numpy(o.sinks); },
-          [](O& o, const py::object& value) { o.sinks = per_head(value, "sinks"); }, "None or a (heads,) float array");
+          [](O& o, const py::object& value) { o.sinks = per_head(value, "sinks"); }, "None or a (heads,) float array")
+      .def_readwrite("score_mod", &O::score_mod, "a score function as text, e.g. 's - 0.1 * abs(q - k)' ('' = off)")
+      .def_readwrite("mask_mod", &O::mask_mod, "a mask function as text, e.g. 'doc(q) == doc(k)' ('' = off)")
+      .def_property(
+          "mod_inputs",
+          [](const O& o) {
+            py::dict out;
+            for (const auto& [name, tensor] : o.mod_inputs) out[py::str(name)] = to_numpy(tensor);
+            return out;
+          },
+          [](O& o, const py::object& value) { o.mod_inputs = mod_inputs_from(value); },
+          "None or a dict of name: (L,) or (B, L) number array");
 }
 
 // scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is

@@ -63,10 +63,11 @@ inline void finish_row(const float* o, size_t o_stride, size_t dv, float max, fl
 }
 
 // The reference's modifier and masking steps for one row of scaled scores (B, Hq, Nq, Nk)[b, h, i, :]
-// (reference/forward.cpp): softcap (its slope 1 - tanh^2 into softcap_slope when given), ALiBi, then -inf
+// (reference/forward.cpp): softcap, ALiBi, the score function (d(modified)/d(raw) into score_slope
+// when given: softcap's 1 - tanh^2 times the function's derivative), then -inf
 // where the band, the key lengths or a keep term hides the key, and additive terms added.
 void reference_logits_row(const AttentionProblem& problem, int64_t b, int64_t h, int64_t i, float* scores,
-                          float* softcap_slope = nullptr);
+                          float* score_slope = nullptr);
 
 // n rounded up to a multiple of `multiple`.
 constexpr size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }

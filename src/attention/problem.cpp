@@ -258,7 +258,16 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   // ---- modifiers and the mask, normalised
   const float* alibi = head_vector(who, options.alibi_slopes, "alibi_slopes", qd.heads, built.held);
   const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
-  const Mask& mask = options.mask;
+  const Mask mask =
+      options.mask_mod.empty() ? options.mask : options.mask & Mask::expression(options.mask_mod, options.mod_inputs);
+  std::shared_ptr<const ModExpression> score_mod;
+  std::vector<ModInput> score_mod_inputs;
+  if (!options.score_mod.empty()) {
+    score_mod = std::make_shared<const ModExpression>(
+        ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs)));
+    score_mod_inputs = bind_mod_inputs(who, *score_mod, options.mod_inputs, qd.batch, qd.heads, qd.len, kd.len,
+                                       built.held);
+  }
   std::vector<MaskTermView> terms;
   for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
   for (const Mask::Term& term : mask.terms()) built.held.push_back(term.values);
@@ -284,6 +293,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
       .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
       .softcap = options.softcap, .alibi_slopes = alibi, .alibi_shift = 0, .sinks = sinks,
+      .score_mod = std::move(score_mod), .score_mod_inputs = std::move(score_mod_inputs),
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
       .rule = std::move(rule),

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "mask/rule.hpp"  // MaskTermView, MaskRule
@@ -39,6 +40,10 @@ struct AttentionProblem {
   const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset() - j|; nullptr: off
   int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/ring_block.hpp)
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
+  // A score function (AttentionOptions::score_mod) applied after softcap and ALiBi, reading
+  // score_mod_inputs; null: off. Its derivative joins softcap's slope in the backward.
+  std::shared_ptr<const ModExpression> score_mod;
+  std::vector<ModInput> score_mod_inputs;
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
   // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], every term allows it and
@@ -67,6 +72,8 @@ struct AttentionProblem {
   DType kv_dtype = DType::F32;
   Rows<const uint16_t> k_bits, v_bits;
 
+  // Whether the backward scales dS by d(modified score)/d(raw score) (softcap, a score function).
+  bool has_score_slope() const { return softcap > 0 || score_mod != nullptr; }
   // Grouped-query attention: the key/value head that query head h reads.
   int64_t kv_head_of(int64_t h) const { return h / (q_heads / kv_heads); }
   // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq,

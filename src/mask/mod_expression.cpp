@@ -341,6 +341,43 @@ ModExpression ModExpression::parse(const std::string& text, ModKind kind, const 
   return ModParser(text, kind, inputs, skip).parse();
 }
 
+std::vector<std::string> mod_input_names(const std::map<std::string, Tensor>& inputs) {
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : inputs) names.push_back(name);
+  return names;
+}
+
+std::vector<ModInput> bind_mod_inputs(const std::string& who, const ModExpression& e,
+                                      const std::map<std::string, Tensor>& inputs, int64_t batch, int64_t q_heads,
+                                      int64_t q_len, int64_t kv_len, std::vector<Tensor>& held) {
+  std::vector<ModInput> views;
+  for (const auto& [name, tensor] : inputs) {
+    const std::string what = who + label(e.kind()) + " '" + shown(e.text()) + "': input '" + name + "' is " +
+                             (tensor.defined() ? tensor.shape().str() : std::string("undefined"));
+    if (!tensor.defined() || tensor.dtype() != DType::F32 || (tensor.dim() != 1 && !(tensor.dim() == 2 && tensor.size(0) == batch)))
+      throw Error(what + " but should be a float32 (L) or (B, L) with B = " + std::to_string(batch));
+    const int64_t length = tensor.size(-1);
+    for (const ModExpression::Use& use : e.uses()) {
+      if (use.input != name) continue;
+      using Index = ModExpression::Index;
+      const int64_t need = use.index == Index::Query ? q_len
+                           : use.index == Index::Key ? kv_len
+                           : use.index == Index::Head ? q_heads
+                                                      : batch;
+      const char* by = use.index == Index::Query ? "q (Nq = "
+                       : use.index == Index::Key ? "k (Nk = "
+                       : use.index == Index::Head ? "h (Hq = "
+                                                  : "b (B = ";
+      if (length < need)
+        throw Error(what + ": indexed by " + by + std::to_string(need) + ") it needs L >= " + std::to_string(need));
+      if (use.index == Index::Batch && tensor.dim() != 1) throw Error(what + ": indexed by b it should be (L)");
+    }
+    held.push_back(tensor.contiguous());
+    views.push_back({held.back().data(), tensor.dim() == 2 ? length : 0, length});
+  }
+  return views;
+}
+
 void ModExpression::evaluate(const ModLine& line, size_t n, const float* s, const ModInput* inputs, float* out,
                              float* d_out, float* scratch) const {
   const size_t count = program_.size();

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <map>
+
 #include "qkv/mask.hpp"
 
 namespace qkv::detail {
@@ -98,5 +100,15 @@ class ModExpression {
   std::vector<Use> uses_;
   bool reads_score_ = false;
 };
+
+// The inputs of `e` (parsed with the names of `inputs`, in the map's order) as views for a problem
+// (B, Hq, Nq, Nk), each checked against what `e` indexes it by: (L) or (B, L) with L >= Nq for q,
+// L >= Nk for k, L >= Hq for h; (L) with L >= B for b. Packed copies go to `held`. Errors are
+// qkv::Error starting with `who`.
+std::vector<ModInput> bind_mod_inputs(const std::string& who, const ModExpression& e,
+                                      const std::map<std::string, Tensor>& inputs, int64_t batch, int64_t q_heads,
+                                      int64_t q_len, int64_t kv_len, std::vector<Tensor>& held);
+// The names of `inputs`, in the order bind_mod_inputs() binds them.
+std::vector<std::string> mod_input_names(const std::map<std::string, Tensor>& inputs);
 
 }  // namespace qkv::detail

@@ -184,33 +184,11 @@ struct Compiler {
             strides[static_cast<size_t>(rank - 1)], false};
   }
 
-  // A mask function's program and its inputs' views, each input checked against what the
-  // function indexes it by: (L) or (B, L) for q (L >= Nq) and k (L >= Nk), h (L >= Hq); (L) for b.
+  // A mask function's program and its inputs' views (bind_mod_inputs checks them).
   void compile_expression(const Mask::Rule& r, RuleNode& n) {
-    std::vector<std::string> names;
-    for (const auto& [name, tensor] : r.inputs) names.push_back(name);
-    n.expression = std::make_shared<const ModExpression>(ModExpression::parse(r.expression, ModKind::Mask, names));
-    for (const auto& [name, tensor] : r.inputs) {
-      const std::string what = "mask function '" + r.expression + "': input '" + name + "' is " + tensor.shape().str();
-      if (tensor.dim() != 1 && !(tensor.dim() == 2 && tensor.size(0) == batch))
-        fail(what + " but should be (L) or (B, L) with B = " + std::to_string(batch));
-      const int64_t length = tensor.size(-1);
-      for (const ModExpression::Use& use : n.expression->uses()) {
-        if (use.input != name) continue;
-        using Index = ModExpression::Index;
-        const int64_t need = use.index == Index::Query ? q_len
-                             : use.index == Index::Key ? kv_len
-                             : use.index == Index::Head ? q_heads
-                                                        : batch;
-        const char* by = use.index == Index::Query ? "q (Nq = " : use.index == Index::Key ? "k (Nk = "
-                         : use.index == Index::Head ? "h (Hq = " : "b (B = ";
-        if (length < need) fail(what + ": indexed by " + by + std::to_string(need) + ") it needs L >= " + std::to_string(need));
-        if (use.index == Index::Batch && tensor.dim() != 1) fail(what + ": indexed by b it should be (L)");
-      }
-      const Tensor packed = tensor.contiguous();
-      held.push_back(packed);
-      n.inputs.push_back({packed.data(), tensor.dim() == 2 ? length : 0, length});
-    }
+    n.expression = std::make_shared<const ModExpression>(
+        ModExpression::parse(r.expression, ModKind::Mask, mod_input_names(r.inputs)));
+    n.inputs = bind_mod_inputs(who, *n.expression, r.inputs, batch, q_heads, q_len, kv_len, held);
   }
 
   int add(const Mask::Rule& r) {

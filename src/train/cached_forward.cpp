@@ -46,9 +46,10 @@ Mask shifted_rule(const Mask::Rule& rule, int64_t offset, int64_t batch, int64_t
     case Kind::And: return shifted_rule(*rule.left, offset, batch, keys) & shifted_rule(*rule.right, offset, batch, keys);
     case Kind::Or: return shifted_rule(*rule.left, offset, batch, keys) | shifted_rule(*rule.right, offset, batch, keys);
     case Kind::Keep:
-    case Kind::BlockSparse: break;
+    case Kind::BlockSparse:
+    case Kind::Expression: break;
   }
-  throw Error("AttentionModel: the cached forward cannot shift a tensor or block-sparse mask");
+  throw Error("AttentionModel: the cached forward cannot shift a tensor, block-sparse or function mask");
 }
 
 // The model's mask for `len` new queries at positions offset.. over the keys 0 .. offset + len:

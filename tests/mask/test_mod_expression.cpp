@@ -180,7 +180,7 @@ TEST(MaskFunction, InputsAreCheckedAgainstTheProblem) {
   expect_error(Mask::expression("doc(q) == doc(k)", {{"doc", Tensor::zeros(Shape{5})}}),
                "input 'doc' is (5): indexed by k (Nk = 7) it needs L >= 7");
   expect_error(Mask::expression("doc(q) == doc(k)", {{"doc", Tensor::zeros(Shape{3, 7})}}),
-               "input 'doc' is (3, 7) but should be (L) or (B, L) with B = 2");
+               "input 'doc' is (3, 7) but should be a float32 (L) or (B, L) with B = 2");
   expect_error(Mask::expression("p(b) > 0", {{"p", Tensor::zeros(Shape{2, 7})}}), "indexed by b it should be (L)");
   expect_error(Mask::expression("on(h) > 0", {{"on", Tensor::zeros(Shape{2})}}), "indexed by h (Hq = 3)");
   EXPECT_THROW(Mask::expression("doc(q) == doc(k)"), MaskParseError);  // no input named doc

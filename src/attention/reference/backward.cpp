@@ -48,7 +48,7 @@ void zero_rows(float* rows_start, int64_t rows, int64_t cols, int64_t stride) {
 struct HeadScratch {
   float* weights;       // P, then dS
   float* grad_weights;  // dP' = dL/dP', then dP
-  float* softcap_slope; // d(capped S)/d(raw S), when softcap is on
+  float* score_slope;   // d(modified S)/d(raw S), when softcap or a score function is on
 };
 
 // Recomputes P for head (b, h). Forward 1-4: "S = scale * Q K^T", "modifiers", "mask",
@@ -62,7 +62,7 @@ void recompute_weights(const AttentionBackwardProblem& bp, int64_t b, int64_t h,
   const int64_t row0 = (b * p.q_heads + h) * nq;
   for (int64_t i = 0; i < nq; ++i) {
     float* row = m.weights + i * nk;
-    reference_logits_row(p, b, h, i, row, p.softcap > 0 ? m.softcap_slope + i * nk : nullptr);
+    reference_logits_row(p, b, h, i, row, p.has_score_slope() ? m.score_slope + i * nk : nullptr);
     const float shift = bp.row_shift[row0 + i], scale = bp.row_scale[row0 + i];
     for (int64_t j = 0; j < visible_keys; ++j) row[j] = std::exp(row[j] - shift) * scale;
   }
@@ -90,10 +90,11 @@ void score_gradients(const AttentionBackwardProblem& bp, int64_t b, int64_t h, i
     for (int64_t c = 0; c < p.value_dim; ++c) row_dot += static_cast<double>(grad_out[c]) * out[c];
     const float d = static_cast<float>(row_dot);
     // Forward 3: a hidden score has P = 0 and gets dS = 0 exactly (never 0 * NaN); an additive
-    // term passes dS through. Forward 2: ALiBi passes it through, softcap scales it by its slope.
+    // term passes dS through. Forward 2: ALiBi passes it through, softcap and a score function
+    // scale it by their slope.
     for (int64_t j = 0; j < visible_keys; ++j) {
       row[j] = row[j] == 0.0f ? 0.0f : row[j] * (grad_row[j] - d);
-      if (p.softcap > 0) row[j] *= m.softcap_slope[i * nk + j];
+      if (p.has_score_slope()) row[j] *= m.score_slope[i * nk + j];
     }
   }
 }
@@ -153,7 +154,7 @@ void reference_attention_backward(const AttentionBackwardProblem& bp) {
       zero_rows(bp.grad_v.row(b, g, 0), nk, p.value_dim, bp.grad_v.row_stride);
     }
   const size_t matrix = static_cast<size_t>(nq * nk);
-  float* workspace = thread_workspace(WorkspaceSlot::ReferenceScores).floats((p.softcap > 0 ? 3 : 2) * matrix);
+  float* workspace = thread_workspace(WorkspaceSlot::ReferenceScores).floats((p.has_score_slope() ? 3 : 2) * matrix);
   const HeadScratch m{workspace, workspace + matrix, workspace + 2 * matrix};
 
   for (int64_t b = 0; b < p.batch; ++b)

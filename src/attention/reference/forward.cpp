@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "attention/kernels.hpp"
 #include "gemm/gemm.hpp"
@@ -31,18 +32,36 @@ namespace {
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 }  // namespace
 
+namespace {
+// The score function over row i of head (b, h), in place; with `slope`, its derivative joins it
+// (slope *= d score_mod / ds). Scratch: the calling thread's, grown once.
+void apply_score_mod(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float* scores, float* slope) {
+  thread_local std::vector<float> scratch, derivative;
+  const size_t nk = static_cast<size_t>(p.kv_len);
+  if (scratch.size() < p.score_mod->scratch_floats(nk)) scratch.resize(p.score_mod->scratch_floats(nk));
+  if (derivative.size() < nk) derivative.resize(nk);
+  p.score_mod->evaluate({b, h, i, 0, 0, 1}, nk, scores, p.score_mod_inputs.data(), scores,
+                        slope ? derivative.data() : nullptr, scratch.data());
+  if (slope)
+    for (size_t j = 0; j < nk; ++j) slope[j] *= derivative[j];
+}
+}  // namespace
+
 // Steps 2 and 3 for one row of scores (also the reference backward's, declared in kernels.hpp).
 void reference_logits_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float* scores,
-                          float* softcap_slope) {
+                          float* score_slope) {
+  const int64_t nk = p.kv_len;
+  if (score_slope) std::fill_n(score_slope, nk, 1.0f);
   if (p.softcap > 0)
-    for (int64_t j = 0; j < p.kv_len; ++j) {
+    for (int64_t j = 0; j < nk; ++j) {
       const float t = std::tanh(scores[j] / p.softcap);
       scores[j] = p.softcap * t;
-      if (softcap_slope) softcap_slope[j] = 1.0f - t * t;
+      if (score_slope) score_slope[j] = 1.0f - t * t;
     }
   if (p.alibi_slopes)
-    for (int64_t j = 0; j < p.kv_len; ++j)
+    for (int64_t j = 0; j < nk; ++j)
       scores[j] -= p.alibi_slopes[h] * static_cast<float>(std::abs(i + p.alibi_offset() - j));
+  if (p.score_mod) apply_score_mod(p, b, h, i, scores, score_slope);
   const int64_t first = p.first_visible_key(i);
   const int64_t last = p.last_visible_key(b, i);
   for (int64_t j = 0; j < p.kv_len; ++j)
