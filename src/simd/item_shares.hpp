@@ -8,11 +8,10 @@
 // the output it touches are still in its caches. Dynamic scheduling deals neighbouring items to
 // alternate threads: both cores pull every head's K and V, and output lines move between them
 // from one call to the next. Stealing from the back keeps dynamic scheduling's balance when
-// items differ in cost (causal tiles, per-batch key lengths, a busy core). Measured on Zen 5,
-// 2 threads, flash forward as a fraction of the kernel before the pipeline (medians of six
-// alternations): W0 1.03 -> 0.98, W1 1.00 -> 0.93, W2 1.01 -> 0.97; decode's W4 5.75-5.95 ->
-// 5.63-5.75 ms. OpenMP's guided schedule measured about the same, but deals a first chunk of half
-// the items to one thread, which a costly first batch would leave working alone.
+// items differ in cost (causal tiles, per-batch key lengths, a busy core); it measured faster
+// than schedule(dynamic) on the flash and decode workloads (docs/performance-log.md, "flash/").
+// OpenMP's guided schedule is not used: it deals a first chunk of half the items to one thread,
+// which a costly first batch would leave working alone.
 #pragma once
 
 #include <algorithm>

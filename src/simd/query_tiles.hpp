@@ -1,12 +1,12 @@
 // A head's queries as query tiles of whole SIMD vectors: tiles of max_vectors vectors, except that
 // a remainder under half a tile shares the last whole tile's vectors as evenly as can be. The
 // flash forward (flash/forward.cpp) and backward (flash/backward.cpp) both run a head's queries this way.
-// Forward, 3-vector tiles: W0's 256 queries are 4 x 48 + 2 x 32, not 5 x 48 + 16 (a one-vector
-// tile's micro-GEMM, 8 broadcasts and 1 load per 8 FMAs, waits on loads: that 16-query tile took
-// 18% of W0's tile time for 11% of its work). Backward, 6-vector tiles: W1's 512 queries are
-// 4 x 96 + 2 x 64, not 5 x 96 + 32, whose 2-vector products ran 32 deep. (Spreading the remainder
-// over every tile instead, 2 x 96 + 4 x 80, measured slower backward: an 80-query tile's products
-// run as a 3- and a 2-vector panel. For 3-vector tiles the two rules give the same tiles.)
+// Forward, 3-vector tiles: 256 queries are 4 x 48 + 2 x 32, not 5 x 48 + 16 (a one-vector
+// tile's micro-GEMM, 8 broadcasts and 1 load per 8 FMAs, waits on loads). Backward, 6-vector
+// tiles: 512 queries are 4 x 96 + 2 x 64, not 5 x 96 + 32, whose 2-vector products would run 32
+// deep. The remainder is not spread over every tile (2 x 96 + 4 x 80): an 80-query tile's
+// products run as a 3- and a 2-vector panel. For 3-vector tiles the two rules give the same
+// tiles. (Measured: docs/performance-log.md, "flash/".)
 #pragma once
 
 #include <algorithm>
