@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/lse_merge.hpp"
 #include "attention/ring_block.hpp"
 #include "attention/problem.hpp"
 
@@ -518,9 +519,9 @@ std::string terms_problem(const Mask& mask, const Tensor& q4, int64_t total) {
   return "";
 }
 
-// o1, lse1 (accumulated) <- the lse-weighted merge with o2, lse2, row by row:
-//   lse = m + log(e^{lse1-m} + e^{lse2-m}),  o = (o1 e^{lse1-m} + o2 e^{lse2-m}) / (e^{lse1-m} + e^{lse2-m})
-// with m = max(lse1, lse2); a row with both -inf stays (0, -inf), never NaN.
+// o1, lse1 (accumulated) <- the log-sum-exp merge with o2, lse2, row by row
+// (merge_softmax_parts, attention/lse_merge.hpp: a result (O, lse) is the part (lse, 1, O)); a row
+// with both -inf stays (0, -inf), never NaN.
 void merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2) {
   const int64_t rows = lse1.numel(), d = o1.size(3);
   float* a = o1.data();
@@ -529,26 +530,16 @@ void merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor&
   const float* lb = lse2.data();
 #pragma omp parallel for schedule(static) if (rows * d > 65536)
   for (int64_t row = 0; row < rows; ++row) {
-    const float l1 = la[row], l2 = lb[row];
-    if (l2 == kMinusInf) continue;  // nothing new for this row
+    if (lb[row] == kMinusInf) continue;  // nothing new for this row
     float* x = a + row * d;
-    const float* y = b + row * d;
-    if (l1 == kMinusInf) {
-      std::memcpy(x, y, sizeof(float) * static_cast<size_t>(d));
-      la[row] = l2;
-      continue;
-    }
-    const double m = std::max(l1, l2);
-    const double w1 = std::exp(l1 - m), w2 = std::exp(l2 - m), sum = w1 + w2;
-    const double c1 = w1 / sum, c2 = w2 / sum;
-    for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(c1 * x[i] + c2 * y[i]);
-    la[row] = static_cast<float>(m + std::log(sum));
+    const detail::SoftmaxPart parts[2] = {{la[row], 1.0f, x}, {lb[row], 1.0f, b + row * d}};
+    la[row] = detail::merge_softmax_parts(2, [&](int64_t c) { return parts[c]; }, static_cast<size_t>(d), x).lse;
   }
 }
 
-// The sinks join each row's softmax once, after the ring: a key whose lse is sinks[h] and whose
-// output is 0. out (B, H, rows, D) and lse (B, H, rows) are merged with it in place; a row that
-// saw no key gets output 0 and lse = sinks[h], as in a single call.
+// The sinks join each row's softmax once, after the ring: a part (sinks[h], 1, zeros). out
+// (B, H, rows, D) and lse (B, H, rows) are merged with it in place; a row that saw no key gets
+// output 0 and lse = sinks[h], as in a single call.
 void merge_sinks(const Tensor& out, const Tensor& lse, const Tensor& sinks) {
   const int64_t heads = out.size(1), rows = out.size(2), d = out.size(3);
   const int64_t all_rows = out.size(0) * heads * rows;
@@ -556,17 +547,15 @@ void merge_sinks(const Tensor& out, const Tensor& lse, const Tensor& sinks) {
   float* x = out.data();
   float* la = lse.data();
   for (int64_t row = 0; row < all_rows; ++row) {
-    const double l = la[row], s = sink[static_cast<size_t>(row / rows % heads)];
-    const double m = std::max(l, s);
-    const double keys = std::exp(l - m), sum = keys + std::exp(s - m), c = keys / sum;
-    for (int64_t i = 0; i < d; ++i) x[row * d + i] = static_cast<float>(c * x[row * d + i]);
-    la[row] = static_cast<float>(m + std::log(sum));
+    const detail::SoftmaxPart parts[2] = {{la[row], 1.0f, x + row * d},
+                                          {sink[static_cast<size_t>(row / rows % heads)], 1.0f, nullptr}};
+    la[row] = detail::merge_softmax_parts(2, [&](int64_t c) { return parts[c]; }, static_cast<size_t>(d), x + row * d).lse;
   }
 }
 
-// dsinks[h] = -sum over the rows of head h of exp(sinks[h] - lse) (dO . O): the sink is a logit
-// with no value (as sink_gradients in src/attention/problem.cpp). go4, o4 (B, H, n, Dv) and lse4
-// (B, H, n, 1) are this rank's rows; the sum over every rank's is returned on every rank.
+// dsinks[h] = -sum over the rows of head h of exp(sinks[h] - lse) (dO . O) (sink_gradient_of_row,
+// attention/lse_merge.hpp, as every backward kernel's). go4, o4 (B, H, n, Dv) and lse4 (B, H, n, 1)
+// are this rank's rows; the sum over every rank's is returned on every rank.
 Tensor ring_sink_gradients(const Tensor& go4, const Tensor& o4, const Tensor& lse4, const Tensor& sinks,
                            const Comm& comm) {
   const int64_t heads = o4.size(1), rows = o4.size(2), d = o4.size(3);
@@ -577,10 +566,7 @@ Tensor ring_sink_gradients(const Tensor& go4, const Tensor& o4, const Tensor& ls
   const float* lse = lse4.data();
   for (int64_t row = 0; row < o4.size(0) * heads * rows; ++row) {
     const size_t h = static_cast<size_t>(row / rows % heads);
-    if (lse[row] == kMinusInf) continue;  // a row that saw nothing, not even a sink
-    double dot = 0;
-    for (int64_t i = 0; i < d; ++i) dot += static_cast<double>(go[row * d + i]) * o[row * d + i];
-    sums[h] -= std::exp(static_cast<double>(sink[h]) - lse[row]) * dot;
+    sums[h] += detail::sink_gradient_of_row(sink[h], lse[row], 1.0f, go + row * d, o + row * d, d);
   }
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(heads), MPI_DOUBLE, MPI_SUM, comm.get()),
             "MPI_Allreduce of dsinks");

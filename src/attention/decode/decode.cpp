@@ -572,6 +572,7 @@ HWY_AFTER_NAMESPACE();
 
 #include <optional>
 
+#include "attention/lse_merge.hpp"
 #include "core/allocator.hpp"
 
 namespace qkv::detail {
@@ -580,42 +581,25 @@ HWY_EXPORT(DecodeChunk);
 
 namespace {
 
-// The merge of one row's chunks (row r of (b, g) = bg): m = max m_c, l = sum l_c exp(m_c - m),
-// o = sum o_c exp(m_c - m); output = o / l, lse = m + log l. A chunk that saw nothing has
-// m_c = -inf, l_c = 0, o_c = 0 and weighs exp(-inf) = 0; a row no chunk saw gets 0 and -inf.
+// The merge of one row's chunks (row r of (b, g) = bg), merge_softmax_parts
+// (attention/lse_merge.hpp): chunk c is the part (m_c, l_c, o_c); a chunk that saw nothing
+// (m_c = -inf) weighs 0, a row no chunk saw gets 0 and lse -inf, one a chunk saw NaN in gets NaN.
 void merge_row(const AttentionProblem& p, const decode::Plan& plan, const decode::Partials& partials, int64_t bg,
                int64_t r) {
   const int64_t dv = p.value_dim;
   const int64_t b = bg / p.kv_heads, g = bg % p.kv_heads;
   const int64_t h = plan.head_of(g, r), i = plan.query_of(r);
   const int64_t row = (b * p.q_heads + h) * p.q_len + i;  // in (B, Hq, Nq)
-  float* out = p.output.row(b, h, i);
-  auto slot = [&](int64_t chunk) { return (bg * plan.chunks + chunk) * plan.rows + r; };
-
-  float row_max = -std::numeric_limits<float>::infinity();
-  bool saw_nan = false;  // a chunk saw a NaN score: the row is NaN, as in the reference
-  for (int64_t c = 0; c < plan.chunks; ++c) {
-    row_max = std::max(row_max, partials.max[slot(c)]);
-    saw_nan = saw_nan || std::isnan(partials.max[slot(c)]);
-  }
-  if (saw_nan || row_max == -std::numeric_limits<float>::infinity()) {
-    std::fill_n(out, dv, 0.0f);
-    finish_row(out, 1, static_cast<size_t>(dv), row_max, 0.0f, saw_nan, out, p.lse + row, p.row_max + row,
-               p.row_sum + row);
-    return;
-  }
-  float row_sum = 0;
-  std::fill_n(out, dv, 0.0f);
-  for (int64_t c = 0; c < plan.chunks; ++c) {
-    const float weight = std::exp(partials.max[slot(c)] - row_max);  // 0 for a chunk that saw nothing
-    if (weight == 0.0f) continue;
-    row_sum += partials.sum[slot(c)] * weight;
-    const float* o = partials.out + slot(c) * dv;
-    for (int64_t x = 0; x < dv; ++x) out[x] += o[x] * weight;
-  }
-  // row_sum >= 1: the chunk holding the row's max contributes exp(0) = 1.
-  finish_row(out, 1, static_cast<size_t>(dv), row_max, row_sum, false, out, p.lse + row, p.row_max + row,
-             p.row_sum + row);
+  const MergedRow merged = merge_softmax_parts(
+      plan.chunks,
+      [&](int64_t c) {
+        const int64_t slot = (bg * plan.chunks + c) * plan.rows + r;
+        return SoftmaxPart{partials.max[slot], partials.sum[slot], partials.out + slot * dv};
+      },
+      static_cast<size_t>(dv), p.output.row(b, h, i));
+  p.lse[row] = merged.lse;
+  p.row_max[row] = merged.max;
+  p.row_sum[row] = merged.sum;
 }
 
 }  // namespace
