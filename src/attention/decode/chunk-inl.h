@@ -38,17 +38,6 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
 namespace HWY_NAMESPACE {
 
-// ALiBi and the mask of gathered strided keys (KeyRun; softcap ran on the whole tile before):
-// what the tiles evaluate, except that the strided rule holds by construction and the keys
-// `rest` shows are hidden (the tiles visit those).
-HWY_INLINE void GatheredLogits(const AttentionProblem& p, int rest, const step::Line& line, float* HWY_RESTRICT s,
-                               size_t cols) {
-  step::Alibi(p, line, s, kKeyTile);
-  step::MaskBand(p, line, s, kKeyTile);
-  step::MaskWhereRuleShows(p.rule, rest, line, s, cols);
-  step::MaskTerms(p, line, s, cols);
-}
-
 // One key tile (KeyRun) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and mask
 // per row, the online softmax update, dropout, O += P V. `band`: some key of the tile may be
 // hidden from some row (per-element mask work); always so for gathered keys.
@@ -68,11 +57,8 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
     float* HWY_RESTRICT s = w.scores + r * kKeyTile;
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     const step::Line line{b, row.h, row.i, run.j0, 0, run.step};
-    if (run.gathered_rest >= 0) {
-      GatheredLogits(p, run.gathered_rest, line, s, cols);
-    } else if (per_element) {
-      step::ScoresToLogits(p, line, s, kKeyTile, cols, band);
-    }
+    // Gathered strided keys (band is true for them) hide what `rest` shows: the tiles visit it.
+    if (per_element) step::ScoresToLogits(p, line, s, kKeyTile, cols, band, run.gathered_rest);
     std::fill(s + cols, s + kKeyTile, step::kMinusInf);
     // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
     const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);

@@ -600,12 +600,18 @@ HWY_INLINE void PrefetchRows(const Rows<T>& rows, int64_t b, int64_t h, int64_t 
 
 // ALiBi and mask on a whole line (softcap ran on the whole tile before): n floats computed
 // (whole vectors), `count` of them real. `band` false skips the structured mask and the rule (a
-// tile every query of it fully sees).
+// tile every query of it fully sees). `hide` >= 0 (decode's gathered strided keys, as
+// TileLogits' residues): -inf where node `hide` of the rule shows the key, in place of the rule
+// (the strided rule holds by construction; the tiles visit what `hide` shows).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                               size_t count, bool band) {
+                               size_t count, bool band, int hide = -1) {
   Alibi(p, line, s, n);
   if (band) MaskBand(p, line, s, n);
-  if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
+  if (hide >= 0) {
+    MaskWhereRuleShows(p.rule, hide, line, s, count);
+  } else if (band && !p.rule.empty()) {
+    MaskRuleStep(p, line, s, n, count);
+  }
   MaskTerms(p, line, s, count);
 }
 
@@ -805,7 +811,8 @@ HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRI
 }
 
 // ---- Step "softmax", keys in the lanes (decode): one query's line of n scores (whole vectors).
-// The same update as SoftmaxColumnsUpdate for one row; a NaN score makes the running max NaN,
+// The same update as SoftmaxColumnsUpdate for one row, with the same exponential (ExpSoftmax,
+// so decode's and flash's weights agree); a NaN score makes the running max NaN,
 // which poisons the row's sum and output. Returns the factor exp(old - new) to rescale O by.
 HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& running_max, float& row_sum) {
   const DF df;
@@ -826,7 +833,7 @@ HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& runnin
   const VF max_broadcast = hn::Set(df, safe_max);
   VF sum_vec = hn::Zero(df);
   for (size_t x = 0; x < n; x += lanes) {
-    const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s + x), max_broadcast));
+    const VF weight = ExpSoftmax(df, hn::Sub(hn::Load(df, s + x), max_broadcast));
     hn::Store(weight, df, s + x);
     sum_vec = hn::Add(sum_vec, weight);
   }
