@@ -12,7 +12,6 @@
 namespace qkv::dist::ring {
 namespace {
 
-
 // FNV-1a, to compare what every rank must agree on in one number.
 struct Hash {
   uint64_t value = 1469598103934665603ull;

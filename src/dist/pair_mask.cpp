@@ -57,7 +57,6 @@ Terms scatter_terms(const Mask& mask, const Layout& layout, const Comm& comm, in
   return terms;
 }
 
-
 void add_pair_terms(const Terms& terms, int qc, int64_t ks, int64_t lk, Mask& out) {
   for (const Terms::Term& t : terms.list) {
     Tensor c = t.chunks[static_cast<size_t>(qc)];

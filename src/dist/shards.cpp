@@ -119,7 +119,6 @@ Tensor view(const Tensor& buffer, int64_t offset, const Shape& shape) {
   return Tensor::from_blob(buffer.data() + offset, shape, std::make_shared<Tensor>(buffer));
 }
 
-
 BlockLayout block_layout(const Tensor& k4, const Tensor& v4, const Layout& layout) {
   BlockLayout b;
   b.k_shape = Shape{k4.size(0), k4.size(1), layout.chunk, k4.size(3)};

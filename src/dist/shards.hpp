@@ -40,7 +40,6 @@ struct Layout {
   }
 };
 
-
 Layout make_layout(const Comm& comm, int64_t n, const Mask& mask);
 
 // The zigzag exchange on entry: this rank's contiguous (B, H, n, D) shard becomes its chunks
