@@ -1,5 +1,6 @@
-// Inference pieces of qkv::nn: rotary position embeddings and the per-layer KV cache that lets
-// MultiHeadAttention attend incrementally (include/qkv/nn.hpp: make_cache, forward(x, cache)).
+// Inference pieces of qkv::nn: rotary position embeddings (from a base, or from tables) and the
+// per-layer KV cache that lets MultiHeadAttention attend incrementally (include/qkv/nn.hpp:
+// make_cache, forward(x, cache)).
 #pragma once
 
 #include <cstdint>
@@ -39,11 +40,61 @@ class RotaryEmbedding {
 
   int64_t head_dim() const { return head_dim_; }
   const RotaryEmbeddingOptions& options() const { return options_; }
+  const std::vector<double>& inverse_frequencies() const { return inverse_frequency_; }  // theta_i
 
  private:
   int64_t head_dim_;
   RotaryEmbeddingOptions options_;
   std::vector<double> inverse_frequency_;  // theta_i, D/2 of them
+};
+
+// Rotary tables as FlashAttention's kvcache API takes them (flash_attn_with_kvcache's rotary_cos,
+// rotary_sin, rotary_interleaved; flash_attn.layers.rotary.apply_rotary_emb): row p holds the
+// cosines and sines of position p's angles, one column per pair of rotated features.
+struct RotaryTableOptions {
+  Tensor cos, sin;           // (seqlen_ro, rotary_dim / 2) each, F32, BF16 or F16, finite
+  bool interleaved = false;  // false: pairs (x_i, x_{i + R/2}), GPT-NeoX; true: (x_{2i}, x_{2i+1}), GPT-J
+};
+
+// Rotary position embedding from caller-supplied tables. Only the first rotary_dim R =
+// 2 * cos.size(1) features of each head (R <= head_dim) are rotated; the rest pass through. Token
+// n at position p (an offset + n) gets, with c = cos[p][i], s = sin[p][i]:
+//   half-split:  y_i = x_i c - x_{i+R/2} s,   y_{i+R/2} = x_{i+R/2} c + x_i s   (i < R/2)
+//   interleaved: y_2i = x_2i c - x_2i+1 s,    y_2i+1 = x_2i+1 c + x_2i s
+// which is FlashAttention's out = x * cos + rotate(x) * sin on the rotated part. The tables are
+// kept in double (f32 widens exactly); each output is computed in double and rounded once, as
+// RotaryEmbedding computes it. qkv::Error names the shapes and values of bad tables, of x, and
+// of positions past the tables' end.
+class RotaryTable {
+ public:
+  RotaryTable(int64_t head_dim, const RotaryTableOptions& options);
+  // The tables of the base form for positions [0, length): pair i of position p at the angle
+  // p * base^(-2i / rotary_dim) (or options.inverse_frequencies[i], rotary_dim / 2 of them), in
+  // double. rotary_dim is even and <= head_dim (0: head_dim). On the first rotary_dim features
+  // they rotate exactly as RotaryEmbedding(rotary_dim, options) does, bit for bit.
+  static RotaryTable from_base(int64_t head_dim, int64_t length, const RotaryEmbeddingOptions& options = {},
+                               int64_t rotary_dim = 0);
+
+  // x (B, H, N, D) (or (H, N, D), (N, D)), f32: a new tensor with token n of every head rotated
+  // as position position_offset + n.
+  Tensor apply(const Tensor& x, int64_t position_offset = 0) const;
+  // In place on x (B, H, N, D), any strides with a contiguous last dim: batch element b's token n
+  // sits at position offsets[b] + n (one offset per batch element, e.g. a KVCache's lengths(),
+  // FlashAttention's cache_seqlens; or one for all). inverse: the backward (the transpose).
+  void apply_inplace(const Tensor& x, const std::vector<int64_t>& offsets, bool inverse = false) const;
+
+  int64_t head_dim() const { return head_dim_; }
+  int64_t rotary_dim() const { return rotary_dim_; }
+  int64_t length() const { return length_; }  // positions the tables hold: seqlen_ro
+  bool interleaved() const { return interleaved_; }
+  Tensor cos() const;  // the tables as f32, (length, rotary_dim / 2)
+  Tensor sin() const;
+
+ private:
+  RotaryTable() = default;
+  int64_t head_dim_ = 0, rotary_dim_ = 0, length_ = 0;
+  bool interleaved_ = false;
+  std::vector<double> cos_, sin_;  // (length, rotary_dim / 2), row-major
 };
 
 // One attention layer's cache of keys and values: (B, Hkv, capacity, D) each, allocated once in

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -68,13 +69,20 @@ class Mask {
   // a leading query-head dim (of size Hq or 1); nonzero = the block is visible. Checked against
   // the problem's shapes when attention runs.
   static Mask block_sparse(Tensor layout, int64_t block_q, int64_t block_k);
+  // A mask function (FlexAttention's mask_mod) as text: key k is visible to query q of head h,
+  // batch b where `text` is true, e.g. "doc(q) == doc(k)" or "k < 4 || k <= q" (the language of
+  // score and mask functions: docs/flex.md). `inputs` are the named tensors the text reads, each
+  // (L) or (B, L) float32, indexed by q, k, h or b (L covering the index). Parsed here (throws
+  // MaskParseError); the inputs' shapes are checked when attention runs.
+  static Mask expression(const std::string& text, std::map<std::string, Tensor> inputs = {});
 
   // The mask a text expression describes; throws MaskParseError. Grammar (spaces free):
   //   expression := conjunction ("|" conjunction)*
   //   conjunction := primary ("&" primary)*
   //   primary    := "(" expression ")" | none | causal | window(L) | window(L, R) | padding(N)
   //               | key_lengths(N, ...) | strided(S) | strided(S, O) | global(N)
-  // with whole numbers >= 0 (padding's N and strided's S >= 1).
+  // with whole numbers >= 0 (padding's N and strided's S >= 1); or, as the whole text,
+  //   "mask:" followed by a mask function (expression() without inputs).
   static Mask parse(const std::string& expression);
 
   friend Mask operator&(const Mask& a, const Mask& b);
@@ -86,7 +94,7 @@ class Mask {
 
   // A node of the symbolic part of the rule: a leaf rule, or `&` / `|` of two nodes.
   struct Rule {
-    enum class Kind { Band, KeyLengths, Strided, Global, BlockSparse, Keep, And, Or };
+    enum class Kind { Band, KeyLengths, Strided, Global, BlockSparse, Keep, Expression, And, Or };
     Kind kind = Kind::Band;
     int64_t lo = 0, hi = 0;            // Band: i + lo <= j <= i + hi
     int64_t stride = 1, offset = 0;    // Strided: (offset + i - j) mod stride == 0
@@ -94,6 +102,8 @@ class Mask {
     int64_t block_q = 1, block_k = 1;  // BlockSparse: layout[h][i / block_q][j / block_k] != 0
     std::vector<int64_t> lengths;      // KeyLengths: j < lengths[b]
     Tensor tensor;                     // Keep: the keep tensor; BlockSparse: the layout
+    std::string expression;                 // Expression: the mask function's text
+    std::map<std::string, Tensor> inputs;   // Expression: its named inputs
     std::shared_ptr<const Rule> left, right;  // And, Or
   };
   // The symbolic rule ANDed with the normalised band, lengths and terms below; nullptr when none.

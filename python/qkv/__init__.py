@@ -44,8 +44,8 @@ for _name in ("Backend", "Error", "Mask", "MaskParseError"):
 
 __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
-    "create_causal_mask", "create_padding_mask", "dropout_keeps", "linear_attention", "linear_attention_backward",
-    "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy", "linear_attention",
+    "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -87,7 +87,8 @@ def _check_arguments_of_core():
         for name in methods:
             setattr(cls, name, _named_errors(getattr(cls, name), f"{cls.__name__}.{name}"))
     for name in ("attention", "attention_backward", "attention_half_kv", "linear_attention",
-                 "linear_attention_backward", "create_causal_mask", "create_padding_mask"):
+                 "linear_attention_backward", "create_causal_mask", "create_padding_mask", "row_entropy",
+                 "head_entropy"):
         setattr(_core, name, _named_errors(getattr(_core, name), name))
 
 
@@ -249,6 +250,27 @@ def _check_gqa(query, key, enable_gqa):
                     f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
 
 
+def _tempered_scale(scale, temperature, query, who):
+    """The scale with a softmax temperature folded in: scale / temperature (scale defaulting to
+    1 / sqrt(Dk)), so the weights are softmax(q.k * scale / T). temperature None or 1 leaves the
+    scale as given (None: the core's default)."""
+    if temperature is None:
+        return scale
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise Error(f"{who}: temperature must be a real number above 0, got {_brief(temperature)}")
+    t = float(temperature)
+    if not (t > 0 and np.isfinite(t)):
+        raise Error(f"{who}: temperature must be finite and above 0, got {t}")
+    if t == 1:
+        return scale
+    if scale is None:
+        dk = np.shape(query)[-1] if np.ndim(query) else 0
+        if dk <= 0:
+            return scale  # the core names the bad shape
+        scale = 1.0 / np.sqrt(float(dk))
+    return float(scale) / t
+
+
 def _half_bits(x):
     """(uint16 bits, "bf16" / "f16") of a 16-bit float array or tensor (numpy float16, torch
     float16 or bfloat16), else None."""
@@ -266,7 +288,7 @@ def _half_bits(x):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
                                  window=None, return_lse=False, return_row_stats=False, allow_cast=False,
-                                 **options):
+                                 temperature=None, **options):
     """softmax(query @ key^T * scale + mask) @ value, as torch's scaled_dot_product_attention.
 
     options: seed=0, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None,
@@ -283,6 +305,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       scores (B, Hq, Nq, Nk). Unlike PyTorch, it may be combined with is_causal.
     is_causal: query i sees keys j <= i (top-left aligned, as PyTorch).
     scale: defaults to 1 / sqrt(Dk).
+    temperature: the softmax's temperature T > 0 (None or 1: none): weights = softmax(q.k * scale
+      / T), each row the T = 1 row raised to 1/T and renormalised; T < 1 sharpens, T > 1 flattens
+      (the explorer's slider, docs/explorer.md). It divides the scale, so the score modifiers
+      below act on the tempered scores. Give the backward the same temperature.
     dropout_p, seed: dropout on the weights; the same seed drops the same weights on every
       kernel (see qkv.dropout_keeps).
     key_lengths: padding, one length per batch: batch b sees its first key_lengths[b] keys.
@@ -321,6 +347,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query: read as they are (docs/inference.md); the output stays float32. Inference only: no
     need_weights, dropout or row stats.
     """
+    scale = _tempered_scale(scale, temperature, query, "scaled_dot_product_attention")
     key_half, value_half = _half_bits(key), _half_bits(value)
     if key_half is not None or value_half is not None:
         if key_half is None or value_half is None or key_half[1] != value_half[1]:
@@ -350,14 +377,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                                           key_lengths=None, window=None, row_max=None, row_sum=None,
-                                          allow_cast=False, **options):
+                                          allow_cast=False, temperature=None, **options):
     """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
     (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
 
     grad_output: dL/doutput, shaped as the output. output, lse (and row_max, row_sum): what the
     forward returned with return_lse=True (and return_row_stats=True), on the same query, key and
     value. Every other argument
-    must be the one the forward was given (the mask arguments, scale, dropout_p and seed: dropout
+    must be the one the forward was given (the mask arguments, scale, temperature, dropout_p and seed: dropout
     then drops the same weights in both directions; softcap, alibi_slopes, sinks). The weights are
     recomputed, never stored: from row_max and row_sum when given (exact whatever the biases),
     else from lse (exact unless every key of a row carries a huge bias such as -1e9).
@@ -371,6 +398,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
         dq, dk, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, is_causal=True,
                                                                row_max=row_max, row_sum=row_sum)
     """
+    scale = _tempered_scale(scale, temperature, query, "scaled_dot_product_attention_backward")
     query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
                          _as_float32(value, "value", allow_cast))
     grad_output, output, lse = (_as_float32(grad_output, "grad_output", allow_cast),
@@ -426,6 +454,24 @@ def linear_attention_backward(grad_output, query, key, value, feature_map="elu+1
     grad_output = _as_float32(grad_output, "grad_output", allow_cast)
     return _core.linear_attention_backward(query, key, value, grad_output,
                                            *_linear_options(feature_map, is_causal, eps, causal_offset))
+
+
+def entropy(weights, allow_cast=False):
+    """The entropy of each row of attention weights, in nats: H(i) = -sum_j w_ij ln w_ij (0 ln 0 = 0).
+
+    weights (..., Nq, Nk), such as scaled_dot_product_attention(..., need_weights=True) returns ->
+    (..., Nq) float32. 0 for a row with all its weight on one key, ln(k) spread evenly over k keys;
+    a row of zeros (a query that saw no key) is 0. Computed by qkv::analysis::row_entropy (in
+    double per row), the function behind the explorer's and `qkv heads`' entropies, so the
+    numbers agree with theirs. weights must be float32 unless allow_cast=True.
+    """
+    return _core.row_entropy(_as_float32(weights, "weights", allow_cast))
+
+
+def head_entropy(weights, allow_cast=False):
+    """Each head's mean row entropy (nats), the figure the explorer prints under each head:
+    weights (B, H, Nq, Nk) -> (B, H), (H, Nq, Nk) -> (H). qkv::analysis::head_entropy."""
+    return _core.head_entropy(_as_float32(weights, "weights", allow_cast))
 
 
 def create_causal_mask(n):
@@ -799,3 +845,10 @@ def __getattr__(name):
             raise AttributeError("qkv.torch needs PyTorch, which is not installed")
         return importlib.import_module(".torch", __name__)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
+
+# Rotary positions from caller-supplied tables (FlashAttention's rotary_cos / rotary_sin): rotary.py,
+# imported last because it uses the helpers above.
+from .rotary import RotaryTable, apply_rotary  # noqa: E402
+
+__all__ += ["RotaryTable", "apply_rotary"]

@@ -18,7 +18,7 @@ query heads sharing each key/value head.
 
 import torch
 
-from . import Error, _check_gqa, _core, _linear_options, _mask_from, _options
+from . import Error, _check_gqa, _core, _linear_options, _mask_from, _options, _tempered_scale
 
 __all__ = ["linear_attention", "scaled_dot_product_attention"]
 
@@ -63,7 +63,8 @@ class ScaledDotProductAttention(torch.autograd.Function):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, key_lengths=None, window=None, sinks=None, **options):
+                                 enable_gqa=False, key_lengths=None, window=None, sinks=None, temperature=None,
+                                 **options):
     """torch.nn.functional.scaled_dot_product_attention computed by qkv (CPU float32).
 
     query (B, Hq, Nq, Dk), key (B, Hkv, Nk, Dk), value (B, Hkv, Nk, Dv), or rank 3 / 2 as one
@@ -72,8 +73,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     sinks: (Hq) float32 tensor, as qkv.scaled_dot_product_attention's: it gets a gradient when it
     requires one. options: qkv.scaled_dot_product_attention's (seed, softcap, alibi_slopes (not
     differentiated), precision for the forward and the backward, backend), as keywords.
+    temperature: softmax(q.k * scale / T), as qkv.scaled_dot_product_attention's (None: T = 1).
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
+    scale = _tempered_scale(scale, temperature, query, "qkv.torch.scaled_dot_product_attention")
     if isinstance(key, torch.Tensor) and key.dtype in (torch.bfloat16, torch.float16):
         # 16-bit keys and values (a KV cache): forward only, read as they are (docs/inference.md).
         import qkv

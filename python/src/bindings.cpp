@@ -25,7 +25,9 @@
 
 #include <qkv/qkv.hpp>
 
+#include "analysis_bindings.hpp"
 #include "models_bindings.hpp"
+#include "rotary_bindings.hpp"
 
 namespace py = pybind11;
 
@@ -441,6 +443,8 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<qkv::MaskParseError>(m, "MaskParseError", error.ptr());
   py::register_exception<ArrayError>(m, "ArrayError", error.ptr());
   bind_models(m);  // the real models: models_bindings.cpp
+  bind_analysis(m);  // entropy of weights: analysis_bindings.cpp
+  bind_rotary_tables(m);  // rotary from tables: rotary_bindings.cpp
 
   py::enum_<qkv::Backend>(m, "Backend")
       .value("Auto", qkv::Backend::Auto)

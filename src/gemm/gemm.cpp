@@ -1,59 +1,30 @@
 // qkv::detail::sgemm (gemm/gemm.hpp): one entry point, five paths, chosen per shape class.
 //
-// The choice (measured by `qkv bench`'s table of GEMM paths per shape class; docs/performance.md):
+// The choice, per shape class (`qkv bench` prints its table of GEMM paths per shape class; the
+// measurements behind each bound are in docs/performance-log.md, "gemm/ (moved from kernel
+// comments)"):
 //   - x W^T (A not transposed, B transposed) whose rows are whole AVX-512 vectors, 32-64 of them
 //     with n, k >= 256, or 80-128 with n, k >= 512: TiledT, the Tiled kernel on y^T = W x^T,
 //     which broadcasts W where it is, packs x (small), keeps its sums in vectors (the Small
 //     kernel spends about a fifth of its time at k = 512 outside its loop over k, mostly adding
-//     each accumulator's lanes: perf, one thread) and writes y back from its tile. Sapphire
-//     Rapids-class Xeon, operands 64-byte aligned, TiledT's rate over the path chosen before
-//     (medians of 5 alternated rounds of 10 ms batches):
-//     two threads, NT 32, 48, 64 x 512 x 512 1.11-1.19 (over Small), x 1536 x 512 and 2048 x 512
-//     1.12-1.22, 512 x 2048 1.22-1.29, 256 x 256 1.00-1.12; 96 and 128 x 512, 1536, 2048 x 512
-//     1.07-1.20 (over oneDNN), 512 x 2048 1.18-1.33; 80 and 112 rows alike; one thread 1.09-1.36
-//     and 0.98-1.19 on the same shapes, and 1.19-1.31 over OpenBLAS (the choice without oneDNN)
-//     from 80 rows. Not chosen: rows that leave a vector partly empty (20, 24 and 40 rows:
-//     0.61-1.05 over Small, which wastes no lanes), 256 rows (0.86-1.01 over oneDNN), 96-128 rows
-//     against n or k of 256 (0.87-0.95), n = 128 (0.94-0.99 over Small on two threads), k = 128
-//     (0.90-0.97 over oneDNN from 48 rows).
+//     each accumulator's lanes) and writes y back from its tile. Rows that leave a vector partly
+//     empty (Small wastes no lanes), 256 rows, and n or k of 128 stay where they were faster.
 //   - otherwise A not transposed, B transposed and few rows (a Linear over a few tokens, W5's
-//     20-row projections): the Small kernel, which reads W where it is instead of packing it. "Few" is
-//     64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the CPU runs
-//     Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and Small runs them on several threads. Ice
-//     Lake, NT m x n x k, after Small's register fix, oneDNN's time over Small's: two threads,
-//     64 x 512 x 512 1.6x, 64 x 256 x 256 1.4x, 64 x 2048 x 512 1.6x, but 64 x 512 x 64 0.85x and
-//     64 x 64 x 64 0.58x (each tile's sums outweigh its 4 steps over k); one thread, 64 rows,
-//     0.93x at k = 512 and 0.53-0.71x at k = 128-256; 20-33 rows, 0.78x (one thread,
-//     20 x 256 x 128) to 4.5x. None on AVX2 with oneDNN: there (Zen 3) oneDNN took 0.82-0.90 x
-//     Small's time on W5 (in-process A/B, 1 and 2 threads).
+//     20-row projections): the Small kernel, which reads W where it is instead of packing it.
+//     "Few" is 64 rows against OpenBLAS, which packs W even for one row. Against oneDNN, where the
+//     CPU runs Small's AVX-512 tile: 32 rows, and 64 when k >= 256 and Small runs them on several
+//     threads (with few steps over k, each tile's sums outweigh them). None on AVX2 with oneDNN,
+//     which is faster there.
 //   - many rows against a head dimension (m >= 256, and n <= 64 or 32 <= k <= 64: the reference
 //     kernel's S = Q K^T, P V and its backward's products), or, on more than one thread, a
 //     mid-size Linear's products (n <= 512, 32 <= k <= 512; x W^T from m = 512, the other
 //     transposes from m = 1024: dx with m = tokens, dW with m = out features and k = tokens, TT),
 //     where the CPU runs AVX-512: the Tiled kernel, the fused kernels' register tiles over B
-//     packed into panels. Ice Lake, operands 64-byte aligned as qkv's Tensors are, the Tiled
-//     kernel's time over oneDNN's (per-round ratios of 20 ms batches of calls, as `qkv bench`
-//     times them, alternated; medians of 12 rounds, two runs; two threads): NT 256 x 256 x 64
-//     0.77-0.81, 512 x 512 x 64 0.85-0.87, 2048 x 2048 x 64 0.76-0.83; NN 512 x 64 x 512
-//     0.74-0.80, 2048 x 64 x 2048 0.87-0.97; TN 512 x 64 x 512 0.95-0.96; NT 512 x 512 x 512
-//     0.89-0.90, 768 x 512 x 512 0.87, 1024 x 512 x 512 0.83-0.87, 2048 x 512 x 512 0.78-0.83,
-//     512 x 512 x 128 0.77-0.82; NN 1024 x 512 x 512 0.94-0.96, 2048 x 512 x 512 0.98-0.99; TN
-//     1024 x 512 x 512 0.92-0.95, 2048 x 512 x 512 0.87-0.89. One thread: NT 256 x 256 x 64 0.90,
-//     512 x 512 x 64 1.00, NN 512 x 64 x 512 0.84, TN 512 x 64 x 512 0.91. Not chosen, it lost
-//     or tied: one thread, NT 512, 1024 and 2048 x 512 x 512 1.13-1.22, NN 512 x 512 x 512 1.09,
-//     1024 x 512 x 512 1.08, TN 512 x 512 x 512 1.18; two threads, below 1024 rows NN 512 x 512 x
-//     512 1.01-1.05, 768 x 512 x 512 1.00, TN 512 x 512 x 512 1.09-1.20, 768 x 512 x 512 0.97;
-//     TN 512 x 512 x 1024 1.05, x 2048 1.07 (a Linear's dW), x 4096 1.12. (Earlier measurements
-//     of this rule used buffers 16 bytes past a 64-byte line, which slow oneDNN by 10-15% on
-//     these shapes and had made the Tiled path look faster than it is; misaligned, it still is
-//     not chosen: NT 256 x 512 x 512 0.94-1.04, 256 x 1536 x 512 1.14-1.16, 384 x 384 x 384
-//     1.05-1.10, 512 x 1536 x 512 1.04, 1024 x 1536 x 512 1.24, 4096 x 4096 x 128 1.12, 2048 x
-//     2048 x 32 1.09, 512 x 512 x 16 1.02.) k < 32 with n > 64 is left to oneDNN, mixed
-//     (misaligned): TN 1536 x 512 x 8 1.07, x 20 0.89, 2048 x 512 x 20 0.83-0.94; NT 2048 x 512 x
-//     16 0.79-0.81, 4096 x 256 x 16 0.94-1.00; NN 2048 x 512 x 16 1.08-1.11;
+//     packed into panels. One thread, fewer rows, larger k and k < 32 with n > 64 are left to
+//     oneDNN, which tied or won there.
 //   - everything else: oneDNN when built in, which picks its AVX-512 kernels from the CPU whatever
-//     OPENBLAS_CORETYPE says (2048^3 under OPENBLAS_CORETYPE=Haswell: oneDNN ~1.9x OpenBLAS; unset,
-//     within the noise of each other); OpenBLAS otherwise.
+//     OPENBLAS_CORETYPE says (OPENBLAS_CORETYPE=Haswell runs OpenBLAS's AVX2 kernels on an AVX-512
+//     core); OpenBLAS otherwise.
 #include "gemm/gemm.hpp"
 
 #include <cblas.h>

@@ -3,7 +3,8 @@
 // inside its own per-target code, as Highway's -inl.h convention asks.
 //
 //   MicroTile / PanelGemm / Gemm   C (+)= A B, "broadcast an element of A, load a row of B", in a
-//                                  register tile of PanelRows<V>() x V vectors
+//                                  register tile of PanelRows<V>() x V vectors (the tile and its
+//                                  steps: gemm/register_tile-inl.h, shared with small.cpp, rows.cpp)
 //   AllFinite                      no NaN and no +-Inf among some floats
 
 // Per-target include guard (Highway's pattern: toggles once per target).
@@ -19,21 +20,19 @@
 #include <cstdint>
 #include <limits>
 
+#include "gemm/layout.hpp"
+#include "gemm/register_tile-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
 namespace HWY_NAMESPACE {
 namespace tile_gemm {
-namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
-using VF = hn::Vec<DF>;
 
 // Register tile of the micro-GEMM: kTileRows x kTileVectors accumulators plus kTileVectors
 // loaded B vectors must fit the register file without spilling, and the FMA:load ratio must
 // keep both FMA pipes busy. AVX-512 has 32 vector registers: 8 x 3 = 24 accumulators + 3 B
-// loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1. (Measured on Zen 5,
-// 6 x 4 and 12 x 2 ran within noise of 8 x 3.)
+// loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
 constexpr size_t kTileRows = 8;
 #else
@@ -54,6 +53,32 @@ HWY_INLINE void PrefetchFloatsAhead(const float* p, size_t floats) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + floats * sizeof(float)), 0, 3);
 }
 
+// MicroTile's prefetch of step k (kPrefetchA below), a_col = A's step k.
+template <size_t R>
+HWY_INLINE void PrefetchA(const float* a_col, size_t a_row, size_t a_depth, size_t k) {
+  if (a_depth == 1) {
+    if (k % kLineFloats == 0) {
+      HWY_UNROLL(16)
+      for (size_t r = 0; r < R; ++r) PrefetchFloatsAhead(a_col, (R + r) * a_row);
+    }
+  } else {
+    PrefetchFloatsAhead(a_col, kPrefetchAhead * a_depth);
+  }
+}
+
+// acc[r][v] *= c_scale's vector v: column by column.
+template <size_t R, size_t V>
+HWY_INLINE void ScaleColumns(VF (&acc)[R][V], const float* HWY_RESTRICT c_scale) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  HWY_UNROLL(16)
+  for (size_t n = 0; n < V; ++n) {
+    const VF factor = hn::LoadU(df, c_scale + n * lanes);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < R; ++r) acc[r][n] = hn::Mul(acc[r][n], factor);
+  }
+}
+
 // C[R x V*L] (+)= A[R x depth] B[depth x V*L], L = lanes; C is overwritten when !accumulate.
 // A(r, k) = a[r * a_row + k * a_depth]; B row k starts at b + k * ldb, C row r at c + r * ldc.
 // With c_scale, what C held is first multiplied column by column by c_scale[0 .. V*L) (flash's
@@ -65,58 +90,22 @@ HWY_INLINE void PrefetchFloatsAhead(const float* p, size_t floats) {
 // are contiguous (a_depth 1: K), the next panel's rows, one line of each every kLineFloats depth
 // steps (an unaligned row's last line is left to the hardware); when its depth steps are rows
 // apart (a_row 1: V^T, a step is a V row), the row kPrefetchAhead steps ahead (a line that an
-// earlier panel already fetched costs a load slot). The hardware prefetchers did not keep up
-// when K and V come from L3 (W3's, together 4 MB a KV head): W3 took 0.82-0.94 of its time on
-// two threads (docs/performance.md). 16-bit K/V are widened into L1 scratch first, where the
-// prefetches find their lines already in place.
+// earlier panel already fetched costs a load slot). The hardware prefetchers do not keep up
+// when K and V come from L3 (W3's, together 4 MB a KV head). 16-bit K/V are widened into L1
+// scratch first, where the prefetches find their lines already in place.
 template <size_t R, size_t V, bool kPrefetchA = false>
 HWY_INLINE void MicroTile(size_t depth, const float* HWY_RESTRICT a, size_t a_row, size_t a_depth,
                           const float* HWY_RESTRICT b, size_t ldb, float* HWY_RESTRICT c, size_t ldc,
                           bool accumulate, const float* HWY_RESTRICT c_scale = nullptr) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
   VF acc[R][V];
-  HWY_UNROLL(16)  // fully: the accumulators must live in registers
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) acc[r][n] = accumulate ? hn::LoadU(df, c + r * ldc + n * lanes) : hn::Zero(df);
-  }
-  if (accumulate && c_scale) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) {
-      const VF factor = hn::LoadU(df, c_scale + n * lanes);
-      HWY_UNROLL(16)
-      for (size_t r = 0; r < R; ++r) acc[r][n] = hn::Mul(acc[r][n], factor);
-    }
-  }
-  for (size_t k = 0; k < depth; ++k) {
-    const float* HWY_RESTRICT b_row = b + k * ldb;
-    const float* HWY_RESTRICT a_col = a + k * a_depth;
-    if constexpr (kPrefetchA) {
-      if (a_depth == 1) {
-        if (k % kLineFloats == 0) {
-          HWY_UNROLL(16)
-          for (size_t r = 0; r < R; ++r) PrefetchFloatsAhead(a_col, (R + r) * a_row);
-        }
-      } else {
-        PrefetchFloatsAhead(a_col, kPrefetchAhead * a_depth);
-      }
-    }
-    VF b_vec[V];
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) b_vec[n] = hn::LoadU(df, b_row + n * lanes);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF a_elem = hn::Set(df, a_col[r * a_row]);  // broadcast, folded into the FMA
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < V; ++n) acc[r][n] = hn::MulAdd(a_elem, b_vec[n], acc[r][n]);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < V; ++n) hn::StoreU(acc[r][n], df, c + r * ldc + n * lanes);
-  }
+  LoadTileOrZero(acc, accumulate, c, ldc);
+  if (accumulate && c_scale) ScaleColumns(acc, c_scale);
+  const auto load_b = [&](size_t k, VF(&b_vec)[V]) {
+    if constexpr (kPrefetchA) PrefetchA<R>(a + k * a_depth, a_row, a_depth, k);
+    LoadConsecutive(b + k * ldb, b_vec);
+  };
+  BroadcastSteps(depth, a, a_row, a_depth, load_b, acc);
+  StoreTile(acc, c, ldc);
 }
 
 // Rows of a V-vector panel's register tile: kTileRows, but 6 for a 4-vector panel on AVX-512
@@ -163,7 +152,7 @@ HWY_INLINE void PanelGemm(size_t m, size_t depth, const float* a, size_t a_row, 
 template <class F>
 HWY_INLINE void ForEachPanel(size_t n, const F& f) {
   const size_t lanes = hn::Lanes(DF());
-  const size_t vectors = (n + lanes - 1) / lanes;
+  const size_t vectors = layout::ceil_div(n, lanes);
   size_t blocks = vectors / kTileVectors, left = vectors % kTileVectors, col = 0;
   if (left == 1 && blocks > 0) --blocks, left += kTileVectors;
   for (size_t block = 0; block < blocks; ++block, col += kTileVectors * lanes) f(col, kTileVectors);

@@ -14,6 +14,7 @@
 #define HWY_TARGET_INCLUDE "gemm/rows.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "gemm/register_tile-inl.h"
 #include "hwy/highway.h"
 #include "simd/kv_load-inl.h"
 
@@ -27,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm/layout.hpp"
 #include "gemm/rows.hpp"
 #include "qkv/error.hpp"
 #include "simd/item_shares.hpp"
@@ -37,10 +39,13 @@ namespace qkv::detail {
 namespace HWY_NAMESPACE {
 namespace rows {
 namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
-using VF = hn::Vec<DF>;
-using kv::LoadWide;
 using kv::ToFloat;
+using tile_gemm::BroadcastSteps;
+using tile_gemm::DF;
+using tile_gemm::DotStep;
+using tile_gemm::LoadConsecutive;
+using tile_gemm::VF;
+using tile_gemm::ZeroTile;
 
 // W vectors a tile of R rows takes at a time.
 template <size_t R>
@@ -63,21 +68,9 @@ HWY_NOINLINE void DotTile(const float* HWY_RESTRICT x, size_t k, const T* HWY_RE
   const DF df;
   const size_t lanes = hn::Lanes(df);
   VF acc[R][O];
-  HWY_UNROLL(1)
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) acc[r][o] = hn::Zero(df);
+  ZeroTile(acc);
   size_t i = 0;
-  for (; i + lanes <= k; i += lanes) {
-    VF wv[O];
-    HWY_UNROLL(16)
-    for (size_t o = 0; o < O; ++o) wv[o] = LoadWide(df, w + o * k + i);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF xv = hn::LoadU(df, x + r * k + i);
-      HWY_UNROLL(16)
-      for (size_t o = 0; o < O; ++o) acc[r][o] = hn::MulAdd(xv, wv[o], acc[r][o]);
-    }
-  }
+  for (; i + lanes <= k; i += lanes) DotStep(x + i, k, w + i, k, acc);
   for (size_t r = 0; r < R; ++r) {
     for (size_t o = 0; o < O; ++o) {
       float sum = hn::GetLane(hn::SumOfLanes(df, acc[r][o]));
@@ -120,9 +113,7 @@ HWY_NOINLINE void DotTilePairs(const float* HWY_RESTRICT xs, size_t steps, const
   const DF df;
   const size_t lanes = hn::Lanes(df), step = 2 * lanes;
   VF acc[R][O];
-  HWY_UNROLL(1)
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) acc[r][o] = hn::Zero(df);
+  ZeroTile(acc);
   for (size_t s = 0; s < steps; ++s) {
     VF we[O], wo[O];
     HWY_UNROLL(16)
@@ -150,30 +141,18 @@ HWY_NOINLINE void AxpyTilePairs(const float* HWY_RESTRICT x, size_t k, const hwy
                                 size_t ldw, float* HWY_RESTRICT y, size_t ldy) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
-  VF even[R][O], odd[R][O];
-  HWY_UNROLL(1)
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) even[r][o] = odd[r][o] = hn::Zero(df);
-  for (size_t i = 0; i < k; ++i) {
-    const hwy::bfloat16_t* HWY_RESTRICT row = w + i * ldw;
-    VF we[O], wo[O];
+  VF acc[R][2 * O];  // acc[r][2 o]: the even columns of load o, acc[r][2 o + 1] the odd ones
+  ZeroTile(acc);
+  const auto load_pairs = [&](size_t i, VF(&b)[2 * O]) {
     HWY_UNROLL(16)
-    for (size_t o = 0; o < O; ++o) Pairs(row + o * 2 * lanes, we[o], wo[o]);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF xv = hn::Set(df, x[r * k + i]);
-      HWY_UNROLL(16)
-      for (size_t o = 0; o < O; ++o) {
-        even[r][o] = hn::MulAdd(xv, we[o], even[r][o]);
-        odd[r][o] = hn::MulAdd(xv, wo[o], odd[r][o]);
-      }
-    }
-  }
+    for (size_t o = 0; o < O; ++o) Pairs(w + i * ldw + o * 2 * lanes, b[2 * o], b[2 * o + 1]);
+  };
+  BroadcastSteps(k, x, k, 1, load_pairs, acc);
   HWY_ALIGN float e[hn::MaxLanes(DF())], od[hn::MaxLanes(DF())];
   for (size_t r = 0; r < R; ++r)
     for (size_t o = 0; o < O; ++o) {
-      hn::Store(even[r][o], df, e);
-      hn::Store(odd[r][o], df, od);
+      hn::Store(acc[r][2 * o], df, e);
+      hn::Store(acc[r][2 * o + 1], df, od);
       float* out = y + r * ldy + o * 2 * lanes;
       for (size_t m = 0; m < lanes; ++m) out[2 * m] = e[m], out[2 * m + 1] = od[m];
     }
@@ -218,27 +197,10 @@ void DotRange(const float* x, size_t k, const T* w, float* y, size_t n, size_t b
 template <class T, size_t R, size_t O>
 HWY_NOINLINE void AxpyTile(const float* HWY_RESTRICT x, size_t k, const T* HWY_RESTRICT w, size_t ldw,
                            float* HWY_RESTRICT y, size_t ldy) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
   VF acc[R][O];
-  HWY_UNROLL(1)
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) acc[r][o] = hn::Zero(df);
-  for (size_t i = 0; i < k; ++i) {
-    const T* HWY_RESTRICT row = w + i * ldw;
-    VF wv[O];
-    HWY_UNROLL(16)
-    for (size_t o = 0; o < O; ++o) wv[o] = LoadWide(df, row + o * lanes);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF xv = hn::Set(df, x[r * k + i]);
-      HWY_UNROLL(16)
-      for (size_t o = 0; o < O; ++o) acc[r][o] = hn::MulAdd(xv, wv[o], acc[r][o]);
-    }
-  }
-  HWY_UNROLL(1)
-  for (size_t r = 0; r < R; ++r)
-    for (size_t o = 0; o < O; ++o) hn::StoreU(acc[r][o], df, y + r * ldy + o * lanes);
+  ZeroTile(acc);
+  BroadcastSteps(k, x, k, 1, [&](size_t i, VF(&wv)[O]) { LoadConsecutive(w + i * ldw, wv); }, acc);
+  tile_gemm::StoreTile(acc, y, ldy);
 }
 
 // Whole vectors of outputs [j, j + count * lanes) (count < O) as one tile.
@@ -330,11 +292,9 @@ HWY_EXPORT(RowsBlock);
 HWY_EXPORT(RowsTileOutputs);
 
 bool rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
-  // Multiply-adds: as small_rows_gemm. A region per product of a decode step (SmolLM2-135M's
-  // 576 x 576 ... 1536 x 576 at 2^17) lost to one thread on a shared, loaded 2-core machine: a
-  // step's 211 products of bf16 W took 1.44 x the widen-and-sgemm time with libgomp's spinning
-  // waits (0.84 with OMP_WAIT_POLICY=passive); from 2^20 on (the lm_head and larger) 0.73-0.74
-  // either way (in-process alternation, 30 pairs).
+  // Multiply-adds: as small_rows_gemm. A parallel region per product of a decode step
+  // (SmolLM2-135M's 576 x 576 ... 1536 x 576 at 2^17) loses to one thread on a loaded machine;
+  // from 2^20 on (the lm_head and larger) two threads win.
   constexpr int64_t kMinWorkForThreads = int64_t{1} << 20;
   return std::max<int64_t>(rows, 1) * n * k >= kMinWorkForThreads && omp_get_max_threads() > 1;
 }
@@ -356,10 +316,9 @@ void rows_gemm(const float* x, int64_t rows, int64_t k, const void* w, DType w_t
   const auto tile = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(RowsTileOutputs)(in_out));
   int64_t block = n;
   if (threaded) {
-    const int64_t wanted = (n + 8 * workers - 1) / (8 * workers);
-    block = std::max<int64_t>(tile, (wanted + tile - 1) / tile * tile);
+    block = std::max<int64_t>(tile, layout::tile_block_size(n, int64_t{8} * workers, tile));
   }
-  const int64_t blocks = (n + block - 1) / block;
+  const int64_t blocks = layout::ceil_div(n, block);
   const auto run = HWY_DYNAMIC_DISPATCH(RowsBlock);
   for_each_item(workers, blocks, [&](int64_t b) {
     run(x, static_cast<size_t>(rows), static_cast<size_t>(k), w, type, in_out, y, static_cast<size_t>(n),

@@ -8,6 +8,7 @@
 #define HWY_TARGET_INCLUDE "gemm/small.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "gemm/register_tile-inl.h"
 #include "hwy/highway.h"
 
 #ifndef QKV_NN_SMALL_GEMM_ONCE
@@ -22,6 +23,7 @@
 #include "simd/item_shares.hpp"
 #include "core/allocator.hpp"
 #include "qkv/error.hpp"
+#include "gemm/layout.hpp"
 #include "gemm/small.hpp"
 #endif
 
@@ -29,13 +31,14 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
-using VF = hn::Vec<DF>;
+using tile_gemm::DF;
+using tile_gemm::DotStep;
+using tile_gemm::VF;
 
 // The tile: kRows x kOutputs accumulators + kOutputs W vectors + 1 x vector must fit the
 // register file: 5 x 4 + 5 = 25 of AVX-512's 32; 4 x 3 + 4 = 16 of the 16-register targets
-// (W5's 20 rows are 5 tiles of 4; 3 x 3 left 2 rows to 1 x 3 tiles, 3 accumulators that wait on
-// the FMA latency: W5 on AVX2 took 0.87-0.89 x the time with 4 x 3, in-process A/B).
+// (W5's 20 rows are 5 tiles of 4, where 3 x 3 left 2 rows to 1 x 3 tiles, 3 accumulators that
+// wait on the FMA latency).
 #undef QKV_SMALL_GEMM_WIDE_TILE  // once per target
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
 #define QKV_SMALL_GEMM_WIDE_TILE 1
@@ -78,8 +81,7 @@ HWY_INLINE V4 SumsOf4(V4 a, V4 b, V4 c, V4 d) {
 // The sums of a, b, c and d's 16 lanes each, in lanes 0-3, by one tree over all four: halves of
 // a and c (b and d) added into one vector, then 128-bit blocks of those two, then lanes within
 // the blocks; 16 vector ops where To128 of each and SumsOf4 take 25, beside the tile's 640 FMAs
-// at k = 512. NT m x 512 x 512 (m = 20, 32, 64) and 20 x 1536 x 512 took 0.95-0.97 of the time
-// (Ice Lake, one thread, in-process A/B, 2 runs of 150 alternations).
+// at k = 512.
 HWY_INLINE V4 SumsOf4Wide(VF a, VF b, VF c, VF d) {
   const DF df;
   // a's partial sums in blocks 0-1, c's in 2-3 (likewise b and d).
@@ -112,47 +114,10 @@ HWY_INLINE V4 SumsAt(const VF* acc, size_t o) {
 }
 #endif
 
-// y[r, o] = alpha sum_i x[r, i] w[o, i] + beta y[r, o] for r < R, o < O (y not read when beta is
-// 0): x rows ldx apart, w rows ldw apart, y rows ldy apart, k terms. Not inlined, and its loops
-// unrolled down to the stores: the k loop holds R x O accumulators, O W vectors and an x vector,
-// and inlined into the loop over tiles (as it was) GCC kept that loop's scalars (alpha, beta, a
-// pointer) in vector registers, spilled a W vector that R FMAs a step reloaded, and stored every
-// accumulator to the stack to sum it with a scalar tail loop. The k % lanes tail is one more
-// step on zero-padded copies, and the sums go by fours (SumsAt): W5's 20-row products took
-// 0.60-0.72 of the time (in-process A/B, one thread).
+// y = alpha sums + beta y for the tile's R x O dot products (acc: their vector partial sums), y
+// not read when beta is 0.
 template <size_t R, size_t O>
-HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
-                       float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  VF acc[R][O];
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < R; ++r) {
-    HWY_UNROLL(16)
-    for (size_t o = 0; o < O; ++o) acc[r][o] = hn::Zero(df);
-  }
-  // One step of the sums: x rows and w rows from x_at and w_at (rows x_ld and w_ld apart).
-  const auto step = [&](const float* HWY_RESTRICT x_at, size_t x_ld, const float* HWY_RESTRICT w_at, size_t w_ld) {
-    VF wv[O];
-    HWY_UNROLL(16)
-    for (size_t o = 0; o < O; ++o) wv[o] = hn::LoadU(df, w_at + o * w_ld);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < R; ++r) {
-      const VF xv = hn::LoadU(df, x_at + r * x_ld);
-      HWY_UNROLL(16)
-      for (size_t o = 0; o < O; ++o) acc[r][o] = hn::MulAdd(xv, wv[o], acc[r][o]);
-    }
-  };
-  size_t i = 0;
-  for (; i + lanes <= k; i += lanes) step(x + i, ldx, w + i, ldw);
-  if (i < k) {  // the last k % lanes terms, zero-padded to a vector
-    constexpr size_t kMaxLanes = hn::MaxLanes(DF());
-    HWY_ALIGN float x_tail[R * kMaxLanes] = {}, w_tail[O * kMaxLanes] = {};
-    for (size_t r = 0; r < R; ++r) std::copy(x + r * ldx + i, x + r * ldx + k, x_tail + r * lanes);
-    for (size_t o = 0; o < O; ++o) std::copy(w + o * ldw + i, w + o * ldw + k, w_tail + o * lanes);
-    step(x_tail, lanes, w_tail, lanes);
-  }
-  // y = alpha sums + beta y, y not read when beta is 0.
+HWY_INLINE void StoreSums(const VF (&acc)[R][O], float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
 #if HWY_TARGET == HWY_SCALAR
   for (size_t r = 0; r < R; ++r) {
     for (size_t o = 0; o < O; ++o) {
@@ -183,6 +148,31 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
     }
   }
 #endif
+}
+
+// y[r, o] = alpha sum_i x[r, i] w[o, i] + beta y[r, o] for r < R, o < O (y not read when beta is
+// 0): x rows ldx apart, w rows ldw apart, y rows ldy apart, k terms. Not inlined, and its loops
+// unrolled down to the stores: the k loop holds R x O accumulators, O W vectors and an x vector,
+// and inlined into the loop over tiles (as it was) GCC kept that loop's scalars (alpha, beta, a
+// pointer) in vector registers, spilled a W vector that R FMAs a step reloaded, and stored every
+// accumulator to the stack to sum it with a scalar tail loop. The k % lanes tail is one more
+// step on zero-padded copies, and the sums go by fours (SumsAt).
+template <size_t R, size_t O>
+HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
+                       float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
+  const size_t lanes = hn::Lanes(DF());
+  VF acc[R][O];
+  tile_gemm::ZeroTile(acc);
+  size_t i = 0;
+  for (; i + lanes <= k; i += lanes) DotStep(x + i, ldx, w + i, ldw, acc);
+  if (i < k) {  // the last k % lanes terms, zero-padded to a vector
+    constexpr size_t kMaxLanes = hn::MaxLanes(DF());
+    HWY_ALIGN float x_tail[R * kMaxLanes] = {}, w_tail[O * kMaxLanes] = {};
+    for (size_t r = 0; r < R; ++r) std::copy(x + r * ldx + i, x + r * ldx + k, x_tail + r * lanes);
+    for (size_t o = 0; o < O; ++o) std::copy(w + o * ldw + i, w + o * ldw + k, w_tail + o * lanes);
+    DotStep(x_tail, lanes, w_tail, lanes, acc);
+  }
+  StoreSums(acc, alpha, beta, y, ldy);
 }
 
 // The operands of one call, for the helpers below: x rows ldx apart, W rows ldw apart, y rows
@@ -258,12 +248,11 @@ namespace {
 constexpr int64_t kBlock = 48;
 
 // x rows that do not start on a 64-byte line (numpy allocates on 16 bytes; a view's offset; a row
-// stride not a multiple of 16 floats) make each x load of the tile straddle two lines: with x 16
-// bytes off, NT 20 x 512 x 512 and 20 x 1536 x 512 ran at 0.73-0.86 of the aligned rate on one
-// thread, 0.78-0.82 on two (Sapphire Rapids-class Xeon). Such rows are first copied into aligned
-// ones, by each worker into its own part of the calling thread's scratch (small_rows_gemm): since,
-// 1.0 on one thread and 0.95-0.98 on two. The copy costs about what one output of the product
-// does, so it is made from a few dozen outputs on, for two rows or more (one row: the same time
+// stride not a multiple of 16 floats) make each x load of the tile straddle two lines, which
+// costs up to a quarter of the time. Such rows are first copied into aligned ones, by each
+// worker into its own part of the calling thread's scratch (small_rows_gemm). The copy costs
+// about what one output of the product does, so it is made from a few dozen outputs on, for two
+// rows or more (one row: the same time
 // either way), and for up to 256 KiB of rows a worker (the scratch stays held, as every
 // workspace, until release_workspaces()). With more than kMaxCopyWorkers threads, nobody copies.
 constexpr int64_t kAlignedLine = 64;  // bytes
@@ -290,27 +279,22 @@ void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const
   // are about as many as a multiple of the threads (rounded to whole tiles): W5's 512 outputs are
   // 12 blocks of 44 (the last 28), not 11 of 48, which left one of two threads a sixth block
   // while the other waited. The same share from call to call keeps a thread's part of W in its
-  // L2: with OpenMP's dynamic schedule, which deals the blocks to whichever thread is free, a
-  // Sapphire Rapids-class Xeon (2 MiB L2 per core; W5's in-projection W is 3 MiB) ran the Small
-  // path at 1.65-1.81x oneDNN's speed on NT 20 x 1536 x 512, against 2.03-2.09x with shares, and
-  // the W5 module took 0.246-0.256 ms against 0.216-0.230 (`qkv bench --threads 2 --workload W5
-  // --no-reference --runs 20`, three runs of each, alternated).
+  // L2 (W5's in-projection W is 3 MiB, an L2 2 MiB a core), which OpenMP's dynamic schedule,
+  // dealing the blocks to whichever thread is free, did not.
   const int64_t threads = omp_get_max_threads();
   const bool threaded = small_rows_gemm_threads(rows, n, k);
   const int workers = threaded ? static_cast<int>(threads) : 1;
   int64_t block_size = kBlock;
   if (threaded) {
     const int64_t tile = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(TileOutputs)());
-    const int64_t blocks = (n + kBlock - 1) / kBlock, even = (blocks + threads - 1) / threads * threads;
-    block_size = ((n + even - 1) / even + tile - 1) / tile * tile;
+    block_size = layout::tile_block_size(n, layout::block_count(n, kBlock, threads), tile);
   }
-  const int64_t blocks = (n + block_size - 1) / block_size;
+  const int64_t blocks = layout::ceil_div(n, block_size);
   // x rows off the lines: each worker copies them into its own aligned rows before its first
   // block, so a copy is written in the cache that reads it (one copy, made by the calling thread
-  // and read by both, crossed from one core's cache to the other's on every call: 20 x 512 x 512
-  // kept 0.8 of the aligned rate on two threads).
+  // and read by both, crossed from one core's cache to the other's on every call).
   const int64_t line_floats = kAlignedLine / static_cast<int64_t>(sizeof(float));
-  const int64_t aligned_ld = (k + line_floats - 1) / line_floats * line_floats;
+  const int64_t aligned_ld = layout::round_up(k, line_floats);
   float* copies = nullptr;
   std::array<bool, kMaxCopyWorkers> copied{};  // per worker, written by it alone
   if (rows > 1 && k > 0 && n >= kMinOutputsForCopy && rows * k <= kMaxCopiedFloats && workers <= kMaxCopyWorkers &&

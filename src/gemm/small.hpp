@@ -2,7 +2,7 @@
 // (gemm/gemm.hpp), which picks it for A not transposed, B transposed and few rows of A.
 //
 // With few rows (W5: 20 rows of 512 through a 1536 x 512 weight) sgemm spends as much time
-// packing W as multiplying (OpenBLAS: sgemm_incopy ~ 1/4 of the call), and its kernels follow
+// packing W as multiplying, and its kernels follow
 // OPENBLAS_CORETYPE (AVX2 when set to Haswell). This kernel reads W where it is, once: each output
 // is a dot product of an x row with a W row, a tile of rows x outputs at a time in SIMD registers
 // (Highway, dispatched to the best target of the CPU), threads over blocks of outputs.

@@ -29,6 +29,7 @@
 
 #include "simd/item_shares.hpp"
 #include "core/allocator.hpp"
+#include "gemm/layout.hpp"
 #include "gemm/tiled.hpp"
 
 namespace qkv::detail::tiled {
@@ -49,22 +50,18 @@ using tile_gemm::DF;
 using tile_gemm::kFourVectorPanels;
 
 // Depth per pass over a row block: a 3-vector panel's slice is 128 x 48 floats (24 KiB) on
-// AVX-512 (64 and 256 measured within the noise of 128 on Ice Lake).
+// AVX-512, within L1.
 constexpr size_t kDepthBlock = 128;
 // Rows per block of work: about kRowBlock, starting at multiples of kRowQuantum (the 8-row
 // register tile; a 4-vector panel's 6-row tile leaves 2 or 4 rows of a 40- or 56-row block to a
-// smaller tile, which NN 512 x 64 x 512 measured neutral: 0.99 of the time), at most
+// smaller tile, which costs nothing measurable), at most
 // kMaxBlockRows (the longest a block gets is 51 rows).
 constexpr size_t kRowQuantum = 8, kRowBlock = 48, kMaxBlockRows = kRowBlock + kRowQuantum;
 // Threads share one packed copy of alpha op(B) larger than this (512 KiB); at most this, each
 // thread packs its own (when it has a row block's worth of rows: kRowBlock per thread). A shared
 // copy is written by every thread and then read by all: each call moves the other threads' parts
-// from core to core. The duplicated packing costs threads / m of the products. A Sapphire
-// Rapids-class Xeon (AMX, 2 MiB L2), 2 threads, `qkv bench`'s GEMM table, three runs alternating
-// the two, Tiled's GFLOP/s over oneDNN's: NT 256 x 256 x 64 (64 KiB of panels) 0.98-1.05 own,
-// 0.74-0.78 shared; NT 512 x 512 x 64 0.93-0.98 against 0.84-0.87; NN 512 x 64 x 512 0.95-0.99
-// against 0.88-0.89; TN 512 x 64 x 512 0.91-0.92 against 0.82-0.86; 2048-row shapes (512 KiB and
-// more) within the noise.
+// from core to core. The duplicated packing costs threads / m of the products; up to 512 KiB of
+// panels own copies were faster, beyond it the two were alike.
 constexpr size_t kMaxOwnPanelFloats = size_t{1} << 17;
 
 // Depth steps [x_begin, x_end) of the panels of alpha op(B): the panel at column col is k rows of
@@ -119,10 +116,8 @@ void TiledPackB(bool trans_b, size_t n, size_t k, float alpha, const float* HWY_
 // With one panel (n at most 4 vectors on AVX-512, the path's target; 3 elsewhere) no second
 // panel reads a slice again, so a copy buys no reuse, and the CPU's stride prefetcher follows
 // the tiles' broadcasts down depth steps at most 2 KiB apart (the limit of Intel's L1 IP
-// prefetcher; not measured on AMD): read in place, TN 256-512 x 64 x 256-512 ran 1.09-1.19x as
-// fast as with the copy below (2 threads, Sapphire Rapids-class Xeon). Steps further apart (TN
-// 1000 x 64 x 700: 0.95, 2048 x 64 x 2048: 0.85 in place; 640 x 64 x 640: 1.01) or several
-// panels reading the slice again (TN 512 x 512 x 64: 0.96) take the copy.
+// prefetcher), so in place is faster than the copy below. Steps further apart, or several
+// panels reading the slice again, take the copy.
 constexpr size_t kMaxInPlaceStrideBytes = 2048;
 inline bool TransposedAInPlace(size_t panels, size_t lda) {
   return panels == 1 && lda * sizeof(float) <= kMaxInPlaceStrideBytes;
@@ -229,8 +224,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   // allow (boundaries at multiples of kRowQuantum), about kRowBlock rows each.
   const size_t threads = static_cast<size_t>(omp_get_max_threads());
   const bool threaded = tiled::threaded(m, n, k, static_cast<int>(threads));
-  size_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  if (threaded) blocks = (blocks + threads - 1) / threads * threads;
+  const size_t blocks = threaded ? layout::block_count(m, kRowBlock, threads) : layout::ceil_div(m, kRowBlock);
   const auto block_start = [&](size_t block) {
     return block == blocks ? m : std::min(m, (block * m / blocks + kRowQuantum / 2) / kRowQuantum * kRowQuantum);
   };
@@ -238,10 +232,7 @@ void TiledGemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
   float* panels = thread_workspace(WorkspaceSlot::GemmPanels).floats((own_panels ? threads : 1) * padded * k);
   const size_t pack_parts = threaded ? threads : 1;
   // Blocks dealt in contiguous shares (simd/item_shares.hpp): a thread keeps its rows of A and C in its
-  // caches from call to call, which OpenMP's dynamic schedule dealt to either thread. Sapphire
-  // Rapids-class Xeon, 2 threads, three runs alternated as above, Tiled over oneDNN: NT 512 x 512 x
-  // 64 0.98-0.99 against 0.95-0.97, NN 512 x 64 x 512 1.00-1.05 against 0.97-0.98, TN 512 x 64 x
-  // 512 0.92-0.96 against 0.90-0.91; the 2048-row shapes within the noise.
+  // caches from call to call, which OpenMP's dynamic schedule dealt to either thread.
   ItemShares shares(threaded ? static_cast<int>(threads) : 1, static_cast<int64_t>(blocks));
 #pragma omp parallel if (threaded)
   {

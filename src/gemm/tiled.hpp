@@ -3,8 +3,8 @@
 // a head dimension, the reference kernel's products (S = Q K^T with k = d, P V and dS^T Q with
 // n = d), and for many rows of a mid-size Linear (the rule and its measurements: gemm.cpp).
 //
-// Those shapes are skinny for a library sgemm (oneDNN ran them at 0.5-0.75 of its 2048^3 rate on
-// Ice Lake). Here alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a
+// Those shapes are skinny for a library sgemm (well below its rate on large squares). Here
+// alpha op(B) is packed once into panels of up to 3 vectors (4 on AVX-512 for a
 // last 4-vector block), each panel contiguous so that a block of its rows stays in L1 whatever
 // ldb is (B rows a power of two apart fell into a few L1 sets and missed), and threads take
 // blocks of A's rows, each running gemm/micro_kernel-inl.h's PanelGemm over every panel, a block of

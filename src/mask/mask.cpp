@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "mask/mod_expression.hpp"
+
 namespace qkv {
 
 namespace {
@@ -127,6 +129,23 @@ Mask Mask::block_sparse(Tensor layout, int64_t block_q, int64_t block_k) {
             std::to_string(block_k) + ")";
   rule.tensor = std::move(layout);
   m.rule_ = leaf(std::move(rule));
+  return m;
+}
+
+Mask Mask::expression(const std::string& text, std::map<std::string, Tensor> inputs) {
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : inputs) {
+    if (!tensor.defined()) throw Error("Mask::expression: input '" + name + "' is undefined");
+    names.push_back(name);
+  }
+  detail::ModExpression::parse(text, detail::ModKind::Mask, names);  // throws MaskParseError
+  Rule rule;
+  rule.kind = Rule::Kind::Expression;
+  rule.expression = text;
+  rule.inputs = std::move(inputs);
+  Mask m;
+  m.rule_ = leaf(std::move(rule));
+  m.text_ = "mask: " + text;
   return m;
 }
 

@@ -8,6 +8,8 @@
 
 #include "qkv/mask.hpp"
 
+#include "mask/mod_expression.hpp"
+
 namespace qkv {
 namespace {
 
@@ -231,6 +233,15 @@ class Parser {
 
 }  // namespace
 
-Mask Mask::parse(const std::string& expression) { return Parser(expression, lex(expression)).parse(); }
+Mask Mask::parse(const std::string& expression) {
+  // "mask: <function>": the whole text is a mask function (mask/mod_expression.hpp), whose
+  // errors count columns in the whole text.
+  const size_t first = expression.find_first_not_of(" \t");
+  if (first != std::string::npos && expression.compare(first, 5, "mask:") == 0) {
+    detail::ModExpression::parse(expression, detail::ModKind::Mask, {}, first + 5);
+    return Mask::expression(expression.substr(first + 5));
+  }
+  return Parser(expression, lex(expression)).parse();
+}
 
 }  // namespace qkv

@@ -3,12 +3,46 @@
 #include "mask/rule.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace qkv::detail {
 
 namespace {
 using Kind = Mask::Rule::Kind;
+
+// A mask function over a line into `out`. The scratch is the calling thread's, grown once
+// (kernels classify and mask tiles on their own threads).
+void evaluate_function(const RuleNode& n, const ModLine& line, size_t count, float* out) {
+  thread_local std::vector<float> scratch;
+  const size_t need = n.expression->scratch_floats(count);
+  if (scratch.size() < need) scratch.resize(need);
+  n.expression->evaluate(line, count, nullptr, n.inputs.data(), out, nullptr, scratch.data());
+}
+
+// Keys [j0, j0 + count) of query i (or one element): 1 where shown.
+const float* expression_line(const RuleNode& n, int64_t b, int64_t h, int64_t i, int64_t j0, size_t count) {
+  thread_local std::vector<float> out;
+  if (out.size() < count) out.resize(count);
+  evaluate_function(n, {b, h, i, j0, 0, 1}, count, out.data());
+  return out.data();
+}
+
+TileVisibility expression_tile(const RuleNode& n, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
+                               int64_t j1) {
+  bool any = false, all = true;
+  const size_t count = static_cast<size_t>(j1 - j0 + 1);
+  for (int64_t i = i0; i <= i1; ++i) {
+    const float* shown = expression_line(n, b, h, i, j0, count);
+    for (size_t x = 0; x < count; ++x) {
+      any = any || shown[x] != 0.0f;
+      all = all && shown[x] != 0.0f;
+    }
+    if (any && !all) return TileVisibility::Partial;
+  }
+  return !any ? TileVisibility::Hidden : (all ? TileVisibility::Full : TileVisibility::Partial);
+}
 
 TileVisibility leaf_tile(const RuleNode& n, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
   using TV = TileVisibility;
@@ -42,6 +76,7 @@ TileVisibility leaf_tile(const RuleNode& n, int64_t b, int64_t h, int64_t i0, in
         }
       return !any ? TV::Hidden : (all ? TV::Full : TV::Partial);
     }
+    case Kind::Expression: return expression_tile(n, b, h, i0, i1, j0, j1);
     default:  // Keep: per element
       return TV::Partial;
   }
@@ -57,10 +92,15 @@ bool MaskRule::visible(int64_t b, int64_t h, int64_t i, int64_t j, int node) con
     case Kind::Global: return j < n.count || i < n.count;
     case Kind::BlockSparse: return n.view.at(0, h, i / n.block_q, j / n.block_k) != 0.0f;
     case Kind::Keep: return n.view.at(b, h, i, j) != 0.0f;
+    case Kind::Expression: return *expression_line(n, b, h, i, j, 1) != 0.0f;
     case Kind::And: return visible(b, h, i, j, n.left) && visible(b, h, i, j, n.right);
     case Kind::Or: return visible(b, h, i, j, n.left) || visible(b, h, i, j, n.right);
   }
   return false;
+}
+
+void MaskRule::function_line(int node, const ModLine& line, size_t count, float* out) const {
+  evaluate_function(nodes[static_cast<size_t>(node)], line, count, out);
 }
 
 TileVisibility MaskRule::classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
@@ -144,6 +184,35 @@ struct Compiler {
             strides[static_cast<size_t>(rank - 1)], false};
   }
 
+  // A mask function's program and its inputs' views, each input checked against what the
+  // function indexes it by: (L) or (B, L) for q (L >= Nq) and k (L >= Nk), h (L >= Hq); (L) for b.
+  void compile_expression(const Mask::Rule& r, RuleNode& n) {
+    std::vector<std::string> names;
+    for (const auto& [name, tensor] : r.inputs) names.push_back(name);
+    n.expression = std::make_shared<const ModExpression>(ModExpression::parse(r.expression, ModKind::Mask, names));
+    for (const auto& [name, tensor] : r.inputs) {
+      const std::string what = "mask function '" + r.expression + "': input '" + name + "' is " + tensor.shape().str();
+      if (tensor.dim() != 1 && !(tensor.dim() == 2 && tensor.size(0) == batch))
+        fail(what + " but should be (L) or (B, L) with B = " + std::to_string(batch));
+      const int64_t length = tensor.size(-1);
+      for (const ModExpression::Use& use : n.expression->uses()) {
+        if (use.input != name) continue;
+        using Index = ModExpression::Index;
+        const int64_t need = use.index == Index::Query ? q_len
+                             : use.index == Index::Key ? kv_len
+                             : use.index == Index::Head ? q_heads
+                                                        : batch;
+        const char* by = use.index == Index::Query ? "q (Nq = " : use.index == Index::Key ? "k (Nk = "
+                         : use.index == Index::Head ? "h (Hq = " : "b (B = ";
+        if (length < need) fail(what + ": indexed by " + by + std::to_string(need) + ") it needs L >= " + std::to_string(need));
+        if (use.index == Index::Batch && tensor.dim() != 1) fail(what + ": indexed by b it should be (L)");
+      }
+      const Tensor packed = tensor.contiguous();
+      held.push_back(packed);
+      n.inputs.push_back({packed.data(), tensor.dim() == 2 ? length : 0, length});
+    }
+  }
+
   int add(const Mask::Rule& r) {
     RuleNode n;
     n.kind = r.kind;
@@ -164,6 +233,7 @@ struct Compiler {
     }
     if (r.kind == Kind::Keep) n.view = keep_view(r.tensor);
     if (r.kind == Kind::BlockSparse) n.view = layout_view(r);
+    if (r.kind == Kind::Expression) compile_expression(r, n);
     rule.nodes.push_back(std::move(n));
     return static_cast<int>(rule.nodes.size()) - 1;
   }

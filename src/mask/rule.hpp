@@ -7,8 +7,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
+#include "mask/mod_expression.hpp"
 #include "qkv/mask.hpp"
 
 namespace qkv::detail {
@@ -44,6 +46,8 @@ struct RuleNode {
   int64_t block_q = 1, block_k = 1;  // BlockSparse: view.at(0, h, i / block_q, j / block_k) != 0
   std::vector<int64_t> lengths;      // KeyLengths: j < lengths[b]
   MaskTermView view{};               // Keep (per element) or BlockSparse (per block)
+  std::shared_ptr<const ModExpression> expression;  // Expression: the mask function
+  std::vector<ModInput> inputs;                     // Expression: its inputs, in its order
   int left = -1, right = -1;         // And, Or: indices of the children in MaskRule::nodes
 };
 
@@ -55,7 +59,10 @@ struct MaskRule {
   int root() const { return root_node >= 0 ? root_node : static_cast<int>(nodes.size()) - 1; }
   // Whether key j is visible to query i of head h, batch b, under node `node` (the root by default).
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j, int node = -2) const;
-  // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b.
+  // A mask function node over the `count` elements of a line: out[x] = 1 where it shows the key.
+  void function_line(int node, const ModLine& line, size_t count, float* out) const;
+  // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b. A mask function
+  // is evaluated over the whole tile (FlexAttention's block mask, made per tile as it is met).
   TileVisibility classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int node = -2) const;
 };
 
@@ -84,7 +91,8 @@ StridedSplit strided_split(const MaskRule& rule, int64_t min_stride);
 MaskRule rest_rule(const MaskRule& rule, const StridedSplit& split, int64_t& band_lo, int64_t& band_hi);
 
 // The rule of `mask` for a problem (B, Hq, Nq, Nk): each node checked (key lengths one per batch
-// in [0, Nk], a block layout of (ceil(Nq/bq), ceil(Nk/bk)) or (Hq or 1, ...)); keep tensors
+// in [0, Nk], a block layout of (ceil(Nq/bq), ceil(Nk/bk)) or (Hq or 1, ...), a mask function's
+// inputs covering what it indexes them by); keep tensors
 // read through `keep_view`, which checks their broadcast and keeps them alive. Errors start with `who`.
 MaskRule compile_mask_rule(const char* who, const Mask& mask, int64_t batch, int64_t q_heads, int64_t q_len,
                            int64_t kv_len, const std::function<MaskTermView(const Tensor&)>& keep_view,

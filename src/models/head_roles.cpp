@@ -105,27 +105,35 @@ std::vector<HeadRoleScores> score_heads(const std::vector<Tensor>& text_attentio
   return scores;
 }
 
+RepeatedAttention repeated_attention(const Model& model, const std::vector<int64_t>& prefix_ids,
+                                     const std::vector<int64_t>& candidate_ids, const HeadRolesOptions& options) {
+  if (candidate_ids.empty()) throw Error("head roles: no tokens to draw the repeated sequence from");
+  if (options.repeat_length < 2)
+    throw Error("head roles: repeat_length is " + std::to_string(options.repeat_length) + "; give at least 2");
+  // T random tokens, then the same T again.
+  RepeatedAttention r;
+  r.ids = prefix_ids;
+  detail::SplitMix64 random(options.seed);
+  std::vector<int64_t> once;
+  for (int64_t t = 0; t < options.repeat_length; ++t)
+    once.push_back(candidate_ids[random.next() % candidate_ids.size()]);
+  r.ids.insert(r.ids.end(), once.begin(), once.end());
+  r.ids.insert(r.ids.end(), once.begin(), once.end());
+  r.attention = model.forward(r.ids, /*need_attention=*/true).attention;
+  r.start = static_cast<int64_t>(prefix_ids.size());
+  r.length = options.repeat_length;
+  return r;
+}
+
 std::vector<HeadRoleScores> measure_head_roles(const Model& model, const std::vector<int64_t>& text_ids,
                                                const std::vector<int64_t>& prefix_ids,
                                                const std::vector<int64_t>& candidate_ids,
                                                const HeadRolesOptions& options) {
   if (text_ids.size() < 2)
     throw Error("head roles: the text has " + std::to_string(text_ids.size()) + " tokens; give at least 2");
-  if (candidate_ids.empty()) throw Error("head roles: no tokens to draw the repeated sequence from");
-  if (options.repeat_length < 2)
-    throw Error("head roles: repeat_length is " + std::to_string(options.repeat_length) + "; give at least 2");
-  // T random tokens, then the same T again.
-  std::vector<int64_t> repeated = prefix_ids;
-  detail::SplitMix64 random(options.seed);
-  std::vector<int64_t> once;
-  for (int64_t t = 0; t < options.repeat_length; ++t)
-    once.push_back(candidate_ids[random.next() % candidate_ids.size()]);
-  repeated.insert(repeated.end(), once.begin(), once.end());
-  repeated.insert(repeated.end(), once.begin(), once.end());
+  const RepeatedAttention repeat = repeated_attention(model, prefix_ids, candidate_ids, options);
   const ModelOutput text = model.forward(text_ids, /*need_attention=*/true);
-  const ModelOutput repeat = model.forward(repeated, /*need_attention=*/true);
-  return score_heads(text.attention, repeat.attention, static_cast<int64_t>(prefix_ids.size()),
-                     options.repeat_length, model.config().is_causal());
+  return score_heads(text.attention, repeat.attention, repeat.start, repeat.length, model.config().is_causal());
 }
 
 }  // namespace qkv::models

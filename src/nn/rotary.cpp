@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/allocator.hpp"
+#include "nn/rotary_rows.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
 
@@ -37,45 +38,20 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, const RotaryEmbeddingOptions&
 }
 
 Tensor RotaryEmbedding::apply(const Tensor& x, int64_t position_offset) const {
-  if (!x.defined() || x.dim() < 2 || x.dim() > 4)
-    throw Error("RotaryEmbedding::apply: x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
-                ": expected (B, H, N, D), (H, N, D) or (N, D)");
-  Tensor out = x.clone();
-  Tensor four = out;
-  while (four.dim() < 4) four = four.unsqueeze(0);
-  apply_inplace(four, {position_offset});
-  return out;
+  return qkv::detail::rotated_copy("RotaryEmbedding::apply: ", x, position_offset,
+                                   [&](const Tensor& four, const std::vector<int64_t>& offsets) {
+                                     apply_inplace(four, offsets);
+                                   });
 }
 
 void RotaryEmbedding::apply_inplace(const Tensor& x, const std::vector<int64_t>& offsets, bool inverse) const {
-  const std::string who = "RotaryEmbedding: ";
-  if (!x.defined() || x.dim() != 4 || x.size(3) != head_dim_)
-    throw Error(who + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
-                " but should be (B, H, N, " + std::to_string(head_dim_) + ")");
-  if (x.strides()[3] != 1) throw Error(who + "x " + x.shape().str() + " has a strided last dim");
-  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2), half = head_dim_ / 2;
-  if (offsets.size() != 1 && static_cast<int64_t>(offsets.size()) != batch)
-    throw Error(who + std::to_string(offsets.size()) + " position offsets for a batch of " + std::to_string(batch));
-  float* data = x.view_data();  // checks f32
-  const auto& st = x.strides();
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t offset = offsets[offsets.size() == 1 ? 0 : static_cast<size_t>(b)];
-    if (offset < 0) throw Error(who + "position offset " + std::to_string(offset) + " is negative");
-    for (int64_t n = 0; n < len; ++n) {
-      const double position = static_cast<double>(offset + n);
-      for (int64_t i = 0; i < half; ++i) {
-        const double angle = position * inverse_frequency_[static_cast<size_t>(i)];
-        const double c = std::cos(angle), s = inverse ? -std::sin(angle) : std::sin(angle);
-        const int64_t first = options_.interleaved ? 2 * i : i, second = options_.interleaved ? 2 * i + 1 : i + half;
-        for (int64_t h = 0; h < heads; ++h) {
-          float* row = data + b * st[0] + h * st[1] + n * st[2];
-          const double x1 = row[first], x2 = row[second];
-          row[first] = static_cast<float>(x1 * c - x2 * s);
-          row[second] = static_cast<float>(x2 * c + x1 * s);
-        }
-      }
-    }
-  }
+  const std::vector<int64_t> per_batch = qkv::detail::rotary_offsets("RotaryEmbedding: ", x, head_dim_, offsets);
+  qkv::detail::rotate_pairs(x, per_batch, head_dim_, options_.interleaved, inverse,
+                       [&](int64_t position, int64_t i, double& c, double& s) {
+                         const double angle = static_cast<double>(position) * inverse_frequency_[static_cast<size_t>(i)];
+                         c = std::cos(angle);
+                         s = std::sin(angle);
+                       });
 }
 
 }  // namespace qkv::nn

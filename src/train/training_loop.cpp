@@ -32,10 +32,9 @@ void check_finite(const AttentionModel& model, int64_t step, float loss, float l
     throw Error("train: training diverged at step " + std::to_string(step) + ": " + what + " (learning rate " +
                 std::to_string(lr) + " at that step); stopped without saving: lower the learning rate");
 }
-}  // namespace
 
-TrainResult train(AttentionModel& model, const TrainOptions& o, const std::function<void(const TrainStep&)>& progress) {
-  check_task(o.task);
+// Throws when the options cannot train this model (the task's own options are check_task's).
+void check_options(const AttentionModel& model, const TrainOptions& o) {
   if (o.steps < 0 || o.batch < 1 || o.checkpoint_every < 0)
     throw Error("train: steps (" + std::to_string(o.steps) + ") must be >= 0, batch (" + std::to_string(o.batch) +
                 ") >= 1 and checkpoint_every (" + std::to_string(o.checkpoint_every) + ") >= 0");
@@ -45,6 +44,25 @@ TrainResult train(AttentionModel& model, const TrainOptions& o, const std::funct
     throw Error("train: the model (vocab " + std::to_string(model.config().vocab_size) + ", max_len " +
                 std::to_string(model.config().max_len) + ") is too small for " + to_string(o.task.task) + " (vocab " +
                 std::to_string(vocab_size(o.task)) + ", length " + std::to_string(sequence_length(o.task)) + ")");
+}
+
+// Learning rate: linear warm-up, then cosine from lr down to lr / 10 at the last step.
+float learning_rate(const TrainOptions& o, int64_t step) {
+  const float peak = o.adamw.lr;
+  float lr = peak;
+  if (step <= o.warmup_steps) {
+    lr = peak * static_cast<float>(step) / static_cast<float>(o.warmup_steps);
+  } else if (o.steps > o.warmup_steps) {
+    const double progress_fraction = static_cast<double>(step - o.warmup_steps) / static_cast<double>(o.steps - o.warmup_steps);
+    lr = static_cast<float>(peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * progress_fraction))));
+  }
+  return lr;
+}
+}  // namespace
+
+TrainResult train(AttentionModel& model, const TrainOptions& o, const std::function<void(const TrainStep&)>& progress) {
+  check_task(o.task);
+  check_options(model, o);
   model.zero_grad();
   nn::AdamW optimizer(model.parameters(), o.adamw);
   int64_t first_step = 1;
@@ -64,15 +82,7 @@ TrainResult train(AttentionModel& model, const TrainOptions& o, const std::funct
   int64_t tokens = 0;
   TrainResult result{.step = first_step - 1};
   for (int64_t step = first_step; step <= o.steps; ++step) {
-    // Learning rate: linear warm-up, then cosine from lr down to lr / 10 at the last step.
-    const float peak = o.adamw.lr;
-    float lr = peak;
-    if (step <= o.warmup_steps) {
-      lr = peak * static_cast<float>(step) / static_cast<float>(o.warmup_steps);
-    } else if (o.steps > o.warmup_steps) {
-      const double progress_fraction = static_cast<double>(step - o.warmup_steps) / static_cast<double>(o.steps - o.warmup_steps);
-      lr = static_cast<float>(peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * progress_fraction))));
-    }
+    const float lr = learning_rate(o, step);
     optimizer.options().lr = lr;
 
     const Batch batch = make_batch(o.task, o.batch, detail::mix64(o.seed) + static_cast<uint64_t>(step));

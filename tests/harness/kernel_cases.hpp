@@ -117,6 +117,8 @@ enum class MaskKind {
   Keep3D, Keep4D, Keep4DHeads, Additive2D, Additive4D, EmptyRows, Combined, BandAndTerms,
   // The symbolic patterns (issue 10): alone, in unions and intersections with the rest.
   Strided, SparseTransformer, GlobalWindow, BlockSparse, UnionTerms, BigBird, StridedGather,
+  // A mask function with inputs (issue 42): documents, a per-batch prefix, a per-head rule.
+  Function,
 };
 inline constexpr MaskKind kAllMasks[] = {
     MaskKind::None, MaskKind::Causal, MaskKind::CausalOffset, MaskKind::CausalNegative, MaskKind::Window,
@@ -124,7 +126,7 @@ inline constexpr MaskKind kAllMasks[] = {
     MaskKind::Keep4D, MaskKind::Keep4DHeads, MaskKind::Additive2D, MaskKind::Additive4D,
     MaskKind::EmptyRows, MaskKind::Combined, MaskKind::BandAndTerms,
     MaskKind::Strided, MaskKind::SparseTransformer, MaskKind::GlobalWindow, MaskKind::BlockSparse,
-    MaskKind::UnionTerms, MaskKind::BigBird, MaskKind::StridedGather,
+    MaskKind::UnionTerms, MaskKind::BigBird, MaskKind::StridedGather, MaskKind::Function,
 };
 
 inline std::string to_string(MaskKind kind) {
@@ -153,6 +155,7 @@ inline std::string to_string(MaskKind kind) {
     case MaskKind::UnionTerms: return "(strided&key_lengths)|(keep&causal),&additive";
     case MaskKind::BigBird: return "window|global|block_sparse";
     case MaskKind::StridedGather: return "causal(o)&(rest|strided(S>=64,O))&key_lengths&additive";
+    case MaskKind::Function: return "mask_function(documents,prefix,head)";
   }
   return "?";
 }
@@ -272,6 +275,37 @@ inline void set_sparse_mask(Case& c, MaskKind kind, Random& rng) {
                Mask::additive(add);
       c.bias = t::all_of({t::causal_bias(causal), t::any_of({rest_bias, t::strided_bias(stride, offset)}),
                           t::key_lengths_bias(lengths), t::additive_bias(add)});
+      return;
+    }
+    case MaskKind::Function: {  // the oracle's twin: a keep tensor built from the same rule
+      const int64_t length = std::max(nq, nk);
+      std::vector<float> docs(static_cast<size_t>(batch * length)), prefix(static_cast<size_t>(batch)),
+          reach(static_cast<size_t>(heads));
+      for (int64_t b = 0; b < batch; ++b) {
+        float doc = 0;
+        for (int64_t i = 0; i < length; ++i) docs[static_cast<size_t>(b * length + i)] = doc += rng.chance(0.1) ? 1 : 0;
+        prefix[static_cast<size_t>(b)] = static_cast<float>(rng.integer(0, 4));
+      }
+      for (float& r : reach) r = static_cast<float>(rng.integer(-1, 5));
+      std::vector<float> keep(static_cast<size_t>(batch * heads * nq * nk));
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < nq; ++i)
+            for (int64_t j = 0; j < nk; ++j) {
+              const bool same = docs[static_cast<size_t>(b * length + i)] == docs[static_cast<size_t>(b * length + j)];
+              const bool shown = (same || j < prefix[static_cast<size_t>(b)]) && j <= i + reach[static_cast<size_t>(h)];
+              keep[static_cast<size_t>(((b * heads + h) * nq + i) * nk + j)] = shown ? 1.0f : 0.0f;
+            }
+      const Tensor keep_tensor = Tensor::from(std::move(keep), Shape{batch, heads, nq, nk});
+      c.mask = Mask::expression("(docs(q) == docs(k) || k < prefix(b)) && k <= q + reach(h)",
+                                {{"docs", Tensor::from(std::move(docs), Shape{batch, length})},
+                                 {"prefix", Tensor::from(std::move(prefix), Shape{batch})},
+                                 {"reach", Tensor::from(std::move(reach), Shape{heads})}});
+      c.bias = t::keep_bias(keep_tensor);
+      if (rng.chance(0.3)) {
+        c.mask = Mask::window(8) & c.mask;
+        c.bias = t::all_of({t::window_bias(8), c.bias});
+      }
       return;
     }
     default:

@@ -1,8 +1,10 @@
-// qkv_make_tiny_model FOLDER gpt2|llama|bert [f32|bf16]: writes a tiny random-weight model folder
-// in the Hugging Face layout (config.json, model.safetensors, tokenizer.json) for the CLI and
-// Python tests, so they run the real loading path on files nothing committed. The weights are
-// the architecture tests' random checkpoints (checkpoint.hpp); the tokenizers are a byte-level
-// BPE (256 bytes, a few merges, <|endoftext|>) and a small WordPiece ([CLS] ... [SEP]).
+// qkv_make_tiny_model FOLDER gpt2|llama|bert|gpt2-induction [f32|bf16]: writes a tiny random-weight
+// model folder in the Hugging Face layout (config.json, model.safetensors, tokenizer.json) for the
+// CLI and Python tests, so they run the real loading path on files nothing committed. The weights
+// are the architecture tests' random checkpoints (checkpoint.hpp), or for gpt2-induction a GPT-2
+// set by hand with a previous-token and an induction head (induction_model.hpp); the tokenizers
+// are a byte-level BPE (256 bytes, a few merges, <|endoftext|>) and a small WordPiece ([CLS] ...
+// [SEP]).
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint.hpp"
+#include "induction_model.hpp"
 #include "models/byte_level.hpp"
 #include "qkv/error.hpp"
 #include "qkv/models/safetensors.hpp"
@@ -72,6 +75,7 @@ int64_t write_wordpiece(const std::filesystem::path& path) {
 }
 
 std::string config_json(const std::string& arch, int64_t vocab) {
+  if (arch == "gpt2-induction") return induction_config_json(vocab);
   const std::string v = std::to_string(vocab), eos = std::to_string(vocab - 1);
   if (arch == "gpt2")
     return R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": )" + v +
@@ -95,9 +99,10 @@ void write_model(const std::filesystem::path& folder, const std::string& arch, D
   const std::string config = config_json(arch, vocab);
   write_text(folder / "config.json", config);
   const ModelConfig c = parse_config(config);
-  const Checkpoint checkpoint = arch == "gpt2"   ? gpt2_checkpoint(c, dtype, 7)
-                                : arch == "bert" ? bert_checkpoint(c, dtype, 7)
-                                                 : llama_checkpoint(c, dtype, 7);
+  const Checkpoint checkpoint = arch == "gpt2-induction" ? induction_checkpoint(c)
+                                : arch == "gpt2"         ? gpt2_checkpoint(c, dtype, 7)
+                                : arch == "bert"         ? bert_checkpoint(c, dtype, 7)
+                                                         : llama_checkpoint(c, dtype, 7);
   std::vector<SafetensorsTensor> tensors;
   for (const auto& [name, values] : checkpoint.values) {
     const WeightView* view = checkpoint.weights->find(name);
@@ -116,8 +121,9 @@ void write_model(const std::filesystem::path& folder, const std::string& arch, D
 int main(int argc, char** argv) {
   const std::string arch = argc >= 3 ? argv[2] : "";
   const std::string dtype = argc >= 4 ? argv[3] : "f32";
-  if (argc < 3 || (arch != "gpt2" && arch != "llama" && arch != "bert") || (dtype != "f32" && dtype != "bf16")) {
-    std::fprintf(stderr, "usage: qkv_make_tiny_model FOLDER gpt2|llama|bert [f32|bf16]\n");
+  if (argc < 3 || (arch != "gpt2" && arch != "llama" && arch != "bert" && arch != "gpt2-induction") ||
+      (dtype != "f32" && dtype != "bf16")) {
+    std::fprintf(stderr, "usage: qkv_make_tiny_model FOLDER gpt2|llama|bert|gpt2-induction [f32|bf16]\n");
     return 2;
   }
   try {

@@ -43,3 +43,10 @@ add_test(NAME models_make_no_weights COMMAND ${CMAKE_COMMAND} -E copy ${tiny}/gp
 set_tests_properties(models_make_no_weights PROPERTIES FIXTURES_SETUP tiny_no_weights FIXTURES_REQUIRED tiny_gpt2)
 model_cli_test(models_folder_without_weights tiny_no_weights ARGS "generate|--model|${tiny}/no-weights|x" FAIL
   EXPECT "no-weights.*model.safetensors")
+# qkv heads on a GPT-2 whose weights are set by hand (induction_model.hpp): layer 0 head 0 a
+# previous-token head, layer 1 head 0 an induction head, the other two uniform. The tool must
+# name exactly those: the two rows, their scores, and the count of each role.
+add_test(NAME models_make_hand_set COMMAND qkv_make_tiny_model ${tiny}/hand-set gpt2-induction)
+set_tests_properties(models_make_hand_set PROPERTIES FIXTURES_SETUP tiny_hand_set)
+model_cli_test(models_heads_hand_set tiny_hand_set ARGS "heads|--model|${tiny}/hand-set"
+  EXPECT " 0 +0 +(0\\.9[0-9]+|1\\.000) +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  previous-token.* 1 +0 +[0-9.]+ +[0-9.]+ +[0-9.]+ +(0\\.[89][0-9]+|1\\.000) +[0-9.]+  induction.*4 heads: 1 previous-token, 1 induction, 2 broad")

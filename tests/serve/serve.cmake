@@ -2,6 +2,7 @@
 # tests/CMakeLists.txt when the tool is built:
 #
 #   serve_api_tests     GoogleTest on the mask expressions and the JSON API as functions
+#   serve_cache_tests   GoogleTest on the per-folder cache: roles, neuron rows, threads at once
 #   serve_model_train   fixture: a tiny trained model for the servers to load
 #   serve_http          the API over HTTP against `qkv serve --port 0` on 127.0.0.1 (pytest)
 #   serve_browser       the page in headless Chromium: slider, causal, screenshots (pytest + Selenium)
@@ -19,6 +20,11 @@ add_executable(serve_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_serve_api.cpp)
 target_link_libraries(serve_api_tests PRIVATE qkv_explorer_api GTest::gtest_main)
 # ExplorerFolders.* run on qkv_make_tiny_model's folders (models_cli.cmake's fixtures).
 gtest_discover_tests(serve_api_tests DISCOVERY_TIMEOUT 60 PROPERTIES ENVIRONMENT "QKV_TINY=${tiny}"
+  FIXTURES_REQUIRED "tiny_gpt2;tiny_llama;tiny_bert")
+# The per-folder cache (serve_folder_cache.hpp): roles, the neuron view's q and k, threads at once.
+add_executable(serve_cache_tests ${CMAKE_CURRENT_LIST_DIR}/test_serve_cache.cpp)
+target_link_libraries(serve_cache_tests PRIVATE qkv_explorer_api GTest::gtest_main)
+gtest_discover_tests(serve_cache_tests DISCOVERY_TIMEOUT 60 PROPERTIES ENVIRONMENT "QKV_TINY=${tiny}"
   FIXTURES_REQUIRED "tiny_gpt2;tiny_llama;tiny_bert")
 
 set(serve_out ${CMAKE_CURRENT_BINARY_DIR}/serve)

@@ -150,6 +150,20 @@ def check_page_matches_api(driver, server, request, layer=None):
     return answer
 
 
+def head_view(driver):
+    """What the head view's canvas shows (headview.js's window.qkvHeadView): x1, x2, ys (each
+    token's y), colours per head, focus, and lines [head, query, key, width, opacity]."""
+    return driver.execute_script("return window.qkvHeadView()")
+
+
+def head_view_pixels(driver, points):
+    """[r, g, b, a] of the head view's canvas at each (x, y) in CSS pixels."""
+    return driver.execute_script("""const c = document.querySelector('#headview canvas'), d = window.devicePixelRatio || 1;
+        const g = c.getContext('2d');
+        return arguments[0].map(([x, y]) => Array.from(g.getImageData(Math.floor(x * d), Math.floor(y * d), 1, 1).data));""",
+                                 [list(p) for p in points])
+
+
 def weight_in(text):
     """The number after '= ' in a tooltip or read-out."""
     return float(text.rsplit("= ", 1)[1])
@@ -246,15 +260,29 @@ def test_temperature_and_causal_in_a_real_browser(server, browser):
     assert weight_in(readout) == pytest.approx(answer["weights"][0][2][1], rel=1e-3)
     assert browser.find_element(By.CSS_SELECTOR, '.panel[data-head="0"] .cursor').is_displayed()
 
-    # The head view: one line per visible weight, thicker for heavier.
+    # The head view (a canvas): one line per weight of at least 1% of the head's largest, thicker
+    # for heavier; drawn where it says, and only the hovered query's lines while one is hovered.
     Select(browser.find_element(By.ID, "headview-head")).select_by_value("0")
-    lines = browser.execute_script("""return Array.from(document.querySelectorAll('#headview line'))
-        .map(l => [Number(l.dataset.q), Number(l.dataset.k), Number(l.getAttribute('stroke-width'))]);""")
-    assert lines and all(k <= q for q, k, _ in lines)  # causal: no line to a later token
-    widths = {(q, k): w for q, k, w in lines}
-    heaviest = max(widths, key=lambda qk: answer["weights"][0][qk[0]][qk[1]])
+    view = head_view(browser)
+    weights = answer["weights"][0]
+    top = max(max(row) for row in weights)
+    assert {(q, k) for _, q, k, _, _ in view["lines"]} == {
+        (q, k) for q in range(6) for k in range(6) if weights[q][k] >= 0.01 * top and weights[q][k] > 0}
+    assert all(k <= q for _, q, k, _, _ in view["lines"])  # causal: no line to a later token
+    widths = {(q, k): w for _, q, k, w, _ in view["lines"]}
+    heaviest = max(widths, key=lambda qk: weights[qk[0]][qk[1]])
     assert widths[heaviest] == max(widths.values())
+    starts = head_view_pixels(browser, [(view["x1"], y) for y in view["ys"]])
+    assert all(p[3] > 0 for p in starts), "every query's lines start at its label"
+    assert head_view_pixels(browser, [(view["x1"], view["ys"][-1] + 15)])[0][3] == 0  # below the last token: nothing
     screenshot(browser.find_element(By.ID, "headview-section"), "explorer-headview.png")
+    ActionChains(browser).move_to_element(browser.find_element(By.CSS_SELECTOR, '#headview .query[data-q="4"]')).perform()
+    WebDriverWait(browser, 5).until(lambda d: head_view(d)["focus"] == 4)
+    assert {q for _, q, _, _, _ in head_view(browser)["lines"]} == {4}
+    starts = head_view_pixels(browser, [(view["x1"], y) for y in view["ys"]])
+    assert [p[3] > 0 for p in starts] == [q == 4 for q in range(6)], starts
+    ActionChains(browser).move_to_element(browser.find_element(By.ID, "readout")).perform()
+    WebDriverWait(browser, 5).until(lambda d: head_view(d)["focus"] is None)
 
     # A bad mask expression: the API's 400 message beside the input, pointing at the token;
     # "Applied:" keeps the mask the heatmaps show, not the text that failed.

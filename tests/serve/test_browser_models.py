@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Server
 from test_browser import (SCREENSHOTS, WHITE, By, ActionChains, Select, WebDriverWait, browser,  # noqa: F401
-                          check_page_matches_api, renders, screenshot)
+                          check_page_matches_api, head_view, head_view_pixels, renders, screenshot)
 
 QKV_TINY = os.environ.get("QKV_TINY", "")
 
@@ -58,15 +58,8 @@ def blank(driver, canvas):
 
 
 def visible_lines(driver, head=None):
-    """[(head, query, key)] of the head view's lines shown (neither they nor their head hidden)."""
-    return [tuple(x) for x in driver.execute_script("""
-        const out = [];
-        for (const g of document.querySelectorAll('#headview g[data-head]')) {
-          if (g.getAttribute('visibility') === 'hidden') continue;
-          for (const l of g.children) if (l.getAttribute('visibility') !== 'hidden')
-            out.push([Number(g.dataset.head), Number(l.dataset.q), Number(l.dataset.k)]);
-        }
-        return out;""") if head is None or x[0] == head]
+    """[(head, query, key)] of the head view's lines drawn (neither they nor their head hidden)."""
+    return [(h, q, k) for h, q, k, _, _ in head_view(driver)["lines"] if head is None or h == head]
 
 
 def test_gpt2_model_view_head_view_neuron_view(folders_server, browser):  # noqa: F811
@@ -98,24 +91,52 @@ def test_gpt2_model_view_head_view_neuron_view(folders_server, browser):  # noqa
     top = answer["prediction"]["top"]
     assert [float(i.get_attribute("data-p")) for i in items] == pytest.approx([t["p"] for t in top])
     assert items[0].text.startswith(top[0]["token"])
+    # Each bar as long as its probability (styles set through the CSSOM, which the page's CSP allows).
+    bars = browser.find_elements(By.CSS_SELECTOR, "#prediction li .bar")
+    assert [b.size["width"] for b in bars] == [max(1, round(160 * t["p"])) for t in top]
 
-    # The head view: every head overlaid in its own colour; a toggle hides one head's lines.
+    # The head view (a canvas): every head overlaid in its own colour; a toggle hides one head's lines.
     weights = answer["layers"][other]["weights"]
-    colours = {g.get_attribute("stroke") for g in browser.find_elements(By.CSS_SELECTOR, "#headview g[data-head]")}
-    assert len(colours) == heads
+    view = head_view(browser)
+    colours = {int(h): tuple(c) for h, c in view["colours"].items()}
+    assert len(set(colours.values())) == heads
+    swatches = browser.find_elements(By.CSS_SELECTOR, "#headview-toggles .swatch")
+    assert [browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", e) for e in swatches] == [
+        "rgb({}, {}, {})".format(*colours[h]) for h in range(heads)]
     for h in range(heads):
         expected = {(q, k) for q in range(n) for k in range(n) if weights[h][q][k] >= 0.02}
         assert {(q, k) for _, q, k in visible_lines(browser, h)} == expected
     screenshot(browser.find_element(By.ID, "headview-section"), "explorer-models-head-view.png")
-    toggle = browser.find_element(By.CSS_SELECTOR, '#headview-toggles input[data-head="0"]')
-    toggle.click()
+    toggles = [browser.find_element(By.CSS_SELECTOR, f'#headview-toggles input[data-head="{h}"]') for h in range(heads)]
+    toggles[0].click()
     assert not visible_lines(browser, 0) and visible_lines(browser, 1)
+    # Each head alone: its lines drawn in its colour (read back from the canvas where they start).
+    for t in toggles[1:]:
+        t.click()
+    assert not visible_lines(browser)
+    assert all(p[3] == 0 for p in head_view_pixels(browser, [(view["x1"], y) for y in view["ys"]])), "nothing shown"
+    for h in range(heads):
+        toggles[h].click()
+        starts = {q for _, q, _ in visible_lines(browser, h)}
+        pixels = head_view_pixels(browser, [(view["x1"], view["ys"][q]) for q in range(n)])
+        for q in range(n):
+            assert (pixels[q][3] > 0) == (q in starts), (h, q, pixels[q])
+            # Opaque enough to tell its colour (8-bit blending of faint lines drifts it a little):
+            # nearest this head's of all the heads'.
+            if pixels[q][3] > 60:
+                distance = {g: sum((a - b) ** 2 for a, b in zip(pixels[q][:3], c)) for g, c in colours.items()}
+                assert min(distance, key=distance.get) == h and distance[h] < 25 ** 2, (h, q, pixels[q], colours)
+        toggles[h].click()
+    for t in toggles[1:]:
+        t.click()
     # Hovering a query token keeps only its lines.
-    token = browser.find_element(By.CSS_SELECTOR, '#headview text.query[data-q="3"]')
+    token = browser.find_element(By.CSS_SELECTOR, '#headview .query[data-q="3"]')
     ActionChains(browser).move_to_element(token).perform()
     WebDriverWait(browser, 5).until(lambda d: {q for _, q, _ in visible_lines(d)} == {3})
+    pixels = head_view_pixels(browser, [(view["x1"], y) for y in view["ys"]])
+    assert [p[3] > 0 for p in pixels] == [q == 3 for q in range(n)]
     screenshot(browser.find_element(By.ID, "headview-section"), "explorer-models-head-view-hover.png")
-    toggle.click()
+    toggles[0].click()
     assert visible_lines(browser, 0)
 
     # The neuron view of a hovered cell: the API's score q.k/sqrt(d) and weight for that pair.

@@ -475,7 +475,7 @@ json folder_attention(const json& request, const LoadedPretrained& loaded, const
   const auto n = static_cast<int64_t>(ids.size());
   const models::ModelOutput out = p.model.forward(ids, /*need_attention=*/true);
   std::vector<models::HeadRoleScores> roles;
-  if (n >= 2) roles = measure_roles(p, ids);
+  if (n >= 2) roles = loaded.cache->roles(p, ids, out.attention);  // measure_roles', its repeated half cached
   std::vector<int64_t> named(static_cast<size_t>(c.num_layers), 0);
   for (const auto& r : roles)
     if (r.role != models::HeadRole::None && r.role != models::HeadRole::Broad) ++named[static_cast<size_t>(r.layer)];
@@ -536,7 +536,8 @@ json folder_neuron(const json& request, const LoadedPretrained& loaded, const Se
   const int64_t layer = integer_field(spec, "layer", 0, 0, c.num_layers - 1);
   const int64_t head = integer_field(spec, "head", 0, 0, c.num_heads - 1);
   const int64_t query = integer_field(spec, "query", 0, 0, n - 1);
-  const models::QueryKeys qk = p.model.query_keys(ids, layer);
+  const std::shared_ptr<const models::QueryKeys> cached = loaded.cache->query_keys(p, ids, layer);
+  const models::QueryKeys& qk = *cached;
   const int64_t d = c.head_dim, kv_head = head / (c.num_heads / c.num_kv_heads);
   const Tensor q_all = qk.queries.contiguous(), k_all = qk.keys.contiguous();
   const float* q = q_all.data() + (head * n + query) * d;

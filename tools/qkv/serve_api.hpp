@@ -47,6 +47,7 @@
 
 #include "qkv/models/pretrained.hpp"
 #include "qkv/train.hpp"
+#include "serve_folder_cache.hpp"
 #include "text_attention.hpp"
 
 namespace qkv::cli {
@@ -77,11 +78,13 @@ struct LoadedModel {
   std::unique_ptr<std::mutex> busy = std::make_unique<std::mutex>();
 };
 
-// One Hugging Face model folder named at start-up. Model::forward keeps no state: requests share it.
+// One Hugging Face model folder named at start-up. Model::forward keeps no state: requests share it,
+// and its cache (the roles' repeated sequence, the neuron view's q and k; thread-safe).
 struct LoadedPretrained {
   std::string name;  // the folder's name, what requests name
   std::string path;
   std::unique_ptr<models::Pretrained> model;
+  std::unique_ptr<FolderCache> cache = std::make_unique<FolderCache>();
 };
 
 class ExplorerApi {

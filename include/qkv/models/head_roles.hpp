@@ -47,6 +47,19 @@ struct HeadRolesOptions {
   uint64_t seed = 0;           // which random tokens
 };
 
+// The repeated random sequence measure_head_roles runs, prefix_ids then T random tokens of
+// candidate_ids (drawn with options.seed) then the same T again, and the model's attention on
+// it: the part of the roles that does not depend on the text. A caller that scores many texts on
+// one model (`qkv serve`) computes it once and passes it to score_heads with each text's
+// attention; the scores are then exactly measure_head_roles'. qkv::Error as measure_head_roles.
+struct RepeatedAttention {
+  std::vector<int64_t> ids;          // prefix, r, r
+  std::vector<Tensor> attention;     // per layer (1, H, N, N)
+  int64_t start = 0, length = 0;     // the first copy's start (the prefix's size) and T
+};
+RepeatedAttention repeated_attention(const Model& model, const std::vector<int64_t>& prefix_ids,
+                                     const std::vector<int64_t>& candidate_ids, const HeadRolesOptions& options = {});
+
 // Runs the model on `text_ids` and on a repeated random sequence of `candidate_ids` (tokens to
 // draw from: not special ones), prefixed by `prefix_ids` (a BOS the model expects, or empty), and
 // scores every head. qkv::Error when the text has fewer than 2 tokens or there are no candidates.
