@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 
+#include "attention/lse_merge.hpp"
 #include "core/allocator.hpp"
 #include "qkv/error.hpp"
 
@@ -416,12 +417,8 @@ void sink_gradients(const AttentionBackwardProblem& bp) {
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t r = (b * p.q_heads + h) * p.q_len + i;
-        const float* out = bp.output.row(b, h, i);
-        const float* grad_out = bp.grad_output.row(b, h, i);
-        double dot = 0;  // D = dO . O
-        for (int64_t c = 0; c < p.value_dim; ++c) dot += static_cast<double>(grad_out[c]) * out[c];
-        const double sink_weight = bp.row_scale[r] == 0.0f ? 0.0 : std::exp(static_cast<double>(p.sinks[h]) - bp.row_shift[r]) * bp.row_scale[r];
-        sum -= sink_weight * dot;
+        sum += sink_gradient_of_row(p.sinks[h], bp.row_shift[r], bp.row_scale[r], bp.grad_output.row(b, h, i),
+                                    bp.output.row(b, h, i), p.value_dim);
       }
     bp.grad_sinks[h] = static_cast<float>(sum);
   }

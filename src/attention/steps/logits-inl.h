@@ -31,12 +31,18 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // ALiBi and mask on a whole line (softcap ran on the whole tile before): n floats computed
 // (whole vectors), `count` of them real. `band` false skips the structured mask and the rule (a
-// tile every query of it fully sees).
+// tile every query of it fully sees). `hide` >= 0 (decode's gathered strided keys, as
+// TileLogits' residues): -inf where node `hide` of the rule shows the key, in place of the rule
+// (the strided rule holds by construction; the tiles visit what `hide` shows).
 HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n,
-                               size_t count, bool band) {
+                               size_t count, bool band, int hide = -1) {
   Alibi(p, line, s, n);
   if (band) MaskBand(p, line, s, n);
-  if (band && !p.rule.empty()) MaskRuleStep(p, line, s, n, count);
+  if (hide >= 0) {
+    MaskWhereRuleShows(p.rule, hide, line, s, count);
+  } else if (band && !p.rule.empty()) {
+    MaskRuleStep(p, line, s, n, count);
+  }
   MaskTerms(p, line, s, count);
 }
 

@@ -174,7 +174,8 @@ HWY_INLINE void FinishColumns(float* HWY_RESTRICT running_max, float* HWY_RESTRI
 }
 
 // ---- Step "softmax", keys in the lanes (decode): one query's line of n scores (whole vectors).
-// The same update as SoftmaxColumnsUpdate for one row; a NaN score makes the running max NaN,
+// The same update as SoftmaxColumnsUpdate for one row, with the same exponential (ExpSoftmax,
+// so decode's and flash's weights agree); a NaN score makes the running max NaN,
 // which poisons the row's sum and output. Returns the factor exp(old - new) to rescale O by.
 HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& running_max, float& row_sum) {
   const DF df;
@@ -195,7 +196,7 @@ HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& runnin
   const VF max_broadcast = hn::Set(df, safe_max);
   VF sum_vec = hn::Zero(df);
   for (size_t x = 0; x < n; x += lanes) {
-    const VF weight = hn::Exp(df, hn::Sub(hn::Load(df, s + x), max_broadcast));
+    const VF weight = ExpSoftmax(df, hn::Sub(hn::Load(df, s + x), max_broadcast));
     hn::Store(weight, df, s + x);
     sum_vec = hn::Add(sum_vec, weight);
   }

@@ -1,0 +1,227 @@
+// Decode's per-target operand and product steps (Highway -inl.h, included by decode.cpp once per
+// SIMD target through chunk-inl.h): a worker's scratch, the K/V rows read in place and
+// prefetched into L2, the score tile S = Qs K^T (dot_scores-inl.h, whose summation order the
+// flash backward repeats) and the value tile O += P V, "broadcast a weight, load a row of V".
+#if defined(QKV_ATTENTION_DECODE_TILES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_ATTENTION_DECODE_TILES_INL_H_
+#undef QKV_ATTENTION_DECODE_TILES_INL_H_
+#else
+#define QKV_ATTENTION_DECODE_TILES_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention/decode/plan.hpp"
+#include "attention/steps/dot_scores-inl.h"
+#include "attention/steps/pipeline-inl.h"
+#include "simd/kv_load-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+using decode::kKeyTile;
+using decode::kRowBlock;
+using tile_gemm::AllFinite;
+
+// The value tile's registers. AVX-512 has 32 vector registers: 4 x 4 = 16 accumulators + 4 V
+// loads + 1 broadcast = 21. The 16-register targets halve the rows: 8 + 4 + 1 = 13. (The score
+// tile is dot_scores::ScoreTile, attention/steps/dot_scores-inl.h, shared with the flash backward.)
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
+constexpr size_t kValueRows = 4;
+#else
+constexpr size_t kValueRows = 2;
+#endif
+constexpr size_t kValueVectors = 4;
+using dot_scores::WithConstant;
+constexpr size_t kScoreKeys = dot_scores::kKeys;
+static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
+
+// Prefetches the cache lines of [begin, end) into L2 (locality hint 2: prefetcht1 on x86).
+HWY_INLINE void PrefetchRange(const void* begin, const void* end) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
+  for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(end); line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+}
+
+// ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
+// v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns.
+template <size_t Rows, size_t Vectors, class T>
+HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const T* HWY_RESTRICT v, size_t dv,
+                          float* HWY_RESTRICT o, size_t o_stride) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF acc[Rows][Vectors];
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::Load(df, o + r * o_stride + n * lanes);
+  }
+  for (size_t j = 0; j < cols; ++j) {
+    VF v_vec[Vectors];
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = kv::LoadWide(df, v + j * dv + n * lanes);
+    HWY_UNROLL(16)
+    for (size_t r = 0; r < Rows; ++r) {
+      const VF weight = hn::Set(df, p[r * kKeyTile + j]);  // broadcast, folded into the FMA
+      HWY_UNROLL(16)
+      for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::MulAdd(weight, v_vec[n], acc[r][n]);
+    }
+  }
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < Rows; ++r) {
+    HWY_UNROLL(16)
+    for (size_t n = 0; n < Vectors; ++n) hn::Store(acc[r][n], df, o + r * o_stride + n * lanes);
+  }
+}
+
+namespace step = pipeline;
+
+// One worker's view of its scratch block (decode::ScratchLayout).
+struct Scratch {
+  float *q, *scores, *out, *running_max, *row_sum, *v_wide;
+  Scratch(float* base, const decode::ScratchLayout& l)
+      : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
+        row_sum(base + l.row_sum), v_wide(base + l.v_wide) {}
+  // The same scratch seen from row r of the block on (a gather over some of its rows).
+  Scratch from_row(const decode::Plan& plan, size_t r) const {
+    Scratch w = *this;
+    w.q += r * plan.q_stride;
+    w.scores += r * kKeyTile;
+    w.out += r * plan.out_stride;
+    w.running_max += r;
+    w.row_sum += r;
+    return w;
+  }
+};
+
+// K and V rows of element type T: float (p.k, p.v) or 16 bits (p.k_bits, p.v_bits), read in place.
+template <class T>
+HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p.k.row(b, g, j);
+  } else {
+    return reinterpret_cast<const T*>(p.k_bits.row(b, g, j));
+  }
+}
+template <class T>
+HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p.v.row(b, g, j);
+  } else {
+    return reinterpret_cast<const T*>(p.v_bits.row(b, g, j));
+  }
+}
+HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
+  return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.k.row_stride : p.k_bits.row_stride);
+}
+HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
+  return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
+}
+
+// Row r of an item of group g (decode::Plan::head_of, query_of).
+struct RowCoords {
+  int64_t h, i;
+};
+HWY_INLINE RowCoords RowOf(const decode::Plan& plan, int64_t g, int64_t r) {
+  return {plan.head_of(g, r), plan.query_of(r)};
+}
+
+// The keys of one tile: j0, j0 + step, ... (cols of them); prefetching stops at `end`. A tile of
+// the key range has step 1. Gathered strided keys have the stride as step and gathered_rest >= 0,
+// the rule node whose keys the tiles visit, hidden here so that no pair counts twice.
+struct KeyRun {
+  int64_t j0, step;
+  size_t cols;
+  int64_t end;
+  int gathered_rest;
+};
+
+// Rows of `width` elements, `jump` apart, into L2: one range when they touch (K or V of a
+// cache read in order), else row by row.
+template <class T>
+HWY_INLINE void PrefetchRows(const T* row, int64_t rows, int64_t jump, int64_t width) {
+  if (jump == width) return PrefetchRange(row, row + rows * width);
+  for (int64_t r = 0; r < rows; ++r, row += jump) PrefetchRange(row, row + width);
+}
+
+// Step "load a tile": prefetch the K and V rows of keys first, first + step, ... < last of head
+// (b, g) into L2.
+template <class T>
+HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
+                             int64_t step) {
+  if (first >= last) return;
+  const int64_t keys = (last - first + step - 1) / step;
+  PrefetchRows(KeyRow<T>(p, b, g, first), keys, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
+  PrefetchRows(ValueRow<T>(p, b, g, first), keys, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
+}
+
+// The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
+// the keys for 16-bit K/V.
+template <class T>
+constexpr int64_t PrefetchAhead() {
+  return decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
+}
+
+// Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
+// 1 for a tile, the stride for gathered strided keys), keys outer so the kScoreKeys K rows are
+// reused from L1 by every row; prefetches kPrefetchKeys ahead within [.., end). Past the tile's
+// last key the pointers repeat that key (overwritten with -inf later).
+template <class T>
+void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
+                  const KeyRun& run, const Scratch& w) {
+  const int64_t j0 = run.j0, step = run.step, end = run.end;
+  const size_t cols = run.cols;
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
+  for (size_t j = 0; j < cols; j += kScoreKeys) {
+    const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>()) * step;
+    if (ahead < end)
+      PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
+    const T* keys[kScoreKeys];
+    for (size_t x = 0; x < kScoreKeys; ++x)
+      keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
+    dot_scores::ScoreRows(rows, dk, full_dk, w.q, plan.q_stride, keys, w.scores + j, kKeyTile, 1);
+  }
+}
+
+// Step "accumulate": O += P V_tile, column blocks outer so a block of V's columns is reused from
+// L1 by every row block; then the columns past the last whole vector.
+template <class T>
+void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
+                      const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
+  for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
+    const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
+    for (size_t r = 0; r < rows; r += kValueRows) {
+      WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
+        WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
+          ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
+              cols, w.scores + r * kKeyTile, v_tile + c, v_stride, w.out + r * plan.out_stride + c, plan.out_stride);
+        });
+      });
+    }
+  }
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = full_dv; c < dv; ++c) {
+      float sum = w.out[r * plan.out_stride + c];
+      for (size_t j = 0; j < cols; ++j) sum += w.scores[r * kKeyTile + j] * kv::ToFloat(v_tile[j * v_stride + c]);
+      w.out[r * plan.out_stride + c] = sum;
+    }
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_ATTENTION_DECODE_TILES_INL_H_
