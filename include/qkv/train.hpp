@@ -1,4 +1,5 @@
-// qkv::train: a small causal attention model (src/train/model.cpp), its file format, synthetic
+// qkv::train: a small causal attention model (src/train/: model.cpp, cached_forward.cpp,
+// model_file.cpp), its file format, synthetic
 // tasks that only attention can solve (src/train/tasks.cpp), and the loop that trains one on them
 // (src/train/training_loop.cpp): what `qkv train` runs.
 //

@@ -497,6 +497,7 @@ does; `&` binds tighter). A union with an additive array is an error.
   Mask.global_tokens(count)       the first count keys are seen by all, the first count queries see all
   Mask.block_sparse(layout, block_q, block_k)  block (a, c) of layout (nonzero = visible) lets
                                   queries a*block_q.. see keys c*block_k..
+  Mask.expression("doc(q) == doc(k)", {"doc": ids})  a mask function (docs/flex.md); inputs (L,) or (B, L)
   Mask.parse("causal & (window(127) | strided(128)) | global(16)")  the same in text; str() prints it
 )doc")
       .def(py::init<>(), "A mask that hides nothing.")
@@ -515,6 +516,10 @@ does; `&` binds tighter). A union with an additive array is an error.
                     return qkv::Mask::block_sparse(to_tensor(layout), block_q, block_k);
                   },
                   py::arg("layout"), py::arg("block_q"), py::arg("block_k"))
+      .def_static(
+          "expression",
+          [](const std::string& text, const py::object& inputs) { return qkv::Mask::expression(text, mod_inputs_from(inputs)); },
+          py::arg("text"), py::arg("inputs") = py::none())
       .def_static("parse", &parse_mask, py::arg("expression"))
       .def("__str__", &qkv::Mask::str)
       .def("is_none", &qkv::Mask::is_none)

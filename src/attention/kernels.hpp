@@ -20,7 +20,8 @@ void reference_attention(const AttentionProblem& problem);
 void flash_attention(const AttentionProblem& problem);
 
 // Few queries against a long KV cache: keys split into chunks across threads, partials merged
-// (src/attention/decode/decode.cpp). Writes output and lse; problem.weights must be nullptr.
+// (src/attention/decode/: decode.cpp launches, chunk-inl.h runs an item). Writes output and lse;
+// problem.weights must be nullptr.
 void decode_attention(const AttentionProblem& problem);
 // Auto's choice between the two fused kernels: true when decode is expected to beat flash
 // (few queries, and enough key chunks to keep every thread busy).

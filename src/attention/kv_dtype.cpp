@@ -1,6 +1,6 @@
 // 16-bit keys and values for the reference kernel, which reads only float K/V: one packed float
 // copy of K and V per call, then the kernel on the same problem. Decode reads 16-bit K/V in
-// place (decode/decode.cpp), flash widens one tile at a time into its scratch (flash/forward.cpp).
+// place (decode/tiles-inl.h), flash widens one tile at a time into its scratch (flash/forward.cpp).
 #include <algorithm>
 
 #include "attention/problem.hpp"

@@ -1,5 +1,5 @@
 // CRC-32C (Castagnoli polynomial, reflected 0x82F63B78, as iSCSI, ext4 and SSE4.2's crc32
-// instruction): the checksum of the .qkv model file (src/train/model.cpp). Bytewise table version,
+// instruction): the checksum of the .qkv model file (src/train/model_file.cpp). Bytewise table version,
 // ~0.5 GB/s: a model file's save or load is bound by the disk, not by this.
 #pragma once
 

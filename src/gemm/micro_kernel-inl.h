@@ -1,4 +1,4 @@
-// The SIMD building blocks the fused kernels share (flash/forward.cpp, flash/backward.cpp, decode/decode.cpp),
+// The SIMD building blocks the fused kernels share (flash/forward.cpp, flash/backward.cpp, decode/tiles-inl.h),
 // compiled once per Highway target: each kernel's foreach_target pass includes this header
 // inside its own per-target code, as Highway's -inl.h convention asks.
 //

@@ -239,7 +239,8 @@ Mask Mask::parse(const std::string& expression) {
   const size_t first = expression.find_first_not_of(" \t");
   if (first != std::string::npos && expression.compare(first, 5, "mask:") == 0) {
     detail::ModExpression::parse(expression, detail::ModKind::Mask, {}, first + 5);
-    return Mask::expression(expression.substr(first + 5));
+    const size_t body = expression.find_first_not_of(" \t", first + 5);
+    return Mask::expression(body == std::string::npos ? std::string() : expression.substr(body));
   }
   return Parser(expression, lex(expression)).parse();
 }

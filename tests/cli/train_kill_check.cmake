@@ -1,6 +1,6 @@
 # qkv train checkpoints survive a crash in the middle of a save, and Ctrl-C saves one.
 #   1. A run that checkpoints every 4 steps is SIGKILLed halfway through writing its second
-#      checkpoint (the library's test hook QKV_TEST_KILL_IN_SAVE, src/train/model.cpp).
+#      checkpoint (the library's test hook QKV_TEST_KILL_IN_SAVE, src/train/model_file.cpp).
 #   2. The first checkpoint is intact: --resume reads it (checksum and all) at step 4, and the
 #      resumed run ends with exactly the model an uninterrupted run saves.
 #   3. SIGINT (what Ctrl-C sends) to a long run: it saves a checkpoint and exits with 130.

@@ -152,7 +152,7 @@ TEST(MaskFunction, ParseTakesAWholeMaskFunctionAndCountsColumnsInTheWholeText) {
   const Mask m = Mask::parse("  mask: k < 4 || k <= q");
   ASSERT_TRUE(m.rule());
   EXPECT_EQ(m.rule()->kind, Mask::Rule::Kind::Expression);
-  EXPECT_EQ(m.str(), "mask:  k < 4 || k <= q");
+  EXPECT_EQ(m.str(), "mask: k < 4 || k <= q");
   try {
     Mask::parse("mask: k <= q && s > 0");
     ADD_FAILURE() << "parsed";

@@ -113,3 +113,13 @@ def test_bad_functions_get_a_clear_error(rng, kwargs, words):
     with pytest.raises(qkv.Error, match=None) as error:
         qkv.scaled_dot_product_attention(q, k, k, **kwargs)
     assert words in str(error.value)
+
+
+def test_mask_expression_combines_with_other_masks(rng):
+    q = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
+    doc = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2], dtype=np.float32)
+    mask = qkv.Mask.causal() & qkv.Mask.expression("doc(q) == doc(k)", {"doc": doc})
+    keep = (doc[:, None] == doc[None, :]) & np.tril(np.ones((9, 9), dtype=bool))
+    got = qkv.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    close(got, qkv.scaled_dot_product_attention(q, q, q, attn_mask=keep), "output", tol=1e-6)
+    assert str(qkv.Mask.parse("mask: k <= q")) == "mask: k <= q"

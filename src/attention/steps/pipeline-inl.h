@@ -1,5 +1,5 @@
 // The attention pipeline: the named per-target steps every fused kernel is composed of
-// (flash/forward.cpp, flash/backward.cpp, decode/decode.cpp). A kernel differs from another only in
+// (flash/forward.cpp, flash/backward.cpp, decode/chunk-inl.h). A kernel differs from another only in
 // its loop order and in what it accumulates; each step exists once, in the file of its concern
 // (listed below), all in namespace pipeline.
 //
