@@ -38,6 +38,7 @@ bool rule_allows(const Rule& r, int64_t i, int64_t j) {
     case Rule::Kind::Global: return j < r.count || i < r.count;
     case Rule::Kind::And: return rule_allows(*r.left, i, j) && rule_allows(*r.right, i, j);
     case Rule::Kind::Or: return rule_allows(*r.left, i, j) || rule_allows(*r.right, i, j);
+    case Rule::Kind::Expression: return true;  // a mask function: see has_function
     case Rule::Kind::BlockSparse:
     case Rule::Kind::Keep: break;  // tensors: no expression makes them
   }
@@ -60,6 +61,14 @@ bool rule_misfits(const Rule& r, int64_t nk) {
   return false;
 }
 
+// Whether the rule holds a mask function ("mask: ..."), whose visibility this harness does not
+// evaluate apart (it would be a second interpreter): its weights are checked for range, sums and
+// the kernels' agreement only.
+bool has_function(const Rule& r) {
+  if (r.kind == Rule::Kind::Expression) return true;
+  return (r.kind == Rule::Kind::And || r.kind == Rule::Kind::Or) && (has_function(*r.left) || has_function(*r.right));
+}
+
 // The mask applied to one (1, 1, nq, d) x (1, 1, nk, d) problem.
 void check_usable(const std::string& expression, const qkv::Mask& mask, int64_t nq, int64_t nk) {
   const qkv::Tensor q = qkv::Tensor::randn({1, 1, nq, 4}, 1);
@@ -79,15 +88,17 @@ void check_usable(const std::string& expression, const qkv::Mask& mask, int64_t 
     return;
   }
   if (too_long) fail(expression, "key lengths that do not fit the batch or the keys were accepted");
+  const bool function = mask.rule() && has_function(*mask.rule());
   for (int64_t i = 0; i < nq; ++i) {
     double sum = 0;
     bool any = false;
     for (int64_t j = 0; j < nk; ++j) {
       const float w = reference.weights.at({0, 0, i, j});
       if (!std::isfinite(w) || w < 0 || w > 1) fail(expression, "a weight outside [0, 1]");
-      if ((w > 0) != visible(mask, i, j)) fail(expression, "a weight's visibility differs from the mask's rule");
+      if (!function && (w > 0) != visible(mask, i, j))
+        fail(expression, "a weight's visibility differs from the mask's rule");
       sum += w;
-      any = any || visible(mask, i, j);
+      any = any || (function ? w > 0 : visible(mask, i, j));
     }
     if (std::abs(sum - (any ? 1.0 : 0.0)) > 1e-5) fail(expression, "a row's weights do not sum to 1 (or 0)");
   }

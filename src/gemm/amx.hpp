@@ -1,4 +1,4 @@
-// The flash kernels' products on AMX tiles (Intel Sapphire Rapids and later), for callers
+// The flash kernels' products on AMX tiles (x86 CPUs with AMX-BF16), for callers
 // that allow a lower matmul precision (AttentionOptions::precision, as torch's
 // set_float32_matmul_precision): each float32 operand is split into `parts` bfloat16 numbers
 // (x ~ hi + lo, hi x rounded to bf16), and the products of the parts that matter are summed in

@@ -233,6 +233,7 @@ class ModParser {
   }
 
   uint32_t unary(int depth) {
+    if (depth > kMaxDepth) error(peek(), "nested deeper than " + std::to_string(kMaxDepth));
     const Token at = peek();
     if (accept("-")) return operation(Op::Neg, at, unary(depth + 1));
     if (accept("!")) return operation(Op::Not, at, unary(depth + 1));

@@ -191,3 +191,12 @@ TEST(MaskFunction, InputsAreCheckedAgainstTheProblem) {
 
 }  // namespace
 }  // namespace qkv
+
+namespace qkv::detail {
+namespace {
+TEST(ModExpression, LongUnaryChainsAreRefusedNotRecursedThrough) {
+  EXPECT_THROW(ModExpression::parse(std::string(100000, '-') + "s", ModKind::Score), MaskParseError);
+  EXPECT_THROW(ModExpression::parse(std::string(100000, '!') + "q", ModKind::Mask), MaskParseError);
+}
+}  // namespace
+}  // namespace qkv::detail
