@@ -81,6 +81,13 @@ std::string local_problem(const Tensor& q, const Tensor& k, const Tensor& v, con
   }
   if (options.dropout_p != 0) return "dropout_p = " + std::to_string(options.dropout_p) + " is not supported (0 only)";
   if (options.need_weights) return "need_weights is not supported (the weights are never gathered)";
+  // Each pair attends in its own block's positions: a symbolic rule or a function of q and k
+  // would be evaluated there, not at the global positions the caller meant.
+  if (options.mask.rule())
+    return "mask " + options.mask.str() + " is not supported: ring attention takes causal, window, key lengths "
+           "and tensor masks (global positions)";
+  if (!options.score_mod.empty() || !options.mask_mod.empty())
+    return "score_mod and mask_mod are not supported (each pair would read its block's positions)";
   if (options.backend == Backend::Decode) return "backend Decode has no backward and is not offered; use Auto, Flash or Reference";
   return "";
 }

@@ -461,6 +461,15 @@ TEST(RingAttentionErrors, SinksOfTheWrongShape) {
   expect_error_everywhere(4, options, "sinks is (3) but should be (2)");
 }
 
+TEST(RingAttentionErrors, SymbolicRulesAndFunctionsAreRefusedNotReadLocally) {
+  AttentionOptions strided;
+  strided.mask = Mask::causal() & Mask::strided(3);
+  expect_error_everywhere(4, strided, "mask causal & strided(3) is not supported");
+  AttentionOptions function;
+  function.mask_mod = "k <= q";
+  expect_error_everywhere(4, function, "score_mod and mask_mod are not supported");
+}
+
 TEST(RingAttentionErrors, NegativeSoftcap) {
   AttentionOptions options;
   options.softcap = -1.0f;
