@@ -239,6 +239,7 @@ HWY_AFTER_NAMESPACE();
 
 #include <benchmark/benchmark.h>
 
+#include "attention/flash/layout.hpp"
 #include "fma_peak.hpp"
 #include "hwy/aligned_allocator.h"
 #include "qkv/qkv.hpp"
@@ -273,7 +274,7 @@ HWY_EXPORT(FloatLanes);
 
 namespace {
 
-constexpr size_t kKeyTile = 64;  // flash/forward.cpp's Bc
+using qkv::detail::flash::kKeyTile;  // the flash kernels' Bc
 double g_peak_gflops = 0;        // one thread's FMA peak, measured in main before the benchmarks
 
 // A workload's problem, built and bound by the library's builder as a Flash call binds it.

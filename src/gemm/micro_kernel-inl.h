@@ -33,11 +33,7 @@ namespace tile_gemm {
 // loaded B vectors must fit the register file without spilling, and the FMA:load ratio must
 // keep both FMA pipes busy. AVX-512 has 32 vector registers: 8 x 3 = 24 accumulators + 3 B
 // loads + 1 broadcast = 28. The 16-register targets use 4 x 3 = 12 + 3 + 1.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
-constexpr size_t kTileRows = 8;
-#else
-constexpr size_t kTileRows = 4;
-#endif
+constexpr size_t kTileRows = kWideRegisterFile ? 8 : 4;
 constexpr size_t kTileVectors = 3;
 // The 32-register targets also run 4-vector panels (PanelRows).
 constexpr bool kFourVectorPanels = kTileRows >= 8;

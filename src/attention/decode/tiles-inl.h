@@ -17,6 +17,7 @@
 #include "attention/decode/plan.hpp"
 #include "attention/steps/dot_scores-inl.h"
 #include "attention/steps/pipeline-inl.h"
+#include "gemm/register_tile-inl.h"
 #include "simd/kv_load-inl.h"
 #include "hwy/highway.h"
 
@@ -32,16 +33,12 @@ using decode::kKeyTile;
 using decode::kRowBlock;
 using tile_gemm::AllFinite;
 
-// The value tile's registers. AVX-512 has 32 vector registers: 4 x 4 = 16 accumulators + 4 V
-// loads + 1 broadcast = 21. The 16-register targets halve the rows: 8 + 4 + 1 = 13. (The score
-// tile is dot_scores::ScoreTile, attention/steps/dot_scores-inl.h, shared with the flash backward.)
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
-constexpr size_t kValueRows = 4;
-#else
-constexpr size_t kValueRows = 2;
-#endif
-constexpr size_t kValueVectors = 4;
-using dot_scores::WithConstant;
+// The value tile: gemm/register_tile-inl.h's four-wide tile, kValueRows x kValueVectors
+// accumulators + kValueVectors V loads + 1 broadcast. (The score tile is dot_scores::ScoreTile,
+// attention/steps/dot_scores-inl.h, shared with the flash backward.)
+constexpr size_t kValueRows = tile_gemm::kFourWideRows;
+constexpr size_t kValueVectors = tile_gemm::kFourWideColumns;
+using tile_gemm::WithConstant;
 constexpr size_t kScoreKeys = dot_scores::kKeys;
 static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
 
@@ -53,34 +50,16 @@ HWY_INLINE void PrefetchRange(const void* begin, const void* end) {
 }
 
 // ---- Step 5's register tile: o[r * o_stride + n L + c] += sum_j p[r * kKeyTile + j]
-// v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns.
+// v[j * dv + n L + c] over `cols` keys, for Rows rows and Vectors vectors of columns: "broadcast
+// a weight, load a row of V" (tile_gemm::BroadcastSteps).
 template <size_t Rows, size_t Vectors, class T>
 HWY_INLINE void ValueTile(size_t cols, const float* HWY_RESTRICT p, const T* HWY_RESTRICT v, size_t dv,
                           float* HWY_RESTRICT o, size_t o_stride) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
   VF acc[Rows][Vectors];
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::Load(df, o + r * o_stride + n * lanes);
-  }
-  for (size_t j = 0; j < cols; ++j) {
-    VF v_vec[Vectors];
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < Vectors; ++n) v_vec[n] = kv::LoadWide(df, v + j * dv + n * lanes);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < Rows; ++r) {
-      const VF weight = hn::Set(df, p[r * kKeyTile + j]);  // broadcast, folded into the FMA
-      HWY_UNROLL(16)
-      for (size_t n = 0; n < Vectors; ++n) acc[r][n] = hn::MulAdd(weight, v_vec[n], acc[r][n]);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t n = 0; n < Vectors; ++n) hn::Store(acc[r][n], df, o + r * o_stride + n * lanes);
-  }
+  tile_gemm::LoadTileOrZero(acc, true, o, o_stride);
+  tile_gemm::BroadcastSteps(
+      cols, p, kKeyTile, 1, [&](size_t j, VF(&row)[Vectors]) { tile_gemm::LoadConsecutive(v + j * dv, row); }, acc);
+  tile_gemm::StoreTile(acc, o, o_stride);
 }
 
 namespace step = pipeline;
@@ -105,20 +84,20 @@ struct Scratch {
 
 // K and V rows of element type T: float (p.k, p.v) or 16 bits (p.k_bits, p.v_bits), read in place.
 template <class T>
-HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+HWY_INLINE const T* RowIn(const Rows<const float>& floats, const Rows<const uint16_t>& bits, int64_t b, int64_t g, int64_t j) {
   if constexpr (std::is_same_v<T, float>) {
-    return p.k.row(b, g, j);
+    return floats.row(b, g, j);
   } else {
-    return reinterpret_cast<const T*>(p.k_bits.row(b, g, j));
+    return reinterpret_cast<const T*>(bits.row(b, g, j));
   }
 }
 template <class T>
+HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  return RowIn<T>(p.k, p.k_bits, b, g, j);
+}
+template <class T>
 HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (std::is_same_v<T, float>) {
-    return p.v.row(b, g, j);
-  } else {
-    return reinterpret_cast<const T*>(p.v_bits.row(b, g, j));
-  }
+  return RowIn<T>(p.v, p.v_bits, b, g, j);
 }
 HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.k.row_stride : p.k_bits.row_stride);

@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <type_traits>
 
+#include "gemm/register_tile-inl.h"
 #include "simd/kv_load-inl.h"
 #include "hwy/highway.h"
 
@@ -26,63 +26,29 @@ namespace HWY_NAMESPACE {
 namespace dot_scores {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// The register tile: kRows x kKeys accumulators plus kKeys K vectors and the Q vectors.
-// AVX-512 has 32 vector registers: 4 x 4 = 16 accumulators + 4 K + 4 Q loads = 24. The
-// 16-register targets halve the rows: 8 + 4 + 2 = 14.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3  // every AVX-512 target, later ones included
-constexpr size_t kRows = 4;
-#else
-constexpr size_t kRows = 2;
-#endif
-constexpr size_t kKeys = 4;
+// The register tile (gemm/register_tile-inl.h's four-wide tile): kRows x kKeys accumulators plus
+// kKeys K vectors and a Q vector.
+constexpr size_t kRows = tile_gemm::kFourWideRows;
+constexpr size_t kKeys = tile_gemm::kFourWideColumns;
 
 // s[r * s_row + x * s_key] = sum_d qs[r * q_stride + d] keys[x][d] for Rows rows and kKeys keys.
 // Vectors over the first `full` dims (dk rounded down to whole vectors), then a scalar tail up to
-// dk: K rows are read in place and must not be read past their end. qs (already scaled) starts
-// each row on a vector boundary.
+// dk: K rows are read in place and must not be read past their end.
 template <size_t Rows, class T>
 HWY_INLINE void ScoreTile(size_t dk, size_t full, const float* HWY_RESTRICT qs, size_t q_stride,
                           const T* const* keys, float* HWY_RESTRICT s, size_t s_row, size_t s_key) {
-  using DF = hn::ScalableTag<float>;
-  using VF = hn::Vec<DF>;
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  VF acc[Rows][kKeys];
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kKeys; ++x) acc[r][x] = hn::Zero(df);
-  }
+  const size_t lanes = hn::Lanes(hn::ScalableTag<float>());
+  tile_gemm::VF acc[Rows][kKeys];
+  tile_gemm::ZeroTile(acc);
   for (size_t d = 0; d < full; d += lanes) {
-    VF key_vec[kKeys];
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kKeys; ++x) key_vec[x] = kv::LoadWide(df, keys[x] + d);
-    HWY_UNROLL(16)
-    for (size_t r = 0; r < Rows; ++r) {
-      const VF q_vec = hn::Load(df, qs + r * q_stride + d);
-      HWY_UNROLL(16)
-      for (size_t x = 0; x < kKeys; ++x) acc[r][x] = hn::MulAdd(q_vec, key_vec[x], acc[r][x]);
-    }
+    tile_gemm::VF key_vec[kKeys];
+    tile_gemm::LoadGathered(keys, d, key_vec);
+    tile_gemm::DotStep(qs + d, q_stride, key_vec, acc);
   }
-  HWY_UNROLL(16)
-  for (size_t r = 0; r < Rows; ++r) {
-    HWY_UNROLL(16)
-    for (size_t x = 0; x < kKeys; ++x) {
-      float dot = hn::GetLane(hn::SumOfLanes(df, acc[r][x]));
-      for (size_t d = full; d < dk; ++d) dot += qs[r * q_stride + d] * kv::ToFloat(keys[x][d]);
-      s[r * s_row + x * s_key] = dot;
-    }
-  }
-}
-
-// Calls body(std::integral_constant<size_t, n>()) for a run-time 1 <= n <= Max, so the
-// remainder of a register tile gets its own fully unrolled instance.
-template <size_t Max, class Body>
-HWY_INLINE void WithConstant(size_t n, const Body& body) {
-  if constexpr (Max >= 1) {
-    if (n == Max) return body(std::integral_constant<size_t, Max>());
-    WithConstant<Max - 1>(n, body);
-  }
+  tile_gemm::ReduceDots(acc, [&](size_t r, size_t x, float dot) {
+    for (size_t d = full; d < dk; ++d) dot += qs[r * q_stride + d] * kv::ToFloat(keys[x][d]);
+    s[r * s_row + x * s_key] = dot;
+  });
 }
 
 // ScoreTile over `rows` rows (any count), for the kKeys keys of `keys`.
@@ -90,7 +56,7 @@ template <class T>
 HWY_INLINE void ScoreRows(size_t rows, size_t dk, size_t full, const float* HWY_RESTRICT qs, size_t q_stride,
                           const T* const* keys, float* HWY_RESTRICT s, size_t s_row, size_t s_key) {
   for (size_t r = 0; r < rows; r += kRows)
-    WithConstant<kRows>(std::min(kRows, rows - r), [&](auto tile_rows) {
+    tile_gemm::WithConstant<kRows>(std::min(kRows, rows - r), [&](auto tile_rows) {
       ScoreTile<decltype(tile_rows)::value>(dk, full, qs + r * q_stride, q_stride, keys, s + r * s_row, s_row, s_key);
     });
 }

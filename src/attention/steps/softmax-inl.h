@@ -15,7 +15,6 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -117,7 +116,7 @@ HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, fl
     const VF old_max = hn::Load(df, running_max + at);
     const VF new_max = hn::Max(old_max, hn::Max(tile_max[n], odd_max[n]));
     safe_max[n] = hn::IfThenZeroElse(hn::Eq(new_max, minus_inf), new_max);
-    const VF factor = hn::Exp(df, hn::Sub(old_max, safe_max[n]));  // 1 when the max did not grow
+    const VF factor = ExpSoftmax(df, hn::Sub(old_max, safe_max[n]));  // 1 when the max did not grow
     max_grew = max_grew || !hn::AllTrue(df, hn::Eq(old_max, new_max));
     hn::Store(new_max, df, running_max + at);
     hn::Store(factor, df, correction + at);
@@ -191,7 +190,7 @@ HWY_INLINE float SoftmaxRowUpdate(float* HWY_RESTRICT s, size_t n, float& runnin
   const float new_max = hn::AllFalse(df, nan_mask) ? std::max(old_max, hn::GetLane(hn::MaxOfLanes(df, max_vec)))
                                                    : std::numeric_limits<float>::quiet_NaN();
   const float safe_max = new_max == kMinusInf ? 0.0f : new_max;
-  const float factor = std::exp(old_max - safe_max);
+  const float factor = hn::GetLane(ExpSoftmax(df, hn::Set(df, old_max - safe_max)));  // the tile's exp
   running_max = new_max;
   const VF max_broadcast = hn::Set(df, safe_max);
   VF sum_vec = hn::Zero(df);
