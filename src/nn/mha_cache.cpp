@@ -28,6 +28,46 @@ Tensor ragged_keep(const std::vector<int64_t>& before, const std::vector<int64_t
   }
   return keep;
 }
+
+// A cached call's tokens and positions, checked against the layer and the cache: x as (B, N, E),
+// each element's new tokens (count) and cached ones before them, whether all line up (uniform:
+// one causal offset serves every element) and whether the cache is a ring buffer.
+struct CachedCall {
+  Tensor x;
+  int64_t batch, len;
+  std::vector<int64_t> count, before;
+  bool uniform, ring;
+};
+CachedCall check_cached_call(const Tensor& x, const KVCache& cache, const std::vector<int64_t>& counts,
+                             int64_t embed_dim, int64_t kv_heads, int64_t hd, bool linear, bool alibi) {
+  if (!x.defined() || x.dim() < 2 || x.dim() > 3 || x.size(-1) != embed_dim)
+    throw Error(std::string(kWho) + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
+                " but should be (B, N, " + std::to_string(embed_dim) + ") or (N, " + std::to_string(embed_dim) + ")");
+  if (linear)
+    throw Error(std::string(kWho) + "a KV cache serves softmax attention; this layer uses linear attention, whose "
+                "state is not cached yet: call forward(x) on the whole sequence");
+  CachedCall call;
+  call.x = x.dim() == 2 ? x.unsqueeze(0) : x;
+  call.batch = call.x.size(0);
+  call.len = call.x.size(1);
+  if (!cache.defined() || cache.batch() != call.batch || cache.kv_heads() != kv_heads || cache.head_dim() != hd)
+    throw Error(std::string(kWho) + "the cache holds (" + std::to_string(cache.batch()) + ", " +
+                std::to_string(cache.kv_heads()) + ", capacity, " + std::to_string(cache.head_dim()) +
+                ") but this layer needs (" + std::to_string(call.batch) + ", " + std::to_string(kv_heads) +
+                ", capacity, " + std::to_string(hd) + "): use make_cache");
+  call.count = counts.empty() ? std::vector<int64_t>(static_cast<size_t>(call.batch), call.len) : counts;
+  call.before = cache.lengths();
+  const auto& before = call.before;
+  call.uniform = std::all_of(call.count.begin(), call.count.end(), [&](int64_t c) { return c == call.len; }) &&
+                 std::all_of(before.begin(), before.end(), [&](int64_t l) { return l == before[0]; });
+  call.ring = cache.window() > 0;
+  if (call.ring && !call.uniform)
+    throw Error(std::string(kWho) + "a ring-buffer cache needs every batch element at the same position");
+  if (alibi && (call.ring || !call.uniform))
+    throw Error(std::string(kWho) + "ALiBi needs each key's index to be its position: not with a ring buffer or "
+                "ragged lengths");
+  return call;
+}
 }  // namespace
 
 KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dtype, int64_t window) const {
@@ -37,30 +77,14 @@ KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dt
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& cache,
                                                      const std::vector<int64_t>& counts) const {
   const std::shared_lock lock(lock_.mutex().mutex);  // reads the module only (include/qkv/nn.hpp)
-  if (!x.defined() || x.dim() < 2 || x.dim() > 3 || x.size(-1) != embed_dim_)
-    throw Error(std::string(kWho) + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
-                " but should be (B, N, " + std::to_string(embed_dim_) + ") or (N, " + std::to_string(embed_dim_) + ")");
-  if (options_.attention == AttentionKind::Linear)
-    throw Error(std::string(kWho) + "a KV cache serves softmax attention; this layer uses linear attention, whose "
-                "state is not cached yet: call forward(x) on the whole sequence");
-  const bool unbatched = x.dim() == 2;
-  const Tensor x_in = unbatched ? x.unsqueeze(0) : x;
-  const int64_t batch = x_in.size(0), len = x_in.size(1), hd = head_dim();
-  if (!cache.defined() || cache.batch() != batch || cache.kv_heads() != num_kv_heads_ || cache.head_dim() != hd)
-    throw Error(std::string(kWho) + "the cache holds (" + std::to_string(cache.batch()) + ", " +
-                std::to_string(cache.kv_heads()) + ", capacity, " + std::to_string(cache.head_dim()) +
-                ") but this layer needs (" + std::to_string(batch) + ", " + std::to_string(num_kv_heads_) +
-                ", capacity, " + std::to_string(hd) + "): use make_cache");
-  std::vector<int64_t> count = counts.empty() ? std::vector<int64_t>(static_cast<size_t>(batch), len) : counts;
-  const std::vector<int64_t> before = cache.lengths();
-  const bool uniform = std::all_of(count.begin(), count.end(), [&](int64_t c) { return c == len; }) &&
-                       std::all_of(before.begin(), before.end(), [&](int64_t l) { return l == before[0]; });
-  const bool ring = cache.window() > 0;
-  if (ring && !uniform)
-    throw Error(std::string(kWho) + "a ring-buffer cache needs every batch element at the same position");
-  if (alibi_slopes_.defined() && (ring || !uniform))
-    throw Error(std::string(kWho) + "ALiBi needs each key's index to be its position: not with a ring buffer or "
-                "ragged lengths");
+  const int64_t hd = head_dim();
+  const CachedCall call = check_cached_call(x, cache, counts, embed_dim_, num_kv_heads_, hd,
+                                            options_.attention == AttentionKind::Linear, alibi_slopes_.defined());
+  const Tensor& x_in = call.x;
+  const int64_t batch = call.batch, len = call.len;
+  const std::vector<int64_t>& before = call.before;
+  const std::vector<int64_t>& count = call.count;
+  const bool uniform = call.uniform, ring = call.ring;
 
   // ---- 1. project, 2. split into heads, 2b. rotate to the tokens' positions
   const Tensor q = q_proj.apply(x_in).reshape({batch, len, num_heads_, hd}).transpose(1, 2);
@@ -101,7 +125,7 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
   // ---- 4. the heads side by side (already), 5. output projection
   MultiHeadAttentionOutput out;
   out.output = out_proj.apply(concatenated.reshape({batch, len, embed_dim_}));
-  if (unbatched) out.output = out.output.squeeze(0);
+  if (x.dim() == 2) out.output = out.output.squeeze(0);
   return out;
 }
 

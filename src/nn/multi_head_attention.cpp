@@ -101,6 +101,20 @@ void check_features(const Tensor& t, const char* name, const char* dim_name, int
                                                 ? " (expected (B, N, features) or (N, features))" : ""));
 }
 
+// need_weights=average: the mean over heads of per-head weights (B, H, Nq, Nk), as (B, Nq, Nk).
+Tensor average_heads(const Tensor& per_head_weights) {
+  const int64_t batch = per_head_weights.size(0), heads = per_head_weights.size(1);
+  const int64_t plane = per_head_weights.size(2) * per_head_weights.size(3);
+  Tensor mean = Tensor::zeros({batch, per_head_weights.size(2), per_head_weights.size(3)});
+  const float* per_head = per_head_weights.data();
+  float* out = mean.data();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t e = 0; e < plane; ++e) out[b * plane + e] += per_head[(b * heads + h) * plane + e];
+  for (int64_t e = 0; e < mean.numel(); ++e) out[e] /= static_cast<float>(heads);
+  return mean;
+}
+
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, const MultiHeadAttentionOptions& options)
@@ -290,15 +304,7 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   result.output = training_ ? out_proj.forward(flat) : out_proj.apply(flat);
 
   if (weights == Weights::Averaged) {
-    Tensor mean = Tensor::zeros({batch, q_len, kv_len});
-    const float* per_head = attended.weights.data();
-    float* out = mean.data();
-    const int64_t plane = q_len * kv_len;
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < num_heads_; ++h)
-        for (int64_t e = 0; e < plane; ++e) out[b * plane + e] += per_head[(b * num_heads_ + h) * plane + e];
-    for (int64_t e = 0; e < mean.numel(); ++e) out[e] /= static_cast<float>(num_heads_);
-    result.weights = mean;
+    result.weights = average_heads(attended.weights);
   } else if (weights == Weights::PerHead) {
     result.weights = attended.weights;
   }
