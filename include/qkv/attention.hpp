@@ -48,8 +48,9 @@ struct AttentionOptions {
 
   // Score modifiers, applied to each scaled score s = scale * q.k in this order, then the mask:
   float softcap = 0;    // > 0: s <- softcap * tanh(s / softcap) (Gemma 2, Grok); 0: off
-  Tensor alibi_slopes;  // (Hq): s <- s - slopes[h] * |i + Nk - Nq - j| (ALiBi; queries aligned to
-                        // the end of the keys, as FlashAttention does); undefined: off
+  Tensor alibi_slopes;  // (Hq) or (B, Hq): s <- s - slopes[b, h] * |i + Nk - Nq - j| (ALiBi; queries
+                        // aligned to the end of the keys; (B, Hq) a row per batch element, as
+                        // FlashAttention takes them); undefined: off
   Tensor sinks;         // (Hq), finite: a logit per head that joins every row's softmax denominator
                         // but carries no value (gpt-oss, StreamingLLM):
                         //   w_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij));

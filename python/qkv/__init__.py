@@ -318,7 +318,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Score modifiers, applied to each scaled score s in this order, before the mask:
     softcap: > 0 caps the scores, s <- softcap * tanh(s / softcap) (Gemma 2); 0 = off.
-    alibi_slopes: (Hq) floats, s <- s - slopes[h] * |i + Nk - Nq - j| (ALiBi); None = off.
+    alibi_slopes: (Hq) or (B, Hq) floats, s <- s - slopes[b, h] * |i + Nk - Nq - j| (ALiBi; (B, Hq):
+      a row per batch element, as FlashAttention takes them); None = off.
     sinks: (Hq) floats, a logit per head that joins each row's softmax denominator but carries no
       value (gpt-oss, StreamingLLM); None = off.
 

@@ -87,18 +87,26 @@ MaskTermView term_view(const char* who, const Mask::Term& term, const Dims& q, i
   return {term.values.view_data(), strides[0], strides[1], strides[2], strides[3], term.additive};
 }
 
-// A per-head vector option (alibi_slopes, sinks): undefined, or Hq finite floats.
+// A per-head vector option (alibi_slopes, sinks): undefined, or Hq finite floats; with
+// `batch_stride` (ALiBi) also (B, Hq), one row per batch element (FlashAttention's (B, H) slopes),
+// *batch_stride then Hq (0 for one row shared by the batch).
 const float* head_vector(const char* who, const Tensor& t, const char* name, int64_t heads,
-                         std::vector<Tensor>& held) {
+                         std::vector<Tensor>& held, int64_t batch = 0, int64_t* batch_stride = nullptr) {
   if (!t.defined()) return nullptr;
-  if (t.dim() != 1 || t.size(0) != heads)
+  const bool per_batch = batch_stride && t.dim() == 2 && t.size(0) == batch && t.size(1) == heads;
+  if (!per_batch && (t.dim() != 1 || t.size(0) != heads))
     fail(who, std::string(name) + " is " + t.shape().str() + " but should be (" + std::to_string(heads) +
-                  "), one per query head");
+                  "), one per query head" +
+                  (batch_stride ? ", or (" + std::to_string(batch) + ", " + std::to_string(heads) +
+                                      "), one per batch element and query head"
+                                : std::string()));
+  if (batch_stride) *batch_stride = per_batch ? heads : 0;
   held.push_back(t.contiguous());
   const float* values = held.back().data();
-  for (int64_t h = 0; h < heads; ++h)
-    if (!std::isfinite(values[h]))
-      fail(who, std::string(name) + "[" + std::to_string(h) + "] = " + format_float(values[h]) + " is not finite");
+  for (int64_t e = 0; e < t.numel(); ++e)
+    if (!std::isfinite(values[e]))
+      fail(who, std::string(name) + "[" + (per_batch ? std::to_string(e / heads) + ", " : std::string()) +
+                    std::to_string(e % heads) + "] = " + format_float(values[e]) + " is not finite");
   return values;
 }
 
@@ -257,7 +265,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   built.scores_shape = with({qd.len, kd.len});
 
   // ---- modifiers and the mask, normalised
-  const float* alibi = head_vector(who, options.alibi_slopes, "alibi_slopes", qd.heads, built.held);
+  int64_t alibi_batch_stride = 0;
+  const float* alibi =
+      head_vector(who, options.alibi_slopes, "alibi_slopes", qd.heads, built.held, qd.batch, &alibi_batch_stride);
   const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
   const Mask mask =
       options.mask_mod.empty() ? options.mask : options.mask & Mask::expression(options.mask_mod, options.mod_inputs);
@@ -293,7 +303,8 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
       .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
       .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
-      .softcap = options.softcap, .alibi_slopes = alibi, .alibi_shift = 0, .sinks = sinks,
+      .softcap = options.softcap, .alibi_slopes = alibi, .alibi_batch_stride = alibi_batch_stride,
+      .alibi_shift = 0, .sinks = sinks,
       .score_mod = std::move(score_mod), .score_mod_inputs = std::move(score_mod_inputs),
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),

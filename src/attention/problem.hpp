@@ -37,7 +37,8 @@ struct AttentionProblem {
 
   // Score modifiers, applied to s = scale * q.k in this order, before the mask.
   float softcap;               // > 0: s <- softcap * tanh(s / softcap); 0: off
-  const float* alibi_slopes;   // (Hq): s <- s - slope[h] * |i + alibi_offset() - j|; nullptr: off
+  const float* alibi_slopes;   // (B|1, Hq): s <- s - alibi_slope(b, h) * |i + alibi_offset() - j|; nullptr: off
+  int64_t alibi_batch_stride;  // Hq for (B, Hq) slopes, 0 for (Hq)
   int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/ring_block.hpp)
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
   // A score function (AttentionOptions::score_mod) applied after softcap and ALiBi, reading
@@ -79,6 +80,7 @@ struct AttentionProblem {
   // ALiBi aligns the queries to the end of the keys: query i sits at key position i + Nk - Nq,
   // moved by alibi_shift when the call is one block of a longer sequence.
   int64_t alibi_offset() const { return kv_len - q_len + alibi_shift; }
+  float alibi_slope(int64_t b, int64_t h) const { return alibi_slopes[b * alibi_batch_stride + h]; }
   // The sink logit of query head h, -inf when there are no sinks (it then adds exp(-inf) = 0).
   float sink(int64_t h) const { return sinks ? sinks[h] : -std::numeric_limits<float>::infinity(); }
   // The half-open range [first, last) of keys the band and key lengths let query i of batch b

@@ -137,7 +137,7 @@ Grads64 analytic_backward(const Case& c, const std::vector<double>& g) {
             const double t = std::tanh(dot * c.scale / modifiers.softcap);
             softcap_slope[static_cast<size_t>(j)] = 1 - t * t;
           }
-          double score = modifiers.modify(dot * c.scale, h, i, j, d.q_len, d.kv_len);
+          double score = modifiers.modify(dot * c.scale, b, h, i, j, d.q_len, d.kv_len);
           if (c.bias) {
             const double extra = c.bias(b, h, i, j);
             score = extra == -kInf ? -kInf : score + extra;

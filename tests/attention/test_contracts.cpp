@@ -260,7 +260,12 @@ TEST(Pipeline, ModifierOptionsAreChecked) {
   EXPECT_THAT(message(options), HasSubstr("softcap must be 0 (off) or finite and positive, got -1"));
   options = {};
   options.alibi_slopes = Tensor::zeros(Shape{3});
-  EXPECT_THAT(message(options), HasSubstr("alibi_slopes is (3) but should be (2), one per query head"));
+  EXPECT_THAT(message(options), HasSubstr("alibi_slopes is (3) but should be (2), one per query head, or (1, 2), "
+                                          "one per batch element and query head"));
+  options.alibi_slopes = Tensor::zeros(Shape{2, 2});  // the batch is 1
+  EXPECT_THAT(message(options), HasSubstr("alibi_slopes is (2, 2) but should be (2)"));
+  options.alibi_slopes = Tensor::from({0.5f, std::numeric_limits<float>::quiet_NaN()}, Shape{1, 2});
+  EXPECT_THAT(message(options), HasSubstr("alibi_slopes[0, 1] = nan is not finite"));
   options = {};
   options.sinks = Tensor::from({0.0f, std::numeric_limits<float>::infinity()}, Shape{2});
   EXPECT_THAT(message(options), HasSubstr("sinks[1] = inf is not finite"));

@@ -54,14 +54,17 @@ struct Case {
   float dropout_p = 0;
   uint64_t seed = 0;
   float softcap = 0;
-  Tensor alibi_slopes, sinks;  // (Hq) or undefined
+  Tensor alibi_slopes, sinks;  // (Hq) or undefined; alibi_slopes may also be (B, Hq)
   qkv::MatmulPrecision precision = qkv::MatmulPrecision::Highest;
 
   // The modifiers as the oracle reads them.
   qkv_test::OracleModifiers modifiers() const {
     qkv_test::OracleModifiers m;
     m.softcap = softcap;
-    if (alibi_slopes.defined()) m.alibi_slopes = qkv_test::to_doubles(alibi_slopes);
+    if (alibi_slopes.defined()) {
+      m.alibi_slopes = qkv_test::to_doubles(alibi_slopes);
+      m.alibi_batch_stride = alibi_slopes.dim() == 2 ? alibi_slopes.size(1) : 0;
+    }
     if (sinks.defined()) m.sinks = qkv_test::to_doubles(sinks);
     return m;
   }
@@ -458,11 +461,14 @@ inline std::string to_string(Modifier m) {
 }
 
 // Random modifiers of kind `m` for a case with Hq query heads: a softcap of a few units (it
-// bends the scores the test draws), ALiBi slopes in [0, 0.5] and sinks in [-3, 3].
+// bends the scores the test draws), ALiBi slopes in [0, 0.5] and sinks in [-3, 3]. All of them
+// together take ALiBi slopes per batch element and head, (B, Hq), where the case is batched.
 inline void set_modifiers(Case& c, Modifier m, Random& rng) {
-  const int64_t heads = c.q.size(1);
+  const int64_t heads = c.q.size(1), batch = c.q.size(0);
   if (m == Modifier::Softcap || m == Modifier::All) c.softcap = static_cast<float>(rng.uniform(0.5, 5.0));
-  if (m == Modifier::Alibi || m == Modifier::All) c.alibi_slopes = rng.uniform_tensor(Shape{heads}, 0.0, 0.5);
+  if (m == Modifier::Alibi) c.alibi_slopes = rng.uniform_tensor(Shape{heads}, 0.0, 0.5);
+  if (m == Modifier::All)
+    c.alibi_slopes = rng.uniform_tensor(batch > 1 ? Shape{batch, heads} : Shape{heads}, 0.0, 0.5);
   if (m == Modifier::Sinks || m == Modifier::All) c.sinks = rng.uniform_tensor(Shape{heads}, -3.0, 3.0);
   c.name += " modifiers=" + to_string(m);
 }

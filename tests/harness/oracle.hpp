@@ -253,15 +253,18 @@ struct OracleDropout {
 };
 
 // Score modifiers as the oracle applies them to each scaled score s, before the bias:
-// s <- softcap tanh(s / softcap) (softcap > 0), s <- s - alibi_slopes[h] |i + Nk - Nq - j|; and
-// sinks[h], a logit in each row's softmax denominator with no value. Empty vectors: off.
+// s <- softcap tanh(s / softcap) (softcap > 0), s <- s - slope(b, h) |i + Nk - Nq - j| with the
+// slopes (Hq) or, alibi_batch_stride = Hq, (B, Hq); and sinks[h], a logit in each row's softmax
+// denominator with no value. Empty vectors: off.
 struct OracleModifiers {
   double softcap = 0;
   std::vector<double> alibi_slopes, sinks;
+  int64_t alibi_batch_stride = 0;
 
-  double modify(double score, int64_t h, int64_t i, int64_t j, int64_t nq, int64_t nk) const {
+  double modify(double score, int64_t b, int64_t h, int64_t i, int64_t j, int64_t nq, int64_t nk) const {
     if (softcap > 0) score = softcap * std::tanh(score / softcap);
-    if (!alibi_slopes.empty()) score -= alibi_slopes[static_cast<size_t>(h)] * std::abs(double(i + nk - nq - j));
+    if (!alibi_slopes.empty())
+      score -= alibi_slopes[static_cast<size_t>(b * alibi_batch_stride + h)] * std::abs(double(i + nk - nq - j));
     return score;
   }
   double sink(int64_t h) const { return sinks.empty() ? -kInf : sinks[static_cast<size_t>(h)]; }
@@ -317,7 +320,7 @@ inline OracleResult attention_oracle(const AttentionDims& d, const std::vector<d
           const double* k_row = &k[static_cast<size_t>((kv_base + j) * d.qk_dim)];
           double dot = 0;
           for (int64_t c = 0; c < d.qk_dim; ++c) dot += q_row[c] * k_row[c];
-          double score = modifiers.modify(dot * scale, h, i, j, d.q_len, d.kv_len);
+          double score = modifiers.modify(dot * scale, b, h, i, j, d.q_len, d.kv_len);
           if (bias) {
             const double extra = bias(b, h, i, j);
             score = extra == -kInf ? -kInf : score + extra;

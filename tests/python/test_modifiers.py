@@ -126,7 +126,8 @@ def modified_attention(q, k, v, scale=None, softcap=0.0, alibi_slopes=None, sink
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         distance = (torch.arange(nq)[:, None] + nk - nq - torch.arange(nk)[None, :]).abs().to(s.dtype)
-        s = s - alibi_slopes.view(1, hq, 1, 1) * distance
+        rows = alibi_slopes.shape[0] if alibi_slopes.dim() == 2 else 1  # (B, Hq) or (Hq)
+        s = s - alibi_slopes.view(rows, hq, 1, 1) * distance
     if additive is not None:
         s = s + additive
     if keep is not None:
@@ -143,11 +144,13 @@ MODIFIERS = {
     "alibi": dict(alibi=True),
     "sinks": dict(sinks=True),
     "all": dict(softcap=3.0, alibi=True, sinks=True),
+    "alibi (B, Hq)": dict(alibi="per batch"),
+    "all, alibi (B, Hq)": dict(softcap=3.0, alibi="per batch", sinks=True),
 }
 
 
 def make_case(rng, b, hq, hkv, nq, nk, dk, dv, modifiers):
-    """Random float32 inputs, (Hq) slopes and sinks as float64 leaves for the oracle."""
+    """Random float32 inputs, (Hq) or (B, Hq) slopes and (Hq) sinks, float64 leaves for the oracle."""
     def randn(*shape, s=1.0):
         return (s * rng.standard_normal(shape)).astype(np.float32)
     # Scores scaled up so that softcap 2 bites (|s| reaches several times the cap).
@@ -156,6 +159,8 @@ def make_case(rng, b, hq, hkv, nq, nk, dk, dv, modifiers):
     case["softcap"] = modifiers.get("softcap", 0.0)
     case["alibi_slopes"] = (np.exp2(-8.0 * np.arange(1, hq + 1) / hq).astype(np.float32)
                             if modifiers.get("alibi") else None)
+    if modifiers.get("alibi") == "per batch":  # a row per batch element: FlashAttention's (B, H)
+        case["alibi_slopes"] = rng.uniform(0.0, 0.5, (b, hq)).astype(np.float32)
     case["sinks"] = randn(hq, s=1.5) if modifiers.get("sinks") else None
     return case
 
@@ -282,7 +287,7 @@ def test_multi_head_attention_modifiers(rng, modifiers, kv_heads):
     options = MODIFIERS[modifiers]
     e, heads, b, n = 32, 4, 2, 7
     ours = qkv.MultiHeadAttention(e, heads, num_kv_heads=kv_heads, softcap=options.get("softcap", 0.0),
-                                  alibi=options.get("alibi", False), sinks=options.get("sinks", False),
+                                  alibi=bool(options.get("alibi")), sinks=options.get("sinks", False),
                                   seed=int(rng.integers(1 << 31)))
     params = ours.parameters()
     assert ("sinks" in params) == bool(options.get("sinks"))
@@ -293,7 +298,7 @@ def test_multi_head_attention_modifiers(rng, modifiers, kv_heads):
 
     leaves = {name: torch.from_numpy(p.astype(np.float64)).requires_grad_() for name, p in params.items()}
     tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
-    expected = torch_mha(leaves, tx, heads, kv_heads, True, options.get("softcap", 0.0), options.get("alibi", False),
+    expected = torch_mha(leaves, tx, heads, kv_heads, True, options.get("softcap", 0.0), bool(options.get("alibi")),
                          options.get("sinks", False))
     (expected * torch.from_numpy(grad.astype(np.float64))).sum().backward()
 

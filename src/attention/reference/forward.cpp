@@ -60,7 +60,7 @@ void reference_logits_row(const AttentionProblem& p, int64_t b, int64_t h, int64
     }
   if (p.alibi_slopes)
     for (int64_t j = 0; j < nk; ++j)
-      scores[j] -= p.alibi_slopes[h] * static_cast<float>(std::abs(i + p.alibi_offset() - j));
+      scores[j] -= p.alibi_slope(b, h) * static_cast<float>(std::abs(i + p.alibi_offset() - j));
   if (p.score_mod) apply_score_mod(p, b, h, i, scores, score_slope);
   const int64_t first = p.first_visible_key(i);
   const int64_t last = p.last_visible_key(b, i);

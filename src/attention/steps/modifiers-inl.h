@@ -93,14 +93,14 @@ HWY_INLINE void Softcap(const AttentionProblem& p, float* HWY_RESTRICT s, size_t
   }
 }
 
-// ---- Step "ALiBi": s <- s - slope[h] |i + Nk - Nq - j| over a line's n floats (whole vectors),
+// ---- Step "ALiBi": s <- s - slope(b, h) |i + Nk - Nq - j| over a line's n floats (whole vectors),
 // after softcap.
 HWY_INLINE void Alibi(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n) {
   if (!p.alibi_slopes) return;
   const DF df;
   const size_t lanes = hn::Lanes(df);
   // distance(x) = |i + offset - j| = |base + x * step|, step = query_step - key_step = +-1
-  const float slope = p.alibi_slopes[line.h];
+  const float slope = p.alibi_slope(line.b, line.h);
   const float base = static_cast<float>(line.i0 + p.alibi_offset() - line.j0);
   const float step = static_cast<float>(line.query_step - line.key_step);
   const VF steps = hn::Mul(hn::Iota(df, 0.0f), hn::Set(df, step));
