@@ -231,6 +231,58 @@ template Rows<const float> rows_of<const float>(const Tensor&);
 template Rows<float> rows_of<float>(const Tensor&);
 template Rows<const uint16_t> rows_of<const uint16_t>(const Tensor&);
 
+namespace {
+// q in f32; k and v sharing a dtype (f32, bf16 or f16).
+void check_dtypes(const char* who, const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (q.dtype() != DType::F32)
+    fail(who, "q " + q.shape().str() + " is " + std::string(to_string(q.dtype())) +
+                  ": attention needs q in f32 (k and v may be bf16 or f16)");
+  if (k.dtype() != v.dtype())
+    fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
+                  ": k and v must share a dtype");
+}
+
+// The scalar options checked; the scale, 1 / sqrt(Dk) by default.
+float checked_scale(const char* who, const AttentionOptions& options, int64_t dk) {
+  const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(dk)));
+  if (!std::isfinite(scale) || scale <= 0) fail(who, "scale must be finite and positive, got " + format_float(scale));
+  check_dropout_p(who, options.dropout_p);
+  if (!(options.softcap >= 0 && std::isfinite(options.softcap)))
+    fail(who, "softcap must be 0 (off) or finite and positive, got " + format_float(options.softcap));
+  return scale;
+}
+
+// q, k and v as the kernels read them: in place when their last dim is contiguous (else packed
+// copies, kept in `held`); K and V as floats, or as 16-bit bits when they are bf16 / f16.
+struct Operands {
+  Rows<const float> q, k, v;
+  Rows<const uint16_t> k_bits, v_bits;
+};
+Operands bind_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::vector<Tensor>& held) {
+  Operands o;
+  held.push_back(readable(q));
+  o.q = rows_of<const float>(held.back());
+  const bool wide_kv = k.dtype() == DType::F32;
+  held.push_back(readable(k));
+  if (wide_kv) o.k = rows_of<const float>(held.back()); else o.k_bits = rows_of<const uint16_t>(held.back());
+  held.push_back(readable(v));
+  if (wide_kv) o.v = rows_of<const float>(held.back()); else o.v_bits = rows_of<const uint16_t>(held.back());
+  return o;
+}
+
+// options.score_mod parsed, its inputs bound for a (B, Hq, Nq, Nk) problem (into `inputs`); null
+// when there is none.
+std::shared_ptr<const ModExpression> parse_score_mod(const char* who, const AttentionOptions& options, const Dims& qd,
+                                                     int64_t kv_len, std::vector<ModInput>& inputs,
+                                                     std::vector<Tensor>& held) {
+  if (options.score_mod.empty()) return nullptr;
+  auto score_mod = std::make_shared<const ModExpression>(
+      ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs)));
+  inputs = bind_mod_inputs(who, *score_mod, options.mod_inputs, qd.batch, qd.heads, qd.len, kv_len, held);
+  return score_mod;
+}
+}  // namespace
+
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttentionOptions& options) {
   // ---- shapes
@@ -238,19 +290,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   const Dims kd = read_dims(who, k, "k");
   const Dims vd = read_dims(who, v, "v");
   check_shapes(who, q, k, v, qd, kd, vd);
-  if (q.dtype() != DType::F32)
-    fail(who, "q " + q.shape().str() + " is " + std::string(to_string(q.dtype())) +
-                  ": attention needs q in f32 (k and v may be bf16 or f16)");
-  if (k.dtype() != v.dtype())
-    fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
-                  ": k and v must share a dtype");
+  check_dtypes(who, q, k, v);
 
-  // ---- scalar options
-  const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(qd.dim)));
-  if (!std::isfinite(scale) || scale <= 0) fail(who, "scale must be finite and positive, got " + format_float(scale));
-  check_dropout_p(who, options.dropout_p);
-  if (!(options.softcap >= 0 && std::isfinite(options.softcap)))
-    fail(who, "softcap must be 0 (off) or finite and positive, got " + format_float(options.softcap));
+  const float scale = checked_scale(who, options, qd.dim);
 
   // ---- result shapes: q's leading dims, then the per-row sizes
   std::vector<int64_t> lead(q.shape().begin(), q.shape().end() - 2);
@@ -271,14 +313,8 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
   const Mask mask =
       options.mask_mod.empty() ? options.mask : options.mask & Mask::expression(options.mask_mod, options.mod_inputs);
-  std::shared_ptr<const ModExpression> score_mod;
   std::vector<ModInput> score_mod_inputs;
-  if (!options.score_mod.empty()) {
-    score_mod = std::make_shared<const ModExpression>(
-        ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs)));
-    score_mod_inputs = bind_mod_inputs(who, *score_mod, options.mod_inputs, qd.batch, qd.heads, qd.len, kd.len,
-                                       built.held);
-  }
+  std::shared_ptr<const ModExpression> score_mod = parse_score_mod(who, options, qd, kd.len, score_mod_inputs, built.held);
   std::vector<MaskTermView> terms;
   for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
   for (const Mask::Term& term : mask.terms()) built.held.push_back(term.values);
@@ -286,23 +322,12 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       who, mask, qd.batch, qd.heads, qd.len, kd.len,
       [&](const Tensor& keep) { return term_view(who, {keep, false}, qd, kd.len, built.scores_shape); }, built.held);
 
-  // ---- operands, read in place when their last dim is contiguous
-  built.held.push_back(readable(q));
-  const Rows<const float> q_rows = rows_of<const float>(built.held.back());
-  const bool wide_kv = k.dtype() == DType::F32;
-  built.held.push_back(readable(k));
-  const Tensor& k_held = built.held.back();
-  const Rows<const float> k_rows = wide_kv ? rows_of<const float>(k_held) : Rows<const float>{};
-  const Rows<const uint16_t> k_bits = wide_kv ? Rows<const uint16_t>{} : rows_of<const uint16_t>(k_held);
-  built.held.push_back(readable(v));
-  const Tensor& v_held = built.held.back();
-  const Rows<const float> v_rows = wide_kv ? rows_of<const float>(v_held) : Rows<const float>{};
-  const Rows<const uint16_t> v_bits = wide_kv ? Rows<const uint16_t>{} : rows_of<const uint16_t>(v_held);
+  const Operands operands = bind_operands(q, k, v, built.held);
 
   built.problem = AttentionProblem{
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
       .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
-      .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
+      .q = operands.q, .k = operands.k, .v = operands.v, .scale = scale,
       .softcap = options.softcap, .alibi_slopes = alibi, .alibi_batch_stride = alibi_batch_stride,
       .alibi_shift = 0, .sinks = sinks,
       .score_mod = std::move(score_mod), .score_mod_inputs = std::move(score_mod_inputs),
@@ -315,7 +340,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
                    : options.precision == MatmulPrecision::Medium ? 1
                                                                   : 0,
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
-      .kv_dtype = k.dtype(), .k_bits = k_bits, .v_bits = v_bits,
+      .kv_dtype = k.dtype(), .k_bits = operands.k_bits, .v_bits = operands.v_bits,
   };
   return built;
 }
