@@ -166,7 +166,9 @@ void flash_summary_attention(const AttentionProblem& problem, const SummaryOutpu
   float* partials = launch.shared();
   std::fill_n(partials, partial * static_cast<size_t>(workers), 0.0f);
   launch.for_each(items, [&](int64_t item) {
-    const int64_t bh = item / tiling.count, tile = item % tiling.count;
+    // Within a head the last query tiles first, as flash_attention deals them: under a causal
+    // mask they see the most keys, so a share ends with its shortest items.
+    const int64_t bh = item / tiling.count, tile = tiling.count - 1 - item % tiling.count;
     const flash::QueryTile at{bh / problem.q_heads, bh % problem.q_heads, tiling.first_query(tile), tiling.rows(tile)};
     HWY_DYNAMIC_DISPATCH(SummaryQueryTile)(problem, out, at, launch.block_of_this_worker(),
                                                            partials + partial * static_cast<size_t>(worker_index(workers)));
