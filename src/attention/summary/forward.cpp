@@ -3,7 +3,8 @@
 // (products, logits, softmax, finish), with the summary steps (summary/steps-inl.h) between
 // them:
 //   per key tile   after the logits: their copy, the top k offered (TopLogits); after the
-//                  softmax update: T moved and added to (EntropyUpdate), P kept (KeepWeights)
+//                  softmax update: T moved and added to (EntropyUpdate), the max kept (KeepMax;
+//                  P itself is computed in its slot of the kept weights)
 //   per query tile after finish: each row's entropy and top keys (FinishRowSummaries), the kept
 //                  P folded into the head's received mass at the final max and sum (FoldReceived)
 // Each worker adds received mass into its own (B, Hq, Nk) partial; the launch sums them after.
@@ -53,10 +54,13 @@ size_t SummaryQueryTileRows() { return tile_gemm::kTileVectors * hn::Lanes(DF())
 size_t SummaryVectorLanes() { return hn::Lanes(DF()); }
 
 // One key tile (`tile`-th of the query tile's): flash's steps, the summary's between them.
+// The tile's scores, then P, live in its slot of the kept weights (no copy for FoldReceived).
 template <size_t V>
 void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, const step::TileMask& mask,
-                    const ForwardScratch& w, const SummaryScratch& s) {
+                    const ForwardScratch& scratch, const SummaryScratch& s) {
   const size_t br = V * hn::Lanes(DF());
+  ForwardScratch w = scratch;
+  w.scores = s.kept + tile * kKeyTile * br;
   const step::Walk walk;
   const flash_steps::KvTile kv = flash_steps::LoadKvTile(p, t.b, t.g, t.j0, 1, t.cols, w);
   std::array<size_t, V> trim;
@@ -70,7 +74,7 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   summary_steps::TopLogits<V>(s.logits, t.cols, t.j0, s);
   const bool max_grew = step::SoftmaxColumnsUpdate<V>(w.scores, t.cols, w.running_max, w.row_sum, w.correction);
   summary_steps::EntropyUpdate<V>(w.scores, t.cols, w.running_max, w.correction, s);
-  summary_steps::KeepWeights(w.scores, t.cols, br, tile, w.running_max, s);
+  summary_steps::KeepMax(br, tile, w.running_max, s);
   const bool some_zero = mask.band || !p.terms.empty();
   const bool skip_zeros = some_zero && !flash_steps::HiddenValuesFinite(p, walk, mask, t, kv);
   products.Accumulate<V>(p, false, skip_zeros, max_grew, kv, trim, t, w);

@@ -22,7 +22,7 @@ struct ScratchLayout {
     key_sum = parts.take(br);                   // K per query: the sum of the keys' p (no sink)
     entropy = parts.take(br);                   // T per query
     top_logits = parts.take(k * br);            // per query, k logits, descending
-    top_keys = parts.take(2 * k * br);          // per query, k int64 keys
+    top_keys = parts.take(2 * k * br);          // per query, their int64 keys
     count = parts.take(2 * br);                 // per query, int64: keys in its top so far
     threshold = parts.take(br);                 // per query: the k-th logit, -inf until k, +inf padding
     kept = parts.take(tiles * flash::kKeyTile * br);  // P of each key tile
