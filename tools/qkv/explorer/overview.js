@@ -13,14 +13,14 @@
 const OVERVIEW_STRIP = { links: 46, entropy: 44, received: 30, gap: 8 };
 const ZOOM_TOKENS = 64;
 
-function overviewCanvas(width) {
+function longDocumentCanvas(width) {
   const height = OVERVIEW_STRIP.links + OVERVIEW_STRIP.entropy + OVERVIEW_STRIP.received;
   const canvas = el("canvas", { class: "longdoc-head", width: String(width), height: String(height) });
   return canvas;
 }
 
 // One head's strip: links (arcs), entropy (line), received mass (bars, collectors in red).
-function drawOverviewHead(canvas, answer, h) {
+function drawLongDocumentHead(canvas, answer, h) {
   const ctx = canvas.getContext("2d"), w = canvas.width, n = answer.n;
   const x = (i) => (i + 0.5) * w / n;
   const S = OVERVIEW_STRIP;
@@ -56,14 +56,14 @@ function drawOverviewHead(canvas, answer, h) {
   }
 }
 
-function describeHead(answer, h) {
+function describeLongDocumentHead(answer, h) {
   const e = answer.entropy[h], mean = e.reduce((a, b) => a + b, 0) / e.length;
   const sinks = answer.collectors[h].slice(0, 3).map(([k, m]) => `${k} (${m.toFixed(1)})`).join(", ");
   return `head ${h}: mean entropy ${mean.toFixed(2)} nats; keys collecting most: ${sinks}`;
 }
 
 // The exact weights of ZOOM_TOKENS tokens around `center` for head h, from /api/attention.
-async function zoomInto(request, answer, h, center) {
+async function zoomLongDocument(request, answer, h, center) {
   const box = $("longdoc-zoom");
   const first = Math.max(0, Math.min(center - ZOOM_TOKENS / 2, answer.n - ZOOM_TOKENS));
   const ids = state.overviewIds.slice(first, first + ZOOM_TOKENS);
@@ -83,7 +83,7 @@ async function zoomInto(request, answer, h, center) {
     "this window attended on its own (rows: queries, columns: keys, 0 to 1)"), canvas);
 }
 
-async function drawOverview(request) {
+async function drawLongDocument(request) {
   const started = performance.now();
   const reply = await fetch("/api/overview", { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(request) });
@@ -96,17 +96,18 @@ async function drawOverview(request) {
     return null;
   }
   state.overviewIds = request.ids || [];
+  $("longdoc-layer").value = String(answer.layer);
   const width = Math.max(320, Math.floor(box.clientWidth || 960));
   const rows = [];
   for (let h = 0; h < answer.heads; ++h) {
-    const canvas = overviewCanvas(width);
-    drawOverviewHead(canvas, answer, h);
+    const canvas = longDocumentCanvas(width);
+    drawLongDocumentHead(canvas, answer, h);
     canvas.dataset.head = String(h);
     canvas.addEventListener("click", (e) => {
       const rect = canvas.getBoundingClientRect();
-      zoomInto(request, answer, h, Math.floor((e.clientX - rect.left) / rect.width * answer.n));
+      zoomLongDocument(request, answer, h, Math.floor((e.clientX - rect.left) / rect.width * answer.n));
     });
-    rows.push(el("p", { class: "help" }, describeHead(answer, h)), canvas);
+    rows.push(el("p", { class: "help" }, describeLongDocumentHead(answer, h)), canvas);
   }
   box.replaceChildren(...rows);
   await new Promise((done) => requestAnimationFrame(() => done()));
@@ -118,15 +119,15 @@ async function drawOverview(request) {
   return ms;
 }
 
-function startOverview() {
+function startLongDocument() {
   $("longdoc-draw").addEventListener("click", () => {
     const text = $("longdoc-text").value.trim(), model = $("source").value;
     const request = { model, layer: Number($("longdoc-layer").value) || 0 };
     if (/^[\d\s,]+$/.test(text)) request.ids = text.split(/[\s,]+/).filter(Boolean).map(Number);
     else request.text = text;
-    drawOverview(request);
+    drawLongDocument(request);
   });
-  window.qkvOverview = { draw: drawOverview };
+  window.qkvOverview = { draw: drawLongDocument };
 }
 
-startOverview();
+startLongDocument();
