@@ -44,8 +44,8 @@ for _name in ("Backend", "Error", "Mask", "MaskParseError"):
 
 __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
-    "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy", "linear_attention",
-    "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
+    "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)

@@ -799,8 +799,8 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary W2, W7 W7-flash: the targets compare
-      // them. "decode-sweep" names every sweep row.
+      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary W2, W7
+      // W7-flash: the targets compare them. "decode-sweep" names every sweep row.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
                (named && named->id == "W6" && w.id == "W2") ||

@@ -80,14 +80,15 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   products.Accumulate<V>(p, false, skip_zeros, max_grew, kv, trim, t, w);
 }
 
-// The key tiles of one query tile of V vectors; returns the range of keys they covered.
+// The key tiles [kv_begin, kv_end) of one query tile of V vectors; tile t of them is kept in slot t.
 template <size_t V>
 void SummaryTileKeys(const AttentionProblem& p, const flash::QueryTile& at, int64_t kv_begin, int64_t kv_end,
                      const ForwardScratch& w, const SummaryScratch& s) {
   const int64_t key_tile = static_cast<int64_t>(kKeyTile), i_last = at.i0 + at.rows - 1;
   for (int64_t j0 = kv_begin; j0 < kv_end; j0 += key_tile) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(key_tile, kv_end - j0));
-    const step::TileClass cls = step::ClassifyMaskTile(p, at.b, at.h, at.i0, i_last, j0, j0 + static_cast<int64_t>(cols));
+    const int64_t j_end = j0 + static_cast<int64_t>(cols);
+    const step::TileClass cls = step::ClassifyMaskTile(p, at.b, at.h, at.i0, i_last, j0, j_end);
     if (cls == step::TileClass::Hidden) continue;
     SummaryKeyTile<V>(p, TileAt{at.b, at.h, p.kv_head_of(at.h), at.i0, static_cast<size_t>(at.rows), j0, cols},
                       static_cast<size_t>((j0 - kv_begin) / key_tile), {cls != step::TileClass::Full, -1}, w, s);
@@ -174,8 +175,8 @@ void flash_summary_attention(const AttentionProblem& problem, const SummaryOutpu
     // mask they see the most keys, so a share ends with its shortest items.
     const int64_t bh = item / tiling.count, tile = tiling.count - 1 - item % tiling.count;
     const flash::QueryTile at{bh / problem.q_heads, bh % problem.q_heads, tiling.first_query(tile), tiling.rows(tile)};
-    HWY_DYNAMIC_DISPATCH(SummaryQueryTile)(problem, out, at, launch.block_of_this_worker(),
-                                                           partials + partial * static_cast<size_t>(worker_index(workers)));
+    float* received = partials + partial * static_cast<size_t>(worker_index(workers));
+    HWY_DYNAMIC_DISPATCH(SummaryQueryTile)(problem, out, at, launch.block_of_this_worker(), received);
   });
   for (int worker = 0; worker < workers; ++worker)
     for (int64_t x = 0; x < heads * nk; ++x) out.received[x] += partials[partial * static_cast<size_t>(worker) + x];
