@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "qkv/mask.hpp"
 #include "qkv/tensor.hpp"
@@ -65,6 +66,13 @@ struct AttentionOptions {
   std::string score_mod;
   std::string mask_mod;
   std::map<std::string, Tensor> mod_inputs;
+
+  // Attention summaries without the weights (the explorer's overview of long documents): > 0
+  // returns, besides the output, each row's entropy, its summary_top_k strongest keys and each
+  // key's received mass (AttentionResult), computed inside the flash forward in O(N k) memory.
+  // 0: off. At most 256; not with dropout; backend Decode refuses (Auto runs Flash; with
+  // need_weights or score_mod, Reference, which computes them from its weights).
+  int64_t summary_top_k = 0;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):
@@ -73,6 +81,14 @@ struct AttentionOptions {
 //   lse     L + (Nq), the log-sum-exp of each row's scaled, masked scores (-inf: no key visible)
 //   row_max L + (Nq), each row's largest scaled, masked score (the sink included)
 //   row_sum L + (Nq), sum_j exp(s_ij - row_max), so w_ij = exp(s_ij - row_max) / row_sum
+// and with options.summary_top_k = k > 0 (undefined / empty otherwise), from the weights w_ij
+// before dropout (the softmax's):
+//   entropy     L + (Nq), -sum_j w_ij log w_ij (natural log; 0 for a row that sees no key)
+//   top_keys    L + (Nq, k) int64 row-major (a vector: Tensor is float), the keys of the k
+//               largest weights, descending, ties to the lower index; -1 past the row's keys of
+//               nonzero weight
+//   top_weights L + (Nq, k), their weights (0 where the key is -1)
+//   received    L + (Nk), sum_i w_ij: the mass each key receives from the head's queries
 // row_max and row_sum are what the backward recomputes the weights from: lse = row_max +
 // log(row_sum) alone loses log(row_sum) in float32 when the max is huge (a row whose keys all carry
 // a -1e9 bias), and weights recomputed from it would not sum to 1.
@@ -82,6 +98,10 @@ struct AttentionResult {
   Tensor lse;
   Tensor row_max;
   Tensor row_sum;
+  Tensor entropy;
+  std::vector<int64_t> top_keys;
+  Tensor top_weights;
+  Tensor received;
 };
 
 // q: (B, Hq, Nq, Dk)  k: (B, Hkv, Nk, Dk)  v: (B, Hkv, Nk, Dv), Hq a multiple of Hkv

@@ -44,8 +44,8 @@ for _name in ("Backend", "Error", "Mask", "MaskParseError"):
 
 __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
-    "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy", "linear_attention",
-    "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
+    "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -474,6 +474,35 @@ def head_entropy(weights, allow_cast=False):
     weights (B, H, Nq, Nk) -> (B, H), (H, Nq, Nk) -> (H). qkv::analysis::head_entropy."""
     return _core.head_entropy(_as_float32(weights, "weights", allow_cast))
 
+
+
+def attention_summary(query, key, value, top_k=8, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                      key_lengths=None, window=None, allow_cast=False, temperature=None, **options):
+    """What the attention weights say, without the (Nq, Nk) weights: computed inside the flash
+    kernel in O(N top_k) memory (AttentionOptions::summary_top_k), for documents too long for
+    need_weights. The arguments are scaled_dot_product_attention's (no dropout); top_k in
+    [1, 256] (the keys kept per row). Returns a dict of numpy arrays, L = query's leading dims:
+
+      output       L + (Nq, Dv), the attention output (flash's)
+      lse          L + (Nq), each row's log-sum-exp
+      entropy      L + (Nq), -sum_j w_ij ln w_ij (nats; 0 for a row that sees no key)
+      top_keys     L + (Nq, top_k) int64, the keys of each row's largest weights, descending,
+                   ties to the lower index; -1 past the row's keys of nonzero weight
+      top_weights  L + (Nq, top_k) float32, their weights (0 where the key is -1)
+      received     L + (Nk), sum over the queries of the weight each key receives
+
+    They equal what the weights of need_weights=True give (to float32 rounding; the tests check
+    1e-5). backend "auto" runs flash ("reference" computes them from its weights; "decode" is
+    refused).
+    """
+    top_k = _int(top_k, "top_k", 1, 256)
+    scale = _tempered_scale(scale, temperature, query, "attention_summary")
+    query, key, value = (_as_float32(query, "query", allow_cast), _as_float32(key, "key", allow_cast),
+                         _as_float32(value, "value", allow_cast))
+    _check_gqa(query, key, enable_gqa)
+    mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
+    return _core.attention_summary(query, key, value, top_k,
+                                   _options("attention_summary", options, mask=mask, scale=scale))
 
 def create_causal_mask(n):
     """The (n, n) bool mask of causal attention, True = attend (on and below the diagonal).

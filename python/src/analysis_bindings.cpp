@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <qkv/analysis.hpp>
+#include <qkv/attention.hpp>
 #include <qkv/tensor.hpp>
 
 namespace py = pybind11;
@@ -45,6 +46,32 @@ py::array_t<float> run(const Floats& weights) {
   return copy_out(result);
 }
 
+// Attention with summaries (AttentionOptions::summary_top_k = top_k): a dict of output, lse,
+// entropy, top_keys (int64), top_weights and received. python/qkv/__init__.py's
+// attention_summary checks and converts the arguments and fills the options.
+py::dict attention_summary(const Floats& q, const Floats& k, const Floats& v, int64_t top_k,
+                           qkv::AttentionOptions options) {
+  const qkv::Tensor qt = copy_in(q), kt = copy_in(k), vt = copy_in(v);
+  options.summary_top_k = top_k;
+  qkv::AttentionResult result;
+  {
+    py::gil_scoped_release release;
+    result = qkv::scaled_dot_product_attention(qt, kt, vt, options);
+  }
+  std::vector<py::ssize_t> top_shape(result.top_weights.shape().begin(), result.top_weights.shape().end());
+  py::array_t<int64_t> top_keys(top_shape);
+  if (!result.top_keys.empty())
+    std::memcpy(top_keys.mutable_data(), result.top_keys.data(), result.top_keys.size() * sizeof(int64_t));
+  py::dict out;
+  out["output"] = copy_out(result.output);
+  out["lse"] = copy_out(result.lse);
+  out["entropy"] = copy_out(result.entropy);
+  out["top_keys"] = top_keys;
+  out["top_weights"] = copy_out(result.top_weights);
+  out["received"] = copy_out(result.received);
+  return out;
+}
+
 }  // namespace
 
 void bind_analysis(py::module_& m) {
@@ -52,4 +79,8 @@ void bind_analysis(py::module_& m) {
         "qkv::analysis::row_entropy: (..., Nq, Nk) -> (..., Nq), -sum_j w ln w in nats (0 ln 0 = 0).");
   m.def("head_entropy", &run<qkv::analysis::head_entropy>, py::arg("weights"),
         "qkv::analysis::head_entropy: (B, H, Nq, Nk) -> (B, H) or (H, Nq, Nk) -> (H), the mean row entropy.");
+  m.def("attention_summary", &attention_summary, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("top_k"),
+        py::arg("options"),
+        "scaled_dot_product_attention with summaries (AttentionOptions::summary_top_k): a dict of output, lse, "
+        "entropy, top_keys, top_weights, received.");
 }

@@ -13,6 +13,7 @@
 
 #include "attention/ring_block.hpp"
 #include "attention/kernels.hpp"
+#include "attention/summary/summary.hpp"
 #include "core/random.hpp"
 
 namespace qkv {
@@ -76,6 +77,7 @@ Backend forward_kernel(const AttentionProblem& problem, const AttentionOptions& 
   }
   if (options.backend != Backend::Auto) return options.backend;
   if (options.need_weights) return Backend::Reference;
+  if (options.summary_top_k > 0) return Backend::Flash;  // decode computes no summaries
   return decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
 }
 
@@ -138,8 +140,19 @@ void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor
     throw Error("scaled_dot_product_attention: backend " + std::string(to_string(options.backend)) +
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
   detail::bind_forward_outputs(built, result, options.need_weights, q, k, v);
-
-  detail::run_forward(detail::forward_kernel(built.problem, options), built.problem);
+  const Backend kernel = detail::forward_kernel(built.problem, options);
+  if (!detail::summaries_asked("scaled_dot_product_attention: ", options)) {
+    detail::clear_summary_outputs(result);
+    detail::run_forward(kernel, built.problem);
+    return;
+  }
+  const detail::SummaryOutputs summaries = detail::bind_summary_outputs(
+      "scaled_dot_product_attention: ", built, result, options.summary_top_k, q, k, v);
+  if (kernel == Backend::Reference) {
+    detail::reference_summary_attention(built.problem, summaries);
+  } else {
+    detail::flash_summary_attention(built.problem, summaries);
+  }
 }
 
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,

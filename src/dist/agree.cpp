@@ -81,6 +81,7 @@ std::string local_problem(const Tensor& q, const Tensor& k, const Tensor& v, con
   }
   if (options.dropout_p != 0) return "dropout_p = " + std::to_string(options.dropout_p) + " is not supported (0 only)";
   if (options.need_weights) return "need_weights is not supported (the weights are never gathered)";
+  if (options.summary_top_k != 0) return "summary_top_k is not supported (each pair sees one block of the keys)";
   // Each pair attends in its own block's positions: a symbolic rule or a function of q and k
   // would be evaluated there, not at the global positions the caller meant.
   if (options.mask.rule())

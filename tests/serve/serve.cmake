@@ -8,6 +8,7 @@
 #   serve_browser       the page in headless Chromium: slider, causal, screenshots (pytest + Selenium)
 #   serve_browser_models  the page on Hugging Face folders (qkv_make_tiny_model's): model view,
 #                       head view toggles, neuron view, prediction (pytest + Selenium)
+#   serve_overview      the long-document overview: API, bad input, Chromium timing (pytest + Selenium)
 #   serve_load          8 clients x 200 requests on 127.0.0.1: no error, no memory growth
 #   serve_connections   slow, idle and bursting clients against one server (pytest)
 #   serve_probe         probe_server.py at its CI size: bad Hosts, NUL bytes, oversize and
@@ -59,6 +60,11 @@ add_test(NAME serve_browser_models
   COMMAND ${QKV_PYTHON3} -m pytest -q -s -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/test_browser_models.py)
 set_tests_properties(serve_browser_models PROPERTIES ENVIRONMENT "${serve_env}"
   FIXTURES_REQUIRED "tiny_gpt2;tiny_bert" TIMEOUT 300)
+# The long-document overview (POST /api/overview, explorer/overview.js) on the tiny llama made
+# to take 4096 positions: its API, bad input, and its drawing in Chromium within 1.5 s.
+add_test(NAME serve_overview
+  COMMAND ${QKV_PYTHON3} -m pytest -q -s -p no:cacheprovider -rs ${CMAKE_CURRENT_LIST_DIR}/test_overview.py)
+set_tests_properties(serve_overview PROPERTIES ENVIRONMENT "${serve_env}" FIXTURES_REQUIRED "tiny_llama" TIMEOUT 300)
 # serve_http's last test runs qkv_make_tiny_model's folders over HTTP.
 set_tests_properties(serve_http PROPERTIES FIXTURES_REQUIRED "serve_model;tiny_gpt2;tiny_bert")
 add_test(NAME serve_probe COMMAND ${QKV_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/probe_server.py --qkv $<TARGET_FILE:qkv_cli>)

@@ -606,6 +606,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   const Row* full = find_row(rows, "W2-full", "Auto");
   if (causal && full)
     out.push_back({"W2 causal vs unmasked", "W2 ms / W2-full ms", causal->median_ms / full->median_ms, 0.6, false});
+  if (const Row* summary = find_row(rows, "W2-summary", "Auto"); causal && summary)
+    out.push_back({"W2 with summaries vs without", "W2-summary ms / W2 ms", summary->median_ms / causal->median_ms,
+                   1.3, false});
   return out;
 }
 
@@ -796,11 +799,12 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 W2, W7 W7-flash: the targets compare
-      // them. "decode-sweep" names every sweep row.
+      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary W2, W7
+      // W7-flash: the targets compare them. "decode-sweep" names every sweep row.
       wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
                (named && named->id == "W6" && w.id == "W2") ||
+               (named && named->id == "W2-summary" && w.id == "W2") ||
                (named && named->id == "W7" && w.id == "W7-flash") ||
                (named && named->id == "W4" && w.id.substr(0, 3) == "W4-") || (id == "decode-sweep" && w.sweep);
     }

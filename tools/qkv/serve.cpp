@@ -18,6 +18,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -31,6 +32,7 @@
 #include "explorer_assets.hpp"
 #include "qkv/error.hpp"
 #include "serve_api.hpp"
+#include "serve_overview.hpp"
 #include "serve_connections.hpp"
 #include "serve_hosts.hpp"
 #include "serve_slots.hpp"
@@ -146,17 +148,22 @@ void add_routes(httplib::Server& server, const ExplorerApi& api, Slots& slots) {
     const ApiResponse answer = api.models();
     set_json(response, answer.status, answer.body);
   });
-  server.Post("/api/attention", [&api, &slots](const httplib::Request& request, httplib::Response& response) {
-    if (!slots.free.acquire_for(std::chrono::duration<double>(slots.wait_seconds))) {
-      set_json(response, 503,
-               error_json(fmt::format("busy: {} computations are running and none finished within {} s; try again",
-                                      slots.count, slots.wait_seconds)));
-      return;
-    }
-    const ApiResponse answer = api.attention(request.body);  // never throws
-    slots.free.release();
-    set_json(response, answer.status, answer.body);
-  });
+  // Each computation in one of the slots; `compute` never throws.
+  const auto computed = [&slots](const std::function<ApiResponse(const std::string&)>& compute) {
+    return [&slots, compute](const httplib::Request& request, httplib::Response& response) {
+      if (!slots.free.acquire_for(std::chrono::duration<double>(slots.wait_seconds))) {
+        set_json(response, 503,
+                 error_json(fmt::format("busy: {} computations are running and none finished within {} s; try again",
+                                        slots.count, slots.wait_seconds)));
+        return;
+      }
+      const ApiResponse answer = compute(request.body);
+      slots.free.release();
+      set_json(response, answer.status, answer.body);
+    };
+  };
+  server.Post("/api/attention", computed([&api](const std::string& body) { return api.attention(body); }));
+  server.Post("/api/overview", computed([&api](const std::string& body) { return attention_overview(api, body); }));
 }
 
 // Binds --host:--port (any free port for 0) and returns the port; qkv::Error if it cannot.
