@@ -10,6 +10,8 @@
 //   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all four)
 //   W1-relpos   W1 with a score function as text, `s - 0.1 * abs(q - k)` (a relative-position
 //               bias; issue 42's target: <= 1.5 x W1's time; also timed backward)
+//   W1-relpos-cpp  the same as a C++ callable (qkv::score_function of a generic lambda; target
+//               <= 1.2 x W1's time; also timed backward)
 //   W2       B=1 H=12 N=2048 d=64                        causal (GPT-2)
 //   W2-full  W2 without the mask: the issue's target is causal <= 0.6 x the time of full
 //   W2-docs  W2's shape with a mask function, `doc(q) == doc(k)`, 4 equal documents packed in
@@ -64,6 +66,7 @@ enum class Modifier {
   Alibi,    // alibi_slopes = the standard 2^(-8 (h + 1) / Hq)
   Sinks,    // sinks = one fixed random logit per query head
   RelativePosition,  // score_mod = kRelativePosition
+  RelativePositionCpp,  // score_function = the same as a C++ lambda
   Documents,         // mask_mod = kDocuments, doc = kDocumentCount equal documents over the keys
 };
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
@@ -108,7 +111,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 25> kWorkloads = {{
+inline constexpr std::array<Workload, 26> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -117,6 +120,8 @@ inline constexpr std::array<Workload, 25> kWorkloads = {{
     {"W1-sinks", "W1, sinks", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Sinks},
     {"W1-relpos", "W1, score_mod text", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true,
      Modifier::RelativePosition},
+    {"W1-relpos-cpp", "W1, score function in C++", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false,
+     true, Modifier::RelativePositionCpp},
     {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W2-docs", "W2, 4 documents", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false, false,
@@ -254,6 +259,11 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
       break;
     case Modifier::RelativePosition:
       options.score_mod = kRelativePosition;
+      break;
+    case Modifier::RelativePositionCpp:
+      options.score_function = score_function([](auto s, int64_t, int64_t, int64_t q, int64_t k) {
+        return s - 0.1f * static_cast<float>(q > k ? q - k : k - q);
+      });
       break;
     case Modifier::Documents: {
       Tensor doc = Tensor::empty({w.kv_len});

@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <iosfwd>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string_view>
 
+#include "qkv/flex.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/tensor.hpp"
 
@@ -64,6 +66,9 @@ struct AttentionOptions {
   std::string score_mod;
   std::string mask_mod;
   std::map<std::string, Tensor> mod_inputs;
+  // A score function in C++ (qkv/flex.hpp, qkv::score_function of a generic lambda), in place of
+  // the text score_mod; null: off.
+  std::shared_ptr<const ScoreFunction> score_function;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

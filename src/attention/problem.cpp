@@ -4,6 +4,8 @@
 // kernel tests both build their problems here.
 #include "attention/problem.hpp"
 
+#include "attention/score_text.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -261,13 +263,13 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
   const Mask mask =
       options.mask_mod.empty() ? options.mask : options.mask & Mask::expression(options.mask_mod, options.mod_inputs);
-  std::shared_ptr<const ModExpression> score_mod;
-  std::vector<ModInput> score_mod_inputs;
+  std::shared_ptr<const ScoreFunction> score_mod = options.score_function;
   if (!options.score_mod.empty()) {
-    score_mod = std::make_shared<const ModExpression>(
-        ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs)));
-    score_mod_inputs = bind_mod_inputs(who, *score_mod, options.mod_inputs, qd.batch, qd.heads, qd.len, kd.len,
-                                       built.held);
+    if (score_mod) throw Error(std::string(who) + "give score_mod (text) or score_function (a callable), not both");
+    ModExpression text = ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs));
+    std::vector<ModInput> inputs =
+        bind_mod_inputs(who, text, options.mod_inputs, qd.batch, qd.heads, qd.len, kd.len, built.held);
+    score_mod = text_score_function(std::move(text), std::move(inputs));
   }
   std::vector<MaskTermView> terms;
   for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
@@ -294,7 +296,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .q_len = qd.len, .kv_len = kd.len, .head_dim = qd.dim, .value_dim = vd.dim,
       .q = q_rows, .k = k_rows, .v = v_rows, .scale = scale,
       .softcap = options.softcap, .alibi_slopes = alibi, .alibi_shift = 0, .sinks = sinks,
-      .score_mod = std::move(score_mod), .score_mod_inputs = std::move(score_mod_inputs),
+      .score_mod = std::move(score_mod),
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
       .rule = std::move(rule),

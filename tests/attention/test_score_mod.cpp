@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -237,6 +239,73 @@ TEST(ScoreMod, AutoAgreesWithTheReferenceForFewAndManyQueries) {
     expect_close(got.grads.dq, want.grads.dq, 2e-4, "dq");
     expect_close(got.grads.dk, want.grads.dk, 2e-4, "dk");
   }
+}
+
+// ---- C++ callables (qkv/flex.hpp): each text function against its lambda twin.
+
+// c as the type of s: a float, or a Dual constant (flat in s).
+template <class S>
+S constant(float c) {
+  if constexpr (std::is_same_v<S, qkv::Dual>) {
+    return qkv::Dual{c, 0.0f};
+  } else {
+    return c;
+  }
+}
+
+TEST(ScoreMod, CallablesMatchTheirTextTwinsForwardAndBackward) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int64_t batch = 2, nq = 37, nk = 101;
+  const Operands x = random_operands(rng, batch, 4, 2, nq, nk, 24);
+  const Tensor bias = rng.randn(Shape{batch, nk}), slope = rng.uniform_tensor(Shape{4}, -1.0, 1.0);
+  const float* bias_data = bias.data();
+  const float* slope_data = slope.data();
+  struct Twin {
+    const char* text;
+    std::shared_ptr<const qkv::ScoreFunction> callable;
+  };
+  using qkv::exp;
+  using qkv::max;
+  using qkv::min;
+  using qkv::tanh;
+  const Twin twins[] = {
+      {"s - 0.1 * abs(q - k)", qkv::score_function([](auto s, int64_t, int64_t, int64_t q, int64_t k) {
+         return s - 0.1f * static_cast<float>(q > k ? q - k : k - q);
+       })},
+      {"3 * tanh(s / 3) + bias(k)", qkv::score_function([=](auto s, int64_t b, int64_t, int64_t, int64_t k) {
+         return 3.0f * tanh(s / 3.0f) + bias_data[b * nk + k];
+       })},
+      {"where(q >= k, s * 1.5, s - 1) + slope(h) * k / 100 + max(s, -0.5) * exp(-0.01 * abs(q - k)) + min(s, 1)",
+       qkv::score_function([=](auto s, int64_t, int64_t h, int64_t q, int64_t k) {
+         using S = decltype(s);
+         const float distance = static_cast<float>(q > k ? q - k : k - q);
+         return (q >= k ? s * 1.5f : s - 1.0f) + slope_data[h] * static_cast<float>(k) / 100.0f +
+                max(s, constant<S>(-0.5f)) * std::exp(-0.01f * distance) + min(s, constant<S>(1.0f));
+       })},
+  };
+  for (const Twin& twin : twins)
+    for (const qkv::Backend backend : {qkv::Backend::Flash, qkv::Backend::Reference, qkv::Backend::Auto}) {
+      SCOPED_TRACE(std::string(twin.text) + " backend " + std::string(qkv::to_string(backend)));
+      AttentionOptions text, callable;
+      text.mask = callable.mask = Mask::causal(nk - nq);
+      text.backend = callable.backend = backend;
+      text.softcap = callable.softcap = 4.0f;
+      text.score_mod = twin.text;
+      text.mod_inputs = {{"bias", bias}, {"slope", slope}};
+      callable.score_function = twin.callable;
+      const Result want = run(x.q, x.k, x.v, x.grad_output, text);
+      const Result got = poisoned_run(x.q, x.k, x.v, x.grad_output, callable);
+      expect_close(got.forward.output, want.forward.output, 2e-5, "output");
+      expect_close(got.forward.lse, want.forward.lse, 2e-5, "lse");
+      expect_close(got.grads.dq, want.grads.dq, 1e-4, "dq");
+      expect_close(got.grads.dk, want.grads.dk, 1e-4, "dk");
+      expect_close(got.grads.dv, want.grads.dv, 1e-4, "dv");
+    }
+  AttentionOptions both;
+  both.score_mod = "s";
+  both.score_function = twins[0].callable;
+  EXPECT_THROW(qkv::scaled_dot_product_attention(x.q, x.k, x.v, both), qkv::Error);
 }
 
 TEST(ScoreMod, RefusalsNameTheFunctionAndTheBackend) {

@@ -596,6 +596,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
     if (const Row* row = find_row(rows, "W1-relpos", "Auto"))  // issue 42: a score function as text
       out.push_back({"W1-relpos (score_mod text) vs W1", "W1-relpos ms / W1 ms", row->median_ms / plain->median_ms,
                      1.5, false});
+    if (const Row* row = find_row(rows, "W1-relpos-cpp", "Auto"))  // and as a C++ callable
+      out.push_back({"W1-relpos-cpp (C++ callable) vs W1", "W1-relpos-cpp ms / W1 ms",
+                     row->median_ms / plain->median_ms, 1.2, false});
   }
   const Row* linear = find_row(rows, "W7", "Auto");
   const Row* softmax = find_row(rows, "W7-flash", "Auto");

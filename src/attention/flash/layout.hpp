@@ -50,10 +50,10 @@ class Parts {
   size_t at_ = 0;
 };
 
-// The floats the score function of p (if any) evaluates a line of br scores in, with its
-// derivative (attention/steps/score_mod-inl.h).
+// The floats the score function of p (if any) evaluates a line of br scores in: its derivative
+// line and its own scratch (attention/steps/score_mod-inl.h, ScoreMod).
 inline size_t score_mod_floats(const AttentionProblem& p, size_t br) {
-  return p.score_mod ? p.score_mod->scratch_floats(br) : 0;
+  return p.score_mod ? br + p.score_mod->scratch_floats(br) : 0;
 }
 
 // ---- Forward.

@@ -29,6 +29,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "mask/mod_expression.hpp"
+#include "qkv/flex.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
@@ -47,12 +48,12 @@ HWY_INLINE void Map(size_t n, const float* HWY_RESTRICT a, const float* HWY_REST
                     float* HWY_RESTRICT out, const F& f) {
   const DF df;
   for (size_t x = 0; x < n; x += hn::Lanes(df))
-    hn::Store(f(hn::Load(df, a + x), hn::Load(df, b + x), hn::Load(df, c + x)), df, out + x);
+    hn::StoreU(f(hn::LoadU(df, a + x), hn::LoadU(df, b + x), hn::LoadU(df, c + x)), df, out + x);
 }
 
 HWY_INLINE void Fill(float* HWY_RESTRICT out, size_t n, float value) {
   const DF df;
-  for (size_t x = 0; x < n; x += hn::Lanes(df)) hn::Store(hn::Set(df, value), df, out + x);
+  for (size_t x = 0; x < n; x += hn::Lanes(df)) hn::StoreU(hn::Set(df, value), df, out + x);
 }
 
 // Positions first + x * step as floats (exact below 2^24).
@@ -61,7 +62,7 @@ HWY_INLINE void Positions(int64_t first, int64_t step, size_t n, float* HWY_REST
   const size_t lanes = hn::Lanes(df);
   const VF offsets = hn::Mul(hn::Iota(df, 0.0f), hn::Set(df, static_cast<float>(step)));
   for (size_t x = 0; x < n; x += lanes)
-    hn::Store(hn::Add(hn::Set(df, static_cast<float>(first + static_cast<int64_t>(x) * step)), offsets), df, out + x);
+    hn::StoreU(hn::Add(hn::Set(df, static_cast<float>(first + static_cast<int64_t>(x) * step)), offsets), df, out + x);
 }
 
 // An input read at the line's queries, keys, head or batch; elements past `count` (no such query
@@ -76,7 +77,7 @@ HWY_INLINE void ReadInput(const ModInput& input, Index index, const Line& line, 
   const DF df;
   size_t x = 0;
   if (step == 1)
-    for (; x + hn::Lanes(df) <= count; x += hn::Lanes(df)) hn::Store(hn::LoadU(df, row + first + x), df, out + x);
+    for (; x + hn::Lanes(df) <= count; x += hn::Lanes(df)) hn::StoreU(hn::LoadU(df, row + first + x), df, out + x);
   for (; x < count; ++x) out[x] = row[first + static_cast<int64_t>(x) * step];
   for (; x < n; ++x) out[x] = 0;
 }
@@ -134,8 +135,8 @@ HWY_INLINE void Derive(Op op, size_t n, const float* v, const float* a, const fl
   const VF zero = hn::Zero(df), one = hn::Set(df, 1.0f);
   const size_t lanes = hn::Lanes(df);
   for (size_t x = 0; x < n; x += lanes) {
-    const VF va = hn::Load(df, a + x), vb = hn::Load(df, b + x), dva = hn::Load(df, da + x);
-    const VF dvb = hn::Load(df, db + x), dvc = hn::Load(df, dc + x), value = hn::Load(df, v + x);
+    const VF va = hn::LoadU(df, a + x), vb = hn::LoadU(df, b + x), dva = hn::LoadU(df, da + x);
+    const VF dvb = hn::LoadU(df, db + x), dvc = hn::LoadU(df, dc + x), value = hn::LoadU(df, v + x);
     VF d = zero;  // constants, positions, inputs, floor, comparisons and logic: flat in s
     switch (op) {
       case Op::Neg: d = hn::Neg(dva); break;
@@ -155,22 +156,21 @@ HWY_INLINE void Derive(Op op, size_t n, const float* v, const float* a, const fl
       case Op::Where: d = hn::IfThenElse(hn::Ne(va, zero), dvb, dvc); break;
       default: break;
     }
-    hn::Store(d, df, out + x);
+    hn::StoreU(d, df, out + x);
   }
 }
 }  // namespace score_mod
 
-// ---- Step "score function": s[x] <- f(s[x], b, h, query(x), key(x)) over a line's n floats
-// (whole vectors), `count` of them real (the lanes past them have no query or key: they keep their
-// score, and their slope). With `slope` (the backward), f's derivative joins it: slope[x] *= df/ds
-// when softcap ran before (it wrote its own slope there), else slope[x] = df/ds: the backward's
-// dS_raw = dS * df/ds * dsoftcap/ds, as the reference. `scratch`: at least
-// ModExpression::scratch_floats(n) floats, vector aligned. No-op without a score function.
-HWY_INLINE void ScoreMod(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n, size_t count,
-                         float* HWY_RESTRICT slope, float* HWY_RESTRICT scratch) {
-  if (!p.score_mod) return;
+// A text score function's line (ScoreFunction::line for TextScoreFunction, attention/score_text.cpp):
+// s[x] <- f(s[x], ...) over n floats (whole vectors), `count` of them real (lanes past them keep
+// their score; their slope is undefined); with `slope`, slope[x] = df/ds. `scratch`:
+// e.scratch_floats(n) floats. Unaligned lines are fine (the reference's rows).
+HWY_INLINE void TextScoreLine(const ModExpression& e, const ModInput* inputs, const ScoreLine& at, size_t n,
+                              size_t count, float* HWY_RESTRICT s, float* HWY_RESTRICT slope,
+                              float* HWY_RESTRICT scratch) {
   using score_mod::Op;
-  const std::vector<ModExpression::Instruction>& program = p.score_mod->program();
+  const Line line{at.b, at.h, at.i0, at.j0, at.query_step, at.key_step};
+  const std::vector<ModExpression::Instruction>& program = e.program();
   const size_t size = program.size();
   const auto value = [&](uint32_t i) { return scratch + static_cast<size_t>(i) * n; };
   const auto derivative = [&](uint32_t i) { return scratch + (size + i) * n; };
@@ -184,7 +184,7 @@ HWY_INLINE void ScoreMod(const AttentionProblem& p, const Line& line, float* HWY
       case Op::Key: score_mod::Positions(line.j0, line.key_step, n, v); break;
       case Op::Batch: score_mod::Fill(v, n, static_cast<float>(line.b)); break;
       case Op::Head: score_mod::Fill(v, n, static_cast<float>(line.h)); break;
-      case Op::Input: score_mod::ReadInput(p.score_mod_inputs[in.input], in.index, line, n, count, v); break;
+      case Op::Input: score_mod::ReadInput(inputs[in.input], in.index, line, n, count, v); break;
       default: score_mod::Operate(in.op, n, value(in.a), value(in.b), value(in.c), v);
     }
     if (slope == nullptr) continue;
@@ -198,14 +198,34 @@ HWY_INLINE void ScoreMod(const AttentionProblem& p, const Line& line, float* HWY
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const float* HWY_RESTRICT result = value(static_cast<uint32_t>(size - 1));
-  const float* HWY_RESTRICT result_slope = derivative(static_cast<uint32_t>(size - 1));
+  for (size_t x = 0; x < n; x += lanes) {
+    const auto real = hn::FirstN(df, count > x ? count - x : 0);
+    hn::StoreU(hn::IfThenElse(real, hn::LoadU(df, result + x), hn::LoadU(df, s + x)), df, s + x);
+  }
+  if (slope) score_mod::Map(n, derivative(static_cast<uint32_t>(size - 1)), s, s, slope, [](VF d, VF, VF) { return d; });
+}
+
+// ---- Step "score function": s[x] <- f(s[x], b, h, query(x), key(x)) over a line's n floats
+// (whole vectors), `count` of them real (the lanes past them have no query or key: they keep
+// their score, and their slope), through the problem's ScoreFunction (qkv/flex.hpp: a text
+// function or a C++ callable, one call per line). With `slope` (the backward), f's derivative
+// joins it: slope[x] *= df/ds when softcap ran before (it wrote its own slope there), else
+// slope[x] = df/ds: the backward's dS_raw = dS * df/ds * dsoftcap/ds, as the reference.
+// `scratch`: ScoreModFloats(p, n) floats. No-op without a score function.
+HWY_INLINE void ScoreMod(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t n, size_t count,
+                         float* HWY_RESTRICT slope, float* HWY_RESTRICT scratch) {
+  if (!p.score_mod) return;
+  float* HWY_RESTRICT d = scratch;  // df/ds, then the function's own scratch
+  p.score_mod->line({line.b, line.h, line.i0, line.j0, line.query_step, line.key_step}, n, count, s,
+                    slope ? d : nullptr, scratch + n);
+  if (slope == nullptr) return;
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
   const bool after_softcap = p.softcap > 0;
   for (size_t x = 0; x < n; x += lanes) {
     const auto real = hn::FirstN(df, count > x ? count - x : 0);
-    hn::Store(hn::IfThenElse(real, hn::Load(df, result + x), hn::Load(df, s + x)), df, s + x);
-    if (slope == nullptr) continue;
     const VF before = after_softcap ? hn::Load(df, slope + x) : hn::Set(df, 1.0f);
-    hn::Store(hn::IfThenElse(real, hn::Mul(before, hn::Load(df, result_slope + x)), before), df, slope + x);
+    hn::Store(hn::IfThenElse(real, hn::Mul(before, hn::LoadU(df, d + x)), before), df, slope + x);
   }
 }
 
