@@ -1,12 +1,14 @@
-// Step "score function": AttentionProblem::score_mod (text such as `s - 0.1 * abs(q - k)`, parsed
-// into a program of whole-line operations, mask/mod_expression.hpp) evaluated over one line of a
-// tile with SIMD, and in the backward its derivative d f / d s alongside (forward-mode dual
-// numbers, as ModExpression::evaluate, the scalar definition the reference kernel runs).
+// Step "score function" (ScoreMod): the problem's score function (qkv::ScoreFunction,
+// qkv/flex.hpp: a text function such as `s - 0.1 * abs(q - k)` or a C++ callable, one interface)
+// over one key line of a tile, once per line, and in the backward its derivative d f / d s joined
+// to softcap's slope. It runs after softcap and ALiBi and before the mask, the reference's order
+// (TileLogits in logits-inl.h calls it per key line).
 //
-// It runs after softcap and ALiBi and before the mask, the reference's order (TileLogits in
-// logits-inl.h calls it per key line). The program is interpreted one operation at a time over
-// the whole line (a switch per operation and line, not per element): operation i writes line i
-// of the worker's scratch, read by the later operations.
+// Also here, TextScoreLine: how a text function (mask/mod_expression.hpp, parsed into a program
+// of whole-line operations) evaluates a line with SIMD, its derivative alongside (forward-mode
+// dual numbers, as ModExpression::evaluate, the scalar definition); attention/score_text.cpp
+// puts it behind the interface. The program runs one operation at a time over the whole line (a
+// switch per operation and line, not per element): operation i writes line i of the scratch.
 //
 // Included inside a Highway foreach_target pass (the -inl.h convention), through pipeline-inl.h or
 // on its own.
