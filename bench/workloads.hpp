@@ -8,10 +8,17 @@
 //   W1-softcap  W1 with softcap 30                          (the score modifiers' cost: issue 9's
 //   W1-alibi    W1 with ALiBi, the standard slopes           target is each within 15% of W1;
 //   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all four)
+//   W1-relpos   W1 with a score function as text, `s - 0.1 * abs(q - k)` (a relative-position
+//               bias; issue 42's target: <= 1.5 x W1's time; also timed backward)
+//   W1-relpos-cpp  the same as a C++ callable (qkv::score_function of a generic lambda; target
+//               <= 1.2 x W1's time; also timed backward)
 //   W2       B=1 H=12 N=2048 d=64                        causal (GPT-2)
 //   W2-full  W2 without the mask: the issue's target is causal <= 0.6 x the time of full
 //   W2-summary  W2 with attention summaries (AttentionOptions::summary_top_k = 8): issue 39's
 //            target is <= 1.3 x W2's time; `--workload W2-summary` brings W2
+//   W2-docs  W2's shape with a mask function, `doc(q) == doc(k)`, 4 equal documents packed in
+//            the 2048 tokens (no causal mask: a quarter of the pairs; issue 42's target: <= 0.35 x
+//            W2-full's time, the hidden tiles skipped)
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
 //   W4       B=1 H=32 d=128, 1 query vs 8192 keys        decode (reported in GB/s of K and V)
 //   W4-bf16  W4 with K and V in bfloat16                  (issue 11's target: each <= 0.55 x W4's
@@ -60,8 +67,14 @@ enum class Modifier {
   Softcap,  // softcap = kSoftcap
   Alibi,    // alibi_slopes = the standard 2^(-8 (h + 1) / Hq)
   Sinks,    // sinks = one fixed random logit per query head
+  RelativePosition,  // score_mod = kRelativePosition
+  RelativePositionCpp,  // score_function = the same as a C++ lambda
+  Documents,         // mask_mod = kDocuments, doc = kDocumentCount equal documents over the keys
 };
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
+inline constexpr const char* kRelativePosition = "s - 0.1 * abs(q - k)";
+inline constexpr const char* kDocuments = "doc(q) == doc(k)";
+inline constexpr int64_t kDocumentCount = 4;
 
 struct Workload {
   std::string_view id;           // "W2"
@@ -98,20 +111,26 @@ struct Workload {
   bool is_linear() const { return kind == WorkloadKind::Linear; }
 };
 
-// W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
-// W1-<modifier> rows follow W1 for the same reason.
+// W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
+// the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 24> kWorkloads = {{
+inline constexpr std::array<Workload, 27> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
      Modifier::Softcap},
     {"W1-alibi", "W1, ALiBi", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Alibi},
     {"W1-sinks", "W1, sinks", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Sinks},
+    {"W1-relpos", "W1, score_mod text", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true,
+     Modifier::RelativePosition},
+    {"W1-relpos-cpp", "W1, score function in C++", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false,
+     true, Modifier::RelativePositionCpp},
     {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W2-summary", "W2, summaries (top 8)", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, false,
      Modifier::None, false, 0, 0, DType::F32, false, 8},
+    {"W2-docs", "W2, 4 documents", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false, false,
+     Modifier::Documents},
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
     {"W4", "decode, KV cache", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true},
     {"W4-bf16", "W4, bf16 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
@@ -244,6 +263,21 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
     case Modifier::Sinks:
       options.sinks = Tensor::randn({w.q_heads}, /*seed=*/5);
       break;
+    case Modifier::RelativePosition:
+      options.score_mod = kRelativePosition;
+      break;
+    case Modifier::RelativePositionCpp:
+      options.score_function = score_function([](auto s, int64_t, int64_t, int64_t q, int64_t k) {
+        return s - 0.1f * static_cast<float>(q > k ? q - k : k - q);
+      });
+      break;
+    case Modifier::Documents: {
+      Tensor doc = Tensor::empty({w.kv_len});
+      for (int64_t j = 0; j < w.kv_len; ++j) doc.data()[j] = static_cast<float>(j * kDocumentCount / w.kv_len);
+      options.mask_mod = kDocuments;
+      options.mod_inputs = {{"doc", doc}};
+      break;
+    }
   }
   return options;
 }

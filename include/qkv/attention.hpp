@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <iosfwd>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <vector>
 
+#include "qkv/flex.hpp"
 #include "qkv/mask.hpp"
 #include "qkv/tensor.hpp"
 
@@ -73,6 +75,10 @@ struct AttentionOptions {
   // 0: off. At most 256; not with dropout; backend Decode refuses (Auto runs Flash; with
   // need_weights or score_mod, Reference, which computes them from its weights).
   int64_t summary_top_k = 0;
+
+  // A score function in C++ (qkv/flex.hpp, qkv::score_function of a generic lambda), in place of
+  // the text score_mod; null: off.
+  std::shared_ptr<const ScoreFunction> score_function;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

@@ -5,6 +5,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
+#include "qkv/flex.hpp"
 #include "qkv/linear_attention.hpp"
 #include "qkv/inference.hpp"
 #include "qkv/mask.hpp"

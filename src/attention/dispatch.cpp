@@ -68,17 +68,15 @@ std::atomic<double> min_flops_to_thread{kMinFlopsToThread};
 // the fused kernels, decode serves few queries against many keys, flash the rest. The backward
 // asks it which kernel made the scores it recomputes (given the forward's options).
 Backend forward_kernel(const AttentionProblem& problem, const AttentionOptions& options) {
-  // A score function runs in the reference alone, for now: a fused kernel asked for it refuses.
-  if (problem.score_mod) {
-    if (options.backend == Backend::Flash || options.backend == Backend::Decode)
-      throw Error("scaled_dot_product_attention: backend " + std::string(to_string(options.backend)) +
-                  " does not take score_mod yet; use backend Auto or Reference");
-    return Backend::Reference;
-  }
+  // A score function runs in the reference and flash (forward and backward), not in decode:
+  // decode asked for it refuses, Auto gives decode's few-query calls to flash.
+  if (problem.score_mod && options.backend == Backend::Decode)
+    throw Error("scaled_dot_product_attention: backend Decode does not take score_mod; use backend Auto, Flash or "
+                "Reference");
   if (options.backend != Backend::Auto) return options.backend;
   if (options.need_weights) return Backend::Reference;
   if (options.summary_top_k > 0) return Backend::Flash;  // decode computes no summaries
-  return decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
+  return !problem.score_mod && decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
 }
 
 void run_forward(Backend kernel, const AttentionProblem& problem) {

@@ -4,6 +4,8 @@
 // kernel tests both build their problems here.
 #include "attention/problem.hpp"
 
+#include "attention/score_text.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -270,16 +272,17 @@ Operands bind_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::v
   return o;
 }
 
-// options.score_mod parsed, its inputs bound for a (B, Hq, Nq, Nk) problem (into `inputs`); null
-// when there is none.
-std::shared_ptr<const ModExpression> parse_score_mod(const char* who, const AttentionOptions& options, const Dims& qd,
-                                                     int64_t kv_len, std::vector<ModInput>& inputs,
-                                                     std::vector<Tensor>& held) {
-  if (options.score_mod.empty()) return nullptr;
-  auto score_mod = std::make_shared<const ModExpression>(
-      ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs)));
-  inputs = bind_mod_inputs(who, *score_mod, options.mod_inputs, qd.batch, qd.heads, qd.len, kv_len, held);
-  return score_mod;
+// The score function: options.score_function (a callable), or options.score_mod (text) parsed with
+// its inputs bound for a (B, Hq, Nq, Nk) problem; null when there is neither.
+std::shared_ptr<const ScoreFunction> score_function_of(const char* who, const AttentionOptions& options,
+                                                       const Dims& qd, int64_t kv_len, std::vector<Tensor>& held) {
+  if (options.score_mod.empty()) return options.score_function;
+  if (options.score_function)
+    throw Error(std::string(who) + "give score_mod (text) or score_function (a callable), not both");
+  ModExpression text = ModExpression::parse(options.score_mod, ModKind::Score, mod_input_names(options.mod_inputs));
+  std::vector<ModInput> inputs =
+      bind_mod_inputs(who, text, options.mod_inputs, qd.batch, qd.heads, qd.len, kv_len, held);
+  return text_score_function(std::move(text), std::move(inputs));
 }
 }  // namespace
 
@@ -313,8 +316,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   const float* sinks = head_vector(who, options.sinks, "sinks", qd.heads, built.held);
   const Mask mask =
       options.mask_mod.empty() ? options.mask : options.mask & Mask::expression(options.mask_mod, options.mod_inputs);
-  std::vector<ModInput> score_mod_inputs;
-  std::shared_ptr<const ModExpression> score_mod = parse_score_mod(who, options, qd, kd.len, score_mod_inputs, built.held);
+  std::shared_ptr<const ScoreFunction> score_mod = score_function_of(who, options, qd, kd.len, built.held);
   std::vector<MaskTermView> terms;
   for (const Mask::Term& term : mask.terms()) terms.push_back(term_view(who, term, qd, kd.len, built.scores_shape));
   for (const Mask::Term& term : mask.terms()) built.held.push_back(term.values);
@@ -330,7 +332,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .q = operands.q, .k = operands.k, .v = operands.v, .scale = scale,
       .softcap = options.softcap, .alibi_slopes = alibi, .alibi_batch_stride = alibi_batch_stride,
       .alibi_shift = 0, .sinks = sinks,
-      .score_mod = std::move(score_mod), .score_mod_inputs = std::move(score_mod_inputs),
+      .score_mod = std::move(score_mod),
       .band_lo = mask.band_lo(), .band_hi = mask.band_hi(),
       .key_lengths = key_lengths_of(who, mask, qd.batch, kd.len), .terms = std::move(terms),
       .rule = std::move(rule),

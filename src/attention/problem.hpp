@@ -11,6 +11,7 @@
 
 #include "mask/rule.hpp"  // MaskTermView, MaskRule
 #include "qkv/attention.hpp"
+#include "qkv/flex.hpp"
 
 namespace qkv::detail {
 
@@ -41,10 +42,10 @@ struct AttentionProblem {
   int64_t alibi_batch_stride;  // Hq for (B, Hq) slopes, 0 for (Hq)
   int64_t alibi_shift;         // 0, except for a block of a longer sequence (src/attention/ring_block.hpp)
   const float* sinks;          // (Hq): a logit in each row's denominator with no value; nullptr: off
-  // A score function (AttentionOptions::score_mod) applied after softcap and ALiBi, reading
-  // score_mod_inputs; null: off. Its derivative joins softcap's slope in the backward.
-  std::shared_ptr<const ModExpression> score_mod;
-  std::vector<ModInput> score_mod_inputs;
+  // A score function (AttentionOptions::score_mod as text, or score_function, a C++ callable:
+  // one interface, qkv/flex.hpp) applied after softcap and ALiBi; null: off. Its derivative
+  // joins softcap's slope in the backward.
+  std::shared_ptr<const ScoreFunction> score_mod;
 
   // Visibility, one rule for every structured mask: key j is visible to query i of batch b
   // when i + band_lo <= j <= i + band_hi and j < key_lengths[b], every term allows it and

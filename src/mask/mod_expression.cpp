@@ -142,6 +142,27 @@ float derive(Op op, float v, float a, float b, float da, float db, float dc) {
   }
 }
 
+// v[x] = apply(kOp, a[x], b[x], c[x]): one operation over a line, its switch folded away (a
+// switch per element made the mask functions' classification cost as much as attention).
+template <Op kOp>
+void apply_line(size_t n, const float* a, const float* b, const float* c, float* v) {
+  for (size_t x = 0; x < n; ++x) v[x] = apply(kOp, a[x], b[x], c[x]);
+}
+
+void apply_line(Op op, size_t n, const float* a, const float* b, const float* c, float* v) {
+  switch (op) {
+#define QKV_APPLY_LINE(name) \
+  case Op::name: return apply_line<Op::name>(n, a, b, c, v);
+    QKV_APPLY_LINE(Neg) QKV_APPLY_LINE(Not) QKV_APPLY_LINE(Abs) QKV_APPLY_LINE(Exp) QKV_APPLY_LINE(Log)
+    QKV_APPLY_LINE(Sqrt) QKV_APPLY_LINE(Tanh) QKV_APPLY_LINE(Floor) QKV_APPLY_LINE(Add) QKV_APPLY_LINE(Sub)
+    QKV_APPLY_LINE(Mul) QKV_APPLY_LINE(Div) QKV_APPLY_LINE(Min) QKV_APPLY_LINE(Max) QKV_APPLY_LINE(Eq)
+    QKV_APPLY_LINE(Ne) QKV_APPLY_LINE(Lt) QKV_APPLY_LINE(Le) QKV_APPLY_LINE(Gt) QKV_APPLY_LINE(Ge)
+    QKV_APPLY_LINE(And) QKV_APPLY_LINE(Or) QKV_APPLY_LINE(Where)
+#undef QKV_APPLY_LINE
+    default: std::fill_n(v, n, 0.0f);  // the leaves are not operations
+  }
+}
+
 }  // namespace
 
 class ModParser {
@@ -410,11 +431,14 @@ void ModExpression::evaluate(const ModLine& line, size_t n, const float* s, cons
         }
         const bool query = in.index == Index::Query;
         const int64_t first = query ? line.i0 : line.j0, step = query ? line.query_step : line.key_step;
+        if (step == 1) {
+          std::copy_n(row + first, n, v);
+          break;
+        }
         for (size_t x = 0; x < n; ++x) v[x] = row[first + static_cast<int64_t>(x) * step];
         break;
       }
-      default:
-        for (size_t x = 0; x < n; ++x) v[x] = apply(in.op, a[x], b[x], c[x]);
+      default: apply_line(in.op, n, a, b, c, v);
     }
     if (!derive_lines) continue;
     float* dv = slope(i);

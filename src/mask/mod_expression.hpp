@@ -91,6 +91,9 @@ class ModExpression {
     Index index = Index::Query;
     bool has_derivative = false;  // depends on s (score functions): carries d/ds
   };
+  // The program, for a kernel's own evaluation of it (attention/steps/score_mod-inl.h, SIMD over a
+  // line): instruction i's result is line i, the last one's is f; evaluate() is its definition.
+  const std::vector<Instruction>& program() const { return program_; }
 
  private:
   friend class ModParser;

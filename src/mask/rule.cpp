@@ -2,8 +2,11 @@
 // evaluated per element by the reference and per tile by every kernel.
 #include "mask/rule.hpp"
 
+#include "mask/mod_blocks.hpp"
+
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -76,7 +79,11 @@ TileVisibility leaf_tile(const RuleNode& n, int64_t b, int64_t h, int64_t i0, in
         }
       return !any ? TV::Hidden : (all ? TV::Full : TV::Partial);
     }
-    case Kind::Expression: return expression_tile(n, b, h, i0, i1, j0, j1);
+    case Kind::Expression: {
+      if (n.blocks)
+        if (const std::optional<TileVisibility> mapped = n.blocks->classify(b, h, i0, i1, j0, j1)) return *mapped;
+      return expression_tile(n, b, h, i0, i1, j0, j1);
+    }
     default:  // Keep: per element
       return TV::Partial;
   }
@@ -189,6 +196,7 @@ struct Compiler {
     n.expression = std::make_shared<const ModExpression>(
         ModExpression::parse(r.expression, ModKind::Mask, mod_input_names(r.inputs)));
     n.inputs = bind_mod_inputs(who, *n.expression, r.inputs, batch, q_heads, q_len, kv_len, held);
+    n.blocks = ModBlocks::build(*n.expression, n.inputs, batch, q_heads, q_len, kv_len);
   }
 
   int add(const Mask::Rule& r) {

@@ -48,6 +48,7 @@ struct RuleNode {
   MaskTermView view{};               // Keep (per element) or BlockSparse (per block)
   std::shared_ptr<const ModExpression> expression;  // Expression: the mask function
   std::vector<ModInput> inputs;                     // Expression: its inputs, in its order
+  std::shared_ptr<const class ModBlocks> blocks;    // Expression: its block map, or null (mod_blocks.hpp)
   int left = -1, right = -1;         // And, Or: indices of the children in MaskRule::nodes
 };
 
@@ -62,7 +63,8 @@ struct MaskRule {
   // A mask function node over the `count` elements of a line: out[x] = 1 where it shows the key.
   void function_line(int node, const ModLine& line, size_t count, float* out) const;
   // The tile of queries [i0, i1] x keys [j0, j1] (inclusive) of head h, batch b. A mask function
-  // is evaluated over the whole tile (FlexAttention's block mask, made per tile as it is met).
+  // is read from its block map (FlexAttention's block mask, made once per call) when it has one,
+  // else evaluated over the whole tile.
   TileVisibility classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int node = -2) const;
 };
 

@@ -59,11 +59,12 @@ def twin_case(rng, text, function, keep=None):
     return q, k, v, grad, inputs, want, [leaf.grad for leaf in leaves]
 
 
+@pytest.mark.parametrize("backend", ["auto", "flash", "reference"])
 @pytest.mark.parametrize("case", list(SCORE_FUNCTIONS), ids=list(SCORE_FUNCTIONS))
-def test_score_functions_match_torch_autograd(rng, case):
+def test_score_functions_match_torch_autograd(rng, case, backend):
     text, function = SCORE_FUNCTIONS[case]
     q, k, v, grad, inputs, want, want_grads = twin_case(rng, text, function)
-    kwargs = dict(enable_gqa=True, score_mod=text, mod_inputs=inputs)
+    kwargs = dict(enable_gqa=True, score_mod=text, mod_inputs=inputs, backend=backend)
     out, lse, row_max, row_sum = qkv.scaled_dot_product_attention(q, k, v, return_lse=True, return_row_stats=True,
                                                                   **kwargs)
     close(out, want, "output")
@@ -88,6 +89,24 @@ def test_score_and_mask_functions_through_qkv_torch(rng):
         close(leaf.grad.numpy(), expected, name)
 
 
+def test_score_and_mask_functions_on_the_fused_kernel_with_causal_and_long_rows(rng):
+    """Flash's tiles (several key tiles, a partial last one, the causal diagonal) against the
+    reference, forward and backward, a score function and a mask function together."""
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, 4, 150, 32), (1, 2, 150, 32),
+                                                                         (1, 2, 150, 32)))
+    grad = rng.standard_normal((1, 4, 150, 32)).astype(np.float32)
+    kwargs = dict(is_causal=True, enable_gqa=True, score_mod="s - 0.1 * abs(q - k) + bias(k)",
+                  mask_mod="doc(q) == doc(k)", mod_inputs={"doc": (np.arange(150) // 40).astype(np.float32),
+                                                           "bias": rng.standard_normal(150).astype(np.float32)})
+    results = {}
+    for backend in ("flash", "reference"):
+        out, lse = qkv.scaled_dot_product_attention(q, k, v, return_lse=True, backend=backend, **kwargs)
+        grads = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, backend=backend, **kwargs)
+        results[backend] = (out, lse, *grads[:3])
+    for name, got, want in zip(("output", "lse", "dq", "dk", "dv"), results["flash"], results["reference"]):
+        close(got, want, name, tol=1e-4)
+
+
 def test_mask_function_on_the_fused_kernel_equals_its_keep_tensor(rng):
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, 2, 64, 16), (1, 2, 64, 16), (1, 2, 64, 16)))
     doc = (np.arange(64) // 16).astype(np.float32)
@@ -105,7 +124,7 @@ def test_mask_function_on_the_fused_kernel_equals_its_keep_tensor(rng):
     (dict(mask_mod="s > 0"), "a mask function does not read the score s"),
     (dict(score_mod="s + bias(k)", mod_inputs={"bias": np.zeros(3)}), "indexed by k (Nk = 11) it needs L >= 11"),
     (dict(score_mod="s + bias(k)", mod_inputs={"bias": "text"}), "mod_inputs['bias'] must be a (L,) or (B, L)"),
-    (dict(score_mod="s * 2", backend="flash"), "backend Flash does not take score_mod yet"),
+    (dict(score_mod="s * 2", backend="decode"), "backend Decode does not take score_mod"),
 ])
 def test_bad_functions_get_a_clear_error(rng, kwargs, words):
     q = rng.standard_normal((B, HQ, NQ, D)).astype(np.float32)

@@ -9,7 +9,9 @@
 // scaled_dot_product_attention_backward, Auto = Flash and Reference: the first call allocates its
 // gradients, the steady state writes into the same ones through _backward_into; FLOPs = 2.5 x
 // forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
-// score modifier each (forward; the target: within 15% of W1's time). W7 is causal linear attention
+// score modifier each (forward; the target: within 15% of W1's time); W1-relpos is W1 with a
+// score function as text (issue 42: within 1.5 x W1's time; also timed backward, "W1-relpos-bwd"),
+// and W2-docs W2's shape with a mask function of 4 documents (<= 0.35 x W2-full's time). W7 is causal linear attention
 // (linear_attention) and W7-flash softmax attention on its shape (no Reference row); W7 also times
 // N = 4096 and 65536 for its scaling slope.
 // It reports rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
@@ -591,6 +593,12 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
       if (const Row* row = find_row(rows, id, "Auto"))
         out.push_back({fmt::format("{} vs W1", id), fmt::format("{} ms / W1 ms", id), row->median_ms / plain->median_ms,
                        1.15, false});
+    if (const Row* row = find_row(rows, "W1-relpos", "Auto"))  // issue 42: a score function as text
+      out.push_back({"W1-relpos (score_mod text) vs W1", "W1-relpos ms / W1 ms", row->median_ms / plain->median_ms,
+                     1.5, false});
+    if (const Row* row = find_row(rows, "W1-relpos-cpp", "Auto"))  // and as a C++ callable
+      out.push_back({"W1-relpos-cpp (C++ callable) vs W1", "W1-relpos-cpp ms / W1 ms",
+                     row->median_ms / plain->median_ms, 1.2, false});
   }
   const Row* linear = find_row(rows, "W7", "Auto");
   const Row* softmax = find_row(rows, "W7-flash", "Auto");
@@ -609,6 +617,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   if (const Row* summary = find_row(rows, "W2-summary", "Auto"); causal && summary)
     out.push_back({"W2 with summaries vs without", "W2-summary ms / W2 ms", summary->median_ms / causal->median_ms,
                    1.3, false});
+  if (const Row* docs = find_row(rows, "W2-docs", "Auto"); docs && full)  // issue 42: hidden tiles skipped
+    out.push_back({"W2-docs (mask_mod, 4 documents) vs unmasked", "W2-docs ms / W2-full ms",
+                   docs->median_ms / full->median_ms, 0.35, false});
   return out;
 }
 
@@ -799,9 +810,9 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
     bool wanted = ids.empty();
     for (const std::string& id : ids) {
       const Workload* named = bench::find_workload(id);
-      // W2 brings W2-full along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary W2, W7
-      // W7-flash: the targets compare them. "decode-sweep" names every sweep row.
-      wanted = wanted || named == &w || (named && named->id == "W2" && w.id == "W2-full") ||
+      // W2 brings W2-full and W2-docs along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary
+      // W2, W7 W7-flash: the targets compare them. "decode-sweep" names every sweep row.
+      wanted = wanted || named == &w || (named && named->id == "W2" && (w.id == "W2-full" || w.id == "W2-docs")) ||
                (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
                (named && named->id == "W6" && w.id == "W2") ||
                (named && named->id == "W2-summary" && w.id == "W2") ||

@@ -162,7 +162,8 @@ void RowDots(const AttentionBackwardProblem& bp, int64_t row_begin, int64_t row_
 // One (query tile, key tile) pair of head (b, h), in the forward's order then back: S^T = K Qt,
 // logits (softcap with its slope, ALiBi, the mask, as the forward), P recomputed from the row
 // stats, P' with dropout; dV += P'^T dO, dP'^T = V dOt, dropout's and the softmax's gradients
-// (dS = P (dP - D), 0 where P = 0, through softcap's slope); dK += dS^T Q and dQ += dS K.
+// (dS = P (dP - D), 0 where P = 0, through softcap's and the score function's slopes); dK += dS^T Q
+// and dQ += dS K.
 // dV and dK go into the key block's accumulators, dQ into the query tile's accumulator w.grad_q
 // (FlushGradQ adds it into dQ's rows once per block of key tiles, not per pair, which read and
 // wrote every dQ row once per key tile), or, where a hidden key's K is not finite, into
@@ -174,9 +175,9 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, cols = t.cols;
   products.Scores(p, walk.key_step, t, w);
-  if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || !p.terms.empty()) {
+  if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || p.score_mod || !p.terms.empty()) {
     step::Softcap(p, w.weights_t, cols * br, w.softcap_t);
-    step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t);
+    step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.score_mod, w.softcap_t);
   }
   step::RecomputeWeights(w.weights_t, cols, br, w.shift, w.scale);
   const float* dropped = w.weights_t;
@@ -189,7 +190,7 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   products.GradP(p, walk.key_step, t, w);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
-  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.softcap > 0 ? w.softcap_t : nullptr);
+  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.has_score_slope() ? w.softcap_t : nullptr);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
 
@@ -235,8 +236,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
   const AttentionProblem& p = bp.forward;
   const size_t br = BackwardTileRowsFor(p), lanes = hn::Lanes(DF());
   const int64_t group = p.q_heads / p.kv_heads;
-  const flash::BackwardScratchLayout layout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
-                                            static_cast<size_t>(p.value_dim));
+  const flash::BackwardScratchLayout layout(p, BackwardQueryTileRows());
   // A head's queries in tiles of br, a short remainder sharing the last whole tile's vectors
   // (simd/query_tiles.hpp); each tile runs on the vectors its queries fill: the same scratch,
   // its own Br.
@@ -272,9 +272,7 @@ void BackwardKeyChunk(const AttentionBackwardProblem& bp, int64_t b, int64_t g, 
 void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& split, int64_t b, int64_t g,
                       int64_t first, int64_t last, const float* HWY_RESTRICT row_dot_all, float* HWY_RESTRICT scratch) {
   const AttentionProblem& p = bp.forward;
-  const BackwardScratch w(scratch, step::ResidueTileRows(),
-                          flash::BackwardScratchLayout(BackwardQueryTileRows(), static_cast<size_t>(p.head_dim),
-                                                       static_cast<size_t>(p.value_dim)));
+  const BackwardScratch w(scratch, step::ResidueTileRows(), flash::BackwardScratchLayout(p, BackwardQueryTileRows()));
   const BackwardProducts products{nullptr, bp.decode_scores};
   flash_steps::BackwardResidues(bp, split, b, g, first, last, row_dot_all, w,
                                 [&](const Walk& walk, const TileAt& t, const QueryRows& query_rows,
@@ -401,7 +399,7 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   const Chunks chunks(p, threads_for(flops));
   const size_t br = HWY_DYNAMIC_DISPATCH(BackwardQueryTileRows)();
   const Launch launch(WorkspaceSlot::FlashScratch, flops, chunks.items,
-                      flash::BackwardScratchLayout(br, static_cast<size_t>(dk), static_cast<size_t>(dv)).total,
+                      flash::BackwardScratchLayout(p, br).total,
                       chunks.shared_floats());
   // The AMX products (MatmulPrecision High or Medium, a CPU with AMX, Dk and Dv multiples of 16,
   // 16 float lanes: BackwardKeyChunk checks): each worker's block, or none (amx::worker_blocks).

@@ -110,7 +110,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, const TileAt& t, 
   const bool on_amx = products.OnAmx(p, walk, t);
   products.Scores<V>(p, on_amx, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
-  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores);
+  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod);
   const bool max_grew = step::SoftmaxColumnsUpdate<V>(w.scores, t.cols, w.running_max, w.row_sum, w.correction);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < t.cols; ++j) step::Dropout(p, t.line(walk, j), w.scores + j * br, t.rows);
@@ -122,9 +122,7 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, const TileAt& t, 
 // The strided residues [first, last) of head (b, h) (residues-inl.h), on float32 products.
 void StridedResidues(const AttentionProblem& p, const StridedSplit& split, int64_t b, int64_t h, int64_t first,
                      int64_t last, float* HWY_RESTRICT scratch) {
-  const ForwardScratch w(scratch, flash::ForwardScratchLayout(QueryTileRows(), static_cast<size_t>(p.head_dim),
-                                                              static_cast<size_t>(p.value_dim),
-                                                              p.kv_dtype != DType::F32));
+  const ForwardScratch w(scratch, flash::ForwardScratchLayout(p, QueryTileRows()));
   flash_steps::ForwardResidues(p, split, b, h, first, last, w, [&](const Walk& walk, const TileAt& t, const TileMask& mask) {
     FlashKeyTile<kResidueVectors>(p, walk, t, mask, ForwardProducts{}, w);
   });
@@ -182,10 +180,10 @@ ForwardProducts QueryTileProducts(const AttentionProblem& p, size_t br, uint16_t
 void FlashQueryTile(const AttentionProblem& p, bool carried, const flash::QueryTile& at, float* HWY_RESTRICT scratch,
                     uint16_t* amx, const flash::ForwardAmxLayout* amx_layout, const flash::QueryTile& next) {
   const size_t lanes = hn::Lanes(DF()), rows = static_cast<size_t>(at.rows);
-  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const size_t dv = static_cast<size_t>(p.value_dim);
   // The width of this tile: the vectors its queries fill (QueryTiles, simd/query_tiles.hpp).
   const size_t vectors = std::min(kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
-  const ForwardScratch w(scratch, flash::ForwardScratchLayout(QueryTileRows(), dk, dv, p.kv_dtype != DType::F32));
+  const ForwardScratch w(scratch, flash::ForwardScratchLayout(p, QueryTileRows()));
   const int64_t row0 = (at.b * p.q_heads + at.h) * p.q_len + at.i0;
 
   // Qt = scale * Q^T, Ot = 0 and each query's softmax started, or Ot and the softmax state as
@@ -277,10 +275,7 @@ void flash_attention(const AttentionProblem& problem) {
   const int64_t items = problem.batch * problem.q_heads * query_tiles;
   const double flops = 4.0 * static_cast<double>(items) * static_cast<double>(br) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim) / 2;
-  const Launch launch(WorkspaceSlot::FlashScratch, flops, items,
-                      flash::ForwardScratchLayout(br, static_cast<size_t>(problem.head_dim),
-                                                  static_cast<size_t>(problem.value_dim), problem.kv_dtype != DType::F32)
-                          .total);
+  const Launch launch(WorkspaceSlot::FlashScratch, flops, items, flash::ForwardScratchLayout(problem, br).total);
 
   // A `rest | strided(S)` rule with S >= Bc: the strided keys first, by residues (b, h, first
   // query), then the tiles see `rest` (a band folded into the band) and continue each row.

@@ -50,15 +50,26 @@ class Parts {
   size_t at_ = 0;
 };
 
+// The floats the score function of p (if any) evaluates a line of br scores in: its derivative
+// line and its own scratch (attention/steps/score_mod-inl.h, ScoreMod).
+inline size_t score_mod_floats(const AttentionProblem& p, size_t br) {
+  return p.score_mod ? br + p.score_mod->scratch_floats(br) : 0;
+}
+
 // ---- Forward.
 
 // One forward worker's scratch, offsets in floats from a 64-byte aligned base. br = queries per
 // tile (per target), dk/dv = head and value dims.
 struct ForwardScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, k_wide, v_wide;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, k_wide, v_wide, score_mod;
   size_t total;
 
-  ForwardScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false) {
+  // The layout for problem p's tiles of br queries.
+  ForwardScratchLayout(const AttentionProblem& p, size_t br)
+      : ForwardScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim),
+                             p.kv_dtype != DType::F32, score_mod_floats(p, br)) {}
+
+  ForwardScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false, size_t score_mod_floats = 0) {
     Parts parts;
     q_t = parts.take(dk * br);               // Qt (Dk, Br)
     scores = parts.take(kKeyTile * br);      // St then P^T (Bc, Br)
@@ -68,6 +79,7 @@ struct ForwardScratchLayout {
     correction = parts.take(br);             // per query: exp(old max - new max), then 1 / l
     k_wide = parts.take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
     v_wide = parts.take(wide_kv ? kKeyTile * dv : 0);
+    score_mod = parts.take(score_mod_floats);  // the score function's lines (ScoreMod)
     total = parts.total();
   }
 };
@@ -110,9 +122,14 @@ struct ForwardAmxLayout {
 struct BackwardScratchLayout {
   size_t dk, dv, dk_pad, dv_pad;
   size_t q_t, grad_out_t, q_rows, grad_out_rows, q_scaled, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k,
-      grad_v, grad_q, shift, scale, row_dot, total;
+      grad_v, grad_q, shift, scale, row_dot, score_mod, total;
 
-  BackwardScratchLayout(size_t br, size_t dk_, size_t dv_)
+  // The layout for problem p's tiles of at most br queries.
+  BackwardScratchLayout(const AttentionProblem& p, size_t br)
+      : BackwardScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim),
+                              score_mod_floats(p, br)) {}
+
+  BackwardScratchLayout(size_t br, size_t dk_, size_t dv_, size_t score_mod_floats = 0)
       : dk(dk_), dv(dv_), dk_pad(round_to_cache_line(dk_)), dv_pad(round_to_cache_line(dv_)) {
     Parts parts;
     q_t = parts.take(dk * br);                // Qt (Dk, Br), scale * Q^T
@@ -123,7 +140,7 @@ struct BackwardScratchLayout {
     weights_t = parts.take(kKeyTile * br);    // S^T then P^T (Bc, Br)
     dropped_t = parts.take(kKeyTile * br);    // P'^T (Bc, Br), with dropout
     grad_t = parts.take(kKeyTile * br);       // dP'^T then dS^T (Bc, Br)
-    softcap_t = parts.take(kKeyTile * br);    // softcap's slope 1 - tanh^2 (Bc, Br)
+    softcap_t = parts.take(kKeyTile * br);    // d(logit)/d(raw score): softcap's 1 - tanh^2, the score function's (Bc, Br)
     k_rows = parts.take(kKeyBlock * dk_pad);  // scale * K block (kKeyBlock, Dk_pad), where not read in place
     // dK and dV of the key block (kKeyBlock, Dk_pad / Dv_pad; dK without the scale), and a block
     // of 16 rows past it: AMX tiles add whole blocks of 16 key rows from a pair's first key.
@@ -133,6 +150,7 @@ struct BackwardScratchLayout {
     shift = parts.take(br);            // per query: P = exp(S - shift) * scale
     scale = parts.take(br);
     row_dot = parts.take(br);  // per query: D = dO . O
+    score_mod = parts.take(score_mod_floats);  // the score function's lines and their derivatives
     total = parts.total();
   }
 };

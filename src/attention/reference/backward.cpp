@@ -89,11 +89,13 @@ void score_gradients(const AttentionBackwardProblem& bp, int64_t b, int64_t h, i
     double row_dot = 0;
     for (int64_t c = 0; c < p.value_dim; ++c) row_dot += static_cast<double>(grad_out[c]) * out[c];
     const float d = static_cast<float>(row_dot);
-    // Forward 3: a hidden score has P = 0 and gets dS = 0 exactly (never 0 * NaN); an additive
-    // term passes dS through. Forward 2: ALiBi passes it through, softcap and a score function
-    // scale it by their slope.
+    // Forward 3: a hidden score has P = 0 and gets dS = 0 exactly (never 0 * NaN, nor 0 times a
+    // score function's slope, which may be NaN where the mask hides it); an additive term passes
+    // dS through. Forward 2: ALiBi passes it through, softcap and a score function scale it by
+    // their slope.
     for (int64_t j = 0; j < visible_keys; ++j) {
-      row[j] = row[j] == 0.0f ? 0.0f : row[j] * (grad_row[j] - d);
+      if (row[j] == 0.0f) continue;
+      row[j] *= grad_row[j] - d;
       if (p.has_score_slope()) row[j] *= m.score_slope[i * nk + j];
     }
   }

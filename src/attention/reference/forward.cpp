@@ -34,14 +34,18 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 namespace {
 // The score function over row i of head (b, h), in place; with `slope`, its derivative joins it
-// (slope *= d score_mod / ds). Scratch: the calling thread's, grown once.
+// (slope *= d score_mod / ds). The row goes through a copy padded to whole vectors of any target
+// (ScoreFunction::line's contract); scratch: the calling thread's, grown once.
 void apply_score_mod(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, float* scores, float* slope) {
-  thread_local std::vector<float> scratch, derivative;
-  const size_t nk = static_cast<size_t>(p.kv_len);
-  if (scratch.size() < p.score_mod->scratch_floats(nk)) scratch.resize(p.score_mod->scratch_floats(nk));
-  if (derivative.size() < nk) derivative.resize(nk);
-  p.score_mod->evaluate({b, h, i, 0, 0, 1}, nk, scores, p.score_mod_inputs.data(), scores,
-                        slope ? derivative.data() : nullptr, scratch.data());
+  constexpr size_t kWidest = 16;  // floats in the widest SIMD vector
+  thread_local std::vector<float> scratch, line, derivative;
+  const size_t nk = static_cast<size_t>(p.kv_len), n = (nk + kWidest - 1) / kWidest * kWidest;
+  if (scratch.size() < p.score_mod->scratch_floats(n)) scratch.resize(p.score_mod->scratch_floats(n));
+  if (line.size() < n) line.resize(n), derivative.resize(n);
+  std::copy_n(scores, nk, line.data());
+  std::fill(line.begin() + static_cast<std::ptrdiff_t>(nk), line.begin() + static_cast<std::ptrdiff_t>(n), 0.0f);
+  p.score_mod->line({b, h, i, 0, 0, 1}, n, nk, line.data(), slope ? derivative.data() : nullptr, scratch.data());
+  std::copy_n(line.data(), nk, scores);
   if (slope)
     for (size_t j = 0; j < nk; ++j) slope[j] *= derivative[j];
 }

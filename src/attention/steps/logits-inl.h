@@ -20,6 +20,7 @@
 #include "attention/steps/lines-inl.h"
 #include "attention/steps/mask_rule-inl.h"
 #include "attention/steps/modifiers-inl.h"
+#include "attention/steps/score_mod-inl.h"
 #include "attention/steps/tile_mask-inl.h"
 #include "hwy/highway.h"
 
@@ -46,21 +47,27 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
   MaskTerms(p, line, s, count);
 }
 
-// ALiBi and mask on a tile of key lines (flash's and its backward's; softcap ran on the whole
-// tile before): line l the key j0 + l walk.key_step over br queries i0 + x walk.query_step,
-// `rows` of them real, lines br floats apart. In the reference's order: ALiBi line by line (when
-// the problem has slopes), the band and key lengths for all lines at once (MaskBandLines), then
+// ALiBi, the score function and mask on a tile of key lines (flash's and its backward's; softcap
+// ran on the whole tile before): line l the key j0 + l walk.key_step over br queries
+// i0 + x walk.query_step, `rows` of them real, lines br floats apart. In the reference's order:
+// ALiBi line by line (when the problem has slopes), the score function line by line (when it has
+// one: ScoreMod, in `mod_scratch`, ModExpression::scratch_floats(br) floats; with `slope`, the
+// backward's tile of softcap's slopes, its derivative joins them), the band and key lengths for
+// all lines at once (MaskBandLines), then
 // line by line the rule (a residue's: -inf where node `hide` of the rule shows the key, the pairs
 // the tiles visit; the strided rule holds by construction) and the tensor terms. (ALiBi after the
 // band would differ where slope x distance overflows without FMA: -inf + inf.) `mask.band` false
 // skips the band and the rule (a tile every query of it fully sees).
 HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t b, int64_t h,
-                           int64_t i0, size_t rows, int64_t j0, size_t cols, size_t br, float* HWY_RESTRICT s) {
+                           int64_t i0, size_t rows, int64_t j0, size_t cols, size_t br, float* HWY_RESTRICT s,
+                           float* HWY_RESTRICT mod_scratch = nullptr, float* HWY_RESTRICT slope = nullptr) {
   const auto line = [&](size_t l) {
     return Line{b, h, i0, j0 + static_cast<int64_t>(l) * walk.key_step, walk.query_step, 0};
   };
   if (p.alibi_slopes)
     for (size_t l = 0; l < cols; ++l) Alibi(p, line(l), s + l * br, br);
+  if (p.score_mod)
+    for (size_t l = 0; l < cols; ++l) ScoreMod(p, line(l), s + l * br, br, rows, slope ? slope + l * br : nullptr, mod_scratch);
   if (mask.band) MaskBandLines(p, b, i0, walk.query_step, j0, walk.key_step, s, br, cols);
   const bool rule = walk.residue ? mask.hide >= 0 : mask.band && !p.rule.empty();
   if (!rule && p.terms.empty()) return;

@@ -7,7 +7,7 @@
 //   load a K/V tile      read in place through row strides  the same
 //   scores               S = K Qt (flash) / Qs K^T (decode)  S^T = K Qt
 //   modifiers            Softcap (a whole tile), then Alibi  the same, keeping softcap's slope
-//                        (per line)
+//                        and ScoreMod (per line; flash)    and the score function's
 //   classify a tile      ClassifyMaskTile: hidden, partial,  the same
 //                        fully visible (band and rule)
 //   mask                 MaskBand, MaskRuleStep, MaskTerms   the same
@@ -32,6 +32,7 @@
 //                    tensor terms (MaskTerms), DiagonalTrim
 //   mask_rule-inl.h  the symbolic rule along a line: MaskRuleStep, MaskWhereRuleShows
 //   modifiers-inl.h  Softcap, Alibi
+//   score_mod-inl.h  ScoreMod: a score function's program over a line, with its derivative
 //   logits-inl.h     modifiers and mask composed in the reference's order: ScoresToLogits (a
 //                    line), TileLogits (a tile of key lines)
 //   softmax-inl.h    InitialMax / InitialSum (sinks), ExpSoftmax, the online updates
@@ -62,6 +63,7 @@
 #include "attention/steps/modifiers-inl.h"
 #include "attention/steps/operands-inl.h"
 #include "attention/steps/pack-inl.h"
+#include "attention/steps/score_mod-inl.h"
 #include "attention/steps/softmax-inl.h"
 #include "attention/steps/tile_mask-inl.h"
 

@@ -68,7 +68,7 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   const ForwardProducts products;
   products.Scores<V>(p, false, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
-  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores);
+  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod);
   std::copy_n(w.scores, t.cols * br, s.logits);
   std::copy_n(w.running_max, br, s.old_max);
   summary_steps::TopLogits<V>(s.logits, t.cols, t.j0, s);
@@ -100,9 +100,9 @@ void SummaryTileKeys(const AttentionProblem& p, const flash::QueryTile& at, int6
 void SummaryQueryTile(const AttentionProblem& p, const SummaryOutputs& out, const flash::QueryTile& at,
                       float* HWY_RESTRICT scratch, float* HWY_RESTRICT received) {
   const size_t lanes = hn::Lanes(DF()), rows = static_cast<size_t>(at.rows);
-  const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  const size_t dv = static_cast<size_t>(p.value_dim);
   const size_t vectors = std::min(tile_gemm::kTileVectors, (rows + lanes - 1) / lanes), br = vectors * lanes;
-  const flash::ForwardScratchLayout flash_layout(SummaryQueryTileRows(), dk, dv, p.kv_dtype != DType::F32);
+  const flash::ForwardScratchLayout flash_layout(p, SummaryQueryTileRows());
   const summary::ScratchLayout layout(SummaryQueryTileRows(), static_cast<size_t>(out.top_k),
                                       static_cast<size_t>(p.kv_len));
   const ForwardScratch w(scratch, flash_layout);
@@ -158,9 +158,7 @@ void flash_summary_attention(const AttentionProblem& problem, const SummaryOutpu
   const int64_t items = heads * tiling.count;
   const double flops = 2.0 * static_cast<double>(heads * problem.q_len) * static_cast<double>(nk) *
                        static_cast<double>(problem.head_dim + problem.value_dim);
-  const size_t block = flash::ForwardScratchLayout(br, static_cast<size_t>(problem.head_dim),
-                                                   static_cast<size_t>(problem.value_dim),
-                                                   problem.kv_dtype != DType::F32).total +
+  const size_t block = flash::ForwardScratchLayout(problem, br).total +
                        summary::ScratchLayout(br, static_cast<size_t>(out.top_k), static_cast<size_t>(nk)).total;
   const size_t partial = round_to_cache_line(static_cast<size_t>(heads * nk));
   // Sized for every worker the launch may have: its worker count is known only once built.

@@ -1,0 +1,147 @@
+// Your own score function in C++ (FlexAttention's score_mod as a callable, docs/flex.md): a
+// generic lambda
+//
+//   auto relative = qkv::score_function([](auto s, int64_t b, int64_t h, int64_t q, int64_t k) {
+//     return s - 0.1f * static_cast<float>(q > k ? q - k : k - q);
+//   });
+//   options.score_function = relative;
+//
+// called by the kernels one virtual call per line of scores (ScoreFunction::line), the lambda
+// inlined over the line's elements in the template instantiated here, in your translation unit:
+// no function pointer per element. Its derivative in s, for the backward, comes from calling it
+// with s a Dual (value and d/ds): write it with operators and the functions below (qkv::tanh,
+// qkv::exp, ... found by argument-dependent lookup when called unqualified) so that it takes
+// both a float and a Dual. The text score functions (AttentionOptions::score_mod) implement the
+// same interface.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+namespace qkv {
+
+// Where a line of scores sits: element x is query i0 + x * query_step against key
+// j0 + x * key_step, of query head h, batch b.
+struct ScoreLine {
+  int64_t b, h, i0, j0, query_step, key_step;
+};
+
+// The one interface the kernels call for a score function, once per line of scores.
+class ScoreFunction {
+ public:
+  virtual ~ScoreFunction() = default;
+  // Floats of scratch line() needs for lines of up to n scores.
+  virtual size_t scratch_floats(size_t n) const = 0;
+  // s[x] <- f(s[x], b, h, query(x), key(x)) for x < count; with `slope`, slope[x] = df/ds there.
+  // n >= count is the line's length in whole SIMD vectors (elements past count have no query or
+  // key and are left alone); `scratch` holds scratch_floats(n) floats, 64-byte aligned.
+  virtual void line(const ScoreLine& at, size_t n, size_t count, float* s, float* slope, float* scratch) const = 0;
+};
+
+// A dual number: a value and its derivative in the score s.
+struct Dual {
+  float value, slope;
+};
+
+namespace flex_detail {
+template <class T>
+using IfNumber = std::enable_if_t<std::is_arithmetic_v<T>, int>;
+inline Dual dual(Dual d) { return d; }
+template <class T, IfNumber<T> = 0>
+Dual dual(T v) {
+  return {static_cast<float>(v), 0.0f};
+}
+}  // namespace flex_detail
+
+inline Dual operator-(Dual a) { return {-a.value, -a.slope}; }
+inline Dual operator+(Dual a, Dual b) { return {a.value + b.value, a.slope + b.slope}; }
+inline Dual operator-(Dual a, Dual b) { return {a.value - b.value, a.slope - b.slope}; }
+inline Dual operator*(Dual a, Dual b) { return {a.value * b.value, a.slope * b.value + a.value * b.slope}; }
+inline Dual operator/(Dual a, Dual b) {
+  return {a.value / b.value, (a.slope * b.value - a.value * b.slope) / (b.value * b.value)};
+}
+#define QKV_DUAL_MIXED(op)                                                                        \
+  template <class T, flex_detail::IfNumber<T> = 0>                                               \
+  Dual operator op(Dual a, T b) {                                                                \
+    return a op flex_detail::dual(b);                                                            \
+  }                                                                                               \
+  template <class T, flex_detail::IfNumber<T> = 0>                                               \
+  Dual operator op(T a, Dual b) {                                                                \
+    return flex_detail::dual(a) op b;                                                            \
+  }
+QKV_DUAL_MIXED(+)
+QKV_DUAL_MIXED(-)
+QKV_DUAL_MIXED(*)
+QKV_DUAL_MIXED(/)
+#undef QKV_DUAL_MIXED
+// Comparisons read the values (a condition is flat in s).
+inline bool operator<(Dual a, Dual b) { return a.value < b.value; }
+inline bool operator>(Dual a, Dual b) { return a.value > b.value; }
+template <class T, flex_detail::IfNumber<T> = 0>
+bool operator<(Dual a, T b) { return a.value < static_cast<float>(b); }
+template <class T, flex_detail::IfNumber<T> = 0>
+bool operator>(Dual a, T b) { return a.value > static_cast<float>(b); }
+
+inline Dual abs(Dual a) { return a.value > 0 ? a : a.value < 0 ? -a : Dual{0.0f, 0.0f}; }
+inline Dual exp(Dual a) {
+  const float e = std::exp(a.value);
+  return {e, e * a.slope};
+}
+inline Dual log(Dual a) { return {std::log(a.value), a.slope / a.value}; }
+inline Dual sqrt(Dual a) {
+  const float r = std::sqrt(a.value);
+  return {r, a.slope / (2 * r)};
+}
+inline Dual tanh(Dual a) {
+  const float t = std::tanh(a.value);
+  return {t, (1 - t * t) * a.slope};
+}
+inline Dual min(Dual a, Dual b) { return a.value <= b.value ? a : b; }
+inline Dual max(Dual a, Dual b) { return a.value >= b.value ? a : b; }
+// The same functions on plain numbers, so that one unqualified call serves both instantiations.
+inline float abs(float a) { return std::fabs(a); }
+inline float exp(float a) { return std::exp(a); }
+inline float log(float a) { return std::log(a); }
+inline float sqrt(float a) { return std::sqrt(a); }
+inline float tanh(float a) { return std::tanh(a); }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+
+// A callable f(s, b, h, q, k) as a ScoreFunction: its line() runs f over the line's elements,
+// inlined, on floats, or on Duals when the derivative is asked for.
+template <class F>
+class ScoreCallable final : public ScoreFunction {
+ public:
+  explicit ScoreCallable(F f) : f_(std::move(f)) {}
+  size_t scratch_floats(size_t) const override { return 0; }
+  void line(const ScoreLine& at, size_t, size_t count, float* s, float* slope, float*) const override {
+    if (slope == nullptr) {
+      for (size_t x = 0; x < count; ++x) {
+        const int64_t step = static_cast<int64_t>(x);
+        s[x] = static_cast<float>(f_(s[x], at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
+      }
+      return;
+    }
+    for (size_t x = 0; x < count; ++x) {
+      const int64_t step = static_cast<int64_t>(x);
+      const Dual out =
+          flex_detail::dual(f_(Dual{s[x], 1.0f}, at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
+      s[x] = out.value;
+      slope[x] = out.slope;
+    }
+  }
+
+ private:
+  F f_;
+};
+
+template <class F>
+std::shared_ptr<const ScoreFunction> score_function(F f) {
+  return std::make_shared<const ScoreCallable<F>>(std::move(f));
+}
+
+}  // namespace qkv
