@@ -42,7 +42,7 @@ using dnnl::memory;
 constexpr size_t kCachedShapes = 64;
 
 // x (count floats) rounded into `to`, in chunks shared among the OpenMP threads when there are
-// many (a prefill's 512 x 3072 took a tenth of the product's time on one thread).
+// many (a prefill's rows: on one thread a visible share of the product's time, docs/models.md).
 void round_to_bf16(const float* x, int64_t count, uint16_t* to) {
   constexpr int64_t kChunk = int64_t{1} << 15, kMinForThreads = int64_t{1} << 17;
   const int workers = count >= kMinForThreads ? omp_get_max_threads() : 1;

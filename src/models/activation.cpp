@@ -1,14 +1,14 @@
 // qkv::models::detail::activate and gated_activate (token_ops.hpp): the MLP's activations on
-// whole vectors (Highway's Tanh and Exp), split over threads when a prefill's (tokens x inner)
-// elements make it worth a parallel region. GELU-tanh and SiLU were libm's scalar tanhf and expf,
-// as long as the bf16 matrix products of a GPT-2 prefill (docs/models.md, "Speed").
+// whole vectors (Highway's Tanh and Exp). libm's scalar tanhf and expf took a GPT-2 prefill about
+// as long as its bf16 matrix products (docs/models.md, "Speed"); on vectors they are a small part.
+// One thread: a parallel region here would cost more than it saves on a loaded machine.
 //
 // Each activation has one formula, on vectors: the last count % lanes elements go through it in a
 // padded vector, so no scalar twin can disagree with it. GELU-erf has no vector erf in Highway and
 // stays on std::erf (BERT only).
 //
-// Highway's foreach_target re-includes this file once per SIMD target; the threading and the
-// exported entry points live in the HWY_ONCE part below.
+// Highway's foreach_target re-includes this file once per SIMD target; the exported entry points
+// live in the HWY_ONCE part below.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "models/activation.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -18,15 +18,12 @@
 
 #ifndef QKV_MODELS_ACTIVATION_ONCE
 #define QKV_MODELS_ACTIVATION_ONCE
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numbers>
 
 #include "models/token_ops.hpp"
-#include "simd/item_shares.hpp"
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -85,24 +82,14 @@ HWY_EXPORT(ActivateRange);
 
 namespace {
 
-// Elements per item of work; from kMinForThreads on (a prefill's MLP: 512 tokens x 3072 is 1.5M)
-// the items are shared among the OpenMP threads. A decode step's 1536-3072 stay on one thread.
-constexpr int64_t kChunk = int64_t{1} << 14;
-constexpr int64_t kMinForThreads = int64_t{1} << 16;
-
 float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * static_cast<float>(1.0 / std::numbers::sqrt2))); }
 
 void activate_any(float* x, const float* up, int64_t count, Activation act) {
-  const int workers = count >= kMinForThreads ? omp_get_max_threads() : 1;
-  const auto run = HWY_DYNAMIC_DISPATCH(ActivateRange);
-  qkv::detail::for_each_item(workers, (count + kChunk - 1) / kChunk, [&](int64_t item) {
-    const int64_t begin = item * kChunk, end = std::min(count, begin + kChunk);
-    if (act != Activation::GeluErf) {
-      run(x + begin, up ? up + begin : nullptr, static_cast<size_t>(end - begin), static_cast<int>(act));
-      return;
-    }
-    for (int64_t i = begin; i < end; ++i) x[i] = gelu_erf(x[i]) * (up ? up[i] : 1.0f);
-  });
+  if (act != Activation::GeluErf) {
+    HWY_DYNAMIC_DISPATCH(ActivateRange)(x, up, static_cast<size_t>(count), static_cast<int>(act));
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) x[i] = gelu_erf(x[i]) * (up ? up[i] : 1.0f);
 }
 
 }  // namespace

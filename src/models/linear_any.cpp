@@ -4,15 +4,12 @@
 // qkv::detail::sgemm.
 #include "models/linear_any.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <vector>
 
 #include "gemm/bf16_dot.hpp"
 #include "gemm/gemm.hpp"
 #include "gemm/rows.hpp"
-#include "simd/item_shares.hpp"
 
 namespace qkv::models::detail {
 
@@ -75,17 +72,6 @@ bool reads_in_place(int64_t m, const StoredMatrix& w) {
   return m <= kMaxRowsInPlace && (w.dtype != DType::F32 || w.layout == Layout::InOut);
 }
 
-// y (m, n) += bias (n) on every row; a prefill's rows are shared among the threads (GPT-2's
-// 512 x 3072 on one thread was a few percent of its prefill).
-void add_bias(float* y, int64_t m, int64_t n, const float* bias) {
-  constexpr int64_t kMinForThreads = int64_t{1} << 16;
-  const int workers = m * n >= kMinForThreads ? omp_get_max_threads() : 1;
-  qkv::detail::for_each_item(workers, m, [&](int64_t i) {
-    float* row = y + i * n;
-    for (int64_t j = 0; j < n; ++j) row[j] += bias[j];
-  });
-}
-
 }  // namespace
 
 void linear(const float* x, int64_t m, const StoredMatrix& w, const float* bias, float* y) {
@@ -98,7 +84,9 @@ void linear(const float* x, int64_t m, const StoredMatrix& w, const float* bias,
   } else {
     linear_in_out(x, m, w, y);
   }
-  if (bias != nullptr) add_bias(y, m, w.out, bias);
+  if (bias == nullptr) return;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < w.out; ++j) y[i * w.out + j] += bias[j];
 }
 
 Tensor linear(const Tensor& x, const StoredMatrix& w, const std::vector<float>& bias) {

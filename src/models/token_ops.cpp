@@ -1,29 +1,13 @@
 // qkv::models::detail token ops (token_ops.hpp); the activations are in activation.cpp.
 #include "models/token_ops.hpp"
 
-#include <omp.h>
-
 #include <cmath>
-
-#include "simd/item_shares.hpp"
 
 namespace qkv::models::detail {
 
-namespace {
-
-// body(r) for every row r < rows, shared among the threads when a prefill's rows x dim make it
-// worth a parallel region (a decode step's one row stays on the calling thread).
-template <class Body>
-void for_each_row(int64_t rows, int64_t dim, const Body& body) {
-  constexpr int64_t kMinForThreads = int64_t{1} << 16;
-  qkv::detail::for_each_item(rows * dim >= kMinForThreads ? omp_get_max_threads() : 1, rows, body);
-}
-
-}  // namespace
-
 void layer_norm(const float* x, int64_t rows, int64_t dim, const std::vector<float>& gamma,
                 const std::vector<float>& beta, double eps, float* out) {
-  for_each_row(rows, dim, [&](int64_t r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * dim;
     double sum = 0, squares = 0;
     for (int64_t i = 0; i < dim; ++i) sum += row[i];
@@ -33,18 +17,18 @@ void layer_norm(const float* x, int64_t rows, int64_t dim, const std::vector<flo
     for (int64_t i = 0; i < dim; ++i)
       out[r * dim + i] =
           static_cast<float>((row[i] - mean) * inv) * gamma[static_cast<size_t>(i)] + beta[static_cast<size_t>(i)];
-  });
+  }
 }
 
 void rms_norm(const float* x, int64_t rows, int64_t dim, const std::vector<float>& weight, double eps, float* out) {
-  for_each_row(rows, dim, [&](int64_t r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * dim;
     double squares = 0;
     for (int64_t i = 0; i < dim; ++i) squares += static_cast<double>(row[i]) * row[i];
     const double inv = 1.0 / std::sqrt(squares / static_cast<double>(dim) + eps);
     for (int64_t i = 0; i < dim; ++i)
       out[r * dim + i] = static_cast<float>(row[i] * inv) * weight[static_cast<size_t>(i)];
-  });
+  }
 }
 
 void add_into(float* x, const float* y, int64_t count) {
