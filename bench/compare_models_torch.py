@@ -218,8 +218,11 @@ def main():
             f.write(output)
     rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     qkv = {(r["model"], r["dtype"], r["kind"], r["context"]): r for r in rows if r["kind"] != "env"}
-    print(f"torch {torch.__version__}, {threads} threads; tokens/s (median of {args.runs})")
-    print(f"{'model':14} {'dtype':5} {'what':12} {'qkv':>9} {'torch':>9} {'x torch':>8}")
+    peak = next(r["fma_peak_gflops"] for r in rows if r["kind"] == "env")
+    print(f"torch {torch.__version__}, {threads} threads; tokens/s (median of {args.runs}); prefill against "
+          f"the benchmark's FMA peak ({peak:.1f} GFLOP/s, f32), the same FLOPs for both")
+    print(f"{'model':14} {'dtype':5} {'what':12} {'qkv':>9} {'torch':>9} {'x torch':>8} "
+          f"{'qkv x peak':>10} {'torch x peak':>12}")
     for model_name in args.models.split(","):
         for dtype_name in args.dtypes.split(","):
             path = os.path.join(folder, f"{model_name}-{dtype_name}")
@@ -239,8 +242,10 @@ def main():
                 q_decode = qkv.get((model_name, dtype_name, "decode", context))
                 if context == int(args.contexts.split(",")[0]) and q_prefill:
                     t = args.prefill / prefill_s
+                    q_t = q_prefill['tokens_per_second']
+                    torch_peak = q_prefill['gflops'] * t / q_t / peak  # the benchmark's FLOPs per token
                     print(f"{model_name:14} {dtype_name:5} {'prefill ' + str(args.prefill):12} "
-                          f"{q_prefill['tokens_per_second']:9.1f} {t:9.1f} {q_prefill['tokens_per_second'] / t:8.2f}")
+                          f"{q_t:9.1f} {t:9.1f} {q_t / t:8.2f} {q_prefill['x_peak']:10.2f} {torch_peak:12.2f}")
                 if q_decode:
                     t = 1 / decode_s
                     print(f"{model_name:14} {dtype_name:5} {'decode@' + str(context):12} "

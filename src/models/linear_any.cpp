@@ -1,10 +1,13 @@
-// qkv::models::detail::linear (linear_any.hpp): panels of a 16-bit weight widened into per-thread
-// scratch, each multiplied by qkv::detail::sgemm.
+// qkv::models::detail::linear (linear_any.hpp): few rows read W in place (rows_gemm); many rows on
+// a bfloat16 W take the CPU's bfloat16 dot products (bf16_dot_gemm) where it has them; otherwise
+// panels of a 16-bit weight are widened into per-thread scratch, each multiplied by
+// qkv::detail::sgemm.
 #include "models/linear_any.hpp"
 
 #include <algorithm>
 #include <vector>
 
+#include "gemm/bf16_dot.hpp"
 #include "gemm/gemm.hpp"
 #include "gemm/rows.hpp"
 
@@ -65,7 +68,6 @@ void linear_in_out(const float* x, int64_t m, const StoredMatrix& w, float* y) {
 // once where it is and widens it in registers. Widening panels into scratch for sgemm made decode
 // write and re-read twice the bytes of W it had to read; a float32 (out, in) W goes to sgemm,
 // whose Small path reads it in place the same way.
-constexpr int64_t kMaxRowsInPlace = 16;
 bool reads_in_place(int64_t m, const StoredMatrix& w) {
   return m <= kMaxRowsInPlace && (w.dtype != DType::F32 || w.layout == Layout::InOut);
 }
@@ -75,6 +77,8 @@ bool reads_in_place(int64_t m, const StoredMatrix& w) {
 void linear(const float* x, int64_t m, const StoredMatrix& w, const float* bias, float* y) {
   if (reads_in_place(m, w)) {
     qkv::detail::rows_gemm(x, m, w.in, w.data, w.dtype, w.layout == Layout::InOut, w.out, y);
+  } else if (w.dtype == DType::BF16 && qkv::detail::bf16_dot_gemm_available()) {
+    qkv::detail::bf16_dot_gemm(x, m, w.in, w.data, w.layout == Layout::InOut, w.out, y);
   } else if (w.layout == Layout::OutIn) {
     linear_out_in(x, m, w, y);
   } else {

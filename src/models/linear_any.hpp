@@ -1,7 +1,10 @@
 // Linear layers on weights in their stored dtype (F32, BF16, F16): y = x W^T + b with W read where
-// the model folder holds it. A 16-bit W is widened a panel of rows at a time into per-thread
-// scratch and multiplied by qkv::detail::sgemm panel by panel, so no float32 copy of a matrix ever
-// exists; a float32 W goes to sgemm as it is.
+// the model folder holds it. Few rows (decode) read W in place and widen it in registers
+// (gemm/rows.hpp). Many rows on a bfloat16 W, where the CPU has bfloat16 dot products, round x to
+// bfloat16 and multiply in bfloat16 with float32 sums (gemm/bf16_dot.hpp: torch's bf16 Linear; x's
+// rounding costs about 2^-9 of each term). Otherwise a 16-bit W is widened a panel of rows at a
+// time into per-thread scratch and multiplied by qkv::detail::sgemm panel by panel, so no float32
+// copy of a matrix ever exists; a float32 W goes to sgemm as it is.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,10 @@ struct StoredMatrix {
   int64_t out = 0, in = 0;
   Layout layout = Layout::OutIn;
 };
+
+// The most rows of x that read a 16-bit W in place (decode); more take the bf16 dot products or
+// widened panels.
+inline constexpr int64_t kMaxRowsInPlace = 16;
 
 // y (m, w.out) = x (m, w.in) W^T (+ bias (w.out) when bias is not null). x and y are packed
 // row-major float32 and must not overlap.

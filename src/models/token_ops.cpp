@@ -1,25 +1,9 @@
-// qkv::models::detail token ops (token_ops.hpp).
+// qkv::models::detail token ops (token_ops.hpp); the activations are in activation.cpp.
 #include "models/token_ops.hpp"
 
 #include <cmath>
-#include <numbers>
 
 namespace qkv::models::detail {
-
-namespace {
-float apply(float x, Activation act) {
-  switch (act) {
-    case Activation::GeluTanh: {
-      const float inner = static_cast<float>(std::sqrt(2.0 / std::numbers::pi)) * (x + 0.044715f * x * x * x);
-      return 0.5f * x * (1.0f + std::tanh(inner));
-    }
-    case Activation::GeluErf: return 0.5f * x * (1.0f + std::erf(x * static_cast<float>(1.0 / std::numbers::sqrt2)));
-    case Activation::Silu: return x / (1.0f + std::exp(-x));
-    case Activation::Relu: return x > 0 ? x : 0.0f;
-  }
-  return x;
-}
-}  // namespace
 
 void layer_norm(const float* x, int64_t rows, int64_t dim, const std::vector<float>& gamma,
                 const std::vector<float>& beta, double eps, float* out) {
@@ -45,14 +29,6 @@ void rms_norm(const float* x, int64_t rows, int64_t dim, const std::vector<float
     for (int64_t i = 0; i < dim; ++i)
       out[r * dim + i] = static_cast<float>(row[i] * inv) * weight[static_cast<size_t>(i)];
   }
-}
-
-void activate(float* x, int64_t count, Activation act) {
-  for (int64_t i = 0; i < count; ++i) x[i] = apply(x[i], act);
-}
-
-void gated_activate(float* gate, const float* up, int64_t count, Activation act) {
-  for (int64_t i = 0; i < count; ++i) gate[i] = apply(gate[i], act) * up[i];
 }
 
 void add_into(float* x, const float* y, int64_t count) {

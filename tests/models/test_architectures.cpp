@@ -9,15 +9,22 @@
 
 #include "checkpoint.hpp"
 #include "compare.hpp"
+#include "gemm/bf16_dot.hpp"
 #include "configs.hpp"
 #include "oracles.hpp"
 #include "qkv/error.hpp"
+#include "models/linear_any.hpp"
 #include "qkv/models/model.hpp"
 
 namespace qkv::models::testing {
 namespace {
 
 constexpr double kTolerance = 1e-4;
+// The bf16 bound: prompts of more than kMaxRowsInPlace tokens on a bf16 checkpoint take the
+// bfloat16 dot products where the CPU has them (gemm/bf16_dot.hpp), which round each linear
+// layer's input to bfloat16: 2^-9 of every term, as torch's bf16 Linear. Through 2-3 layers of
+// random weights the logits moved by up to 3.4e-3 of the largest (measured); 1e-2 leaves room.
+constexpr double kBf16Bound = 1e-2;
 const std::vector<int64_t> kIds = {3, 17, 0, 42, 8, 8, 29, 51, 1};
 
 // Model::query_keys: each layer's softmax(scale * q . k) under the architecture's mask (causal,
@@ -214,6 +221,26 @@ TEST(Llama, RaggedBatchEqualsEachSequenceAlone) {
   for (int64_t b = 0; b < 2; ++b)
     expect_rows_close(batch.logits, b, llama_oracle(c, k, input.ids[b]).logits, kTolerance,
                       "element " + std::to_string(b));
+}
+
+// A prompt longer than kMaxRowsInPlace on bf16 weights: within the bf16 bound of the oracle with
+// the bfloat16 dot products, within float32's tolerance with them switched off (the fallback).
+TEST(Bf16Prefill, LongPromptsStayWithinTheBf16Bound) {
+  const ModelConfig gpt2 = parse_config(gpt2_json()), llama = parse_config(llama_json("LlamaForCausalLM", true, ""));
+  const Checkpoint gpt2_k = gpt2_checkpoint(gpt2, DType::BF16, 21), llama_k = llama_checkpoint(llama, DType::BF16, 22);
+  const Model gpt2_model(gpt2, gpt2_k.weights), llama_model(llama, llama_k.weights);
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 31; ++i) ids.push_back((i * 37 + 5) % 61);
+  ASSERT_GT(static_cast<int64_t>(ids.size()), models::detail::kMaxRowsInPlace);
+  const OracleOutput gpt2_want = gpt2_oracle(gpt2, gpt2_k, ids), llama_want = llama_oracle(llama, llama_k, ids);
+  for (bool dots : {true, false}) {
+    qkv::detail::set_bf16_dot_gemm_for_test(dots);
+    const double bound = dots && qkv::detail::bf16_dot_gemm_available() ? kBf16Bound : kTolerance;
+    const std::string what = dots ? " (dot products on)" : " (off)";
+    expect_rows_close(gpt2_model.forward(ids).logits, 0, gpt2_want.logits, bound, "gpt2" + what);
+    expect_rows_close(llama_model.forward(ids).logits, 0, llama_want.logits, bound, "llama" + what);
+  }
+  qkv::detail::set_bf16_dot_gemm_for_test(true);
 }
 
 // forward() only reads the model: two threads at once get what one thread gets alone.

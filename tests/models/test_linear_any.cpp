@@ -1,6 +1,8 @@
 // models::detail::linear on stored 16-bit weights against a float64 product of the stored values,
 // with shapes that cut W into several panels (the last one partial) in both layouts, for the few-
-// rows (decode) and many-rows (prefill) panel sizes.
+// rows (decode) and many-rows (prefill) panel sizes; many rows on a bf16 W with the bfloat16 dot
+// products (gemm/bf16_dot.hpp) against the product of x rounded to bfloat16, and with them switched
+// off (the fallback of a CPU without them) against the product of x itself.
 #include <cmath>
 #include <ostream>
 #include <string>
@@ -8,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "gemm/bf16_dot.hpp"
 #include "models/linear_any.hpp"
 #include "qkv/dtype.hpp"
 
@@ -50,19 +53,31 @@ TEST_P(LinearAny, EqualsTheProductOfTheStoredValues) {
                             .out = p.out,
                             .in = p.in,
                             .layout = p.layout};
-  std::vector<float> y(static_cast<size_t>(p.m * p.out), NAN);
-  linear(x.data(), p.m, matrix, bias.data(), y.data());
-  double worst = 0;
-  for (int64_t i = 0; i < p.m; ++i)
-    for (int64_t o = 0; o < p.out; ++o) {
-      double want = bias[static_cast<size_t>(o)];
-      for (int64_t k = 0; k < p.in; ++k) {
-        const size_t at = static_cast<size_t>(p.layout == Layout::OutIn ? o * p.in + k : k * p.out + o);
-        want += static_cast<double>(x[static_cast<size_t>(i * p.in + k)]) * values[at];
-      }
-      worst = std::max(worst, std::abs(y[static_cast<size_t>(i * p.out + o)] - want));
+  for (bool dots : {true, false}) {
+    qkv::detail::set_bf16_dot_gemm_for_test(dots);
+    const bool rounds_x = dtype == DType::BF16 && p.m > kMaxRowsInPlace && qkv::detail::bf16_dot_gemm_available();
+    std::vector<float> x_used = x;  // what the products see
+    if (rounds_x) {
+      std::vector<uint16_t> bits(x.size());
+      convert(x.data(), DType::F32, bits.data(), DType::BF16, x.size());
+      convert(bits.data(), DType::BF16, x_used.data(), DType::F32, x.size());
     }
-  EXPECT_LE(worst, 1e-5 * std::sqrt(static_cast<double>(p.in)) * 4);
+    std::vector<float> y(static_cast<size_t>(p.m * p.out), NAN);
+    linear(x.data(), p.m, matrix, bias.data(), y.data());
+    double worst = 0;
+    for (int64_t i = 0; i < p.m; ++i)
+      for (int64_t o = 0; o < p.out; ++o) {
+        double want = bias[static_cast<size_t>(o)];
+        for (int64_t k = 0; k < p.in; ++k) {
+          const size_t at = static_cast<size_t>(p.layout == Layout::OutIn ? o * p.in + k : k * p.out + o);
+          want += static_cast<double>(x_used[static_cast<size_t>(i * p.in + k)]) * values[at];
+        }
+        const double got = y[static_cast<size_t>(i * p.out + o)];
+        worst = std::isnan(got) ? INFINITY : std::max(worst, std::abs(got - want));
+      }
+    EXPECT_LE(worst, 1e-5 * std::sqrt(static_cast<double>(p.in)) * 4) << (dots ? "dot products on" : "off");
+  }
+  qkv::detail::set_bf16_dot_gemm_for_test(true);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -71,6 +86,9 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{3, 300, 500, Layout::InOut, DType::F16},      // 218-row panels of in: 3
                       LinearCase{20, 1000, 1100, Layout::OutIn, DType::BF16},  // 953-row panels: 2
                       LinearCase{20, 1100, 1000, Layout::InOut, DType::BF16},  // 953-row panels of in: 2
+                      LinearCase{33, 77, 131, Layout::OutIn, DType::BF16},     // dot products, odd
+                      LinearCase{33, 131, 77, Layout::InOut, DType::BF16},
+                      LinearCase{17, 45, 19, Layout::OutIn, DType::F16},       // no f16 dot products
                       LinearCase{5, 37, 29, Layout::InOut, DType::F32},
                       LinearCase{5, 37, 29, Layout::OutIn, DType::F32}),
     [](const auto& info) {
