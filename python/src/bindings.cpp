@@ -372,7 +372,7 @@ void bind_module_options(py::module_& m) {
           [](const O& o) { return o.rotary ? Rotary(std::pair(o.rotary->base, o.rotary->interleaved)) : Rotary(); },
           [](O& o, const Rotary& r) {
             o.rotary.reset();
-            if (r) o.rotary = qkv::nn::RotaryEmbeddingOptions{.base = r->first, .interleaved = r->second};
+            if (r) o.rotary = qkv::nn::RotaryEmbeddingOptions{.base = r->first, .interleaved = r->second, .inverse_frequencies = {}};
           },
           "None or (base, interleaved)")
       .def_readwrite("seed", &O::seed, "None or an integer in [0, 2**64)")
@@ -627,7 +627,7 @@ Rotary position embedding: pair i of a head vector at position p rotated by p * 
 half-split pairs (x_i, x_{i+D/2}) by default (GPT-NeoX, LLaMA), adjacent pairs with interleaved.
 )doc")
       .def(py::init([](int64_t head_dim, double base, bool interleaved) {
-             return qkv::nn::RotaryEmbedding(head_dim, {.base = base, .interleaved = interleaved});
+             return qkv::nn::RotaryEmbedding(head_dim, {.base = base, .interleaved = interleaved, .inverse_frequencies = {}});
            }),
            py::arg("head_dim"), py::arg("base") = 10000.0, py::arg("interleaved") = false)
       .def_property_readonly("head_dim", &qkv::nn::RotaryEmbedding::head_dim)

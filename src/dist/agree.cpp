@@ -87,7 +87,7 @@ std::string local_problem(const Tensor& q, const Tensor& k, const Tensor& v, con
   if (options.mask.rule())
     return "mask " + options.mask.str() + " is not supported: ring attention takes causal, window, key lengths "
            "and tensor masks (global positions)";
-  if (!options.score_mod.empty() || !options.mask_mod.empty())
+  if (!options.score_mod.empty() || !options.mask_mod.empty() || options.score_function)
     return "score_mod and mask_mod are not supported (each pair would read its block's positions)";
   if (options.backend == Backend::Decode) return "backend Decode has no backward and is not offered; use Auto, Flash or Reference";
   return "";

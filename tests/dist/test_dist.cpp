@@ -17,6 +17,7 @@
 
 #include "harness/oracle.hpp"
 #include "qkv/dist.hpp"
+#include "qkv/flex.hpp"
 
 namespace {
 
@@ -468,6 +469,17 @@ TEST(RingAttentionErrors, SymbolicRulesAndFunctionsAreRefusedNotReadLocally) {
   AttentionOptions function;
   function.mask_mod = "k <= q";
   expect_error_everywhere(4, function, "score_mod and mask_mod are not supported");
+  AttentionOptions callable;
+  callable.score_function = qkv::score_function([](auto s, int64_t, int64_t, int64_t q, int64_t k) {
+    return s - 0.1f * static_cast<float>(q > k ? q - k : k - q);
+  });
+  expect_error_everywhere(4, callable, "score_mod and mask_mod are not supported");
+}
+
+TEST(RingAttentionErrors, SummariesAreRefused) {
+  AttentionOptions options;
+  options.summary_top_k = 4;
+  expect_error_everywhere(4, options, "summary_top_k is not supported");
 }
 
 TEST(RingAttentionErrors, NegativeSoftcap) {
