@@ -7,7 +7,9 @@
 //   W1          B=4 H=12 N=512 d=64                         none (BERT-base)
 //   W1-softcap  W1 with softcap 30                          (the score modifiers' cost: issue 9's
 //   W1-alibi    W1 with ALiBi, the standard slopes           target is each within 15% of W1;
-//   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all four)
+//   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all five)
+//   W1-bias     W1 with a (1, H, N, N) additive bias, also backward (W1-bias-bwd: the bias's
+//               gradient dbias; issue 42's target: within 1.3 x W1-bwd's time)
 //   W2       B=1 H=12 N=2048 d=64                        causal (GPT-2)
 //   W2-full  W2 without the mask: the issue's target is causal <= 0.6 x the time of full
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
@@ -58,6 +60,7 @@ enum class Modifier {
   Softcap,  // softcap = kSoftcap
   Alibi,    // alibi_slopes = the standard 2^(-8 (h + 1) / Hq)
   Sinks,    // sinks = one fixed random logit per query head
+  Bias,     // mask = a (1, Hq, Nq, Nk) additive tensor (a learned bias; its backward returns dbias)
 };
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
 
@@ -98,13 +101,15 @@ struct Workload {
 // W2-full follows W2: `--workload W2` runs both, since the causal target compares them; the
 // W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 23> kWorkloads = {{
+inline constexpr std::array<Workload, 24> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
      Modifier::Softcap},
     {"W1-alibi", "W1, ALiBi", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Alibi},
     {"W1-sinks", "W1, sinks", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false, Modifier::Sinks},
+    {"W1-bias", "W1, (1, H, N, N) bias", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true,
+     Modifier::Bias},
     {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W3", "Llama GQA", WorkloadKind::Attention, 1, 32, 8, 4096, 4096, 128, true, false},
@@ -237,6 +242,9 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
       break;
     case Modifier::Sinks:
       options.sinks = Tensor::randn({w.q_heads}, /*seed=*/5);
+      break;
+    case Modifier::Bias:
+      options.mask = options.mask & Mask::additive(Tensor::randn({1, w.q_heads, w.q_len, w.kv_len}, /*seed=*/6));
       break;
   }
   return options;

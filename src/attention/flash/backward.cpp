@@ -84,7 +84,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "attention/bias_gradient.hpp"
 #include "attention/flash/layout.hpp"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
@@ -189,6 +191,9 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   products.GradP(p, walk.key_step, t, w);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
+  if (bp.grad_bias.data)  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp)
+    AddBiasGradientTile(bp.grad_bias, t.b, t.h, t.i0, walk.query_step, t.rows, t.j0, walk.key_step, cols, br,
+                        w.weights_t, w.grad_t, w.row_dot);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.softcap > 0 ? w.softcap_t : nullptr);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
@@ -308,16 +313,18 @@ constexpr int64_t kItemsPerThread = 4;
 // The backward's items: (b, g, chunk of key tiles), `splits` chunks per (b, g): 1 when the
 // pairs alone give every thread several items; more (at most one per key tile) otherwise, each
 // chunk with a dQ partial of its own (B, Hq, Nq, Dk) in the launch's shared floats, after D.
+// `pair_waves`: the pairs run in that many waves (a broadcast bias's gradient, bias_gradient.hpp),
+// so fewer of them share the threads at once.
 struct Chunks {
   int64_t splits = 1, items = 0, rows = 0;
   size_t row_dot_floats = 0, partial_floats = 0;
 
-  Chunks(const AttentionProblem& p, int threads) {
-    const int64_t pairs = p.batch * p.kv_heads, key_tile = static_cast<int64_t>(flash::kKeyTile);
+  Chunks(const AttentionProblem& p, int threads, int64_t pair_waves) {
+    const int64_t pairs = p.batch * p.kv_heads / pair_waves, key_tile = static_cast<int64_t>(flash::kKeyTile);
     const int64_t key_tiles = (p.kv_len + key_tile - 1) / key_tile;
     if (threads > 1 && pairs > 0 && pairs < kItemsPerThread * threads)
       splits = std::clamp<int64_t>((kItemsPerThread * threads + pairs - 1) / pairs, 1, std::max<int64_t>(key_tiles, 1));
-    items = pairs * splits;
+    items = p.batch * p.kv_heads * splits;
     rows = p.batch * p.q_heads * p.q_len;
     row_dot_floats = round_to_cache_line(static_cast<size_t>(rows));
     partial_floats = round_to_cache_line(static_cast<size_t>(rows * p.head_dim));
@@ -398,7 +405,7 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   const int64_t dk = p.head_dim, dv = p.value_dim;
   const double flops = 2.5 * 2.0 * static_cast<double>(p.batch * p.q_heads * p.q_len) *
                        static_cast<double>(p.kv_len) * static_cast<double>(dk + dv);
-  const Chunks chunks(p, threads_for(flops));
+  const Chunks chunks(p, threads_for(flops), bias_pair_waves(bp.grad_bias, p.batch, p.q_heads, p.kv_heads));
   const size_t br = HWY_DYNAMIC_DISPATCH(BackwardQueryTileRows)();
   const Launch launch(WorkspaceSlot::FlashScratch, flops, chunks.items,
                       flash::BackwardScratchLayout(br, static_cast<size_t>(dk), static_cast<size_t>(dv)).total,
@@ -413,10 +420,15 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   }
 
   row_dots_and_zero_grad_q(bp, chunks, launch);
-  launch.for_each(chunks.items, [&](int64_t item) {
-    const size_t worker = static_cast<size_t>(worker_index(launch.workers()));
-    key_chunk(bp, chunks, launch, item, amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, amx_layout);
-  });
+  // The items in waves that never add into one dbias element at once (one wave without dbias).
+  std::vector<int64_t> starts;
+  const std::vector<int64_t> order = bias_waves(bp.grad_bias, p.batch, p.q_heads, p.kv_heads, chunks.splits, starts);
+  for (size_t wave = 0; wave + 1 < starts.size(); ++wave)
+    launch.for_each(starts[wave + 1] - starts[wave], [&](int64_t n) {
+      const size_t worker = static_cast<size_t>(worker_index(launch.workers()));
+      key_chunk(bp, chunks, launch, order[static_cast<size_t>(starts[wave] + n)],
+                amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, amx_layout);
+    });
   if (chunks.splits > 1) sum_partials(bp, chunks, launch);
   if (split == nullptr) return;
   flash::for_each_residue_item(launch, whole.forward, split->stride, p.kv_heads,
@@ -432,8 +444,10 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 void flash_attention_backward(const AttentionBackwardProblem& bp) {
   // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
   // then the strided keys are added by residues, as the forward gathers them.
+  // With a bias gradient the tiles evaluate the whole rule instead: the residue items, which own
+  // query rows, would add into one dbias element at once where the bias broadcasts over queries.
   const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash::kKeyTile));
-  if (split.rest < 0) return backward_passes(bp, nullptr, bp);
+  if (split.rest < 0 || bp.grad_bias.data) return backward_passes(bp, nullptr, bp);
   AttentionBackwardProblem tiles = bp;
   tiles.forward.rule = rest_rule(bp.forward.rule, split, tiles.forward.band_lo, tiles.forward.band_hi);
   backward_passes(tiles, &split, bp);

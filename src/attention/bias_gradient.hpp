@@ -1,0 +1,102 @@
+// The gradient of an additive mask term, the bias: dL/dbias = dL/d(logit) summed over the dims
+// the bias broadcasts over, shaped as the bias (AttentionGrads::dbias).
+//
+// The bias is added to the modified scores (after softcap, ALiBi and a score function; forward
+// step 3 of reference/backward.cpp), so its gradient is the softmax's, dS = P (dP - D), before
+// any modifier's slope; a hidden score has P = 0 and gives exactly 0. Every score (b, h, i, j)
+// adds its dS into the one element of dbias it read its bias from: a bias (1, Hq, Nq, Nk) over a
+// batch of 4 gets each element as the sum of 4 dS, and nothing of size B x Hq x Nq x Nk is ever
+// made. Elements no score reaches (keys past the last visible one) stay 0.
+//
+// Who adds where (races):
+//  - the reference backward runs its (b, h) one after another: add_bias_gradient_row per row;
+//  - the flash backward's items are (b, g, chunk of keys) (flash/backward.cpp); each pair of
+//    tiles adds its dS with AddBiasGradientTile. Two items may add into the same element only
+//    when they differ only in dims the bias broadcasts over; bias_waves groups the items so that
+//    the items of one wave never share an element: the waves run one after another, each in
+//    parallel, and every element gets its terms in the same order whatever the thread count
+//    assigns (the same bits on a repeat). A bias (1, Hq, Nq, Nk) over B batches is B waves; a
+//    full (B, Hq, Nq, Nk) or B = 1 is one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace qkv::detail {
+
+// Where dS of score (b, h, i, j) is added: data[b stride_b + h stride_h + i stride_q + j stride_k],
+// stride 0 on every dim the bias broadcasts over. data null: no bias gradient asked for.
+struct BiasGradView {
+  float* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
+
+  float* row(int64_t b, int64_t h, int64_t i) const { return data + b * stride_b + h * stride_h + i * stride_q; }
+};
+
+// Reference: adds ds[j] (the dS of query i of head (b, h), keys 0 .. count - 1) into dbias.
+inline void add_bias_gradient_row(const BiasGradView& g, int64_t b, int64_t h, int64_t i, const float* ds,
+                                  int64_t count) {
+  float* row = g.row(b, h, i);
+  for (int64_t j = 0; j < count; ++j) row[j * g.stride_k] += ds[j];
+}
+
+// Flash, one (query tile, key tile) pair before the softmax gradient: weights_t holds P and
+// grad_t dP (after dropout) as key lines, line l (key j0 + l key_step) of br lanes, lane x query
+// i0 + x query_step, `rows` lanes real; row_dot the tile's D per lane. Adds dS = P (dP - D),
+// exactly 0 where P = 0, of the rows x cols pairs into dbias, query by query in key order.
+// Scalar: dbias is laid out by queries, the tile by keys, and the transposed add costs a few
+// percent of the pair's five products (docs/flex.md, "Bias gradients").
+inline void AddBiasGradientTile(const BiasGradView& g, int64_t b, int64_t h, int64_t i0, int64_t query_step,
+                                size_t rows, int64_t j0, int64_t key_step, size_t cols, size_t br,
+                                const float* weights_t, const float* grad_t, const float* row_dot) {
+  for (size_t x = 0; x < rows; ++x) {
+    float* out = g.row(b, h, i0 + static_cast<int64_t>(x) * query_step) + j0 * g.stride_k;
+    const int64_t step = key_step * g.stride_k;
+    const float d = row_dot[x];
+    for (size_t l = 0; l < cols; ++l) {
+      const float p = weights_t[l * br + x];
+      out[static_cast<int64_t>(l) * step] += p == 0.0f ? 0.0f : p * (grad_t[l * br + x] - d);
+    }
+  }
+}
+
+// The flash backward's items (b, g, chunk), item = (b kv_heads + g) splits + chunk, grouped in
+// waves whose items never add into the same dbias element (above). Returns the items in wave
+// order, `starts` the first of each wave (and a last entry, the count). Without a bias gradient:
+// one wave of every item in order.
+inline std::vector<int64_t> bias_waves(const BiasGradView& g, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                                       int64_t splits, std::vector<int64_t>& starts) {
+  const int64_t items = batch * kv_heads * splits;
+  // A dim the bias broadcasts over (stride 0) joins the wave key; query heads broadcast across
+  // kv heads when the bias has one head (a group's own heads run inside one item).
+  const bool by_b = g.data && g.stride_b == 0 && batch > 1;
+  const bool by_g = g.data && g.stride_h == 0 && q_heads > 1 && kv_heads > 1;
+  const bool by_chunk = g.data && g.stride_k == 0 && splits > 1;
+  const int64_t waves = (by_b ? batch : 1) * (by_g ? kv_heads : 1) * (by_chunk ? splits : 1);
+  std::vector<std::vector<int64_t>> members(static_cast<size_t>(waves));
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t pair = item / splits, chunk = item % splits, b = pair / kv_heads, gh = pair % kv_heads;
+    const int64_t wave = ((by_b ? b : 0) * (by_g ? kv_heads : 1) + (by_g ? gh : 0)) * (by_chunk ? splits : 1) +
+                         (by_chunk ? chunk : 0);
+    members[static_cast<size_t>(wave)].push_back(item);
+  }
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(items));
+  starts.assign(1, 0);
+  for (const std::vector<int64_t>& m : members) {
+    order.insert(order.end(), m.begin(), m.end());
+    starts.push_back(static_cast<int64_t>(order.size()));
+  }
+  return order;
+}
+
+// The number of waves bias_waves makes of the (b, g) pairs (chunks aside): the flash backward
+// splits each pair's keys into more chunks when fewer pairs run at once.
+inline int64_t bias_pair_waves(const BiasGradView& g, int64_t batch, int64_t q_heads, int64_t kv_heads) {
+  const bool by_b = g.data && g.stride_b == 0 && batch > 1;
+  const bool by_g = g.data && g.stride_h == 0 && q_heads > 1 && kv_heads > 1;
+  return (by_b ? batch : 1) * (by_g ? kv_heads : 1);
+}
+
+}  // namespace qkv::detail
