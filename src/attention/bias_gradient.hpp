@@ -11,7 +11,8 @@
 // Who adds where (races):
 //  - the reference backward runs its (b, h) one after another: add_bias_gradient_row per row;
 //  - the flash backward's items are (b, g, chunk of keys) (flash/backward.cpp); each pair of
-//    tiles adds its dS with AddBiasGradientTile. Two items may add into the same element only
+//    tiles adds its dS with the step AddBiasGradientTile (steps/bias_gradient-inl.h), into a
+//    key-major copy when the bias has query rows (flash/key_major_bias.hpp). Two items may add into the same element only
 //    when they differ only in dims the bias broadcasts over; bias_waves groups the items so that
 //    the items of one wave never share an element: the waves run one after another, each in
 //    parallel, and every element gets its terms in the same order whatever the thread count
@@ -39,26 +40,6 @@ inline void add_bias_gradient_row(const BiasGradView& g, int64_t b, int64_t h, i
                                   int64_t count) {
   float* row = g.row(b, h, i);
   for (int64_t j = 0; j < count; ++j) row[j * g.stride_k] += ds[j];
-}
-
-// Flash, one (query tile, key tile) pair before the softmax gradient: weights_t holds P and
-// grad_t dP (after dropout) as key lines, line l (key j0 + l key_step) of br lanes, lane x query
-// i0 + x query_step, `rows` lanes real; row_dot the tile's D per lane. Adds dS = P (dP - D),
-// exactly 0 where P = 0, of the rows x cols pairs into dbias, query by query in key order.
-// Scalar: dbias is laid out by queries, the tile by keys, and the transposed add costs a few
-// percent of the pair's five products (docs/flex.md, "Bias gradients").
-inline void AddBiasGradientTile(const BiasGradView& g, int64_t b, int64_t h, int64_t i0, int64_t query_step,
-                                size_t rows, int64_t j0, int64_t key_step, size_t cols, size_t br,
-                                const float* weights_t, const float* grad_t, const float* row_dot) {
-  for (size_t x = 0; x < rows; ++x) {
-    float* out = g.row(b, h, i0 + static_cast<int64_t>(x) * query_step) + j0 * g.stride_k;
-    const int64_t step = key_step * g.stride_k;
-    const float d = row_dot[x];
-    for (size_t l = 0; l < cols; ++l) {
-      const float p = weights_t[l * br + x];
-      out[static_cast<int64_t>(l) * step] += p == 0.0f ? 0.0f : p * (grad_t[l * br + x] - d);
-    }
-  }
 }
 
 // The flash backward's items (b, g, chunk), item = (b kv_heads + g) splits + chunk, grouped in

@@ -282,23 +282,12 @@ TEST(BiasGradient, FlashMatchesTheOracleEverywhere) {
                                        .max_rel_diff;
     tolerance.push_back(std::max(2e-4, qkv_test::kToleranceFactor * reference_error));
   }
-  const std::vector<int64_t> targets = qkv_test::runnable_targets();
-  ASSERT_FALSE(targets.empty());
-  const int threads_before = omp_get_max_threads();
-  for (int64_t target : targets) {
-    qkv_test::ForcedTarget forced(target);
-    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
-    for (int threads : {1, 2}) {
-      omp_set_num_threads(threads);
-      qkv_test::ThreadEveryProblem threaded;
-      SCOPED_TRACE("threads " + std::to_string(threads));
-      for (size_t n = 0; n < cases.size(); ++n) {
-        const qkv_test::Comparison c = qkv_test::compare(run_dbias(cases[n], Backend::Flash), want[n], tolerance[n]);
-        EXPECT_TRUE(c.ok) << cases[n].name << ":\n" << c.detail;
-      }
+  qkv_test::on_every_target_and_thread_count([&] {
+    for (size_t n = 0; n < cases.size(); ++n) {
+      const qkv_test::Comparison c = qkv_test::compare(run_dbias(cases[n], Backend::Flash), want[n], tolerance[n]);
+      EXPECT_TRUE(c.ok) << cases[n].name << ":\n" << c.detail;
     }
-  }
-  omp_set_num_threads(threads_before);
+  });
 }
 
 TEST(BiasGradient, FlashIsBitIdenticalOnRepeat) {

@@ -74,6 +74,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "attention/steps/pipeline-inl.h"
+#include "attention/steps/bias_gradient-inl.h"
 #include "attention/flash/operands-inl.h"
 #include "attention/flash/products-inl.h"
 #include "attention/flash/residues-inl.h"
@@ -175,6 +176,7 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
                   const BackwardProducts& products, const BackwardScratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, cols = t.cols;
+  if (bp.grad_bias.data) step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);  // during the products
   products.Scores(p, walk.key_step, t, w);
   if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || !p.terms.empty()) {
     step::Softcap(p, w.weights_t, cols * br, w.softcap_t);
@@ -192,8 +194,8 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
   if (bp.grad_bias.data)  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp)
-    AddBiasGradientTile(bp.grad_bias, t.b, t.h, t.i0, walk.query_step, t.rows, t.j0, walk.key_step, cols, br,
-                        w.weights_t, w.grad_t, w.row_dot);
+    step::AddBiasGradientTile(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.grad_t,
+                              w.row_dot);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.softcap > 0 ? w.softcap_t : nullptr);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
@@ -294,6 +296,7 @@ void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& sp
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "attention/flash/key_major_bias.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -444,10 +447,17 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 void flash_attention_backward(const AttentionBackwardProblem& bp) {
   // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
   // then the strided keys are added by residues, as the forward gathers them.
-  // With a bias gradient the tiles evaluate the whole rule instead: the residue items, which own
-  // query rows, would add into one dbias element at once where the bias broadcasts over queries.
+  // With a bias gradient: the bias and its gradient key-major (key_major_bias.hpp), and the tiles
+  // evaluate the whole rule (no residues: their items, which own query rows, would add into one
+  // dbias element at once where the bias broadcasts over queries).
+  if (bp.grad_bias.data) {
+    AttentionBackwardProblem keyed = bp;
+    const KeyMajorBias key_major(keyed);
+    backward_passes(keyed, nullptr, keyed);
+    return key_major.finish();
+  }
   const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash::kKeyTile));
-  if (split.rest < 0 || bp.grad_bias.data) return backward_passes(bp, nullptr, bp);
+  if (split.rest < 0) return backward_passes(bp, nullptr, bp);
   AttentionBackwardProblem tiles = bp;
   tiles.forward.rule = rest_rule(bp.forward.rule, split, tiles.forward.band_lo, tiles.forward.band_hi);
   backward_passes(tiles, &split, bp);
