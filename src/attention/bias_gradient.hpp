@@ -12,12 +12,15 @@
 //  - the reference backward runs its (b, h) one after another: add_bias_gradient_row per row;
 //  - the flash backward's items are (b, g, chunk of keys) (flash/backward.cpp); each pair of
 //    tiles adds its dS with the step AddBiasGradientTile (steps/bias_gradient-inl.h), into a
-//    key-major copy when the bias has query rows (flash/key_major_bias.hpp). Two items may add into the same element only
-//    when they differ only in dims the bias broadcasts over; bias_waves groups the items so that
-//    the items of one wave never share an element: the waves run one after another, each in
-//    parallel, and every element gets its terms in the same order whatever the thread count
-//    assigns (the same bits on a repeat). A bias (1, Hq, Nq, Nk) over B batches is B waves; a
-//    full (B, Hq, Nq, Nk) or B = 1 is one.
+//    key-major copy when the bias has query rows (flash/key_major_bias.hpp). Two items may add
+//    into the same element only when they differ only in dims the bias broadcasts over;
+//    bias_waves sorts the items into waves of items that never share an element, each wave the
+//    same positions over the other dims, so the items at one position across the waves are the
+//    ones that share: the flash backward runs each such group on one worker in wave order (the
+//    groups in parallel). No atomics, no copies per thread, every element gets its terms in the
+//    same order whatever the thread count (the same bits on a repeat), and a group's next item
+//    finds its part of dbias still in cache. A bias (1, Hq, Nq, Nk) over B batches makes groups
+//    of B items; a full (B, Hq, Nq, Nk) bias, or B = 1, groups of one.
 #pragma once
 
 #include <cstddef>
@@ -42,10 +45,11 @@ inline void add_bias_gradient_row(const BiasGradView& g, int64_t b, int64_t h, i
   for (int64_t j = 0; j < count; ++j) row[j * g.stride_k] += ds[j];
 }
 
-// The flash backward's items (b, g, chunk), item = (b kv_heads + g) splits + chunk, grouped in
-// waves whose items never add into the same dbias element (above). Returns the items in wave
-// order, `starts` the first of each wave (and a last entry, the count). Without a bias gradient:
-// one wave of every item in order.
+// The flash backward's items (b, g, chunk), item = (b kv_heads + g) splits + chunk, sorted into
+// waves whose items never add into the same dbias element (above), each wave of the same size,
+// position n of every wave the same (b, g, chunk) but for the broadcast dims. Returns the items in
+// wave order, `starts` the first of each wave (and a last entry, the count). Without a bias
+// gradient: one wave of every item in order.
 inline std::vector<int64_t> bias_waves(const BiasGradView& g, int64_t batch, int64_t q_heads, int64_t kv_heads,
                                        int64_t splits, std::vector<int64_t>& starts) {
   const int64_t items = batch * kv_heads * splits;
@@ -73,7 +77,7 @@ inline std::vector<int64_t> bias_waves(const BiasGradView& g, int64_t batch, int
 }
 
 // The number of waves bias_waves makes of the (b, g) pairs (chunks aside): the flash backward
-// splits each pair's keys into more chunks when fewer pairs run at once.
+// splits each pair's keys into more chunks when fewer groups of pairs run at once.
 inline int64_t bias_pair_waves(const BiasGradView& g, int64_t batch, int64_t q_heads, int64_t kv_heads) {
   const bool by_b = g.data && g.stride_b == 0 && batch > 1;
   const bool by_g = g.data && g.stride_h == 0 && q_heads > 1 && kv_heads > 1;

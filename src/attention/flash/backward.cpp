@@ -423,15 +423,18 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   }
 
   row_dots_and_zero_grad_q(bp, chunks, launch);
-  // The items in waves that never add into one dbias element at once (one wave without dbias).
+  // The items that add into the same dbias elements (the same position in each wave,
+  // bias_gradient.hpp) run in wave order on one worker, the next one while its dbias is still in
+  // cache; without dbias every item is its own group.
   std::vector<int64_t> starts;
   const std::vector<int64_t> order = bias_waves(bp.grad_bias, p.batch, p.q_heads, p.kv_heads, chunks.splits, starts);
-  for (size_t wave = 0; wave + 1 < starts.size(); ++wave)
-    launch.for_each(starts[wave + 1] - starts[wave], [&](int64_t n) {
-      const size_t worker = static_cast<size_t>(worker_index(launch.workers()));
+  const size_t waves = starts.size() - 1;
+  launch.for_each(starts[1], [&](int64_t n) {
+    const size_t worker = static_cast<size_t>(worker_index(launch.workers()));
+    for (size_t wave = 0; wave < waves; ++wave)
       key_chunk(bp, chunks, launch, order[static_cast<size_t>(starts[wave] + n)],
                 amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, amx_layout);
-    });
+  });
   if (chunks.splits > 1) sum_partials(bp, chunks, launch);
   if (split == nullptr) return;
   flash::for_each_residue_item(launch, whole.forward, split->stride, p.kv_heads,
