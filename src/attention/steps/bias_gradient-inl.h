@@ -18,10 +18,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "attention/problem.hpp"
-
 #include "attention/bias_gradient.hpp"
+#include "attention/problem.hpp"
 #include "attention/steps/lines-inl.h"
+#include "attention/steps/operands-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -67,18 +67,10 @@ HWY_INLINE void PrefetchKeyMajorTile(const float* data, int64_t stride_b, int64_
                                      int64_t stride_k, const Walk& walk, int64_t b, int64_t h, int64_t i0,
                                      size_t rows, int64_t j0, size_t cols, bool write) {
   if (walk.query_step * stride_q != 1) return;
-  for (size_t l = 0; l < cols; ++l) {
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(
-        data + b * stride_b + h * stride_h + i0 + (j0 + static_cast<int64_t>(l) * walk.key_step) * stride_k);
-    const uintptr_t end = begin + rows * sizeof(float);
-    for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
-      if (write) {
-        __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
-      } else {
-        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
-      }
-    }
-  }
+  // The pair's key lines as rows of `rows` floats, walk.key_step keys apart.
+  const Rows<const float> lines{data + b * stride_b + h * stride_h + i0 + j0 * stride_k, 0, 0,
+                                walk.key_step * stride_k};
+  PrefetchRows(lines, 0, 0, 0, 1, static_cast<int64_t>(cols), static_cast<int64_t>(rows), write);
 }
 
 // The pair's part of the bias (the one additive term) and of dbias, prefetched (see above).
