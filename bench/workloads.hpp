@@ -7,7 +7,9 @@
 //   W1          B=4 H=12 N=512 d=64                         none (BERT-base)
 //   W1-softcap  W1 with softcap 30                          (the score modifiers' cost: issue 9's
 //   W1-alibi    W1 with ALiBi, the standard slopes           target is each within 15% of W1;
-//   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all four)
+//   W1-sinks    W1 with a sink logit per head                `--workload W1` runs all its rows)
+//   W1-bias     W1 with a (1, H, N, N) additive bias, also backward (W1-bias-bwd: the bias's
+//               gradient dbias; issue 42's target: within 1.3 x W1-bwd's time)
 //   W1-relpos   W1 with a score function as text, `s - 0.1 * abs(q - k)` (a relative-position
 //               bias; issue 42's target: <= 1.5 x W1's time; also timed backward)
 //   W1-relpos-cpp  the same as a C++ callable (qkv::score_function of a generic lambda; target
@@ -70,6 +72,7 @@ enum class Modifier {
   RelativePosition,  // score_mod = kRelativePosition
   RelativePositionCpp,  // score_function = the same as a C++ lambda
   Documents,         // mask_mod = kDocuments, doc = kDocumentCount equal documents over the keys
+  Bias,     // mask = a (1, Hq, Nq, Nk) additive tensor (a learned bias; its backward returns dbias)
 };
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
 inline constexpr const char* kRelativePosition = "s - 0.1 * abs(q - k)";
@@ -114,7 +117,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 27> kWorkloads = {{
+inline constexpr std::array<Workload, 28> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -125,6 +128,8 @@ inline constexpr std::array<Workload, 27> kWorkloads = {{
      Modifier::RelativePosition},
     {"W1-relpos-cpp", "W1, score function in C++", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false,
      true, Modifier::RelativePositionCpp},
+    {"W1-bias", "W1, (1, H, N, N) bias", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true,
+     Modifier::Bias},
     {"W2", "GPT-2", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, true},
     {"W2-full", "W2 unmasked", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, false, false},
     {"W2-summary", "W2, summaries (top 8)", WorkloadKind::Attention, 1, 12, 12, 2048, 2048, 64, true, false, false,
@@ -278,6 +283,9 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
       options.mod_inputs = {{"doc", doc}};
       break;
     }
+    case Modifier::Bias:
+      options.mask = options.mask & Mask::additive(Tensor::randn({1, w.q_heads, w.q_len, w.kv_len}, /*seed=*/6));
+      break;
   }
   return options;
 }

@@ -128,9 +128,14 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options = {});
 
-// Gradients of scaled_dot_product_attention with respect to q, k, v (shaped as q, k and v) and,
-// when options.sinks is given, the sinks (Hq).
-struct AttentionGrads { Tensor dq, dk, dv, dsinks; };
+// Gradients of scaled_dot_product_attention with respect to q, k, v (shaped as q, k and v), when
+// options.sinks is given the sinks (Hq), and when the mask has one additive tensor term (a float
+// attn_mask, Mask::additive) that bias: dbias = dL/d(logits), the scores after every modifier as
+// the bias is added to them, summed over the dims the bias broadcasts over, shaped as the bias
+// (its own shape, e.g. (Nq, Nk) or (1, Hq, Nq, Nk)); 0 where the mask hides the score. Computed
+// whenever there is such a term (as dsinks whenever there are sinks); undefined otherwise, and
+// when the mask has two or more additive terms (add them into one tensor to get its gradient).
+struct AttentionGrads { Tensor dq, dk, dv, dsinks, dbias; };
 // grad_output: shaped as forward.output. `forward` is the result of the forward call on the same
 // q, k, v and options: its output is used, and the weights are recomputed from its row_max and
 // row_sum (exact whatever the biases), or from its lse when those are undefined: exact where

@@ -3,8 +3,9 @@
 The functions here follow PyTorch's conventions so that code moves between the two unchanged:
 
   scaled_dot_product_attention(q, k, v, ...)   torch.nn.functional.scaled_dot_product_attention
-  scaled_dot_product_attention_backward(...)   its gradients (dq, dk, dv), from the forward's
-                                               output and row statistics (return_lse=True)
+  scaled_dot_product_attention_backward(...)   its gradients (dq, dk, dv, and dbias for a float
+                                               attn_mask), from the forward's output and row
+                                               statistics (return_lse=True)
   MultiHeadAttention(embed_dim, num_heads)     torch.nn.MultiheadAttention (batch_first=True); also
                                                attention="linear", rotary=..., causal=True
   qkv.torch.scaled_dot_product_attention       the same on torch tensors (imported on use,
@@ -380,7 +381,10 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
                                           key_lengths=None, window=None, row_max=None, row_sum=None,
                                           allow_cast=False, temperature=None, **options):
     """Gradients (dq, dk, dv) of scaled_dot_product_attention, shaped as query, key and value;
-    (dq, dk, dv, dsinks) when sinks are given, dsinks shaped as sinks.
+    then dsinks when sinks are given, shaped as sinks; then dbias when attn_mask is a float array
+    (a bias): dL/dattn_mask, shaped as attn_mask (its broadcast dims summed over), 0 where the
+    masks hide the score. So (dq, dk, dv), (dq, dk, dv, dsinks), (dq, dk, dv, dbias) or
+    (dq, dk, dv, dsinks, dbias).
 
     grad_output: dL/doutput, shaped as the output. output, lse (and row_max, row_sum): what the
     forward returned with return_lse=True (and return_row_stats=True), on the same query, key and
@@ -410,10 +414,23 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, output
     row_sum = None if row_sum is None else _as_float32(row_sum, "row_sum", allow_cast)
     _check_gqa(query, key, enable_gqa)
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
-    dq, dk, dv, dsinks = _core.attention_backward(
+    dq, dk, dv, dsinks, dbias = _core.attention_backward(
         grad_output, query, key, value, output, lse, row_max, row_sum,
         _options("scaled_dot_product_attention_backward", options, mask=mask, scale=scale, dropout_p=dropout_p))
-    return (dq, dk, dv) if options.get("sinks") is None else (dq, dk, dv, dsinks)
+    grads = (dq, dk, dv) + ((dsinks,) if options.get("sinks") is not None else ())
+    return grads + ((_bias_gradient(dbias, attn_mask),) if _is_float_mask(attn_mask) else ())
+
+
+def _is_float_mask(attn_mask):
+    """Whether attn_mask is a float array (a bias, differentiated), not bool, a Mask or text."""
+    if attn_mask is None or isinstance(attn_mask, (str, Mask)):
+        return False
+    return _as_array(attn_mask, "attn_mask").dtype.kind == "f"
+
+
+def _bias_gradient(dbias, attn_mask):
+    """The core's dbias (shaped as the mask it was given: attn_mask with leading 1s) as attn_mask's shape."""
+    return None if dbias is None else dbias.reshape(np.shape(attn_mask))
 
 
 def _linear_options(feature_map, is_causal, eps, causal_offset):

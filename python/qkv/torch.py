@@ -11,9 +11,11 @@ Gradients flow: forward keeps the inputs, the output and each row's statistics (
 maximum and sum, so the recomputed weights stay exact even when every key of a row carries a
 -1e9 bias), and backward calls qkv::scaled_dot_product_attention_backward with the same mask,
 scale, dropout seed and score modifiers (so dropout drops the same weights both ways). Gradients
-reach query, key, value and sinks; the mask and alibi_slopes are not differentiated (a float
-attn_mask gets no gradient). With grouped-query attention the key/value gradients sum over the
-query heads sharing each key/value head.
+reach query, key, value, sinks and a float attn_mask (a learned bias: its gradient is summed
+over the dims it broadcasts over, so a (1, H, N, N) bias over a batch gets one (1, H, N, N)
+gradient, computed inside the fused backward); alibi_slopes and bool masks are not
+differentiated. With grouped-query attention the key/value gradients sum over the query heads
+sharing each key/value head.
 """
 
 import torch
@@ -37,10 +39,12 @@ def _numpy(t):
 
 
 class ScaledDotProductAttention(torch.autograd.Function):
-    """forward: qkv's kernel. Keeps (q, k, v, sinks, output, lse, row_max, row_sum) and the options."""
+    """forward: qkv's kernel. Keeps (q, k, v, sinks, output, lse, row_max, row_sum) and the options.
+    bias: the float attn_mask tensor (already in options' mask), an input here only so that it
+    gets its gradient; None otherwise."""
 
     @staticmethod
-    def forward(ctx, query, key, value, sinks, options):
+    def forward(ctx, query, key, value, sinks, bias, options):
         options.sinks = _numpy(sinks)
         output, _weights, lse, row_max, row_sum = _core.attention(_numpy(query), _numpy(key), _numpy(value), options)
         output, lse, row_max, row_sum = (torch.from_numpy(x) for x in (output, lse, row_max, row_sum))
@@ -48,18 +52,23 @@ class ScaledDotProductAttention(torch.autograd.Function):
         # recomputed, never stored, and exactly), and the same options (mask, dropout seed, modifiers).
         ctx.save_for_backward(query, key, value, sinks, output, lse, row_max, row_sum)
         ctx.options = options
+        if bias is not None:
+            ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, sinks, output, lse, row_max, row_sum = ctx.saved_tensors
         grad_output = grad_output.detach().to(torch.float32).contiguous()
-        dq, dk, dv, dsinks = _core.attention_backward(
+        dq, dk, dv, dsinks, dbias = _core.attention_backward(
             grad_output.numpy(), _numpy(query), _numpy(key), _numpy(value), output.numpy(), lse.numpy(),
             row_max.numpy(), row_sum.numpy(), ctx.options)
         grads = [torch.from_numpy(g) if needed and g is not None else None
                  for g, needed in zip((dq, dk, dv, dsinks), ctx.needs_input_grad[:4])]
-        return (*grads, None)
+        bias_grad = None
+        if ctx.needs_input_grad[4] and dbias is not None:  # shaped as the mask given to the core
+            bias_grad = torch.from_numpy(dbias).reshape(ctx.bias_shape).to(ctx.bias_dtype)
+        return (*grads, bias_grad, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -72,7 +81,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale, enable_gqa as in PyTorch; key_lengths, window as qkv.scaled_dot_product_attention.
     sinks: (Hq) float32 tensor, as qkv.scaled_dot_product_attention's: it gets a gradient when it
     requires one. options: qkv.scaled_dot_product_attention's (seed, softcap, alibi_slopes (not
-    differentiated), precision for the forward and the backward, backend), as keywords.
+    differentiated), precision for the forward and the backward, backend), as keywords. A float
+    attn_mask that requires grad gets dL/dattn_mask (summed over its broadcast dims).
     temperature: softmax(q.k * scale / T), as qkv.scaled_dot_product_attention's (None: T = 1).
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
@@ -97,7 +107,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask = _mask_from(query, attn_mask, is_causal, key_lengths, window)
     options = _options("qkv.torch.scaled_dot_product_attention", options, mask=mask, scale=scale,
                        dropout_p=dropout_p)
-    return ScaledDotProductAttention.apply(query, key, value, sinks, options)
+    # A float attn_mask tensor that requires grad joins the inputs (already in `mask`, read as
+    # numpy) so that autograd hands it dbias; its value is not read again.
+    bias = (attn_mask if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() and
+            attn_mask.requires_grad else None)
+    return ScaledDotProductAttention.apply(query, key, value, sinks, bias, options)
 
 
 class LinearAttention(torch.autograd.Function):

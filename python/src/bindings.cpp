@@ -274,7 +274,8 @@ py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsA
   return py::make_tuple(to_numpy(result.output), to_numpy(result.lse));
 }
 
-// qkv::scaled_dot_product_attention_backward: (dq, dk, dv, dsinks or None) from the forward's
+// qkv::scaled_dot_product_attention_backward: (dq, dk, dv, dsinks or None, dbias or None: the
+// gradient of the mask's one additive tensor, shaped as that tensor) from the forward's
 // output and row statistics (row_max and row_sum when given, else lse), with the same options as
 // that forward (the mask, dropout seed and score modifiers included).
 py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q, const FloatArray& k,
@@ -292,7 +293,8 @@ py::tuple attention_backward(const FloatArray& grad_output, const FloatArray& q,
     py::gil_scoped_release release;
     grads = qkv::scaled_dot_product_attention_backward(gt, qt, kt, vt, forward, options);
   }
-  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv), to_numpy(grads.dsinks));
+  return py::make_tuple(to_numpy(grads.dq), to_numpy(grads.dk), to_numpy(grads.dv), to_numpy(grads.dsinks),
+                        to_numpy(grads.dbias));
 }
 
 // Mask::parse with the whole Python string (NUL bytes included). A NUL is refused here, at its
@@ -530,7 +532,7 @@ does; `&` binds tighter). A union with an additive array is an error.
         "qkv::scaled_dot_product_attention: returns (output, weights or None, lse, row_max, row_sum).");
   m.def("attention_backward", &attention_backward, py::arg("grad_output"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("output"), py::arg("lse"), py::arg("row_max"), py::arg("row_sum"), py::arg("options"),
-        "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None).");
+        "qkv::scaled_dot_product_attention_backward: returns (dq, dk, dv, dsinks or None, dbias or None).");
   m.def("linear_attention", &linear_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("feature_map"),
         py::arg("causal"), py::arg("eps"), py::arg("causal_offset"), "qkv::linear_attention.");
   m.def("linear_attention_backward", &linear_attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),

@@ -396,6 +396,28 @@ void row_stats(const AttentionResult& forward, BuiltBackwardProblem& built) {
 }
 }  // namespace
 
+namespace {
+// grads.dbias for the mask's one additive term (AttentionGrads): prepared with the term's shape
+// (allocated, or checked: packed, sharing nothing with the inputs) and zeroed, read as the scores
+// (B, Hq, Nq, Nk) read the term, stride 0 on its broadcast dims. No such term, or several: reset.
+BiasGradView bind_bias_gradient(const char* who, const Mask& mask, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Shape& scores_shape, Tensor& dbias) {
+  const Mask::Term* bias = nullptr;
+  int additive = 0;
+  for (const Mask::Term& term : mask.terms())
+    if (term.additive && ++additive == 1) bias = &term;
+  if (additive != 1) {
+    dbias = Tensor();
+    return {};
+  }
+  prepare_output(who, dbias, "grads.dbias", bias->values.shape(), {&q, &k, &v, &bias->values}, true);
+  std::fill_n(dbias.data(), dbias.numel(), 0.0f);
+  const MaskTermView view = term_view(who, {dbias, true}, read_dims(who, q, "q"), read_dims(who, k, "k").len,
+                                      scores_shape);
+  return {dbias.data(), view.stride_b, view.stride_h, view.stride_q, view.stride_k};
+}
+}  // namespace
+
 void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_output, const Tensor& q,
                             const Tensor& k, const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
                             const AttentionOptions& options) {
@@ -431,6 +453,7 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
       .row_shift = built.row_shift.data(), .row_scale = built.row_scale.data(),
       .grad_q = rows_of<float>(grads.dq), .grad_k = rows_of<float>(grads.dk), .grad_v = rows_of<float>(grads.dv),
       .grad_sinks = grads.dsinks.defined() ? grads.dsinks.data() : nullptr,
+      .grad_bias = bind_bias_gradient(who, options.mask, q, k, v, f.scores_shape, grads.dbias),
   };
 }
 

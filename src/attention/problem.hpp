@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention/bias_gradient.hpp"  // BiasGradView
 #include "mask/rule.hpp"  // MaskTermView, MaskRule
 #include "qkv/attention.hpp"
 #include "qkv/flex.hpp"
@@ -115,6 +116,9 @@ struct AttentionBackwardProblem {
   // The flash backward recomputes S in decode's order (attention/steps/dot_scores-inl.h) instead of its
   // micro-GEMM's: set when the forward ran decode, so the recomputed scores are its scores.
   bool decode_scores = false;
+  // dL/d(the additive mask term), shaped as that term (attention/bias_gradient.hpp): zeroed, then
+  // added into by the kernel; data null when the mask has no single additive term.
+  BiasGradView grad_bias;
 };
 
 // The dropout probability's check, shared by build_problem and qkv::dropout_keeps: p in [0, 1),

@@ -416,20 +416,9 @@ void check_flash(const BackwardCase& bc) {
 }
 
 void check_flash_everywhere(const std::vector<BackwardCase>& cases) {
-  const std::vector<int64_t> targets = qkv_test::runnable_targets();
-  ASSERT_FALSE(targets.empty());
-  const int threads_before = omp_get_max_threads();
-  for (int64_t target : targets) {
-    qkv_test::ForcedTarget forced(target);
-    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
-    for (int threads : {1, 2}) {
-      omp_set_num_threads(threads);
-      qkv_test::ThreadEveryProblem threaded;
-      SCOPED_TRACE("threads " + std::to_string(threads));
-      for (const BackwardCase& bc : cases) check_flash(bc);
-    }
-  }
-  omp_set_num_threads(threads_before);
+  qkv_test::on_every_target_and_thread_count([&] {
+    for (const BackwardCase& bc : cases) check_flash(bc);
+  });
 }
 
 Sizes random_sizes(Random& rng) {

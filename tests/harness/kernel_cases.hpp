@@ -668,10 +668,10 @@ inline std::vector<int64_t> runnable_targets() {
   return targets;
 }
 
-// Runs `kernel` on every case, on every runnable target and on 1 and 2 threads.
-inline void check_everywhere(Kernel kernel, const std::vector<Case>& cases) {
-  std::vector<Expected> expected;
-  for (const Case& c : cases) expected.push_back(expect(c));
+// body() on every runnable target and on 1 and 2 threads (kernels threaded whatever the
+// problem's size), each traced; the thread count restored after.
+template <class Body>
+void on_every_target_and_thread_count(const Body& body) {
   const std::vector<int64_t> targets = runnable_targets();
   ASSERT_FALSE(targets.empty());
   const int threads_before = omp_get_max_threads();
@@ -684,10 +684,19 @@ inline void check_everywhere(Kernel kernel, const std::vector<Case>& cases) {
       omp_set_num_threads(threads);
       ThreadEveryProblem threaded;
       SCOPED_TRACE("threads " + std::to_string(threads));
-      for (size_t n = 0; n < cases.size(); ++n) check_kernel(kernel, cases[n], expected[n]);
+      body();
     }
   }
   omp_set_num_threads(threads_before);
+}
+
+// Runs `kernel` on every case, on every runnable target and on 1 and 2 threads.
+inline void check_everywhere(Kernel kernel, const std::vector<Case>& cases) {
+  std::vector<Expected> expected;
+  for (const Case& c : cases) expected.push_back(expect(c));
+  on_every_target_and_thread_count([&] {
+    for (size_t n = 0; n < cases.size(); ++n) check_kernel(kernel, cases[n], expected[n]);
+  });
 }
 
 // ---- Lower matmul precision (MatmulPrecision High, Medium: products on AMX tiles)

@@ -17,7 +17,7 @@ def test_backward_from_lse_alone_under_a_huge_bias_on_every_key(rng, bias):
     out, lse = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
     grad = np.zeros((1, 8), dtype=np.float32)
     grad[0, 0] = 1
-    _, _, dv = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, attn_mask=mask)
+    _, _, dv, _ = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, attn_mask=mask)
     # The weights float32 autograd differentiates: softmax of the float32 scores fl(s + bias), in float64.
     scores = ((q.astype(np.float64) @ k.T.astype(np.float64)) / np.sqrt(8)).astype(np.float32) + np.float32(bias)
     weights = np.exp(scores.astype(np.float64) - scores.max())

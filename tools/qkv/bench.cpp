@@ -11,7 +11,9 @@
 // forward). W1-softcap, W1-alibi and W1-sinks are W1 with one
 // score modifier each (forward; the target: within 15% of W1's time); W1-relpos is W1 with a
 // score function as text (issue 42: within 1.5 x W1's time; also timed backward, "W1-relpos-bwd"),
-// and W2-docs W2's shape with a mask function of 4 documents (<= 0.35 x W2-full's time). W7 is causal linear attention
+// W1-bias W1 with a (1, H, N, N) additive bias, forward and backward (W1-bias-bwd, which returns
+// dbias too; the target: within 1.3 x W1-bwd's time), and W2-docs W2's shape with a mask function
+// of 4 documents (<= 0.35 x W2-full's time). W7 is causal linear attention
 // (linear_attention) and W7-flash softmax attention on its shape (no Reference row); W7 also times
 // N = 4096 and 65536 for its scaling slope.
 // It reports rates: GFLOP/s from the forward (or backward) FLOPs formula, GB/s of K and V read for the decode
@@ -600,6 +602,11 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
       out.push_back({"W1-relpos-cpp (C++ callable) vs W1", "W1-relpos-cpp ms / W1 ms",
                      row->median_ms / plain->median_ms, 1.2, false});
   }
+  // Issue 42: the backward with a (1, H, N, N) bias, which also returns its gradient dbias.
+  const Row* plain_bwd = find_row(rows, "W1", "Auto", /*backward=*/true);
+  if (const Row* bias_bwd = find_row(rows, "W1-bias", "Auto", /*backward=*/true); plain_bwd && bias_bwd)
+    out.push_back({"W1-bias-bwd (dbias) vs W1-bwd", "W1-bias-bwd ms / W1-bwd ms",
+                   bias_bwd->median_ms / plain_bwd->median_ms, 1.3, false});
   const Row* linear = find_row(rows, "W7", "Auto");
   const Row* softmax = find_row(rows, "W7-flash", "Auto");
   if (linear && softmax)

@@ -74,6 +74,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "attention/steps/pipeline-inl.h"
+#include "attention/steps/bias_gradient-inl.h"
 #include "attention/flash/operands-inl.h"
 #include "attention/flash/products-inl.h"
 #include "attention/flash/residues-inl.h"
@@ -84,7 +85,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "attention/bias_gradient.hpp"
 #include "attention/flash/layout.hpp"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
@@ -174,6 +177,7 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
                   const BackwardProducts& products, const BackwardScratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, cols = t.cols;
+  if (bp.grad_bias.data) step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);  // during the products
   products.Scores(p, walk.key_step, t, w);
   if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || p.score_mod || !p.terms.empty()) {
     step::Softcap(p, w.weights_t, cols * br, w.softcap_t);
@@ -190,6 +194,9 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   products.GradP(p, walk.key_step, t, w);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
+  if (bp.grad_bias.data)  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp)
+    step::AddBiasGradientTile(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.grad_t,
+                              w.row_dot);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.has_score_slope() ? w.softcap_t : nullptr);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
@@ -287,6 +294,7 @@ void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& sp
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include "attention/flash/key_major_bias.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -306,16 +314,18 @@ constexpr int64_t kItemsPerThread = 4;
 // The backward's items: (b, g, chunk of key tiles), `splits` chunks per (b, g): 1 when the
 // pairs alone give every thread several items; more (at most one per key tile) otherwise, each
 // chunk with a dQ partial of its own (B, Hq, Nq, Dk) in the launch's shared floats, after D.
+// `pair_waves`: the pairs run in that many waves (a broadcast bias's gradient, bias_gradient.hpp),
+// so fewer of them share the threads at once.
 struct Chunks {
   int64_t splits = 1, items = 0, rows = 0;
   size_t row_dot_floats = 0, partial_floats = 0;
 
-  Chunks(const AttentionProblem& p, int threads) {
-    const int64_t pairs = p.batch * p.kv_heads, key_tile = static_cast<int64_t>(flash::kKeyTile);
+  Chunks(const AttentionProblem& p, int threads, int64_t pair_waves) {
+    const int64_t pairs = p.batch * p.kv_heads / pair_waves, key_tile = static_cast<int64_t>(flash::kKeyTile);
     const int64_t key_tiles = (p.kv_len + key_tile - 1) / key_tile;
     if (threads > 1 && pairs > 0 && pairs < kItemsPerThread * threads)
       splits = std::clamp<int64_t>((kItemsPerThread * threads + pairs - 1) / pairs, 1, std::max<int64_t>(key_tiles, 1));
-    items = pairs * splits;
+    items = p.batch * p.kv_heads * splits;
     rows = p.batch * p.q_heads * p.q_len;
     row_dot_floats = round_to_cache_line(static_cast<size_t>(rows));
     partial_floats = round_to_cache_line(static_cast<size_t>(rows * p.head_dim));
@@ -396,7 +406,7 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   const int64_t dk = p.head_dim, dv = p.value_dim;
   const double flops = 2.5 * 2.0 * static_cast<double>(p.batch * p.q_heads * p.q_len) *
                        static_cast<double>(p.kv_len) * static_cast<double>(dk + dv);
-  const Chunks chunks(p, threads_for(flops));
+  const Chunks chunks(p, threads_for(flops), bias_pair_waves(bp.grad_bias, p.batch, p.q_heads, p.kv_heads));
   const size_t br = HWY_DYNAMIC_DISPATCH(BackwardQueryTileRows)();
   const Launch launch(WorkspaceSlot::FlashScratch, flops, chunks.items,
                       flash::BackwardScratchLayout(p, br).total,
@@ -411,9 +421,17 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
   }
 
   row_dots_and_zero_grad_q(bp, chunks, launch);
-  launch.for_each(chunks.items, [&](int64_t item) {
+  // The items that add into the same dbias elements (the same position in each wave,
+  // bias_gradient.hpp) run in wave order on one worker, the next one while its dbias is still in
+  // cache; without dbias every item is its own group.
+  std::vector<int64_t> starts;
+  const std::vector<int64_t> order = bias_waves(bp.grad_bias, p.batch, p.q_heads, p.kv_heads, chunks.splits, starts);
+  const size_t waves = starts.size() - 1;
+  launch.for_each(starts[1], [&](int64_t n) {
     const size_t worker = static_cast<size_t>(worker_index(launch.workers()));
-    key_chunk(bp, chunks, launch, item, amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, amx_layout);
+    for (size_t wave = 0; wave < waves; ++wave)
+      key_chunk(bp, chunks, launch, order[static_cast<size_t>(starts[wave] + n)],
+                amx_blocks ? amx_blocks + worker * amx_layout.total : nullptr, amx_layout);
   });
   if (chunks.splits > 1) sum_partials(bp, chunks, launch);
   if (split == nullptr) return;
@@ -430,6 +448,15 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 void flash_attention_backward(const AttentionBackwardProblem& bp) {
   // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
   // then the strided keys are added by residues, as the forward gathers them.
+  // With a bias gradient: the bias and its gradient key-major (key_major_bias.hpp), and the tiles
+  // evaluate the whole rule (no residues: their items, which own query rows, would add into one
+  // dbias element at once where the bias broadcasts over queries).
+  if (bp.grad_bias.data) {
+    AttentionBackwardProblem keyed = bp;
+    const KeyMajorBias key_major(keyed);
+    backward_passes(keyed, nullptr, keyed);
+    return key_major.finish();
+  }
   const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash::kKeyTile));
   if (split.rest < 0) return backward_passes(bp, nullptr, bp);
   AttentionBackwardProblem tiles = bp;

@@ -13,7 +13,8 @@
 // and the row stats is kept from the forward: P is recomputed as exp(S - shift) * scale
 // (problem.hpp: from row_max and 1 / row_sum, exact whatever the biases), and a row that saw no
 // key has P = 0, so it gets and gives zero gradients. The sinks' gradient is computed once for
-// every backward kernel by sink_gradients (problem.cpp).
+// every backward kernel by sink_gradients (problem.cpp); an additive mask term's gradient, dS
+// before the modifiers' slopes, is added row by row (attention/bias_gradient.hpp).
 //
 // Grouped-query attention: every query head of a group reads the same K and V, so dK and dV of
 // a key/value head are sums over the group's query heads (the loop adds into them).
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <limits>
 
+#include "attention/bias_gradient.hpp"
 #include "attention/kernels.hpp"
 #include "gemm/gemm.hpp"
 #include "core/allocator.hpp"
@@ -91,13 +93,13 @@ void score_gradients(const AttentionBackwardProblem& bp, int64_t b, int64_t h, i
     const float d = static_cast<float>(row_dot);
     // Forward 3: a hidden score has P = 0 and gets dS = 0 exactly (never 0 * NaN, nor 0 times a
     // score function's slope, which may be NaN where the mask hides it); an additive term passes
-    // dS through. Forward 2: ALiBi passes it through, softcap and a score function scale it by
-    // their slope.
-    for (int64_t j = 0; j < visible_keys; ++j) {
-      if (row[j] == 0.0f) continue;
-      row[j] *= grad_row[j] - d;
-      if (p.has_score_slope()) row[j] *= m.score_slope[i * nk + j];
-    }
+    // dS through, and its own gradient is this dS (bias_gradient.hpp). Forward 2: ALiBi passes it
+    // through, softcap and a score function scale it by their slope.
+    for (int64_t j = 0; j < visible_keys; ++j) row[j] = row[j] == 0.0f ? 0.0f : row[j] * (grad_row[j] - d);
+    if (bp.grad_bias.data) add_bias_gradient_row(bp.grad_bias, b, h, i, row, visible_keys);
+    if (p.has_score_slope())
+      for (int64_t j = 0; j < visible_keys; ++j)
+        if (row[j] != 0.0f) row[j] *= m.score_slope[i * nk + j];
   }
 }
 
