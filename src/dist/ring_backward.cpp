@@ -182,7 +182,7 @@ AttentionGrads ring_attention_backward(const Tensor& grad_output, const Tensor& 
   if (layout.zigzag) gather_chunks(w.dq_chunks, dq4, layout, comm, 2, stats);
   gather_chunks(dk_chunks, dk4, layout, comm, 3, stats);
   gather_chunks(dv_chunks, dv4, layout, comm, 4, stats);
-  AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape()), Tensor()};
+  AttentionGrads grads{dq4.reshape(q.shape()), dk4.reshape(k.shape()), dv4.reshape(v.shape()), Tensor(), Tensor()};
   if (options.sinks.defined()) grads.dsinks = ring_sink_gradients(go4, o4, lse4, options.sinks, comm);
   stats.total_seconds = seconds_since(start);
   if (stats_out) *stats_out = stats;

@@ -350,7 +350,7 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     const Tensor dq = grad({batch, q_len, num_heads_, hd});
     const Tensor dk = grad({batch, kv_len, num_kv_heads_, hd});
     const Tensor dv = grad({batch, kv_len, num_kv_heads_, hd});
-    d = {.dq = dq.transpose(1, 2), .dk = dk.transpose(1, 2), .dv = dv.transpose(1, 2), .dsinks = {}};
+    d = {.dq = dq.transpose(1, 2), .dk = dk.transpose(1, 2), .dv = dv.transpose(1, 2), .dsinks = {}, .dbias = {}};
     projected = {dq.reshape({batch, q_len, embed_dim_}), dk.reshape({batch, kv_len, num_kv_heads_ * hd}),
                  dv.reshape({batch, kv_len, num_kv_heads_ * hd})};
   }
