@@ -200,26 +200,17 @@ TEST(ScoreMod, FlashForwardAndBackwardMatchTheReferenceEverywhere) {
     const Result want = run(c.q, c.k, c.v, grad_output, reference);
     cases.push_back({std::move(c), grad_output, flash, want});
   }
-  const int threads_before = omp_get_max_threads();
-  for (int64_t target : qkv_test::runnable_targets()) {
-    qkv_test::ForcedTarget forced(target);
-    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
-    for (int threads : {1, 2}) {
-      omp_set_num_threads(threads);
-      qkv_test::ThreadEveryProblem threaded;
-      SCOPED_TRACE("threads " + std::to_string(threads));
-      for (const Checked& x : cases) {
-        SCOPED_TRACE(x.c.name);
-        const Result got = poisoned_run(x.c.q, x.c.k, x.c.v, x.grad_output, x.flash);
-        expect_close(got.forward.output, x.want.forward.output, 1e-4, "output");
-        expect_close(got.forward.lse, x.want.forward.lse, 1e-4, "lse");
-        expect_close(got.grads.dq, x.want.grads.dq, 2e-4, "dq");
-        expect_close(got.grads.dk, x.want.grads.dk, 2e-4, "dk");
-        expect_close(got.grads.dv, x.want.grads.dv, 2e-4, "dv");
-      }
+  qkv_test::on_every_target_and_thread_count([&] {
+    for (const Checked& x : cases) {
+      SCOPED_TRACE(x.c.name);
+      const Result got = poisoned_run(x.c.q, x.c.k, x.c.v, x.grad_output, x.flash);
+      expect_close(got.forward.output, x.want.forward.output, 1e-4, "output");
+      expect_close(got.forward.lse, x.want.forward.lse, 1e-4, "lse");
+      expect_close(got.grads.dq, x.want.grads.dq, 2e-4, "dq");
+      expect_close(got.grads.dk, x.want.grads.dk, 2e-4, "dk");
+      expect_close(got.grads.dv, x.want.grads.dv, 2e-4, "dv");
     }
-  }
-  omp_set_num_threads(threads_before);
+  });
 }
 
 // Auto with a score function (flash, where decode would serve few queries) agrees with the

@@ -176,26 +176,19 @@ TEST(Summary, FlashMatchesReferenceWeightsEverywhere) {
     ks.push_back(rng.chance(0.3) ? rng.integer(1, 3) : rng.integer(4, 40));
     expected.push_back(summaries_of(qkv::scaled_dot_product_attention(c.q, c.k, c.v, options).weights, ks.back()));
   }
-  const int threads_before = omp_get_max_threads();
-  for (int64_t target : qkv_test::runnable_targets()) {
-    qkv_test::ForcedTarget forced(target);
-    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
-    for (int threads : {1, 2}) {
-      omp_set_num_threads(threads);
-      qkv_test::ThreadEveryProblem threaded;
-      for (size_t n = 0; n < cases.size(); ++n) {
-        const Case& c = cases[n];
-        AttentionResult r = poisoned(c, ks[n]);
-        qkv::scaled_dot_product_attention_into(c.q, c.k, c.v, r, summary_options(c, Backend::Flash, ks[n]));
-        expect_summaries(expected[n], r, c.name + " k=" + std::to_string(ks[n]) + " threads " + std::to_string(threads));
-        // The output is flash's: against the reference's to the kernels' tolerance.
-        const AttentionResult plain = qkv::scaled_dot_product_attention(c.q, c.k, c.v, qkv_test::options_of(c, Backend::Reference));
-        const std::vector<float> got = r.output.to_vector(), want = plain.output.to_vector();
-        for (size_t x = 0; x < got.size(); ++x) ASSERT_NEAR(got[x], want[x], 1e-4) << c.name << " output " << x;
-      }
+  qkv_test::on_every_target_and_thread_count([&] {
+    for (size_t n = 0; n < cases.size(); ++n) {
+      const Case& c = cases[n];
+      AttentionResult r = poisoned(c, ks[n]);
+      qkv::scaled_dot_product_attention_into(c.q, c.k, c.v, r, summary_options(c, Backend::Flash, ks[n]));
+      expect_summaries(expected[n], r, c.name + " k=" + std::to_string(ks[n]));
+      // The output is flash's: against the reference's to the kernels' tolerance.
+      const AttentionResult plain =
+          qkv::scaled_dot_product_attention(c.q, c.k, c.v, qkv_test::options_of(c, Backend::Reference));
+      const std::vector<float> got = r.output.to_vector(), want = plain.output.to_vector();
+      for (size_t x = 0; x < got.size(); ++x) ASSERT_NEAR(got[x], want[x], 1e-4) << c.name << " output " << x;
     }
-  }
-  omp_set_num_threads(threads_before);
+  });
 }
 
 TEST(Summary, ReferenceBackendAndAutoWithWeights) {
