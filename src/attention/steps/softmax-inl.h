@@ -85,9 +85,20 @@ HWY_INLINE V ExpSoftmax(D d, V x) {
 // key line over all V vectors, so each step has V independent chains (the max's: 2 V, even and
 // odd lines): one vector at a time, the exponentials of a 64-key tile waited on the max pass and
 // on each other's latency.
-template <size_t V>
-HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
-                                     float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction) {
+//
+// SoftmaxColumnsUpdateWith takes what a kernel adds to the update in the same passes (the
+// summaries' entropy, summary/steps-inl.h), `extra`, called per query vector n (lanes n * Lanes):
+// Moved(n, old_max, new_max, factor) once the tile's max is known, Weight(n, d, weight) for each
+// weight = e^d (d = score - max, -inf for a hidden key), Summed(n, tile_sum) at the end.
+struct NoSoftmaxExtra {
+  HWY_INLINE void Moved(size_t, VF, VF, VF) {}
+  HWY_INLINE void Weight(size_t, VF, VF) {}
+  HWY_INLINE void Summed(size_t, VF) {}
+};
+
+template <size_t V, class Extra>
+HWY_INLINE bool SoftmaxColumnsUpdateWith(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
+                                         float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction, Extra& extra) {
   const DF df;
   const size_t lanes = hn::Lanes(df), br = V * lanes;
   const VF minus_inf = hn::Set(df, kMinusInf);
@@ -120,23 +131,34 @@ HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, fl
     max_grew = max_grew || !hn::AllTrue(df, hn::Eq(old_max, new_max));
     hn::Store(new_max, df, running_max + at);
     hn::Store(factor, df, correction + at);
+    extra.Moved(n, old_max, new_max, factor);
     tile_sum[n] = hn::Zero(df);
   }
   for (j = 0; j < cols; ++j) {
     HWY_UNROLL(4)
     for (size_t n = 0; n < V; ++n) {
       float* s = scores + j * br + n * lanes;
-      const VF weight = ExpSoftmax(df, hn::Sub(hn::Load(df, s), safe_max[n]));
+      const VF exponent = hn::Sub(hn::Load(df, s), safe_max[n]);
+      const VF weight = ExpSoftmax(df, exponent);
       hn::Store(weight, df, s);
       tile_sum[n] = hn::Add(tile_sum[n], weight);
+      extra.Weight(n, exponent, weight);
     }
   }
   HWY_UNROLL(4)
   for (size_t n = 0; n < V; ++n) {
     const size_t at = n * lanes;
     hn::Store(hn::MulAdd(hn::Load(df, row_sum + at), hn::Load(df, correction + at), tile_sum[n]), df, row_sum + at);
+    extra.Summed(n, tile_sum[n]);
   }
   return max_grew;
+}
+
+template <size_t V>
+HWY_INLINE bool SoftmaxColumnsUpdate(float* HWY_RESTRICT scores, size_t cols, float* HWY_RESTRICT running_max,
+                                     float* HWY_RESTRICT row_sum, float* HWY_RESTRICT correction) {
+  NoSoftmaxExtra none;
+  return SoftmaxColumnsUpdateWith<V>(scores, cols, running_max, row_sum, correction, none);
 }
 
 // Ot (d, br) moves to the new max: each query's column times its correction factor.

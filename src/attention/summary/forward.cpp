@@ -1,14 +1,15 @@
 // The flash forward with summaries (AttentionOptions::summary_top_k): flash/forward.cpp's loop
 // (work items of one query tile, key tiles with an online softmax) composed from the same steps
-// (products, logits, softmax, finish), with the summary steps (summary/steps-inl.h) between
-// them:
-//   per key tile   after the logits: their copy, the top k offered (TopLogits); after the
-//                  softmax update: T moved and added to (EntropyUpdate), the max kept (KeepMax;
-//                  P itself is computed in its slot of the kept weights)
+// (products, logits, softmax, finish), with the summary steps (summary/steps-inl.h) between and
+// inside them:
+//   per key tile   after the logits: the top k offered (TopLogits); in the softmax update's own
+//                  passes: T moved and added to (EntropyTerms); the max kept (KeepMax; P itself
+//                  is computed in its slot of the kept weights)
 //   per query tile after finish: each row's entropy and top keys (FinishRowSummaries), the kept
 //                  P folded into the head's received mass at the final max and sum (FoldReceived)
 // Each worker adds received mass into its own (B, Hq, Nk) partial; the launch sums them after.
-// Memory: per worker the flash scratch plus br x Nk kept weights and br x k top keys.
+// Memory: per worker the flash scratch plus br x Nk kept weights and br x k top keys (int32: at
+// most 2^31 - 1 keys).
 //
 // Simpler than flash/forward.cpp where speed matters less than one pass: float32 products at
 // every MatmulPrecision (no AMX), and a strided rule's keys visited by the tiles (no residues),
@@ -69,11 +70,10 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   products.Scores<V>(p, false, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
   step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod);
-  std::copy_n(w.scores, t.cols * br, s.logits);
-  std::copy_n(w.running_max, br, s.old_max);
-  summary_steps::TopLogits<V>(s.logits, t.cols, t.j0, s);
-  const bool max_grew = step::SoftmaxColumnsUpdate<V>(w.scores, t.cols, w.running_max, w.row_sum, w.correction);
-  summary_steps::EntropyUpdate<V>(w.scores, t.cols, w.running_max, w.correction, s);
+  summary_steps::TopLogits<V>(w.scores, t.cols, t.j0, s);
+  summary_steps::EntropyTerms<V> entropy(s);
+  const bool max_grew =
+      step::SoftmaxColumnsUpdateWith<V>(w.scores, t.cols, w.running_max, w.row_sum, w.correction, entropy);
   summary_steps::KeepMax(br, tile, w.running_max, s);
   const bool some_zero = mask.band || !p.terms.empty();
   const bool skip_zeros = some_zero && !flash_steps::HiddenValuesFinite(p, walk, mask, t, kv);
@@ -125,7 +125,7 @@ void SummaryQueryTile(const AttentionProblem& p, const SummaryOutputs& out, cons
   std::copy_n(w.scores, rows, p.lse + row0);
   std::copy_n(w.running_max, rows, p.row_max + row0);
   std::copy_n(w.row_sum, rows, p.row_sum + row0);
-  summary_steps::FinishRowSummaries(rows, w.running_max, w.row_sum, w.correction, row0, out, s);
+  summary_steps::FinishRowSummaries(rows, br, w.running_max, w.row_sum, w.correction, row0, out, s);
   summary_steps::FoldReceived(layout.tiles, kv_begin, kv_end, rows, br, w.running_max, w.correction,
                               scratch + flash_layout.total + layout.factor,
                               received + (at.b * p.q_heads + at.h) * p.kv_len, s);
@@ -137,7 +137,11 @@ void SummaryQueryTile(const AttentionProblem& p, const SummaryOutputs& out, cons
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include <limits>
+#include <string>
+
 #include "attention/launch.hpp"
+#include "qkv/error.hpp"
 #include "simd/query_tiles.hpp"
 
 namespace qkv::detail {
@@ -150,6 +154,9 @@ HWY_EXPORT(SummaryQueryTile);
 // per worker, summed into out.received at the end.
 void flash_summary_attention(const AttentionProblem& problem, const SummaryOutputs& out) {
   const int64_t heads = problem.batch * problem.q_heads, nk = problem.kv_len;
+  if (nk > std::numeric_limits<int32_t>::max())
+    throw Error("attention summaries: at most " + std::to_string(std::numeric_limits<int32_t>::max()) +
+                " keys (the top keys are int32 while the kernel runs), got " + std::to_string(nk));
   std::fill_n(out.received, heads * nk, 0.0f);
   if (heads == 0 || problem.q_len == 0) return;
   const size_t br = HWY_DYNAMIC_DISPATCH(SummaryQueryTileRows)();

@@ -10,21 +10,22 @@
 
 namespace qkv::detail::summary {
 
+// The top k's slots per query: k rounded up to 4, 8 or 16 (the kernel holds that many in
+// registers, summary/steps-inl.h), k itself above 16; the slots above the k real ones hold +inf.
+inline size_t top_slots(size_t k) { return k <= 4 ? 4 : k <= 8 ? 8 : k <= 16 ? 16 : k; }
+
 struct ScratchLayout {
-  size_t k, tiles;
-  size_t logits, old_max, key_sum, entropy, top_logits, top_keys, count, threshold, kept, kept_max, seen, factor;
+  size_t k, slots, tiles;
+  size_t key_sum, entropy, top_logits, top_keys, kept, kept_max, seen, factor;
   size_t total;
 
-  ScratchLayout(size_t br, size_t k_, size_t nk) : k(k_), tiles((nk + flash::kKeyTile - 1) / flash::kKeyTile + 1) {
+  ScratchLayout(size_t br, size_t k_, size_t nk)
+      : k(k_), slots(top_slots(k_)), tiles((nk + flash::kKeyTile - 1) / flash::kKeyTile + 1) {
     flash::Parts parts;
-    logits = parts.take(flash::kKeyTile * br);  // the tile's logits before the softmax makes them P
-    old_max = parts.take(br);                   // running max before the tile's update
     key_sum = parts.take(br);                   // K per query: the sum of the keys' p (no sink)
     entropy = parts.take(br);                   // T per query
-    top_logits = parts.take(k * br);            // per query, k logits, descending
-    top_keys = parts.take(2 * k * br);          // per query, their int64 keys
-    count = parts.take(2 * br);                 // per query, int64: keys in its top so far
-    threshold = parts.take(br);                 // per query: the k-th logit, -inf until k, +inf padding
+    top_logits = parts.take(slots * br);        // slots of br logits, descending
+    top_keys = parts.take(slots * br);          // their int32 keys, -1 in an empty slot
     kept = parts.take(tiles * flash::kKeyTile * br);  // P of each key tile
     kept_max = parts.take(tiles * br);                // the running max each was computed at
     seen = parts.take(tiles);                         // 1 where the key tile was visited

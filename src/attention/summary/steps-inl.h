@@ -2,13 +2,17 @@
 // each query's summary, and what a finished query tile writes.
 //
 //   TopLogits     the tile's logits offered to each query's top k (softmax is monotone, so the
-//                 top k weights are the top k logits): a vector compare against each query's
-//                 k-th logit, and a sorted insertion for the lanes that pass (found from the
-//                 compare's mask bits: a scalar loop over every lane cost a third of the kernel)
-//   EntropyUpdate T = sum_j p_j (s_j - m) over the keys seen, with p_j = e^(s_j - m) at the
-//                 running max m, moved to a grown max m' as l is: T' = c (T + (m - m') K), c =
-//                 e^(m - m') (K, the keys' own sum, beside it); then entropy = (K log l - T) / l (see
-//                 FinishRowSummaries)
+//                 top k weights are the top k logits), kept as k vectors of logits and k of keys
+//                 per query vector, slot 0 the largest: a key line is one compare against the k-th
+//                 slot per vector, and only a vector where some lane passes is inserted, all its
+//                 lanes at once, by blends from the bottom slot up to the highest slot that moves
+//                 (one scalar insertion per lane, with its mispredicted branches and its
+//                 store-to-load stalls, was a fifth of the kernel)
+//   EntropyTerms  in the softmax's own passes (pipeline::SoftmaxColumnsUpdateWith), no pass and
+//                 no copy of its own: T = sum_j p_j (s_j - m) over the keys seen, with p_j =
+//                 e^(s_j - m) at the running max m, moved to a grown max m' as l is: T' = c (T +
+//                 (m - m') K), c = e^(m - m') (K, the keys' own sum, beside it); then entropy =
+//                 (K log l - T) / l (see FinishRowSummaries)
 //   KeepMax       the max each key tile's P was computed at (the kernel computes P in the tile's
 //                 slot of the kept weights), for the received mass, folded in once the query
 //                 tile's final max and sum are known (FoldReceived)
@@ -43,106 +47,161 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// One worker's summary scratch (summary::ScratchLayout), viewed as typed pointers.
+using DI = hn::RebindToSigned<DF>;
+using VI = hn::Vec<DI>;
+
+// One worker's summary scratch (summary::ScratchLayout), viewed as typed pointers. The top k of
+// query lane x: slot r at top_logits[r * br + x] and top_keys[r * br + x], logits descending, the
+// k real slots the last k of `slots` (the ones above hold +inf: nothing displaces them).
 struct SummaryScratch {
-  float *logits, *old_max, *key_sum, *entropy, *top_logits, *threshold, *kept, *kept_max, *seen;
-  int64_t *top_keys, *count;
-  size_t k;
+  float *key_sum, *entropy, *top_logits, *kept, *kept_max, *seen;
+  int32_t* top_keys;
+  size_t k, slots;
   SummaryScratch(float* base, const summary::ScratchLayout& l)
-      : logits(base + l.logits), old_max(base + l.old_max), key_sum(base + l.key_sum), entropy(base + l.entropy),
-        top_logits(base + l.top_logits), threshold(base + l.threshold), kept(base + l.kept),
-        kept_max(base + l.kept_max), seen(base + l.seen), top_keys(reinterpret_cast<int64_t*>(base + l.top_keys)),
-        count(reinterpret_cast<int64_t*>(base + l.count)), k(l.k) {}
+      : key_sum(base + l.key_sum), entropy(base + l.entropy), top_logits(base + l.top_logits), kept(base + l.kept),
+        kept_max(base + l.kept_max), seen(base + l.seen), top_keys(reinterpret_cast<int32_t*>(base + l.top_keys)),
+        k(l.k), slots(l.slots) {}
 };
 
-// A query tile's start: no key in any top k, T = 0; lanes past `rows` (padding) never take a key.
+// A query tile's start: T = K = 0, the k real slots empty (logit -inf, key -1: nothing is greater
+// than -inf, so a hidden key never enters), the slots above them +inf; lanes past `rows`
+// (padding) +inf in every slot, so they never take a key.
 inline void StartSummaries(size_t rows, size_t br, size_t tiles, const SummaryScratch& s) {
   std::fill_n(s.entropy, br, 0.0f);
   std::fill_n(s.key_sum, br, 0.0f);
-  std::fill_n(s.count, br, 0);
-  std::fill_n(s.threshold, br, -kInf);
-  std::fill_n(s.threshold + rows, br - rows, kInf);
+  const size_t first = s.slots - s.k;
+  std::fill_n(s.top_logits, first * br, kInf);
+  for (size_t r = first; r < s.slots; ++r) {
+    std::fill_n(s.top_logits + r * br, rows, -kInf);
+    std::fill_n(s.top_logits + r * br + rows, br - rows, kInf);
+  }
+  std::fill_n(s.top_keys, s.slots * br, int32_t{-1});
   std::fill_n(s.seen, tiles, 0.0f);
 }
 
-// Inserts (logit, key) into lane n's top k, sorted by logit descending; an equal logit goes after
-// the ones already there (keys arrive in increasing order: ties to the lower index). Full, the
-// k-th goes, and the lane's threshold becomes the new k-th: a later key with a logit equal to it
-// cannot enter (its index is higher).
-inline void InsertTop(size_t n, float logit, int64_t key, const SummaryScratch& s) {
-  float* logits = s.top_logits + n * s.k;
-  int64_t* keys = s.top_keys + n * s.k;
-  size_t at = static_cast<size_t>(s.count[n]);
-  if (at == s.k) --at;
-  while (at > 0 && logit > logits[at - 1]) {
-    logits[at] = logits[at - 1];
-    keys[at] = keys[at - 1];
-    --at;
+// One sorted insertion of logit x of key `key` into S slots (slot 0 the largest) in every lane at
+// once, all from the old slots, no chain from slot to slot: with above_r = x > slot r, slot r
+// takes slot r - 1 where above_(r-1), else x where above_r, else keeps its own. Strictly above: an
+// equal logit goes below the ones already there (keys arrive in increasing order: ties to the
+// lower index); a lane where x is not above the last slot is unchanged, and NaN never enters.
+template <size_t S>
+HWY_INLINE void InsertHeld(VF x, VI key, VF* HWY_RESTRICT top, VI* HWY_RESTRICT keys) {
+  const DI di;
+  HWY_UNROLL(16)
+  for (size_t r = S - 1; r > 0; --r) {
+    const auto above = hn::Gt(x, top[r]), shift = hn::Gt(x, top[r - 1]);
+    top[r] = hn::IfThenElse(shift, top[r - 1], hn::IfThenElse(above, x, top[r]));
+    keys[r] = hn::IfThenElse(hn::RebindMask(di, shift), keys[r - 1],
+                             hn::IfThenElse(hn::RebindMask(di, above), key, keys[r]));
   }
-  logits[at] = logit;
-  keys[at] = key;
-  if (static_cast<size_t>(s.count[n]) < s.k) ++s.count[n];
-  if (static_cast<size_t>(s.count[n]) == s.k) s.threshold[n] = logits[s.k - 1];
+  const auto above = hn::Gt(x, top[0]);
+  top[0] = hn::IfThenElse(above, x, top[0]);
+  keys[0] = hn::IfThenElse(hn::RebindMask(di, above), key, keys[0]);
 }
 
-// The tile's logits (cols key lines of br queries; key j0 + j on line j) offered to the top k:
-// a vector compare per line, then only the lanes that passed. Logits -inf (hidden keys) and NaN
-// never pass.
-template <size_t V>
-HWY_INLINE void TopLogits(const float* HWY_RESTRICT logits, size_t cols, int64_t j0, const SummaryScratch& s) {
+// The tile's logits (cols key lines of br queries; key j0 + j on line j) offered to the top k of
+// the query vector at lane `at`, its S slots held in registers: per line one compare against the
+// last slot, an insertion only where some lane passes (after a row's first keys, rarely: about
+// k / j of a lane's keys at key j). Logits -inf (hidden keys) and NaN never pass.
+template <size_t S>
+HWY_INLINE void TopLogitsHeld(const float* HWY_RESTRICT logits, size_t cols, size_t br, int64_t j0, size_t at,
+                              const SummaryScratch& s) {
   const DF df;
-  const size_t lanes = hn::Lanes(df), br = V * lanes;
-  uint8_t bits[8] = {};
-  for (size_t j = 0; j < cols; ++j)
-    for (size_t n = 0; n < br; n += lanes) {
-      const auto pass = hn::Gt(hn::Load(df, logits + j * br + n), hn::Load(df, s.threshold + n));
-      if (hn::AllFalse(df, pass)) continue;
-      hn::StoreMaskBits(df, pass, bits);
-      uint64_t lanes_passed;
-      std::memcpy(&lanes_passed, bits, sizeof(lanes_passed));
-      for (; lanes_passed != 0; lanes_passed &= lanes_passed - 1) {
-        const size_t x = n + static_cast<size_t>(__builtin_ctzll(lanes_passed));
-        InsertTop(x, logits[j * br + x], j0 + static_cast<int64_t>(j), s);
-      }
-    }
-}
-
-// T moved to the new running max and the tile's terms added (s.logits: the tile's logits,
-// weights: its P at the new max, correction: e^(old - new), old max saved before the softmax
-// update). T sums over the keys alone (not the sink), so it moves by the keys' own sum K, kept
-// beside it (K' = c K + the tile's sum). A query with no key yet (K = 0) has T = 0.
-template <size_t V>
-HWY_INLINE void EntropyUpdate(const float* HWY_RESTRICT weights, size_t cols, const float* HWY_RESTRICT running_max,
-                              const float* HWY_RESTRICT correction, const SummaryScratch& s) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df), br = V * lanes;
-  const VF zero = hn::Zero(df);
-  VF acc[V], max[V], keys[V];
-  HWY_UNROLL(4)
-  for (size_t n = 0; n < V; ++n) {
-    const size_t at = n * lanes;
-    max[n] = hn::Load(df, running_max + at);
-    const VF c = hn::Load(df, correction + at), keys_sum = hn::Load(df, s.key_sum + at);
-    const VF moved = hn::IfThenZeroElse(hn::Eq(keys_sum, zero),
-                                        hn::Mul(hn::Sub(hn::Load(df, s.old_max + at), max[n]), keys_sum));
-    acc[n] = hn::Mul(c, hn::Add(hn::Load(df, s.entropy + at), moved));
-    keys[n] = hn::Mul(c, keys_sum);
+  const DI di;
+  VF top[S];
+  VI keys[S];
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < S; ++r) {
+    top[r] = hn::Load(df, s.top_logits + r * br + at);
+    keys[r] = hn::Load(di, s.top_keys + r * br + at);
   }
   for (size_t j = 0; j < cols; ++j) {
-    HWY_UNROLL(4)
-    for (size_t n = 0; n < V; ++n) {
-      const VF p = hn::Load(df, weights + j * br + n * lanes);
-      const VF term = hn::Mul(p, hn::Sub(hn::Load(df, s.logits + j * br + n * lanes), max[n]));
-      acc[n] = hn::Add(acc[n], hn::IfThenZeroElse(hn::Eq(p, zero), term));
-      keys[n] = hn::Add(keys[n], p);
-    }
+    const VF x = hn::Load(df, logits + j * br + at);
+    if (HWY_LIKELY(hn::AllFalse(df, hn::Gt(x, top[S - 1])))) continue;
+    InsertHeld<S>(x, hn::Set(di, static_cast<int32_t>(j0 + static_cast<int64_t>(j))), top, keys);
   }
-  HWY_UNROLL(4)
-  for (size_t n = 0; n < V; ++n) {
-    hn::Store(acc[n], df, s.entropy + n * lanes);
-    hn::Store(keys[n], df, s.key_sum + n * lanes);
+  HWY_UNROLL(16)
+  for (size_t r = 0; r < S; ++r) {
+    hn::Store(top[r], df, s.top_logits + r * br + at);
+    hn::Store(keys[r], di, s.top_keys + r * br + at);
   }
 }
+
+// The same for more than 16 slots, in memory: from the last slot up to the first no lane moves past.
+HWY_INLINE void TopLogitsInMemory(const float* HWY_RESTRICT logits, size_t cols, size_t br, int64_t j0, size_t at,
+                                  const SummaryScratch& s) {
+  const DF df;
+  const DI di;
+  float* top = s.top_logits + at;
+  int32_t* keys = s.top_keys + at;
+  for (size_t j = 0; j < cols; ++j) {
+    const VF x = hn::Load(df, logits + j * br + at);
+    auto above = hn::Gt(x, hn::Load(df, top + (s.slots - 1) * br));
+    if (HWY_LIKELY(hn::AllFalse(df, above))) continue;
+    const VI key = hn::Set(di, static_cast<int32_t>(j0 + static_cast<int64_t>(j)));
+    for (size_t r = s.slots - 1; r > 0; --r) {
+      const VF prior = hn::Load(df, top + (r - 1) * br);
+      const auto shift = hn::Gt(x, prior);
+      hn::Store(hn::IfThenElse(shift, prior, hn::IfThenElse(above, x, hn::Load(df, top + r * br))), df, top + r * br);
+      hn::Store(hn::IfThenElse(hn::RebindMask(di, shift), hn::Load(di, keys + (r - 1) * br),
+                               hn::IfThenElse(hn::RebindMask(di, above), key, hn::Load(di, keys + r * br))),
+                di, keys + r * br);
+      above = shift;
+      if (hn::AllFalse(df, above)) break;
+    }
+    if (!hn::AllFalse(df, above)) {
+      hn::Store(hn::IfThenElse(above, x, hn::Load(df, top)), df, top);
+      hn::Store(hn::IfThenElse(hn::RebindMask(di, above), key, hn::Load(di, keys)), di, keys);
+    }
+  }
+}
+
+// The tile's logits offered to the top k of each of its V query vectors.
+template <size_t V>
+HWY_INLINE void TopLogits(const float* HWY_RESTRICT logits, size_t cols, int64_t j0, const SummaryScratch& s) {
+  const size_t lanes = hn::Lanes(DF()), br = V * lanes;
+  for (size_t at = 0; at < br; at += lanes) {
+    if (s.slots == 4) {
+      TopLogitsHeld<4>(logits, cols, br, j0, at, s);
+    } else if (s.slots == 8) {
+      TopLogitsHeld<8>(logits, cols, br, j0, at, s);
+    } else if (s.slots == 16) {
+      TopLogitsHeld<16>(logits, cols, br, j0, at, s);
+    } else {
+      TopLogitsInMemory(logits, cols, br, j0, at, s);
+    }
+  }
+}
+
+// The entropy's terms, added in the softmax's passes (pipeline::SoftmaxColumnsUpdateWith's
+// `extra`): per query vector, T and K moved to the tile's max (Moved), p (s - m) added to T per
+// weight (Weight: d = s - m; where p is 0, d may be -inf, clamped so the term is 0, not NaN; a
+// NaN weight keeps T NaN), the tile's sum added to K (Summed). A query with no key yet (K = 0)
+// has T = 0.
+template <size_t V>
+struct EntropyTerms {
+  const SummaryScratch& s;
+  VF terms[V], keys[V];
+
+  explicit EntropyTerms(const SummaryScratch& scratch) : s(scratch) {}
+  HWY_INLINE void Moved(size_t n, VF old_max, VF new_max, VF factor) {
+    const DF df;
+    const size_t at = n * hn::Lanes(df);
+    const VF keys_sum = hn::Load(df, s.key_sum + at);
+    const VF moved = hn::IfThenZeroElse(hn::Eq(keys_sum, hn::Zero(df)), hn::Mul(hn::Sub(old_max, new_max), keys_sum));
+    terms[n] = hn::Mul(factor, hn::Add(hn::Load(df, s.entropy + at), moved));
+    keys[n] = hn::Mul(factor, keys_sum);
+  }
+  HWY_INLINE void Weight(size_t n, VF d, VF weight) {
+    terms[n] = hn::MulAdd(weight, hn::Max(d, hn::Set(DF(), -100.0f)), terms[n]);
+  }
+  HWY_INLINE void Summed(size_t n, VF tile_sum) {
+    const DF df;
+    const size_t at = n * hn::Lanes(df);
+    hn::Store(terms[n], df, s.entropy + at);
+    hn::Store(hn::Add(keys[n], tile_sum), df, s.key_sum + at);
+  }
+};
 
 // Key tile `tile`'s P stays in its slot of s.kept (the kernel computes it there); keeps the
 // running max it was computed at.
@@ -185,7 +244,7 @@ inline void FoldReceived(size_t tiles, int64_t kv_begin, int64_t kv_end, size_t 
 // T / l (K / l: the keys' share of the weight, 1 without a sink), 0 for an empty row; its top
 // keys with their weights e^(s - M) / l, a key whose weight is 0 dropped (-1, 0). Row r of the
 // tile is row `row0 + r` of the outputs.
-inline void FinishRowSummaries(size_t rows, const float* max, const float* sum, const float* inverse,
+inline void FinishRowSummaries(size_t rows, size_t br, const float* max, const float* sum, const float* inverse,
                                int64_t row0, const SummaryOutputs& out, const SummaryScratch& s) {
   const size_t k = s.k;
   for (size_t r = 0; r < rows; ++r) {
@@ -195,11 +254,11 @@ inline void FinishRowSummaries(size_t rows, const float* max, const float* sum, 
     float* weights = out.top_weights + row * static_cast<int64_t>(k);
     int64_t* keys = out.top_keys + row * static_cast<int64_t>(k);
     size_t e = 0;
-    for (size_t x = 0; x < static_cast<size_t>(s.count[r]); ++x) {
-      const float w = std::exp(s.top_logits[r * k + x] - m) * inv;
+    for (size_t x = s.slots - k; x < s.slots && s.top_keys[x * br + r] >= 0; ++x) {
+      const float w = std::exp(s.top_logits[x * br + r] - m) * inv;
       if (!(w > 0.0f) && !std::isnan(w)) continue;
       weights[e] = w;
-      keys[e++] = s.top_keys[r * k + x];
+      keys[e++] = s.top_keys[x * br + r];
     }
     std::fill(weights + e, weights + k, 0.0f);
     std::fill(keys + e, keys + k, int64_t{-1});
