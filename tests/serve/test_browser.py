@@ -1,9 +1,10 @@
 """The explorer's page in headless Chromium (Debian's chromium + chromium-driver, driven by
 python3-selenium) against a real `qkv serve` on 127.0.0.1: type a sentence, move the temperature
 slider, toggle causal, hover and read weights from the keyboard, show a trained model. The
-heatmaps are canvases: every drawn cell's pixel (getImageData) is checked against the colour of
-the API's weight for the same request, masked pairs against the hatched grey; the fixed colour
-scale against the per-panel stretch; and the input-to-redraw time the page measures.
+heatmaps are canvases: every drawn cell's pixel (getImageData, over the hatching's background
+image) is checked against the colour of the API's weight for the same request, masked pairs
+against the hatched grey; the fixed colour scale against the per-panel stretch; and the
+input-to-redraw time the page measures.
 
 Screenshots go to $QKV_OUT/screenshots (docs/explorer.md shows copies of them). Skips, saying
 why, only when Chromium, its driver or Selenium is not installed (scripts/install-deps.sh
@@ -85,24 +86,44 @@ def wait_render(driver, after, what):
 
 
 def cell_pixels(driver, head, centre_only=True):
-    """{(query, key): [(r, g, b), ...]} of one heatmap panel, read back from its canvas with
-    getImageData: the pixel at each cell's centre, or (centre_only=False) every pixel of the cell."""
-    data = driver.execute_script("""
-        const g = window.qkvExplorer.geometry(), centreOnly = arguments[1];
-        const canvas = document.querySelector(`.panel[data-head="${arguments[0]}"] canvas`);
-        const img = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height);
-        const out = [];
-        for (let q = 0; q < g.n; q++) for (let k = 0; k < g.n; k++) {
-          const pixels = [];
-          const xs = centreOnly ? [Math.floor(g.x0 + (k + 0.5) * g.step)] : [...Array(Math.floor(g.step)).keys()].map(d => Math.ceil(g.x0 + k * g.step) + d);
-          const ys = centreOnly ? [Math.floor(g.y0 + (q + 0.5) * g.step)] : [...Array(Math.floor(g.step)).keys()].map(d => Math.ceil(g.y0 + q * g.step) + d);
-          for (const y of ys) for (const x of xs) {
-            const o = 4 * (y * img.width + x);
-            pixels.push([img.data[o], img.data[o + 1], img.data[o + 2]]);
+    """{(query, key): [(r, g, b), ...]} of one heatmap panel: the pixel at each cell's centre, or
+    (centre_only=False) every pixel of the cell, as the page composes them: its cells canvas
+    (`canvas.cells`, one pixel per weight, read back with getImageData, scaled up `cell` times
+    without smoothing) over the canvas's CSS background (the masked pairs' hatching, read back from
+    the background image the browser has) where the canvas is transparent."""
+    data = driver.execute_async_script("""
+        const [head, centreOnly, done] = arguments, g = window.qkvExplorer.geometry(), n = g.n, cell = g.cell;
+        const canvas = document.querySelector(`.panel[data-head="${head}"] canvas.cells`);
+        const cells = canvas.getContext('2d').getImageData(0, 0, n, n).data;
+        const background = getComputedStyle(canvas).backgroundImage;
+        const read = (tile) => {
+          const pixel = (q, k, x, y) => {
+            const o = 4 * (q * n + k);
+            if (cells[o + 3] === 255) return [cells[o], cells[o + 1], cells[o + 2]];
+            if (cells[o + 3] !== 0) return [-1, -1, -1];  // half transparent: never drawn so
+            if (!tile) return [255, 255, 255];
+            const t = 4 * ((y % tile.height) * tile.width + (x % tile.width));
+            return [tile.data[t], tile.data[t + 1], tile.data[t + 2]];
+          };
+          const out = [];
+          for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) {
+            const pixels = [];
+            const span = centreOnly ? [Math.floor(cell / 2)] : [...Array(cell).keys()];
+            for (const dy of span) for (const dx of span) pixels.push(pixel(q, k, k * cell + dx, q * cell + dy));
+            out.push([q, k, pixels]);
           }
-          out.push([q, k, pixels]);
-        }
-        return out;""", str(head), centre_only)
+          done(out);
+        };
+        if (background === 'none') { read(null); return; }
+        const image = new Image();
+        image.src = background.slice(5, -2);
+        image.decode().then(() => {
+          const c = document.createElement('canvas');
+          c.width = image.width; c.height = image.height;
+          const ctx = c.getContext('2d');
+          ctx.drawImage(image, 0, 0);
+          read(ctx.getImageData(0, 0, c.width, c.height));
+        });""", str(head), centre_only)
     return {(q, k): [tuple(p) for p in pixels] for q, k, pixels in data}
 
 
@@ -243,7 +264,7 @@ def test_temperature_and_causal_in_a_real_browser(server, browser):
 
     def hover(q, k):
         ActionChains(browser).move_to_element_with_offset(
-            canvas, round(g["label"] + (k + 0.5) * g["cell"] - side / 2), round(g["label"] + (q + 0.5) * g["cell"] - side / 2)).perform()
+            canvas, round((k + 0.5) * g["cell"] - side / 2), round((q + 0.5) * g["cell"] - side / 2)).perform()
         tooltip = browser.find_element(By.ID, "tooltip")
         WebDriverWait(browser, 10).until(lambda d: tooltip.is_displayed())
         return tooltip.text

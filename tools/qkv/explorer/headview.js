@@ -40,10 +40,13 @@ const headView = {
   geometry: null, // {row, width, left, right, x1, x2, height}
 };
 
+// The canvas spans only the lines' band between the two columns of labels (not the labels too):
+// the browser copies every canvas's pixels again on each frame it composites, so its area is time.
+// x1, x2: where the lines start and end, in the canvas's own pixels.
 function headViewGeometry(n, pretrained) {
   const width = pretrained ? 360 : 420, inset = pretrained ? 100 : 110;
-  return { row: HV_ROW, width, left: inset, right: width - inset, x1: inset + 6, x2: width - inset - 6,
-           height: n * HV_ROW + 10, y: (i) => i * HV_ROW + 16 };
+  return { row: HV_ROW, width, left: inset, right: width - inset, canvasLeft: inset, canvasWidth: width - 2 * inset,
+           x1: 6, x2: width - 2 * inset - 6, height: n * HV_ROW + 10, y: (i) => i * HV_ROW + 16 };
 }
 
 // The labels and the canvas, made again only when the tokens or the mode change.
@@ -59,9 +62,10 @@ function headViewFrame(tokens, pretrained) {
   const wrap = el("div", { class: "hv-wrap", style: `width: ${g.width}px; height: ${g.height}px` });
   const canvas = el("canvas", { class: "hv-lines", "aria-hidden": "true" });
   const dpr = window.devicePixelRatio || 1;
-  canvas.width = Math.round(g.width * dpr);
+  canvas.width = Math.round(g.canvasWidth * dpr);
   canvas.height = Math.round(g.height * dpr);
-  canvas.style.width = `${g.width}px`;
+  canvas.style.left = `${g.canvasLeft}px`;
+  canvas.style.width = `${g.canvasWidth}px`;
   canvas.style.height = `${g.height}px`;
   wrap.append(canvas);
   headView.queries = tokens.map((t, i) => {
@@ -113,7 +117,7 @@ function paintHeadView() {
   if (!canvas) return;
   const dpr = window.devicePixelRatio || 1, ctx = canvas.getContext("2d");
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  ctx.clearRect(0, 0, g.width, g.height);
+  ctx.clearRect(0, 0, g.canvasWidth, g.height);
   ctx.lineCap = "round";
   const lines = headViewLines();
   let start = 0;
@@ -138,7 +142,8 @@ function paintHeadView() {
 }
 
 // One head or the average (the select's choice): lines of at least 1% of its largest weight.
-function drawHeadView() {
+// `deferred`: the lines are left for the caller to paint (paintHeadView) after the heatmaps' frame.
+function drawHeadView(deferred = false) {
   const r = state.response, all = panels();
   const chosen = all.find((p) => String(p.head) === $("headview-head").value) || all[all.length - 1];
   headViewFrame(r.tokens, false);
@@ -148,12 +153,13 @@ function drawHeadView() {
                        width: (b) => 0.5 + 7 * b * top, alpha: (b) => 0.15 + 0.85 * b }];
   headView.wrap.setAttribute("role", "img");
   headView.wrap.setAttribute("aria-label", `head view of ${chosen.title}`);
-  paintHeadView();
+  if (!deferred) paintHeadView();
 }
 
 // BertViz's head view: every head of the layer at once, each in its own colour, toggled by its
-// checkbox; hovering (or focusing) a query token on the left keeps only its lines.
-function drawHeadViewAll() {
+// checkbox; hovering (or focusing) a query token on the left keeps only its lines. `deferred` as
+// for drawHeadView.
+function drawHeadViewAll(deferred = false) {
   const r = state.response, layer = r.layers[state.layer], heads = layer.weights.length;
   const toggles = $("headview-toggles");
   toggles.replaceChildren(...layer.weights.map((_, h) => {
@@ -174,10 +180,10 @@ function drawHeadViewAll() {
                                                    width: (b) => 0.5 + 3 * b, alpha: (b) => 0.1 + 0.8 * b }));
   headView.wrap.setAttribute("role", "img");
   headView.wrap.setAttribute("aria-label", `head view of layer ${state.layer}, ${heads} heads overlaid`);
-  paintHeadView();
+  if (!deferred) paintHeadView();
 }
 
-// For the browser test: what the head view draws, in CSS pixels of its canvas.
+// For the browser test: what the head view draws, in CSS pixels of its canvas (x1, x2 from its left edge).
 window.qkvHeadView = () => {
   const g = headView.geometry;
   if (!g) return null;

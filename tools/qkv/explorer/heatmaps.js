@@ -1,6 +1,14 @@
-// qkv attention explorer: the heatmaps, one canvas per head and their average, sized to the
-// window, labels thinned as `qkv viz` thins them, masked pairs hatched. Loaded before explorer.js,
-// whose state, panels() and colour scale it uses when called.
+// qkv attention explorer: the heatmaps, one per head and their average, sized to the window,
+// labels thinned as `qkv viz` thins them, masked pairs hatched. Loaded before explorer.js, whose
+// state, panels() and colour scale it uses when called.
+//
+// Each panel's cells are a canvas of one pixel per weight (n x n), scaled up by CSS without
+// smoothing (image-rendering: pixelated, an integer factor), its masked pixels transparent over a
+// CSS background of the hatching; the labels are two images shared by every panel, made again
+// only when the tokens or the sizes change. Chrome copies every canvas's pixels again on each
+// frame it composites (with software compositing, as headless Chromium runs), whether drawn or
+// not, so the canvases' area is time on every frame: 17 full-size panels at 64 tokens were 2.3
+// million pixels and 15-34 ms of each frame under load, n x n cells are 70 thousand.
 "use strict";
 
 // ---- Heatmaps on canvas
@@ -39,60 +47,99 @@ function heatmapGeometry(tokens, count) {
   return { cell, label, size: cell * n, every, columns, n };
 }
 
-// The 6 x 6 tile of the masked cells' hatching (a canvas pattern, anchored at the grid's corner):
-// grey, with the pixels where (x - y) mod 6 == 3 darker.
-let hatchTile = null;
-function hatchPattern(ctx) {
-  if (!hatchTile) {
-    hatchTile = document.createElement("canvas");
-    hatchTile.width = hatchTile.height = HATCH_STEP;
-    const g = hatchTile.getContext("2d"), img = g.createImageData(HATCH_STEP, HATCH_STEP);
+// The 6 x 6 tile of the masked cells' hatching, as a CSS background under the cells (anchored at
+// the grid's corner): grey, with the pixels where (x - y) mod 6 == 3 darker. A data: URL (the
+// page's Content-Security-Policy allows data: images).
+let hatchUrl = null;
+function hatchBackground() {
+  if (!hatchUrl) {
+    const tile = document.createElement("canvas");
+    tile.width = tile.height = HATCH_STEP;
+    const g = tile.getContext("2d"), img = g.createImageData(HATCH_STEP, HATCH_STEP);
     for (let y = 0; y < HATCH_STEP; y++) for (let x = 0; x < HATCH_STEP; x++) {
       const c = (((x - y) % HATCH_STEP) + HATCH_STEP) % HATCH_STEP === 3 ? HATCH : MASKED, o = 4 * (y * HATCH_STEP + x);
       img.data[o] = c[0]; img.data[o + 1] = c[1]; img.data[o + 2] = c[2]; img.data[o + 3] = 255;
     }
     g.putImageData(img, 0, 0);
+    hatchUrl = `url("${tile.toDataURL()}")`;
   }
-  return ctx.createPattern(hatchTile, "repeat");
+  return hatchUrl;
 }
 
-// An n x n image, one pixel per weight (masked pairs the MASKED grey), to be scaled up without
-// smoothing: one drawImage per panel instead of n * n rectangles.
-let cellsCanvas = null;
-function cellImage(weights, top) {
+// Draws the weights on `canvas` (made n x n), one pixel per weight; masked pairs `masked` ([r, g,
+// b]), or transparent when it is null.
+function drawCells(canvas, weights, top, masked) {
   const n = weights.length;
-  cellsCanvas ??= document.createElement("canvas");
-  cellsCanvas.width = cellsCanvas.height = n;
-  const g = cellsCanvas.getContext("2d"), img = g.createImageData(n, n), data = img.data;
+  if (canvas.width !== n || canvas.height !== n) canvas.width = canvas.height = n;
+  const g = canvas.getContext("2d"), img = g.createImageData(n, n), data = img.data;
   for (let i = 0, o = 0; i < n; i++) {
     const row = weights[i];
     for (let j = 0; j < n; j++, o += 4) {
-      const c = isVisible(i, j) ? rampRgb(row[j] / top) : MASKED;
-      data[o] = c[0]; data[o + 1] = c[1]; data[o + 2] = c[2]; data[o + 3] = 255;
+      if (isVisible(i, j)) {
+        const c = rampRgb(row[j] / top);
+        data[o] = c[0]; data[o + 1] = c[1]; data[o + 2] = c[2]; data[o + 3] = 255;
+      } else if (masked) {
+        data[o] = masked[0]; data[o + 1] = masked[1]; data[o + 2] = masked[2]; data[o + 3] = 255;
+      }
     }
   }
   g.putImageData(img, 0, 0);
-  return cellsCanvas;
+  return canvas;
 }
 
-// The masked cells as one path (grid coordinates), filled with the hatching in every panel.
-function maskedPath(g) {
-  const r = state.response;
-  if (!r.visible || r.visible.every((row) => !row.includes("0"))) return null;
-  const path = new Path2D();
-  for (let i = 0; i < g.n; i++) for (let j = 0; j < g.n; j++) if (!isVisible(i, j)) path.rect(j * g.cell, i * g.cell, g.cell, g.cell);
-  return path;
+// An n x n image of the weights (masked pairs the MASKED grey), to be scaled up without
+// smoothing (the model view's thumbnails).
+let cellsCanvas = null;
+function cellImage(weights, top) {
+  cellsCanvas ??= document.createElement("canvas");
+  return drawCells(cellsCanvas, weights, top, MASKED);
 }
+
+// The labels of both axes as two images (data: URLs), for every panel: rows right-aligned left of
+// the grid, columns rotated above it. Strips `g.label` deep, the grid's side plus 6 px each end.
+function labelImages(g, rowLabels) {
+  const dpr = window.devicePixelRatio || 1, length = g.size + 12, canvas = document.createElement("canvas");
+  const strip = (width, height, draw) => {
+    canvas.width = Math.round(width * dpr);
+    canvas.height = Math.round(height * dpr);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.font = LABEL_FONT;
+    ctx.fillStyle = "#1b1f24";
+    draw(ctx);
+    return canvas.toDataURL();
+  };
+  const rows = strip(g.label, length, (ctx) => {
+    ctx.textAlign = "right";
+    for (const [i, text] of rowLabels) ctx.fillText(text, g.label - 4, 6 + i * g.cell + g.cell / 2 + 4);
+  });
+  const columns = strip(length, g.label, (ctx) => {
+    ctx.textAlign = "left";
+    for (const [j, text] of rowLabels) {
+      ctx.save();
+      ctx.translate(6 + j * g.cell + g.cell / 2 + 4, g.label - 4);
+      ctx.rotate(-Math.PI / 2);
+      ctx.fillText(text, 0, 0);
+      ctx.restore();
+    }
+  });
+  return { rows, columns, key: labelsKey(g, rowLabels) };
+}
+function labelsKey(g, rowLabels) {
+  return JSON.stringify([g.cell, g.label, g.size, window.devicePixelRatio || 1, rowLabels]);
+}
+let labels = null;
 
 function panelView(index) {
   const view = { div: el("div", { class: "panel" }), title: el("h3"), entropy: el("p", { class: "entropy" }),
-                 wrap: el("div", { class: "canvas-wrap" }), canvas: el("canvas", { tabindex: 0, role: "img" }),
-                 cursor: el("div", { class: "cursor", hidden: "" }), at: [0, 0], index };
-  view.wrap.append(view.canvas, view.cursor);
+                 wrap: el("div", { class: "canvas-wrap" }), canvas: el("canvas", { class: "cells", tabindex: 0, role: "img" }),
+                 rows: el("img", { class: "rows", alt: "" }), columns: el("img", { class: "columns", alt: "" }),
+                 cursor: el("div", { class: "cursor", hidden: "" }), at: [0, 0], index, labels: null };
+  view.wrap.append(view.canvas, view.rows, view.columns, view.cursor);
   view.div.append(view.title, view.entropy, view.wrap);
   const cellAt = (e) => {
     const g = state.geometry, rect = view.canvas.getBoundingClientRect();
-    const i = Math.floor((e.clientY - rect.top - g.label) / g.cell), j = Math.floor((e.clientX - rect.left - g.label) / g.cell);
+    const i = Math.floor((e.clientY - rect.top) / g.cell), j = Math.floor((e.clientX - rect.left) / g.cell);
     return i >= 0 && j >= 0 && i < g.n && j < g.n ? [i, j] : null;
   };
   view.canvas.addEventListener("mousemove", (e) => {
@@ -142,13 +189,11 @@ function drawHeatmaps() {
     state.views = all.map((_, p) => panelView(p));
     container.replaceChildren(...state.views.map((v) => v.div));
   }
-  const dpr = window.devicePixelRatio || 1, side = g.label + g.size + 2, hatched = maskedPath(g);
-  const colLabels = [], rowLabels = [];
-  for (let i = 0; i < n; i += g.every) {
-    rowLabels.push([i, fitLabel(tokens[i], g.label - 6)]);
-    colLabels.push([i, fitLabel(tokens[i], g.label - 6)]);
-  }
+  const side = g.label + g.size + 2, hatched = r.visible && r.visible.some((row) => row.includes("0"));
+  const rowLabels = [];
+  for (let i = 0; i < n; i += g.every) rowLabels.push([i, fitLabel(tokens[i], g.label - 6)]);
   g.labels = rowLabels.map(([i, text]) => [i, text]);  // what each axis shows, for the browser test
+  if (!labels || labels.key !== labelsKey(g, rowLabels)) labels = labelImages(g, rowLabels);
   all.forEach((panel, p) => {
     const view = state.views[p], canvas = view.canvas, top = scaleTop(panel.weights);
     view.div.dataset.head = panel.head;
@@ -158,46 +203,26 @@ function drawHeatmaps() {
       ($("stretch").checked ? `; colours 0 to ${formatWeight(top)}` : "");
     canvas.setAttribute("aria-label", `${panel.title} heatmap, ${n} by ${n}; arrow keys read the weights`);
     view.div.style.width = `${side}px`;  // longer titles wrap instead of widening the column
-    if (canvas.width !== Math.round(side * dpr) || canvas.height !== Math.round(side * dpr)) {
-      canvas.width = canvas.height = Math.round(side * dpr);
-      canvas.style.width = canvas.style.height = `${side}px`;
+    if (view.labels !== labels.key) {  // the sizes and labels: only when they change
+      view.labels = labels.key;
+      Object.assign(view.wrap.style, { width: `${side}px`, height: `${side}px` });
+      Object.assign(canvas.style, { left: `${g.label}px`, top: `${g.label}px`, width: `${g.size}px`, height: `${g.size}px` });
+      Object.assign(view.rows.style, { left: "0px", top: `${g.label - 6}px`, width: `${g.label}px`, height: `${g.size + 12}px` });
+      Object.assign(view.columns.style, { left: `${g.label - 6}px`, top: "0px", width: `${g.size + 12}px`, height: `${g.label}px` });
+      view.rows.src = labels.rows;
+      view.columns.src = labels.columns;
     }
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, side, side);
-    ctx.imageSmoothingEnabled = false;
-    ctx.drawImage(cellImage(panel.weights, top), 0, 0, n, n, g.label, g.label, g.size, g.size);
-    if (hatched) {
-      ctx.save();
-      ctx.translate(g.label, g.label);
-      ctx.fillStyle = hatchPattern(ctx);
-      ctx.fill(hatched);
-      ctx.restore();
-    }
-    ctx.strokeStyle = "#888";
-    ctx.lineWidth = 1;
-    ctx.strokeRect(g.label - 0.5, g.label - 0.5, g.size + 1, g.size + 1);
-    ctx.font = LABEL_FONT;
-    ctx.fillStyle = "#1b1f24";
-    ctx.textAlign = "right";
-    for (const [i, text] of rowLabels) ctx.fillText(text, g.label - 4, g.label + i * g.cell + g.cell / 2 + 4);
-    ctx.textAlign = "left";
-    for (const [j, text] of colLabels) {
-      ctx.save();
-      ctx.translate(g.label + j * g.cell + g.cell / 2 + 4, g.label - 4);
-      ctx.rotate(-Math.PI / 2);
-      ctx.fillText(text, 0, 0);
-      ctx.restore();
-    }
+    canvas.style.backgroundImage = hatched ? hatchBackground() : "none";
+    drawCells(canvas, panel.weights, top, null);
     if (document.activeElement === canvas) showCursor(view);
   });
 }
 
-// For the browser test: where panel `head`'s cells are on its canvas, in canvas pixels.
+// For the browser test: the heatmaps' sizes (CSS px; a panel's cells canvas, `.panel canvas.cells`,
+// shows cell (i, j) at (j * cell, i * cell) of its box, `label` px right of and below the panel's corner).
 window.qkvExplorer = {
   geometry() {
-    const g = state.geometry, dpr = window.devicePixelRatio || 1;
-    return { ...g, dpr, x0: g.label * dpr, y0: g.label * dpr, step: g.cell * dpr };
+    return { ...state.geometry, dpr: window.devicePixelRatio || 1 };
   },
   colour: (t) => rampRgb(t),
 };
