@@ -432,9 +432,11 @@ HEATMAPS_HEIGHT = "return document.getElementById('heatmaps').scrollHeight"
 
 @pytest.mark.parametrize("tokens, heads", [(16, 8), (64, 16)])
 def test_input_to_redraw_time(server, browser, tokens, heads):
-    """Input to drawn, as the page measures it (performance.now() from the input event to the end
-    of the drawing, window.qkvLastRedraw): targets 50 ms at 16 tokens x 8 heads and 100 ms at 64 x
-    16; asserted loosely (the machine is shared), the figures printed."""
+    """Input to redraw, as the page measures it (window.qkvLastRedraw, performance.now() from the
+    input event): to the end of the drawing (`total`), to the next frame after it (`painted`: the
+    browser's layout, paint and compositing too) and to the frame after the head view's lines
+    (`complete`). Targets 50 ms at 16 tokens x 8 heads and 100 ms at 64 x 16; asserted loosely
+    (the machine is shared, and speed is measured, not tested), the figures printed."""
     browser.get(server.url + "/")
     wait_render(browser, 0, "loading the page")
     if heads != 8:  # 8 is the default
@@ -450,6 +452,7 @@ def test_input_to_redraw_time(server, browser, tokens, heads):
         slider.send_keys(Keys.ARROW_RIGHT if step % 2 == 0 else Keys.ARROW_LEFT)
         wait_render(browser, before, "a slider step")
         time.sleep(0.1)  # let a late answer (none expected) settle
+        WebDriverWait(browser, 10).until(lambda d: "complete" in d.execute_script("return window.qkvLastRedraw"))
         times.append(browser.execute_script("return window.qkvLastRedraw"))
     request = json.loads(browser.execute_script("return document.body.dataset.request"))
     assert request["heads"] == heads
@@ -461,10 +464,12 @@ def test_input_to_redraw_time(server, browser, tokens, heads):
           f"(min {min(total):.0f}, max {max(total):.0f}); server + JSON median "
           f"{statistics.median(t['server'] for t in times):.0f} ms, drawing median "
           f"{statistics.median(t['draw'] for t in times):.0f} ms; to the next frame painted median "
-          f"{statistics.median(t.get('painted', math.inf) for t in times):.0f} ms; page height "
+          f"{statistics.median(t['painted'] for t in times):.0f} ms (min {min(t['painted'] for t in times):.0f}, "
+          f"max {max(t['painted'] for t in times):.0f}); with the head view's lines painted median "
+          f"{statistics.median(t['complete'] for t in times):.0f} ms; page height "
           f"{browser.execute_script('return document.body.scrollHeight')} px, heatmaps "
           f"{browser.execute_script(HEATMAPS_HEIGHT)} px")
-    assert median < 1000, times
+    assert median < 1000 and statistics.median(t["painted"] for t in times) < 1000, times
     g = browser.execute_script("return window.qkvExplorer.geometry()")
     if tokens == 64:
         # Labels thinned so they do not overlap: every k-th token, k * cell >= the text's height.

@@ -145,7 +145,7 @@ def test_gpt2_model_view_head_view_neuron_view(folders_server, browser):  # noqa
     g = browser.execute_script("return window.qkvExplorer.geometry()")
     side = canvas.size["width"]
     ActionChains(browser).move_to_element_with_offset(
-        canvas, round(g["label"] + (k + 0.5) * g["cell"] - side / 2), round(g["label"] + (q + 0.5) * g["cell"] - side / 2)).perform()
+        canvas, round((k + 0.5) * g["cell"] - side / 2), round((q + 0.5) * g["cell"] - side / 2)).perform()
     WebDriverWait(browser, 10).until(
         lambda d: d.find_element(By.ID, "neuron").get_attribute("data-cell") == json.dumps([other, head, q, k]).replace(" ", ""),
         "the neuron view did not show the hovered cell")
