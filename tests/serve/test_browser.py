@@ -465,7 +465,8 @@ def test_input_to_redraw_time(server, browser, tokens, heads):
           f"{statistics.median(t['server'] for t in times):.0f} ms, drawing median "
           f"{statistics.median(t['draw'] for t in times):.0f} ms; to the next frame painted median "
           f"{statistics.median(t['painted'] for t in times):.0f} ms (min {min(t['painted'] for t in times):.0f}, "
-          f"max {max(t['painted'] for t in times):.0f}); with the head view's lines painted median "
+          f"max {max(t['painted'] for t in times):.0f}), of which after the answer (painted - server) median "
+          f"{statistics.median(t['painted'] - t['server'] for t in times):.0f} ms; with the head view's lines painted median "
           f"{statistics.median(t['complete'] for t in times):.0f} ms; page height "
           f"{browser.execute_script('return document.body.scrollHeight')} px, heatmaps "
           f"{browser.execute_script(HEATMAPS_HEIGHT)} px")
