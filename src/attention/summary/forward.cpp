@@ -8,8 +8,8 @@
 //   per query tile after finish: each row's entropy and top keys (FinishRowSummaries), the kept
 //                  P folded into the head's received mass at the final max and sum (FoldReceived)
 // Each worker adds received mass into its own (B, Hq, Nk) partial; the launch sums them after.
-// Memory: per worker the flash scratch plus br x Nk kept weights and br x k top keys (int32: at
-// most 2^31 - 1 keys).
+// Memory: per worker the flash scratch plus br x Nk kept weights and br x k top keys (k rounded
+// up to 4, 8 or 16; keys int32, so at most 2^31 - 1 keys).
 //
 // Simpler than flash/forward.cpp where speed matters less than one pass: float32 products at
 // every MatmulPrecision (no AMX), and a strided rule's keys visited by the tiles (no residues),
