@@ -45,12 +45,13 @@ template <class T>
 void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
                    const KeyRun& run, bool band, const Scratch& w) {
   const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
-  const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, run.j0);
-  const size_t v_stride = ValueRowStride(p) * static_cast<size_t>(run.step);
+  const RunRows<T> tile = LoadRun<T>(p, plan, b, g, run.j0, run.step, cols, w);
+  const T* HWY_RESTRICT v_tile = tile.v;
+  const size_t v_stride = tile.v_stride;
   // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
   // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
   // (softcap(-inf) is finite).
-  DecodeScores<T>(p, plan, b, g, rows, run, w);
+  DecodeScores<T>(p, plan, b, g, rows, run, tile, w);
   step::Softcap(p, w.scores, rows * kKeyTile);
   const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
@@ -164,7 +165,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   // The keys the running prefetch (DecodeScores) never reaches, the chunk's first PrefetchAhead,
   // requested together so their misses overlap (docs/performance-log.md). Not
   // under a rule, whose first tiles may be hidden and never read.
-  if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>()), 1);
+  if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>(p)), 1);
   for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
     const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
     bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
@@ -191,13 +192,17 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const Stri
 
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
-    switch (p.kv_dtype) {  // K and V read in their own element type, never widened to memory
+    switch (p.kv_dtype) {  // 16-bit K and V read in their own element type, never widened to memory
       case DType::F32: RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch); break;
       case DType::BF16:
         RowBlockOverChunk<hwy::bfloat16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
       case DType::F16:
         RowBlockOverChunk<hwy::float16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
+      case DType::I8:
+      case DType::I4:  // dequantised a tile at a time into the worker's scratch (LoadRun)
+        RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
     }
     for (size_t r = 0; r < rows; ++r) {

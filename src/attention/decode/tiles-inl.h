@@ -66,10 +66,10 @@ namespace step = pipeline;
 
 // One worker's view of its scratch block (decode::ScratchLayout).
 struct Scratch {
-  float *q, *scores, *out, *running_max, *row_sum, *v_wide;
+  float *q, *scores, *out, *running_max, *row_sum, *v_wide, *k_wide;
   Scratch(float* base, const decode::ScratchLayout& l)
       : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
-        row_sum(base + l.row_sum), v_wide(base + l.v_wide) {}
+        row_sum(base + l.row_sum), v_wide(base + l.v_wide), k_wide(base + l.k_wide) {}
   // The same scratch seen from row r of the block on (a gather over some of its rows).
   Scratch from_row(const decode::Plan& plan, size_t r) const {
     Scratch w = *this;
@@ -139,15 +139,54 @@ HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, in
                              int64_t step) {
   if (first >= last) return;
   const int64_t keys = (last - first + step - 1) / step;
+  if (is_quantized(p.kv_dtype)) {  // the packed rows (bytes) and their scales
+    const int64_t k_bytes = p.kv_dtype == DType::I4 ? p.head_dim / 2 : p.head_dim;
+    const int64_t v_bytes = p.kv_dtype == DType::I4 ? p.value_dim / 2 : p.value_dim;
+    PrefetchRows(p.k_quant.row(b, g, first), keys, p.k_quant.row_stride * step, k_bytes);
+    PrefetchRows(p.v_quant.row(b, g, first), keys, p.v_quant.row_stride * step, v_bytes);
+    PrefetchRows(p.k_scales.row(b, g, first), keys, p.k_scales.row_stride * step, p.k_scales.row_stride);
+    PrefetchRows(p.v_scales.row(b, g, first), keys, p.v_scales.row_stride * step, p.v_scales.row_stride);
+    return;
+  }
   PrefetchRows(KeyRow<T>(p, b, g, first), keys, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
   PrefetchRows(ValueRow<T>(p, b, g, first), keys, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
 }
 
 // The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
-// the keys for 16-bit K/V.
+// the keys for 16-bit K/V, four times for quantized (T = float, read through a dequantised tile).
 template <class T>
-constexpr int64_t PrefetchAhead() {
-  return decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
+HWY_INLINE int64_t PrefetchAhead(const AttentionProblem& p) {
+  const int64_t keys = decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
+  return is_quantized(p.kv_dtype) ? 4 * keys : keys;
+}
+
+// The K and V rows of a key run (KeyRun) as T, `stride` elements from one key of the run to the
+// next: in place, or for quantized K/V (T = float) dequantised into the worker's scratch.
+template <class T>
+struct RunRows {
+  const T* k;
+  size_t k_stride;
+  const T* v;
+  size_t v_stride;
+};
+template <class T>
+HWY_INLINE RunRows<T> LoadRun(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t j0,
+                              int64_t step, size_t cols, const Scratch& w) {
+  if (!plan.quantized)
+    return {KeyRow<T>(p, b, g, j0), KeyRowStride(p) * static_cast<size_t>(step), ValueRow<T>(p, b, g, j0),
+            ValueRowStride(p) * static_cast<size_t>(step)};
+  if constexpr (std::is_same_v<T, float>) {
+    const bool int4 = p.kv_dtype == DType::I4;
+    for (size_t x = 0; x < cols; ++x) {
+      const int64_t j = j0 + static_cast<int64_t>(x) * step;
+      kv::DequantizeRow(DF(), int4, p.k_quant.row(b, g, j), p.k_scales.row(b, g, j), static_cast<size_t>(p.head_dim),
+                        w.k_wide + x * plan.q_stride);
+      kv::DequantizeRow(DF(), int4, p.v_quant.row(b, g, j), p.v_scales.row(b, g, j), static_cast<size_t>(p.value_dim),
+                        w.v_wide + x * plan.out_stride);
+    }
+    return {w.k_wide, plan.q_stride, w.v_wide, plan.out_stride};
+  }
+  return {};  // quantized K/V run with T = float only (DecodeChunk)
 }
 
 // Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
@@ -156,18 +195,17 @@ constexpr int64_t PrefetchAhead() {
 // last key the pointers repeat that key (overwritten with -inf later).
 template <class T>
 void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
-                  const KeyRun& run, const Scratch& w) {
+                  const KeyRun& run, const RunRows<T>& tile, const Scratch& w) {
   const int64_t j0 = run.j0, step = run.step, end = run.end;
   const size_t cols = run.cols;
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
-    const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>()) * step;
+    const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>(p)) * step;
     if (ahead < end)
       PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
     const T* keys[kScoreKeys];
-    for (size_t x = 0; x < kScoreKeys; ++x)
-      keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
+    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = tile.k + std::min(j + x, cols - 1) * tile.k_stride;
     dot_scores::ScoreRows(rows, dk, full_dk, w.q, plan.q_stride, keys, w.scores + j, kKeyTile, 1);
   }
 }
