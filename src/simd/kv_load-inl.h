@@ -54,8 +54,15 @@ HWY_INLINE hn::Vec<D> LoadWide(D d, const hwy::float16_t* HWY_RESTRICT p) {
 #endif
 }
 
+// int8 (quantized K/V read in place; the caller applies the row's scale): sign-extend, convert.
+template <class D>
+HWY_INLINE hn::Vec<D> LoadWide(D d, const int8_t* HWY_RESTRICT p) {
+  return hn::ConvertTo(d, hn::PromoteTo(hn::RebindToSigned<D>(), hn::LoadU(hn::Rebind<int8_t, D>(), p)));
+}
+
 // One element as a float, for the scalar tails.
 HWY_INLINE float ToFloat(float x) { return x; }
+HWY_INLINE float ToFloat(int8_t x) { return static_cast<float>(x); }
 HWY_INLINE float ToFloat(hwy::bfloat16_t x) { return hwy::F32FromBF16(x); }
 HWY_INLINE float ToFloat(hwy::float16_t x) {
   const uint16_t bits = x.bits;
@@ -82,13 +89,11 @@ HWY_INLINE float ToFloat(hwy::float16_t x) {
 template <class D>
 HWY_INLINE void DequantizeInt8(D d, const uint8_t* HWY_RESTRICT values, float scale, size_t dim,
                                float* HWY_RESTRICT out) {
-  const hn::RebindToSigned<D> di;
-  const hn::Rebind<int8_t, D> d8;
   const auto* q = reinterpret_cast<const int8_t*>(values);
   const auto s = hn::Set(d, scale);
   const size_t lanes = hn::Lanes(d);
   size_t c = 0;
-  for (; c + lanes <= dim; c += lanes) hn::StoreU(hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q + c))), s), d, out + c);
+  for (; c + lanes <= dim; c += lanes) hn::StoreU(hn::Mul(LoadWide(d, q + c), s), d, out + c);
   for (; c < dim; ++c) out[c] = static_cast<float>(q[c]) * scale;
 }
 

@@ -52,6 +52,7 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
   // (softcap(-inf) is finite).
   DecodeScores<T>(p, plan, b, g, rows, run, tile, w);
+  if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(p.k_scales, b, g, run.j0, run.step, cols, rows, w.scores);
   step::Softcap(p, w.scores, rows * kKeyTile);
   const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
@@ -71,6 +72,10 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf (a 16-bit
   // tile is widened into scratch for that check: masked tiles only).
   const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
+  if constexpr (std::is_same_v<T, int8_t>) {  // integers times finite scales: never NaN or inf
+    ScaleColumns(p.v_scales, b, g, run.j0, run.step, cols, rows, w.scores);
+    return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+  }
   if (!some_hidden) return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
   const float* wide = nullptr;
   size_t wide_stride = v_stride;
@@ -200,7 +205,9 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const Stri
       case DType::F16:
         RowBlockOverChunk<hwy::float16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
-      case DType::I8:
+      case DType::I8:  // read in place as T = int8_t, widened in registers; the scales on S and P
+        RowBlockOverChunk<int8_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
       case DType::I4:  // dequantised a tile at a time into the worker's scratch (LoadRun)
         RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;

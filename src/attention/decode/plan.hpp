@@ -72,7 +72,7 @@ struct Plan {
   int64_t chunks;      // chunks per (b, g), at least 1
   size_t q_stride;     // floats between rows of the packed Qs (Dk, cache-line rounded)
   size_t out_stride;   // floats between rows of O (Dv, cache-line rounded)
-  bool quantized;      // int8 / int4 K/V: each tile dequantised into the worker's scratch
+  bool dequantize_tiles;  // int4 K/V: each tile dequantised into the worker's scratch (int8 is read in place)
 
   // Row r of an item of group g: query head g G + r % G, query r / G. Queries outer, so the rows
   // of one query (the query heads of the group) are contiguous: the strided gather runs them together.
@@ -89,7 +89,7 @@ struct Plan {
         chunks(std::max<int64_t>(1, (p.kv_len + chunk_keys - 1) / chunk_keys)),
         q_stride(round_up(static_cast<size_t>(p.head_dim), kCacheLineFloats)),
         out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)),
-        quantized(is_quantized(p.kv_dtype)) {}
+        dequantize_tiles(p.kv_dtype == DType::I4) {}
 };
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on its
@@ -110,8 +110,8 @@ struct ScratchLayout {
     out = take(kRowBlock * out_stride);       // O (rows, Dv), unnormalised
     running_max = take(kRowBlock);           // per row: m
     row_sum = take(kRowBlock);               // per row: l
-    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened when masks hide keys; a quantized V tile
-    k_wide = take(plan.quantized ? kKeyTile * plan.q_stride : 0);  // a quantized K tile, dequantised
+    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened when masks hide keys; an int4 V tile
+    k_wide = take(plan.dequantize_tiles ? kKeyTile * plan.q_stride : 0);  // an int4 K tile, dequantised
     total = at;
   }
 };

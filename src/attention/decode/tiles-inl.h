@@ -91,19 +91,36 @@ HWY_INLINE const T* RowIn(const Rows<const float>& floats, const Rows<const uint
     return reinterpret_cast<const T*>(bits.row(b, g, j));
   }
 }
+// int8 K/V (T = int8_t) are read in place too, from p.k_quant / p.v_quant; their scales are
+// applied to the tile's score and weight columns (ScaleColumns).
 template <class T>
 HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, int8_t>) return reinterpret_cast<const int8_t*>(p.k_quant.row(b, g, j));
   return RowIn<T>(p.k, p.k_bits, b, g, j);
 }
 template <class T>
 HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (std::is_same_v<T, int8_t>) return reinterpret_cast<const int8_t*>(p.v_quant.row(b, g, j));
   return RowIn<T>(p.v, p.v_bits, b, g, j);
 }
 HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
+  if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.k_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.k.row_stride : p.k_bits.row_stride);
 }
 HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
+  if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.v_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
+}
+
+// int8 K/V: tile[r * kKeyTile + j] *= scale of key j0 + j step, for `rows` rows and `cols` keys.
+// Applied to the scores with K's scales (q . (s k) = s (q . k)) and to the weights with V's
+// (p (s v) = (p s) v), so the products run on the integers widened in registers.
+HWY_INLINE void ScaleColumns(const Rows<const float>& scales, int64_t b, int64_t g, int64_t j0, int64_t step,
+                             size_t cols, size_t rows, float* HWY_RESTRICT tile) {
+  float column[kKeyTile];
+  for (size_t j = 0; j < cols; ++j) column[j] = *scales.row(b, g, j0 + static_cast<int64_t>(j) * step);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t j = 0; j < cols; ++j) tile[r * kKeyTile + j] *= column[j];
 }
 
 // Row r of an item of group g (decode::Plan::head_of, query_of).
@@ -153,15 +170,15 @@ HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, in
 }
 
 // The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
-// the keys for 16-bit K/V, four times for quantized (T = float, read through a dequantised tile).
+// the keys for 16-bit K/V, four times for int8 and int4 (T = float, read through a dequantised tile).
 template <class T>
 HWY_INLINE int64_t PrefetchAhead(const AttentionProblem& p) {
   const int64_t keys = decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
-  return is_quantized(p.kv_dtype) ? 4 * keys : keys;
+  return p.kv_dtype == DType::I4 ? 4 * keys : keys;
 }
 
 // The K and V rows of a key run (KeyRun) as T, `stride` elements from one key of the run to the
-// next: in place, or for quantized K/V (T = float) dequantised into the worker's scratch.
+// next: in place, or for int4 K/V (T = float) dequantised into the worker's scratch.
 template <class T>
 struct RunRows {
   const T* k;
@@ -172,7 +189,7 @@ struct RunRows {
 template <class T>
 HWY_INLINE RunRows<T> LoadRun(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t j0,
                               int64_t step, size_t cols, const Scratch& w) {
-  if (!plan.quantized)
+  if (!plan.dequantize_tiles)
     return {KeyRow<T>(p, b, g, j0), KeyRowStride(p) * static_cast<size_t>(step), ValueRow<T>(p, b, g, j0),
             ValueRowStride(p) * static_cast<size_t>(step)};
   if constexpr (std::is_same_v<T, float>) {
@@ -186,7 +203,7 @@ HWY_INLINE RunRows<T> LoadRun(const AttentionProblem& p, const decode::Plan& pla
     }
     return {w.k_wide, plan.q_stride, w.v_wide, plan.out_stride};
   }
-  return {};  // quantized K/V run with T = float only (DecodeChunk)
+  return {};  // int4 K/V run with T = float only (DecodeChunk)
 }
 
 // Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
