@@ -45,7 +45,7 @@ def test_attention_on_quantized_kv_matches_float64_on_dequantised_values(rng, dt
     q = rng.standard_normal((b, hq, nq, d)).astype(np.float32)
     k = qkv.quantize_kv(rng.standard_normal((b, hkv, nk, d)).astype(np.float32), dtype)
     v = qkv.quantize_kv(rng.standard_normal((b, hkv, nk, d)).astype(np.float32), dtype)
-    out, lse = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, attn_mask=f"causal({nk - nq})",
+    out, lse = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, attn_mask=qkv.Mask.causal(nk - nq),
                                                 backend=backend, return_lse=True)
     want = oracle(q, k.dequantize(), v.dequantize(), causal_offset=nk - nq)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
