@@ -151,11 +151,19 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
     throw Error(what + ": the last dim must be contiguous (a row of packed values)");
   if (scales.dim() > 0 && scales.strides().back() != 1 && scales.size(-1) > 1)
     throw Error(what + ": " + scales_name + "'s last dim must be contiguous");
-  const std::vector<float> all = scales.to_vector();
-  for (size_t e = 0; e < all.size(); ++e)
-    if (!std::isfinite(all[e]) || all[e] < 0)
-      throw Error(what + ": " + scales_name + " has " + std::to_string(all[e]) + " at flat index " +
-                  std::to_string(e) + ": scales must be finite and >= 0");
+  // Every scale read in place (a decode step reads them once more here: no copy, no allocation).
+  // Finite and >= 0: the sign bit clear and the exponent not all ones, tested as integers so
+  // the loop vectorises.
+  const Tensor packed = scales.contiguous();
+  const auto* bits = static_cast<const uint32_t*>(packed.raw_data());
+  const int64_t count = packed.numel();
+  bool bad = false;
+  for (int64_t e = 0; e < count; ++e) bad |= bits[e] >= 0x7f800000u;  // negative (sign set), inf or NaN
+  if (bad)
+    for (int64_t e = 0; e < count; ++e)
+      if (bits[e] >= 0x7f800000u && bits[e] != 0x80000000u)  // -0 is a zero scale
+        throw Error(what + ": " + scales_name + " has " + std::to_string(packed.data()[e]) + " at flat index " +
+                    std::to_string(e) + ": scales must be finite and >= 0");
 }
 
 HWY_EXPORT(DequantizeRowSimd);

@@ -171,8 +171,11 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   // requested together so their misses overlap (docs/performance-log.md). Not
   // under a rule, whose first tiles may be hidden and never read.
   if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>(p)), 1);
-  for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
+  // int4 tiles of half the keys: their dequantised K and V (2 x 32 keys x D floats, 32 KB at
+  // D = 128) then stay in L1 between the dequantisation and the products.
+  const int64_t tile_keys = static_cast<int64_t>(plan.dequantize_tiles ? kKeyTile / 2 : kKeyTile);
+  for (int64_t j0 = begin; j0 < end; j0 += tile_keys) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(tile_keys, end - j0));
     bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
     if (!p.rule.empty()) {  // the rule's view of the tile: skipped when it hides it from every row
       const TileVisibility rule = RuleTileOfRows(p, plan, b, g, r0, rows, j0, cols);
