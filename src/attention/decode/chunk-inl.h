@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "attention/decode/plan.hpp"
+#include "attention/decode/quantized-inl.h"
 #include "attention/decode/tiles-inl.h"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
@@ -38,20 +39,50 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
 namespace HWY_NAMESPACE {
 
+// Step 5 for float and 16-bit K/V: O += P V_tile, skipping zero weights when a hidden key's V
+// may be NaN or Inf (a 16-bit tile is widened into scratch for that check: masked tiles only).
+template <class T>
+void AccumulateValues(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
+                      const KeyRun& run, bool band, const Scratch& w) {
+  const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
+  const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, run.j0);
+  const size_t v_stride = ValueRowStride(p) * static_cast<size_t>(run.step);
+  const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
+  if (!some_hidden) return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+  const float* wide = nullptr;
+  size_t wide_stride = v_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    wide = v_tile;
+  } else {
+    for (size_t j = 0; j < cols; ++j)
+      convert(v_tile + j * v_stride, p.kv_dtype, w.v_wide + j * plan.out_stride, DType::F32, dv);
+    wide = w.v_wide;
+    wide_stride = plan.out_stride;
+  }
+  if (!step::RowsFinite(wide, cols, dv, static_cast<int64_t>(wide_stride))) {
+    accumulate_skipping_zeros(rows, cols, dv, w.scores, kKeyTile, 1, wide, static_cast<int64_t>(wide_stride), w.out,
+                              plan.out_stride, 1);
+  } else {
+    DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+  }
+}
+
 // One key tile (KeyRun) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and mask
 // per row, the online softmax update, dropout, O += P V. `band`: some key of the tile may be
-// hidden from some row (per-element mask work); always so for gathered keys.
+// hidden from some row (per-element mask work); always so for gathered keys. T: the K/V element
+// (float, bf16, f16, int8_t or Int4: quantized-inl.h).
 template <class T>
 void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
                    const KeyRun& run, bool band, const Scratch& w) {
-  const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
-  const RunRows<T> tile = LoadRun<T>(p, plan, b, g, run.j0, run.step, cols, w);
-  const T* HWY_RESTRICT v_tile = tile.v;
-  const size_t v_stride = tile.v_stride;
+  const size_t cols = run.cols;
   // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
   // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
   // (softcap(-inf) is finite).
-  DecodeScores<T>(p, plan, b, g, rows, run, tile, w);
+  if constexpr (std::is_same_v<T, Int4>) {
+    Int4Scores(p, plan, b, g, rows, run, w);
+  } else {
+    DecodeScores<T>(p, plan, b, g, rows, run, w);
+  }
   if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(p.k_scales, b, g, run.j0, run.step, cols, rows, w.scores);
   step::Softcap(p, w.scores, rows * kKeyTile);
   const bool per_element = band || p.alibi_slopes || !p.terms.empty();
@@ -69,29 +100,15 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
     // 4. Dropout on P.
     if (p.dropout_p > 0) step::Dropout(p, line, s, cols);
   }
-  // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf (a 16-bit
-  // tile is widened into scratch for that check: masked tiles only).
-  const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
-  if constexpr (std::is_same_v<T, int8_t>) {  // integers times finite scales: never NaN or inf
+  // 5. O += P V_tile. Quantized values are integers times finite scales, never NaN or inf.
+  if constexpr (std::is_same_v<T, Int4>) {
+    Int4Accumulate(p, plan, b, g, rows, run, w);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
     ScaleColumns(p.v_scales, b, g, run.j0, run.step, cols, rows, w.scores);
-    return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
-  }
-  if (!some_hidden) return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
-  const float* wide = nullptr;
-  size_t wide_stride = v_stride;
-  if constexpr (std::is_same_v<T, float>) {
-    wide = v_tile;
+    DecodeAccumulate<T>(p, plan, rows, cols, ValueRow<T>(p, b, g, run.j0),
+                        ValueRowStride(p) * static_cast<size_t>(run.step), w);
   } else {
-    for (size_t j = 0; j < cols; ++j)
-      convert(v_tile + j * v_stride, p.kv_dtype, w.v_wide + j * plan.out_stride, DType::F32, dv);
-    wide = w.v_wide;
-    wide_stride = plan.out_stride;
-  }
-  if (!step::RowsFinite(wide, cols, dv, static_cast<int64_t>(wide_stride))) {
-    accumulate_skipping_zeros(rows, cols, dv, w.scores, kKeyTile, 1, wide, static_cast<int64_t>(wide_stride), w.out,
-                              plan.out_stride, 1);
-  } else {
-    DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+    AccumulateValues<T>(p, plan, b, g, rows, run, band, w);
   }
 }
 
@@ -170,12 +187,9 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   // The keys the running prefetch (DecodeScores) never reaches, the chunk's first PrefetchAhead,
   // requested together so their misses overlap (docs/performance-log.md). Not
   // under a rule, whose first tiles may be hidden and never read.
-  if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>(p)), 1);
-  // int4 tiles of half the keys: their dequantised K and V (2 x 32 keys x D floats, 32 KB at
-  // D = 128) then stay in L1 between the dequantisation and the products.
-  const int64_t tile_keys = static_cast<int64_t>(plan.dequantize_tiles ? kKeyTile / 2 : kKeyTile);
-  for (int64_t j0 = begin; j0 < end; j0 += tile_keys) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(tile_keys, end - j0));
+  if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>()), 1);
+  for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
+    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
     bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
     if (!p.rule.empty()) {  // the rule's view of the tile: skipped when it hides it from every row
       const TileVisibility rule = RuleTileOfRows(p, plan, b, g, r0, rows, j0, cols);
@@ -211,8 +225,8 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const Stri
       case DType::I8:  // read in place as T = int8_t, widened in registers; the scales on S and P
         RowBlockOverChunk<int8_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
-      case DType::I4:  // dequantised a tile at a time into the worker's scratch (LoadRun)
-        RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+      case DType::I4:  // read in place, unpacked in registers (quantized-inl.h)
+        RowBlockOverChunk<Int4>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
     }
     for (size_t r = 0; r < rows; ++r) {

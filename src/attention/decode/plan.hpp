@@ -47,7 +47,7 @@ constexpr int64_t kPrefetchKeys = 32;
 constexpr size_t kRowBlock = 32;
 
 // Keys per chunk of float32 K/V, the unit of parallel work (16-bit K/V: twice the keys, the same
-// bytes; int8 and int4: four times). Small enough that a single head splits over the workers (8192 keys: 16 chunks) and that
+// bytes; int8 and int4 four times). Small enough that a single head splits over the workers (8192 keys: 16 chunks) and that
 // one chunk's K and V, 512 x (128 + 128) floats = 512 KB at d = 128, stay in a 1 MB L2 for the
 // row blocks after the first; large enough that a chunk's partials and per-item setup are noise
 // next to its K/V bytes (2048 keys ran slower). A chunk starts a new stream whose first keys the
@@ -72,7 +72,6 @@ struct Plan {
   int64_t chunks;      // chunks per (b, g), at least 1
   size_t q_stride;     // floats between rows of the packed Qs (Dk, cache-line rounded)
   size_t out_stride;   // floats between rows of O (Dv, cache-line rounded)
-  bool dequantize_tiles;  // int4 K/V: each tile dequantised into the worker's scratch (int8 is read in place)
 
   // Row r of an item of group g: query head g G + r % G, query r / G. Queries outer, so the rows
   // of one query (the query heads of the group) are contiguous: the strided gather runs them together.
@@ -88,14 +87,13 @@ struct Plan {
                      kKeyTile))),
         chunks(std::max<int64_t>(1, (p.kv_len + chunk_keys - 1) / chunk_keys)),
         q_stride(round_up(static_cast<size_t>(p.head_dim), kCacheLineFloats)),
-        out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)),
-        dequantize_tiles(p.kv_dtype == DType::I4) {}
+        out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)) {}
 };
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on its
 // own cache line.
 struct ScratchLayout {
-  size_t q, scores, out, running_max, row_sum, v_wide, k_wide, total;
+  size_t q, scores, out, running_max, row_sum, v_wide, total;
 
   explicit ScratchLayout(const Plan& plan) {
     size_t at = 0;
@@ -110,8 +108,7 @@ struct ScratchLayout {
     out = take(kRowBlock * out_stride);       // O (rows, Dv), unnormalised
     running_max = take(kRowBlock);           // per row: m
     row_sum = take(kRowBlock);               // per row: l
-    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened when masks hide keys; an int4 V tile
-    k_wide = take(plan.dequantize_tiles ? kKeyTile * plan.q_stride : 0);  // an int4 K tile, dequantised
+    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened, only when masks hide keys
     total = at;
   }
 };

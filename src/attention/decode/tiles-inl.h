@@ -66,10 +66,10 @@ namespace step = pipeline;
 
 // One worker's view of its scratch block (decode::ScratchLayout).
 struct Scratch {
-  float *q, *scores, *out, *running_max, *row_sum, *v_wide, *k_wide;
+  float *q, *scores, *out, *running_max, *row_sum, *v_wide;
   Scratch(float* base, const decode::ScratchLayout& l)
       : q(base + l.q), scores(base + l.scores), out(base + l.out), running_max(base + l.running_max),
-        row_sum(base + l.row_sum), v_wide(base + l.v_wide), k_wide(base + l.k_wide) {}
+        row_sum(base + l.row_sum), v_wide(base + l.v_wide) {}
   // The same scratch seen from row r of the block on (a gather over some of its rows).
   Scratch from_row(const decode::Plan& plan, size_t r) const {
     Scratch w = *this;
@@ -91,16 +91,16 @@ HWY_INLINE const T* RowIn(const Rows<const float>& floats, const Rows<const uint
     return reinterpret_cast<const T*>(bits.row(b, g, j));
   }
 }
-// int8 K/V (T = int8_t) are read in place too, from p.k_quant / p.v_quant; their scales are
-// applied to the tile's score and weight columns (ScaleColumns).
+// int8 and int4 K/V (T = int8_t, kv::Int4) are read in place too, from p.k_quant / p.v_quant
+// (decode/quantized-inl.h applies their scales).
 template <class T>
 HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (std::is_same_v<T, int8_t>) return reinterpret_cast<const int8_t*>(p.k_quant.row(b, g, j));
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.k_quant.row(b, g, j));
   return RowIn<T>(p.k, p.k_bits, b, g, j);
 }
 template <class T>
 HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (std::is_same_v<T, int8_t>) return reinterpret_cast<const int8_t*>(p.v_quant.row(b, g, j));
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.v_quant.row(b, g, j));
   return RowIn<T>(p.v, p.v_bits, b, g, j);
 }
 HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
@@ -112,16 +112,6 @@ HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
 }
 
-// int8 K/V: tile[r * kKeyTile + j] *= scale of key j0 + j step, for `rows` rows and `cols` keys.
-// Applied to the scores with K's scales (q . (s k) = s (q . k)) and to the weights with V's
-// (p (s v) = (p s) v), so the products run on the integers widened in registers.
-HWY_INLINE void ScaleColumns(const Rows<const float>& scales, int64_t b, int64_t g, int64_t j0, int64_t step,
-                             size_t cols, size_t rows, float* HWY_RESTRICT tile) {
-  float column[kKeyTile];
-  for (size_t j = 0; j < cols; ++j) column[j] = *scales.row(b, g, j0 + static_cast<int64_t>(j) * step);
-  for (size_t r = 0; r < rows; ++r)
-    for (size_t j = 0; j < cols; ++j) tile[r * kKeyTile + j] *= column[j];
-}
 
 // Row r of an item of group g (decode::Plan::head_of, query_of).
 struct RowCoords {
@@ -170,40 +160,10 @@ HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, in
 }
 
 // The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
-// the keys for 16-bit K/V, four times for int8 and int4 (T = float, read through a dequantised tile).
+// the keys for 16-bit K/V, four times for int8 and int4 (one byte an element: kv::Int4 holds two).
 template <class T>
-HWY_INLINE int64_t PrefetchAhead(const AttentionProblem& p) {
-  const int64_t keys = decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
-  return p.kv_dtype == DType::I4 ? 4 * keys : keys;
-}
-
-// The K and V rows of a key run (KeyRun) as T, `stride` elements from one key of the run to the
-// next: in place, or for int4 K/V (T = float) dequantised into the worker's scratch.
-template <class T>
-struct RunRows {
-  const T* k;
-  size_t k_stride;
-  const T* v;
-  size_t v_stride;
-};
-template <class T>
-HWY_INLINE RunRows<T> LoadRun(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t j0,
-                              int64_t step, size_t cols, const Scratch& w) {
-  if (!plan.dequantize_tiles)
-    return {KeyRow<T>(p, b, g, j0), KeyRowStride(p) * static_cast<size_t>(step), ValueRow<T>(p, b, g, j0),
-            ValueRowStride(p) * static_cast<size_t>(step)};
-  if constexpr (std::is_same_v<T, float>) {
-    const bool int4 = p.kv_dtype == DType::I4;
-    for (size_t x = 0; x < cols; ++x) {
-      const int64_t j = j0 + static_cast<int64_t>(x) * step;
-      kv::DequantizeRow(DF(), int4, p.k_quant.row(b, g, j), p.k_scales.row(b, g, j), static_cast<size_t>(p.head_dim),
-                        w.k_wide + x * plan.q_stride);
-      kv::DequantizeRow(DF(), int4, p.v_quant.row(b, g, j), p.v_scales.row(b, g, j), static_cast<size_t>(p.value_dim),
-                        w.v_wide + x * plan.out_stride);
-    }
-    return {w.k_wide, plan.q_stride, w.v_wide, plan.out_stride};
-  }
-  return {};  // int4 K/V run with T = float only (DecodeChunk)
+constexpr int64_t PrefetchAhead() {
+  return decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));
 }
 
 // Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
@@ -212,17 +172,18 @@ HWY_INLINE RunRows<T> LoadRun(const AttentionProblem& p, const decode::Plan& pla
 // last key the pointers repeat that key (overwritten with -inf later).
 template <class T>
 void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
-                  const KeyRun& run, const RunRows<T>& tile, const Scratch& w) {
+                  const KeyRun& run, const Scratch& w) {
   const int64_t j0 = run.j0, step = run.step, end = run.end;
   const size_t cols = run.cols;
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
   for (size_t j = 0; j < cols; j += kScoreKeys) {
-    const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>(p)) * step;
+    const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>()) * step;
     if (ahead < end)
       PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
     const T* keys[kScoreKeys];
-    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = tile.k + std::min(j + x, cols - 1) * tile.k_stride;
+    for (size_t x = 0; x < kScoreKeys; ++x)
+      keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
     dot_scores::ScoreRows(rows, dk, full_dk, w.q, plan.q_stride, keys, w.scores + j, kKeyTile, 1);
   }
 }
