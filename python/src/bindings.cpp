@@ -144,29 +144,21 @@ py::object to_numpy(const qkv::Tensor& tensor) {
 // bfloat16 / float16 as uint16), wrapped without copying, with the dtype they hold.
 using BitsArray = py::array_t<uint16_t, py::array::c_style>;
 
-qkv::Tensor bits_tensor(const BitsArray& a, qkv::DType dtype) {
+template <class Array>
+qkv::Tensor bits_tensor(const Array& a, qkv::DType dtype) {
   std::shared_ptr<void> owner(new py::object(a), [](void* p) {
     py::gil_scoped_acquire gil;
     delete static_cast<py::object*>(p);
   });
-  return qkv::Tensor::from_blob(const_cast<uint16_t*>(a.data()),
+  return qkv::Tensor::from_blob(const_cast<void*>(static_cast<const void*>(a.data())),
                                 qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), dtype,
                                 std::move(owner));
 }
 
 // Quantized K/V (qkv/quantize.hpp) arrive as their packed bytes (python/qkv/__init__.py's
-// QuantizedKV), wrapped without copying, and their float32 scales.
+// QuantizedKV), wrapped without copying as bits_tensor wraps 16-bit ones, and their float32 scales.
 using BytesArray = py::array_t<uint8_t, py::array::c_style>;
-
-qkv::Tensor bytes_tensor(const BytesArray& a, qkv::DType dtype) {
-  std::shared_ptr<void> owner(new py::object(a), [](void* p) {
-    py::gil_scoped_acquire gil;
-    delete static_cast<py::object*>(p);
-  });
-  return qkv::Tensor::from_blob(const_cast<uint8_t*>(a.data()),
-                                qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), dtype,
-                                std::move(owner));
-}
+qkv::Tensor bytes_tensor(const BytesArray& a, qkv::DType dtype) { return bits_tensor(a, dtype); }
 
 // A quantized tensor as (packed bytes as uint8, scales as float32) numpy arrays (copies).
 py::tuple quantized_to_numpy(const qkv::QuantizedTensor& q) {

@@ -51,18 +51,8 @@ Sizes for_dtype(Sizes s, DType dtype) {
   return s;
 }
 
-Sizes decode_sizes(Random& rng) {
-  const int64_t key_lengths[] = {1, 3, 17, 113, 700, 2500};
-  const int64_t kv_heads = rng.integer(1, 2);
-  return {rng.integer(1, 2), kv_heads * rng.integer(1, 4), kv_heads, rng.integer(1, 3), key_lengths[rng.integer(0, 5)],
-          rng.integer(1, 130), rng.integer(1, 130)};
-}
-
-Sizes flash_sizes(Random& rng) {
-  const int64_t kv_heads = rng.integer(1, 2);
-  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, rng.integer(1, 70), rng.integer(1, 90),
-          rng.integer(1, 70), rng.integer(1, 70)};
-}
+using qkv_test::kv_decode_sizes;
+using qkv_test::kv_flash_sizes;
 
 std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
   std::vector<Case> cases;
@@ -84,13 +74,13 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
 TEST(QuantizedKv, DecodeMatchesTheOracleOnDequantisedValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, decode_sizes));
+  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes));
 }
 
 TEST(QuantizedKv, FlashMatchesTheOracleOnDequantisedValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::flash_attention, cases_for(rng, flash_sizes));
+  qkv_test::check_everywhere(qkv::detail::flash_attention, cases_for(rng, kv_flash_sizes));
 }
 
 // The reference widens a copy: held to a fixed bound against the oracle (check_everywhere measures
@@ -98,7 +88,7 @@ TEST(QuantizedKv, FlashMatchesTheOracleOnDequantisedValues) {
 TEST(QuantizedKv, ReferenceMatchesTheOracleOnDequantisedValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  const std::vector<Case> cases = cases_for(rng, flash_sizes);
+  const std::vector<Case> cases = cases_for(rng, kv_flash_sizes);
   std::vector<qkv_test::Expected> expected;
   for (const Case& c : cases) expected.push_back(qkv_test::expect(c));
   qkv_test::on_every_target_and_thread_count([&] {

@@ -447,6 +447,20 @@ struct Sizes {
   int64_t batch, q_heads, kv_heads, nq, nk, dk, dv;
 };
 
+// Random odd sizes for the K/V dtype tests (16-bit, quantized): decode's few queries over up to
+// 2500 keys (several chunks), flash's odd tiles; head dims 1..130 (1..70 for flash).
+inline Sizes kv_decode_sizes(Random& rng) {
+  const int64_t key_lengths[] = {1, 3, 17, 113, 700, 2500};
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 4), kv_heads, rng.integer(1, 3), key_lengths[rng.integer(0, 5)],
+          rng.integer(1, 130), rng.integer(1, 130)};
+}
+inline Sizes kv_flash_sizes(Random& rng) {
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, rng.integer(1, 70), rng.integer(1, 90),
+          rng.integer(1, 70), rng.integer(1, 70)};
+}
+
 inline std::string describe(const Sizes& s) {
   return "B=" + std::to_string(s.batch) + " Hq=" + std::to_string(s.q_heads) + " Hkv=" +
          std::to_string(s.kv_heads) + " Nq=" + std::to_string(s.nq) + " Nk=" + std::to_string(s.nk) +
