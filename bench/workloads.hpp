@@ -24,7 +24,9 @@
 //   W3       B=1 Hq=32 Hkv=8 N=4096 d=128                causal (Llama-style GQA)
 //   W4       B=1 H=32 d=128, 1 query vs 8192 keys        decode (reported in GB/s of K and V)
 //   W4-bf16  W4 with K and V in bfloat16                  (issue 11's target: each <= 0.55 x W4's
-//   W4-f16   W4 with K and V in float16                    time; `--workload W4` runs all three)
+//   W4-f16   W4 with K and V in float16                    time; `--workload W4` runs all of W4-*)
+//   W4-int8  W4 with K and V int8, a scale per token and head (issue 41's target: <= 0.32 x W4's time)
+//   W4-int4  W4 with K and V 4-bit, a scale per 32 values      (issue 41's target: <= 0.22 x W4's time)
 //   decode-<N>k[-bf16]  W4's heads, 1 query vs N = 1, 4, 16, 32 thousand keys, K/V f32 or bf16:
 //            the decode sweep in GB/s, only on request (`--workload decode-sweep`: 1 GB of K/V)
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
@@ -117,7 +119,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 28> kWorkloads = {{
+inline constexpr std::array<Workload, 30> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -142,6 +144,10 @@ inline constexpr std::array<Workload, 28> kWorkloads = {{
      Modifier::None, true, 0, 0, DType::BF16},
     {"W4-f16", "W4, f16 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
      Modifier::None, true, 0, 0, DType::F16},
+    {"W4-int8", "W4, int8 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
+     Modifier::None, true, 0, 0, DType::I8},
+    {"W4-int4", "W4, int4 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
+     Modifier::None, true, 0, 0, DType::I4},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
     {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, true, Modifier::None,
      false, 255, 256},
@@ -220,10 +226,14 @@ inline double forward_flops(const Workload& w) {
 inline constexpr double kBackwardFlopsFactor = 2.5;
 inline double backward_flops(const Workload& w) { return kBackwardFlopsFactor * forward_flops(w); }
 
-// Bytes of K and V one call must read (in their dtype): what bounds a decode step.
+// Bytes of K and V one call must read (in their dtype, quantized ones with their scales): what
+// bounds a decode step.
 inline double kv_bytes(const Workload& w) {
+  const double row = w.kv_dtype == DType::I4 ? static_cast<double>(w.head_dim) / 2
+                                             : static_cast<double>(w.head_dim * static_cast<int64_t>(element_size(w.kv_dtype)));
+  const double scales = is_quantized(w.kv_dtype) ? 4.0 * static_cast<double>(quantized_groups(w.kv_dtype, w.head_dim)) : 0;
   return 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.kv_heads) * static_cast<double>(w.kv_len) *
-         static_cast<double>(w.head_dim) * static_cast<double>(element_size(w.kv_dtype));
+         (row + scales);
 }
 
 // The inputs of an attention workload, from fixed seeds.
@@ -231,12 +241,16 @@ struct AttentionInputs {
   Tensor q;  // (B, Hq, Nq, d)
   Tensor k;  // (B, Hkv, Nk, d)
   Tensor v;  // (B, Hkv, Nk, d)
+  Tensor k_scales, v_scales;  // quantized K/V (int8, int4): their scales, for AttentionOptions
 };
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {
-  return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1),
-          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2).to(w.kv_dtype),
-          Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3).to(w.kv_dtype)};
+  const Tensor k = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2);
+  const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
+  const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
+  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor()};
+  const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
+  return {q, kq.values, vq.values, kq.scales, vq.scales};
 }
 
 inline LinearAttentionOptions make_linear_options(const Workload& w) {
@@ -287,6 +301,15 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
       options.mask = options.mask & Mask::additive(Tensor::randn({1, w.q_heads, w.q_len, w.kv_len}, /*seed=*/6));
       break;
   }
+  return options;
+}
+
+// The same with the inputs' scales when K and V are quantized.
+inline AttentionOptions make_attention_options(const Workload& w, const AttentionInputs& in, Backend backend,
+                                               MatmulPrecision precision = MatmulPrecision::Highest) {
+  AttentionOptions options = make_attention_options(w, backend, precision);
+  options.k_scales = in.k_scales;
+  options.v_scales = in.v_scales;
   return options;
 }
 

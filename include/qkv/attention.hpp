@@ -76,6 +76,11 @@ struct AttentionOptions {
   // need_weights or score_mod, Reference, which computes them from its weights).
   int64_t summary_top_k = 0;
 
+  // Quantized K/V (qkv/quantize.hpp): when k and v are int8 or int4 (DType::I8, I4), their f32
+  // scales as quantize_kv returns them (the values' leading dims, then a scale per row or group).
+  // Forward only; undefined for float K/V.
+  Tensor k_scales, v_scales;
+
   // A score function in C++ (qkv/flex.hpp, qkv::score_function of a generic lambda), in place of
   // the text score_mod; null: off.
   std::shared_ptr<const ScoreFunction> score_function;

@@ -98,7 +98,9 @@ class RotaryTable {
 };
 
 // One attention layer's cache of keys and values: (B, Hkv, capacity, D) each, allocated once in
-// the chosen dtype (BF16 / F16 halve its bytes, and decode reads them as they are). Every batch
+// the chosen dtype (BF16 / F16 halve its bytes, and decode reads them as they are; I8 / I4 store
+// them quantized, qkv/quantize.hpp, with their scales beside them: key_scales(), value_scales(),
+// which attention takes as AttentionOptions::k_scales / v_scales). Every batch
 // element has its own length (prompts of different lengths). append() writes new positions in
 // place, never reallocating; keys()/values() are views that attention reads in place.
 //
@@ -126,14 +128,18 @@ class KVCache {
   int64_t length(int64_t b) const;
   void reset();  // length 0 everywhere; the storage stays
 
-  // Appends k, v (B, Hkv, N, D), any strides, f32 or the cache's dtype: batch element b's first
+  // Appends k, v (B, Hkv, N, D), any strides, f32 or the cache's 16-bit dtype (a quantized cache
+  // quantizes f32 rows as it writes them, and throws on a non-finite one): batch element b's first
   // counts[b] tokens (all N when counts is empty) go to positions [length(b), length(b) + counts[b]).
   // Throws, leaving the cache unchanged, when a non-ring cache would exceed its capacity.
   void append(const Tensor& k, const Tensor& v, const std::vector<int64_t>& counts = {});
 
-  // The first `len` slots (len <= capacity), (B, Hkv, len, D) views of the storage.
+  // The first `len` slots (len <= capacity), (B, Hkv, len, D) views of the storage (I4: D / 2).
   Tensor keys(int64_t len) const;
   Tensor values(int64_t len) const;
+  // Their scales when the cache is quantized, (B, Hkv, len, groups) views; undefined otherwise.
+  Tensor key_scales(int64_t len) const;
+  Tensor value_scales(int64_t len) const;
   // The whole storage.
   const Tensor& key_storage() const { return keys_; }
   const Tensor& value_storage() const { return values_; }
@@ -142,7 +148,10 @@ class KVCache {
   int64_t batch_ = 0, kv_heads_ = 0, capacity_ = 0, head_dim_ = 0, window_ = 0;
   DType dtype_ = DType::F32;
   Tensor keys_, values_;
+  Tensor key_scales_, value_scales_;  // quantized dtypes only
   std::vector<int64_t> lengths_;
+
+  void append_quantized(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count);  // checked by append
 };
 
 }  // namespace qkv::nn

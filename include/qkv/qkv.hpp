@@ -11,6 +11,7 @@
 #include "qkv/mask.hpp"
 #include "qkv/memory.hpp"
 #include "qkv/nn.hpp"
+#include "qkv/quantize.hpp"
 #include "qkv/tensor.hpp"
 #include "qkv/train.hpp"
 

@@ -47,6 +47,7 @@ __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
     "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
     "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "QuantizedKV", "quantize_kv",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -87,7 +88,7 @@ def _check_arguments_of_core():
                                                          "load_state_dict", "make_cache", "forward_cached"))):
         for name in methods:
             setattr(cls, name, _named_errors(getattr(cls, name), f"{cls.__name__}.{name}"))
-    for name in ("attention", "attention_backward", "attention_half_kv", "linear_attention",
+    for name in ("attention", "attention_backward", "attention_half_kv", "attention_quantized_kv", "linear_attention",
                  "linear_attention_backward", "create_causal_mask", "create_padding_mask", "row_entropy",
                  "head_entropy"):
         setattr(_core, name, _named_errors(getattr(_core, name), name))
@@ -286,6 +287,56 @@ def _half_bits(x):
     return None
 
 
+class QuantizedKV:
+    """Keys or values quantized by qkv.quantize_kv: `values` (uint8 bytes: int8 of shape
+    x.shape, or int4 pairs of shape x.shape[:-1] + (D // 2,)) and `scales` (float32, x.shape[:-1] +
+    (1,) for int8, + (ceil(D / 32),) for int4), the format of docs/inference.md. Attention takes
+    it wherever key or value go (both quantized, the same dtype)."""
+
+    def __init__(self, values, scales, dtype):
+        self.values, self.scales, self.dtype = values, scales, dtype
+
+    @property
+    def shape(self):
+        """The shape of the float array it stands for."""
+        last = self.values.shape[-1] * (2 if self.dtype == "int4" else 1)
+        return tuple(self.values.shape[:-1]) + (last,)
+
+    def dequantize(self):
+        """The float32 values it stands for (q * scale), exactly as the kernels read them."""
+        return _core.dequantize_kv(self.values, self.scales, self.dtype)
+
+    def __repr__(self):
+        return f"qkv.QuantizedKV(shape={self.shape}, dtype={self.dtype!r})"
+
+
+def quantize_kv(x, dtype):
+    """x (float32 array or tensor, finite, last dim D) quantized for attention's key or value:
+    "int8" (a scale per row: max|row| / 127, error <= max|row| / 254) or "int4" (D even, a scale
+    per group of 32 along D: max|group| / 7, error <= max|group| / 14). Returns a qkv.QuantizedKV."""
+    if dtype not in ("int8", "int4"):
+        raise Error(f"quantize_kv: dtype must be \"int8\" or \"int4\", got {_brief(dtype)}")
+    values, scales = _core.quantize_kv(_as_float32(x, "x", False), dtype)
+    return QuantizedKV(values, scales, dtype)
+
+
+def _quantized_attention(query, key, value, need_weights, dropout_p, return_row_stats, return_lse, allow_cast,
+                         enable_gqa, mask_args, scale, options):
+    """scaled_dot_product_attention with key and value qkv.QuantizedKV: (output, lse) or output."""
+    if not (isinstance(key, QuantizedKV) and isinstance(value, QuantizedKV) and key.dtype == value.dtype):
+        raise Error(f"key is {_brief(key)} but value is {_brief(value)}: quantized keys and values must both be "
+                    "qkv.QuantizedKV of one dtype")
+    if need_weights or dropout_p or return_row_stats:
+        raise Error("quantized key/value are for inference: no need_weights, dropout_p or return_row_stats")
+    query = _as_float32(query, "query", allow_cast)
+    _check_gqa(query, key.values, enable_gqa)
+    mask = _mask_from(query, *mask_args)
+    output, lse = _core.attention_quantized_kv(query, key.values, key.scales, value.values, value.scales, key.dtype,
+                                               _options("scaled_dot_product_attention", options, mask=mask,
+                                                        scale=scale))
+    return (output, lse) if return_lse else output
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, need_weights=False, key_lengths=None,
                                  window=None, return_lse=False, return_row_stats=False, allow_cast=False,
@@ -347,9 +398,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     key and value may both be 16-bit (numpy float16, torch float16 or bfloat16) with a float32
     query: read as they are (docs/inference.md); the output stays float32. Inference only: no
-    need_weights, dropout or row stats.
+    need_weights, dropout or row stats. The same for key and value quantized by qkv.quantize_kv
+    ("int8", "int4").
     """
     scale = _tempered_scale(scale, temperature, query, "scaled_dot_product_attention")
+    if isinstance(key, QuantizedKV) or isinstance(value, QuantizedKV):
+        return _quantized_attention(query, key, value, need_weights, dropout_p, return_row_stats, return_lse,
+                                    allow_cast, enable_gqa, (attn_mask, is_causal, key_lengths, window), scale,
+                                    options)
     key_half, value_half = _half_bits(key), _half_bits(value)
     if key_half is not None or value_half is not None:
         if key_half is None or value_half is None or key_half[1] != value_half[1]:
@@ -688,9 +744,11 @@ class MultiHeadAttention:
 
     def make_cache(self, batch, capacity, dtype="f32", window=0):
         """A qkv.KVCache for this layer: batch sequences of up to capacity positions, keys and
-        values stored in dtype ("f32", "bf16", "f16"); window > 0: a ring buffer of window slots."""
+        values stored in dtype ("f32", "bf16", "f16", or quantized on append: "int8", "int4"); window
+        > 0: a ring buffer of window slots."""
         if not isinstance(dtype, str):
-            raise Error(f"make_cache: dtype must be \"f32\", \"bf16\" or \"f16\", got {_brief(dtype)}")
+            raise Error(f"make_cache: dtype must be \"f32\", \"bf16\", \"f16\", \"int8\" or \"int4\", "
+                        f"got {_brief(dtype)}")
         return KVCache(self._core.make_cache(_int(batch, "make_cache: batch"), _int(capacity, "make_cache: capacity"),
                                              dtype, _int(window, "make_cache: window")))
 
@@ -856,7 +914,7 @@ def _rotary_options(rotary, embed_dim, num_heads):
 
 class KVCache:
     """One attention layer's keys and values for incremental decoding (make it with
-    MultiHeadAttention.make_cache): preallocated, stored in "f32", "bf16" or "f16".
+    MultiHeadAttention.make_cache): preallocated, stored in "f32", "bf16", "f16", "int8" or "int4".
 
     A forward with a cache writes it: calls on one cache from several threads take turns (its
     lock), so they never corrupt it; which thread's tokens come first is theirs to arrange."""

@@ -144,14 +144,28 @@ py::object to_numpy(const qkv::Tensor& tensor) {
 // bfloat16 / float16 as uint16), wrapped without copying, with the dtype they hold.
 using BitsArray = py::array_t<uint16_t, py::array::c_style>;
 
-qkv::Tensor bits_tensor(const BitsArray& a, qkv::DType dtype) {
+template <class Array>
+qkv::Tensor bits_tensor(const Array& a, qkv::DType dtype) {
   std::shared_ptr<void> owner(new py::object(a), [](void* p) {
     py::gil_scoped_acquire gil;
     delete static_cast<py::object*>(p);
   });
-  return qkv::Tensor::from_blob(const_cast<uint16_t*>(a.data()),
+  return qkv::Tensor::from_blob(const_cast<void*>(static_cast<const void*>(a.data())),
                                 qkv::Shape(std::vector<int64_t>(a.shape(), a.shape() + a.ndim())), dtype,
                                 std::move(owner));
+}
+
+// Quantized K/V (qkv/quantize.hpp) arrive as their packed bytes (python/qkv/__init__.py's
+// QuantizedKV), wrapped without copying as bits_tensor wraps 16-bit ones, and their float32 scales.
+using BytesArray = py::array_t<uint8_t, py::array::c_style>;
+qkv::Tensor bytes_tensor(const BytesArray& a, qkv::DType dtype) { return bits_tensor(a, dtype); }
+
+// A quantized tensor as (packed bytes as uint8, scales as float32) numpy arrays (copies).
+py::tuple quantized_to_numpy(const qkv::QuantizedTensor& q) {
+  const qkv::Tensor values = q.values.contiguous();
+  BytesArray bytes(std::vector<py::ssize_t>(values.shape().begin(), values.shape().end()));
+  if (values.numel() > 0) std::memcpy(bytes.mutable_data(), values.raw_data(), static_cast<size_t>(values.numel()));
+  return py::make_tuple(bytes, to_numpy(q.scales));
 }
 
 // ---- the functional core
@@ -266,6 +280,23 @@ py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsA
                             const qkv::AttentionOptions& options) {
   const qkv::DType type = qkv::dtype_from_string(dtype);
   const qkv::Tensor qt = to_tensor(q), kt = bits_tensor(k, type), vt = bits_tensor(v, type);
+  qkv::AttentionResult result;
+  {
+    py::gil_scoped_release release;
+    result = qkv::scaled_dot_product_attention(qt, kt, vt, options);
+  }
+  return py::make_tuple(to_numpy(result.output), to_numpy(result.lse));
+}
+
+// Forward with quantized K/V ("int8" or "int4": packed bytes and scales): returns (output, lse).
+// Inference only, as attention_half_kv.
+py::tuple attention_quantized_kv(const FloatArray& q, const BytesArray& k, const FloatArray& k_scales,
+                                 const BytesArray& v, const FloatArray& v_scales, const std::string& dtype,
+                                 qkv::AttentionOptions options) {
+  const qkv::DType type = qkv::dtype_from_string(dtype);
+  const qkv::Tensor qt = to_tensor(q), kt = bytes_tensor(k, type), vt = bytes_tensor(v, type);
+  options.k_scales = to_tensor(k_scales);
+  options.v_scales = to_tensor(v_scales);
   qkv::AttentionResult result;
   {
     py::gil_scoped_release release;
@@ -541,6 +572,19 @@ does; `&` binds tighter). A union with an additive array is an error.
   m.def("attention_half_kv", &attention_half_kv, py::arg("q"), py::arg("k_bits"), py::arg("v_bits"),
         py::arg("dtype"), py::arg("options"),
         "qkv::scaled_dot_product_attention with K and V given as bf16 or f16 bits: returns (output, lse).");
+  m.def("attention_quantized_kv", &attention_quantized_kv, py::arg("q"), py::arg("k_values"), py::arg("k_scales"),
+        py::arg("v_values"), py::arg("v_scales"), py::arg("dtype"), py::arg("options"),
+        "qkv::scaled_dot_product_attention with K and V quantized (int8 / int4 bytes and scales): (output, lse).");
+  m.def("quantize_kv",
+        [](const FloatArray& x, const std::string& dtype) {
+          return quantized_to_numpy(qkv::quantize_kv(to_tensor(x), qkv::dtype_from_string(dtype)));
+        },
+        py::arg("x"), py::arg("dtype"), "qkv::quantize_kv: (packed bytes uint8, scales float32).");
+  m.def("dequantize_kv",
+        [](const BytesArray& values, const FloatArray& scales, const std::string& dtype) {
+          return to_numpy(qkv::dequantize_kv({bytes_tensor(values, qkv::dtype_from_string(dtype)), to_tensor(scales)}));
+        },
+        py::arg("values"), py::arg("scales"), py::arg("dtype"), "qkv::dequantize_kv: float32.");
   m.def("create_causal_mask", [](int64_t n) { return to_numpy(qkv::create_causal_mask(n)); }, py::arg("n"));
   m.def("create_padding_mask",
         [](const std::vector<int64_t>& lengths, int64_t max_len) {
@@ -607,7 +651,8 @@ does; `&` binds tighter). A union with an additive array is an error.
   // ---- inference (include/qkv/inference.hpp)
   py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(
 One attention layer's keys and values, (batch, kv_heads, capacity, head_dim) each, allocated once
-in dtype "f32", "bf16" or "f16"; window > 0 makes it a ring buffer of window slots.
+in dtype "f32", "bf16", "f16", "int8" or "int4" (quantized on append, qkv.quantize_kv's format);
+window > 0 makes it a ring buffer of window slots.
 )doc")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, const std::string& dtype,
                        int64_t window) {
@@ -621,8 +666,20 @@ in dtype "f32", "bf16" or "f16"; window > 0 makes it a ring buffer of window slo
       .def_property_readonly("window", &qkv::nn::KVCache::window)
       .def_property_readonly("dtype", [](const qkv::nn::KVCache& c) { return std::string(qkv::to_string(c.dtype())); })
       .def("reset", &qkv::nn::KVCache::reset)
-      .def("keys", [](const qkv::nn::KVCache& c) { return to_numpy(c.keys(c.capacity()).to(qkv::DType::F32)); },
-           "The whole key storage as float32 (a copy).");
+      .def("keys",
+           [](const qkv::nn::KVCache& c) {
+             const int64_t n = c.capacity();
+             return to_numpy(is_quantized(c.dtype()) ? qkv::dequantize_kv({c.keys(n), c.key_scales(n)})
+                                                     : c.keys(n).to(qkv::DType::F32));
+           },
+           "The whole key storage as float32 (a copy; dequantised when int8 / int4).")
+      .def("values",
+           [](const qkv::nn::KVCache& c) {
+             const int64_t n = c.capacity();
+             return to_numpy(is_quantized(c.dtype()) ? qkv::dequantize_kv({c.values(n), c.value_scales(n)})
+                                                     : c.values(n).to(qkv::DType::F32));
+           },
+           "The whole value storage as float32 (a copy; dequantised when int8 / int4).");
 
   py::class_<qkv::nn::RotaryEmbedding>(m, "RotaryEmbedding", R"doc(
 Rotary position embedding: pair i of a head vector at position p rotated by p * base^(-2i/D);

@@ -15,6 +15,7 @@
 
 #include "attention/lse_merge.hpp"
 #include "core/allocator.hpp"
+#include "core/quantize.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -232,13 +233,14 @@ Rows<T> rows_of(const Tensor& t) {
 template Rows<const float> rows_of<const float>(const Tensor&);
 template Rows<float> rows_of<float>(const Tensor&);
 template Rows<const uint16_t> rows_of<const uint16_t>(const Tensor&);
+template Rows<const uint8_t> rows_of<const uint8_t>(const Tensor&);
 
 namespace {
 // q in f32; k and v sharing a dtype (f32, bf16 or f16).
 void check_dtypes(const char* who, const Tensor& q, const Tensor& k, const Tensor& v) {
   if (q.dtype() != DType::F32)
     fail(who, "q " + q.shape().str() + " is " + std::string(to_string(q.dtype())) +
-                  ": attention needs q in f32 (k and v may be bf16 or f16)");
+                  ": attention needs q in f32 (k and v may be bf16, f16, int8 or int4)");
   if (k.dtype() != v.dtype())
     fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
                   ": k and v must share a dtype");
@@ -259,12 +261,23 @@ float checked_scale(const char* who, const AttentionOptions& options, int64_t dk
 struct Operands {
   Rows<const float> q, k, v;
   Rows<const uint16_t> k_bits, v_bits;
+  Rows<const uint8_t> k_quant, v_quant;
+  Rows<const float> k_scales, v_scales;
 };
-Operands bind_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::vector<Tensor>& held) {
+Operands bind_operands(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& options,
+                       std::vector<Tensor>& held) {
   Operands o;
   held.push_back(readable(q));
   o.q = rows_of<const float>(held.back());
   const bool wide_kv = k.dtype() == DType::F32;
+  if (is_quantized(k.dtype())) {  // packed rows (checked contiguous, check_quantized) and their scales
+    held.insert(held.end(), {k, v, options.k_scales, options.v_scales});
+    o.k_quant = rows_of<const uint8_t>(k);
+    o.v_quant = rows_of<const uint8_t>(v);
+    o.k_scales = rows_of<const float>(options.k_scales);
+    o.v_scales = rows_of<const float>(options.v_scales);
+    return o;
+  }
   held.push_back(readable(k));
   if (wide_kv) o.k = rows_of<const float>(held.back()); else o.k_bits = rows_of<const uint16_t>(held.back());
   held.push_back(readable(v));
@@ -290,10 +303,17 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
                            const AttentionOptions& options) {
   // ---- shapes
   const Dims qd = read_dims(who, q, "q");
-  const Dims kd = read_dims(who, k, "k");
-  const Dims vd = read_dims(who, v, "v");
-  check_shapes(who, q, k, v, qd, kd, vd);
+  Dims kd = read_dims(who, k, "k");
+  Dims vd = read_dims(who, v, "v");
   check_dtypes(who, q, k, v);
+  if (k.dtype() == DType::I4) kd.dim *= 2, vd.dim *= 2;  // two 4-bit values a byte
+  check_shapes(who, q, k, v, qd, kd, vd);
+  if (is_quantized(k.dtype())) {
+    check_quantized(who, "k", k, options.k_scales, kd.dim);
+    check_quantized(who, "v", v, options.v_scales, vd.dim);
+  } else if (options.k_scales.defined() || options.v_scales.defined()) {
+    fail(who, "k_scales / v_scales are for int8 or int4 k and v, but k is " + std::string(to_string(k.dtype())));
+  }
 
   const float scale = checked_scale(who, options, qd.dim);
 
@@ -324,7 +344,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       who, mask, qd.batch, qd.heads, qd.len, kd.len,
       [&](const Tensor& keep) { return term_view(who, {keep, false}, qd, kd.len, built.scores_shape); }, built.held);
 
-  const Operands operands = bind_operands(q, k, v, built.held);
+  const Operands operands = bind_operands(q, k, v, options, built.held);
 
   built.problem = AttentionProblem{
       .batch = qd.batch, .q_heads = qd.heads, .kv_heads = kd.heads,
@@ -343,6 +363,8 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
                                                                   : 0,
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
       .kv_dtype = k.dtype(), .k_bits = operands.k_bits, .v_bits = operands.v_bits,
+      .k_quant = operands.k_quant, .v_quant = operands.v_quant,
+      .k_scales = operands.k_scales, .v_scales = operands.v_scales,
   };
   return built;
 }
@@ -424,7 +446,8 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
   const char* who = "scaled_dot_product_attention_backward: ";
   if (k.defined() && v.defined() && (k.dtype() != DType::F32 || v.dtype() != DType::F32))
     fail(who, "k is " + std::string(to_string(k.dtype())) + " and v is " + std::string(to_string(v.dtype())) +
-                  ": the backward needs f32 k and v (16-bit k/v are for inference); convert with to(DType::F32)");
+                  ": the backward needs f32 k and v (16-bit and quantized k/v are for inference); convert with "
+                  "to(DType::F32) or dequantize_kv");
   built.forward = build_problem(who, q, k, v, options);
   BuiltProblem& f = built.forward;
   expect_shape(who, grad_output, "grad_output", f.output_shape, "the forward's output");

@@ -74,6 +74,10 @@ struct AttentionProblem {
   // loads it, the reference widens a copy (with_float_kv, kv_dtype.cpp).
   DType kv_dtype = DType::F32;
   Rows<const uint16_t> k_bits, v_bits;
+  // K and V quantized (kv_dtype I8 or I4, qkv/quantize.hpp): the packed rows (Dk or Dk / 2 bytes)
+  // and their scales (1 or ceil(D / 32) floats a row); kernels dequantise a tile at a time.
+  Rows<const uint8_t> k_quant, v_quant;
+  Rows<const float> k_scales, v_scales;
 
   // Whether the backward scales dS by d(modified score)/d(raw score) (softcap, a score function).
   bool has_score_slope() const { return softcap > 0 || score_mod != nullptr; }
@@ -94,8 +98,8 @@ struct AttentionProblem {
   }
 };
 
-// Runs `kernel` on `problem` with K and V widened to packed float copies when they are 16-bit
-// (kv_dtype.cpp): for the kernel that reads float K/V only (the reference).
+// Runs `kernel` on `problem` with K and V widened to packed float copies when they are 16-bit or
+// quantized (kv_dtype.cpp): for the kernel that reads float K/V only (the reference).
 void with_float_kv(const AttentionProblem& problem, void (*kernel)(const AttentionProblem&));
 
 // The backward problem: the forward's problem (q, k, v, scale, modifiers, masks, dropout; its

@@ -61,6 +61,8 @@ std::string_view to_string(DType dtype) {
     case DType::F32: return "f32";
     case DType::BF16: return "bf16";
     case DType::F16: return "f16";
+    case DType::I8: return "int8";
+    case DType::I4: return "int4";
   }
   return "unknown";
 }
@@ -71,10 +73,23 @@ DType dtype_from_string(std::string_view name) {
   if (name == "f32" || name == "float32" || name == "float") return DType::F32;
   if (name == "bf16" || name == "bfloat16") return DType::BF16;
   if (name == "f16" || name == "float16" || name == "half") return DType::F16;
-  throw Error("unknown dtype '" + std::string(name) + "': expected f32, bf16 or f16");
+  if (name == "int8" || name == "i8") return DType::I8;
+  if (name == "int4" || name == "i4") return DType::I4;
+  throw Error("unknown dtype '" + std::string(name) + "': expected f32, bf16, f16, int8 or int4");
 }
 
-size_t element_size(DType dtype) { return dtype == DType::F32 ? 4 : 2; }
+size_t element_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return 4;
+    case DType::BF16:
+    case DType::F16: return 2;
+    case DType::I8:
+    case DType::I4: return 1;
+  }
+  return 4;
+}
+
+bool is_quantized(DType dtype) { return dtype == DType::I8 || dtype == DType::I4; }
 
 namespace {
 uint32_t bits_of(float x) {
@@ -132,6 +147,9 @@ float float_from_f16(uint16_t bits) {
 
 void convert(const void* from, DType from_type, void* to, DType to_type, size_t count) {
   if (count == 0) return;
+  if (is_quantized(from_type) != is_quantized(to_type) || (is_quantized(from_type) && from_type != to_type))
+    throw Error("convert: " + std::string(to_string(from_type)) + " to " + std::string(to_string(to_type)) +
+                ": int8 and int4 values need their scales (qkv::quantize_kv, qkv::dequantize_kv)");
   if (from_type == to_type) {
     std::memcpy(to, from, count * element_size(from_type));
     return;

@@ -90,9 +90,10 @@ std::vector<int64_t> row_major_strides(const Shape& shape) {
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   Tensor t;
   // Allocation failures name the shape that asked (qkv/memory.hpp: no std::bad_alloc escapes).
-  // Storage is counted in floats: a 16-bit tensor takes half as many, rounded up.
+  // Storage is counted in floats: a 16-bit tensor takes half as many, a 1-byte one a quarter, rounded up.
   try {
-    t.storage_ = std::make_shared<Storage>(dtype == DType::F32 ? shape.numel() : (shape.numel() + 1) / 2);
+    const int64_t size = static_cast<int64_t>(element_size(dtype));
+    t.storage_ = std::make_shared<Storage>((shape.numel() * size + 3) / 4);
   } catch (const Error& e) {
     std::string what = e.what();  // "qkv: cannot allocate ..." (src/core/allocator.cpp)
     if (what.rfind("qkv: ", 0) == 0) what.erase(0, 5);
@@ -144,7 +145,8 @@ Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, std::share
   if (data == nullptr && shape.numel() > 0) throw Error("Tensor::from_blob: null data for shape " + shape.str());
   if (!owner) throw Error("Tensor::from_blob: an owner must keep the memory of " + shape.str() + " alive");
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(static_cast<float*>(data), (shape.numel() + 1) / 2, std::move(owner));
+  const int64_t size = static_cast<int64_t>(element_size(dtype));
+  t.storage_ = std::make_shared<Storage>(static_cast<float*>(data), (shape.numel() * size + 3) / 4, std::move(owner));
   t.shape_ = shape;
   t.strides_ = row_major_strides(shape);
   t.dtype_ = dtype;
@@ -339,6 +341,8 @@ std::vector<float> Tensor::to_vector() const {
 void Tensor::copy_to(void* destination) const {
   if (dtype_ == DType::F32) {
     copy_elements(static_cast<const float*>(static_cast<void*>(element_bytes())), static_cast<float*>(destination));
+  } else if (element_size(dtype_) == 1) {
+    copy_elements(reinterpret_cast<const uint8_t*>(element_bytes()), static_cast<uint8_t*>(destination));
   } else {
     copy_elements(static_cast<const uint16_t*>(static_cast<void*>(element_bytes())), static_cast<uint16_t*>(destination));
   }

@@ -45,8 +45,10 @@ std::string_view safetensors_dtype(DType dtype) {
     case DType::F32: return "F32";
     case DType::BF16: return "BF16";
     case DType::F16: return "F16";
+    case DType::I8:
+    case DType::I4: break;  // quantized K/V carry scales beside them: not a safetensors dtype
   }
-  throw Error("safetensors_dtype: unknown DType");
+  throw Error("safetensors_dtype: " + std::string(to_string(dtype)) + " has no safetensors dtype");
 }
 
 void write_safetensors(const std::filesystem::path& path, std::span<const SafetensorsTensor> tensors) {

@@ -1,8 +1,10 @@
 // qkv::nn::KVCache (include/qkv/inference.hpp): preallocated per-layer keys and values, written
 // in place by append() and read in place by attention through views of the storage.
 #include <algorithm>
+#include <cmath>
 #include <string>
 
+#include "core/quantize.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
 
@@ -23,8 +25,15 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
   if (window > 0 && capacity != window)
     throw Error(std::string(kWho) + "a ring buffer holds exactly its window: capacity " + str(capacity) +
                 " but window " + str(window));
-  keys_ = Tensor::zeros(Shape{batch, kv_heads, capacity, head_dim}, dtype);
-  values_ = Tensor::zeros(Shape{batch, kv_heads, capacity, head_dim}, dtype);
+  if (dtype == DType::I4 && head_dim % 2 != 0)
+    throw Error(std::string(kWho) + "an int4 cache packs two values a byte: head_dim " + str(head_dim) + " must be even");
+  const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
+  keys_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
+  values_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
+  if (is_quantized(dtype)) {
+    key_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
+    value_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
+  }
   lengths_.assign(static_cast<size_t>(batch), 0);
 }
 
@@ -51,6 +60,11 @@ Tensor KVCache::values(int64_t len) const {
   return values_.narrow(2, 0, len);
 }
 
+Tensor KVCache::key_scales(int64_t len) const { return key_scales_.defined() ? key_scales_.narrow(2, 0, keys(len).size(2)) : Tensor(); }
+Tensor KVCache::value_scales(int64_t len) const {
+  return value_scales_.defined() ? value_scales_.narrow(2, 0, values(len).size(2)) : Tensor();
+}
+
 void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t>& counts) {
   if (!defined()) throw Error(std::string(kWho) + "append to an empty cache (construct it with its sizes)");
   const Shape expected_prefix{batch_, kv_heads_};
@@ -59,7 +73,7 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
       throw Error(std::string(kWho) + "append: " + (t == &k ? "k" : "v") + " is " +
                   (t->defined() ? t->shape().str() : std::string("undefined")) + " but the cache holds (" + str(batch_) +
                   ", " + str(kv_heads_) + ", N, " + str(head_dim_) + ")");
-    if (t->dtype() != DType::F32 && t->dtype() != dtype_)
+    if (t->dtype() != DType::F32 && (t->dtype() != dtype_ || is_quantized(dtype_)))
       throw Error(std::string(kWho) + "append: k/v are " + std::string(to_string(t->dtype())) +
                   " but the cache stores " + std::string(to_string(dtype_)) + " (give f32 or " +
                   std::string(to_string(dtype_)) + ")");
@@ -81,7 +95,8 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
                   " (make a larger cache, or a ring buffer with a window)");
   }
   // Row by row: source rows through their strides (last dim contiguous), converted to the
-  // cache's dtype as they are written.
+  // cache's dtype (or quantized, every row checked finite first) as they are written.
+  if (is_quantized(dtype_)) return append_quantized(k, v, count);
   const size_t dim = static_cast<size_t>(head_dim_), bytes = element_size(dtype_);
   for (const auto& [source_tensor, storage] : {std::pair{&k, &keys_}, std::pair{&v, &values_}}) {
     const Tensor source = source_tensor->strides()[3] == 1 ? *source_tensor : source_tensor->contiguous();
@@ -97,6 +112,38 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
           const std::byte* from = base + (b * st[0] + h * st[1] + t * st[2]) * static_cast<int64_t>(source_bytes);
           std::byte* to = target + (((b * kv_heads_ + h) * capacity_ + slot) * head_dim_) * static_cast<int64_t>(bytes);
           convert(from, source.dtype(), to, dtype_, dim);
+        }
+  }
+  for (int64_t b = 0; b < batch_; ++b) lengths_[static_cast<size_t>(b)] += count[static_cast<size_t>(b)];
+}
+
+void KVCache::append_quantized(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count) {
+  const Tensor sources[2] = {k.contiguous(), v.contiguous()};
+  const int64_t n = k.size(2);
+  for (const Tensor& source : sources) {  // all finite before any row is written: a throw leaves the cache as it was
+    const float* data = source.data();
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t h = 0; h < kv_heads_; ++h)
+        for (int64_t t = 0; t < count[static_cast<size_t>(b)]; ++t)
+          for (int64_t d = 0; d < head_dim_; ++d)
+            if (!std::isfinite(data[((b * kv_heads_ + h) * n + t) * head_dim_ + d]))
+              throw Error(std::string(kWho) + "append: " + (&source == sources ? "k" : "v") + "[" + str(b) + ", " +
+                          str(h) + ", " + str(t) + ", " + str(d) + "] is not finite: a quantized cache needs finite keys "
+                          "and values");
+  }
+  const int64_t row = keys_.size(3), groups = key_scales_.size(3);
+  const Tensor* storage[2][2] = {{&keys_, &key_scales_}, {&values_, &value_scales_}};
+  for (int which = 0; which < 2; ++which) {
+    const float* data = sources[which].data();
+    auto* values = static_cast<uint8_t*>(storage[which][0]->raw_data());
+    float* scales = storage[which][1]->data();
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t h = 0; h < kv_heads_; ++h)
+        for (int64_t t = 0; t < count[static_cast<size_t>(b)]; ++t) {
+          const int64_t position = lengths_[static_cast<size_t>(b)] + t;
+          const int64_t slot = (b * kv_heads_ + h) * capacity_ + (window_ > 0 ? position % window_ : position);
+          detail::quantize_row(dtype_, data + ((b * kv_heads_ + h) * n + t) * head_dim_, head_dim_, values + slot * row,
+                               scales + slot * groups);
         }
   }
   for (int64_t b = 0; b < batch_; ++b) lengths_[static_cast<size_t>(b)] += count[static_cast<size_t>(b)];

@@ -2,7 +2,7 @@
 // new tokens, rotate them to their positions, append their keys and values to the cache and
 // attend over the cache in place (its (B, Hkv, len, D) slice is a strided view the kernels read
 // as it is), then project out. Decode steps (one token) land on the decode kernel, which reads a
-// bf16 / f16 cache in its own dtype.
+// bf16 / f16 cache in its own dtype, an int8 / int4 one a dequantised tile at a time.
 #include <algorithm>
 #include <string>
 
@@ -110,6 +110,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
       const int64_t visible = std::min(cache.length(), cache.window());
       AttentionResult result;
       result.output = heads_out.narrow(2, t, 1);
+      attention.k_scales = cache.key_scales(visible);  // undefined unless the cache is quantized
+      attention.v_scales = cache.value_scales(visible);
       scaled_dot_product_attention_into(q.narrow(2, t, 1), cache.keys(visible), cache.values(visible), result, attention);
     }
   } else {
@@ -120,6 +122,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
     attention.mask = uniform ? Mask::causal(before[0]) : Mask::keep(ragged_keep(before, count, len, keys));
     AttentionResult result;
     result.output = heads_out;
+    attention.k_scales = cache.key_scales(keys);
+    attention.v_scales = cache.value_scales(keys);
     scaled_dot_product_attention_into(q, cache.keys(keys), cache.values(keys), result, attention);
   }
   // ---- 4. the heads side by side (already), 5. output projection

@@ -39,18 +39,8 @@ Case with_kv(Case c, DType dtype) {
   return c;
 }
 
-Sizes decode_sizes(Random& rng) {
-  const int64_t key_lengths[] = {1, 3, 17, 113, 700, 1500};
-  const int64_t kv_heads = rng.integer(1, 2);
-  return {rng.integer(1, 2), kv_heads * rng.integer(1, 4), kv_heads, rng.integer(1, 3), key_lengths[rng.integer(0, 5)],
-          rng.integer(1, 130), rng.integer(1, 130)};
-}
-
-Sizes flash_sizes(Random& rng) {
-  const int64_t kv_heads = rng.integer(1, 2);
-  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, rng.integer(1, 70), rng.integer(1, 90),
-          rng.integer(1, 70), rng.integer(1, 70)};
-}
+using qkv_test::kv_decode_sizes;
+using qkv_test::kv_flash_sizes;
 
 std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
   std::vector<Case> cases;
@@ -72,13 +62,13 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
 TEST(KvDtype, DecodeReads16BitKeysAndValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, decode_sizes));
+  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes));
 }
 
 TEST(KvDtype, FlashReads16BitKeysAndValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::flash_attention, cases_for(rng, flash_sizes));
+  qkv_test::check_everywhere(qkv::detail::flash_attention, cases_for(rng, kv_flash_sizes));
 }
 
 // NaN or inf in the 16-bit keys and values of hidden keys never reaches a query: unwritten

@@ -78,7 +78,12 @@ TEST(DType, NamesAndSizes) {
   EXPECT_EQ(qkv::dtype_from_string("bfloat16"), DType::BF16);
   EXPECT_EQ(qkv::element_size(DType::F32), 4u);
   EXPECT_EQ(qkv::element_size(DType::F16), 2u);
-  EXPECT_THROW(qkv::dtype_from_string("int8"), qkv::Error);
+  EXPECT_EQ(qkv::dtype_from_string("int8"), DType::I8);
+  EXPECT_EQ(qkv::dtype_from_string("int4"), DType::I4);
+  EXPECT_EQ(qkv::to_string(DType::I4), "int4");
+  EXPECT_EQ(qkv::element_size(DType::I8), 1u);
+  EXPECT_EQ(qkv::element_size(DType::I4), 1u);  // a byte of two 4-bit values
+  EXPECT_THROW(qkv::dtype_from_string("int2"), qkv::Error);
 }
 
 // Every pattern widens to its exact value and narrows back to itself; NaNs stay NaN.

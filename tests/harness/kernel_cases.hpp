@@ -27,6 +27,7 @@
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
 #include "harness/oracle.hpp"
+#include "qkv/quantize.hpp"
 
 namespace qkv_test {
 
@@ -56,6 +57,11 @@ struct Case {
   float softcap = 0;
   Tensor alibi_slopes, sinks;  // (Hq) or undefined; alibi_slopes may also be (B, Hq)
   qkv::MatmulPrecision precision = qkv::MatmulPrecision::Highest;
+  Tensor k_scales, v_scales;   // k and v int8 / int4 (qkv/quantize.hpp): their scales; else undefined
+
+  // K and V as the oracle reads them: the values the kernels read (dequantised when quantized).
+  Tensor oracle_k() const { return k_scales.defined() ? qkv::dequantize_kv({k, k_scales}) : k; }
+  Tensor oracle_v() const { return v_scales.defined() ? qkv::dequantize_kv({v, v_scales}) : v; }
 
   // The modifiers as the oracle reads them.
   qkv_test::OracleModifiers modifiers() const {
@@ -82,6 +88,8 @@ inline qkv::AttentionOptions options_of(const Case& c, qkv::Backend backend = qk
   options.alibi_slopes = c.alibi_slopes;
   options.sinks = c.sinks;
   options.precision = c.precision;
+  options.k_scales = c.k_scales;
+  options.v_scales = c.v_scales;
   return options;
 }
 
@@ -439,6 +447,20 @@ struct Sizes {
   int64_t batch, q_heads, kv_heads, nq, nk, dk, dv;
 };
 
+// Random odd sizes for the K/V dtype tests (16-bit, quantized): decode's few queries over up to
+// 2500 keys (several chunks), flash's odd tiles; head dims 1..130 (1..70 for flash).
+inline Sizes kv_decode_sizes(Random& rng) {
+  const int64_t key_lengths[] = {1, 3, 17, 113, 700, 2500};
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 4), kv_heads, rng.integer(1, 3), key_lengths[rng.integer(0, 5)],
+          rng.integer(1, 130), rng.integer(1, 130)};
+}
+inline Sizes kv_flash_sizes(Random& rng) {
+  const int64_t kv_heads = rng.integer(1, 2);
+  return {rng.integer(1, 2), kv_heads * rng.integer(1, 3), kv_heads, rng.integer(1, 70), rng.integer(1, 90),
+          rng.integer(1, 70), rng.integer(1, 70)};
+}
+
 inline std::string describe(const Sizes& s) {
   return "B=" + std::to_string(s.batch) + " Hq=" + std::to_string(s.q_heads) + " Hkv=" +
          std::to_string(s.kv_heads) + " Nq=" + std::to_string(s.nq) + " Nk=" + std::to_string(s.nk) +
@@ -573,7 +595,7 @@ inline double max_abs_score(const Case& c) {
   const int64_t batch = c.q.size(0), hq = c.q.size(1), hkv = c.k.size(1);
   const int64_t nq = c.q.size(2), nk = c.k.size(2), dk = c.q.size(3);
   const float* q = c.q.data();
-  const std::vector<double> k_values = to_doubles(c.k);  // any dtype
+  const std::vector<double> k_values = to_doubles(c.oracle_k());  // any dtype
   const double* k = k_values.data();
   double largest = 0;
   for (int64_t b = 0; b < batch; ++b)
@@ -600,7 +622,7 @@ inline Expected expect(const Case& c) {
       return qkv::dropout_keeps(c.seed, b, h, i, j, c.dropout_p);
     };
   }
-  e.oracle = qkv_test::attention_oracle(c.q, c.k, c.v, c.scale, c.bias, dropout, c.modifiers());
+  e.oracle = qkv_test::attention_oracle(c.q, c.oracle_k(), c.oracle_v(), c.scale, c.bias, dropout, c.modifiers());
   e.max_abs_score = std::max(e.max_abs_score, e.oracle.max_abs_row_max);
   KernelOutputs reference;
   qkv::detail::reference_attention(problem_of(c, reference));

@@ -368,7 +368,7 @@ std::string auto_kernel(const Workload& w, const bench::AttentionInputs& in, con
   if (!decode.built) return "Flash";
   const auto output_of = [&](Backend backend) -> std::optional<Tensor> {
     try {
-      return scaled_dot_product_attention(in.q, in.k, in.v, bench::make_attention_options(w, backend, precision))
+      return scaled_dot_product_attention(in.q, in.k, in.v, bench::make_attention_options(w, in, backend, precision))
           .output;
     } catch (const Error&) {
       return std::nullopt;  // this kernel does not take this shape, so Auto did not run it
@@ -436,7 +436,7 @@ Timings measure(const std::function<void()>& call_fresh, const std::function<voi
 Row measure_attention(const Workload& w, const bench::AttentionInputs& in, Backend backend, int runs,
                       const std::function<int(double)>& runs_after_first, std::string kernel, Progress& progress,
                       MatmulPrecision precision) {
-  const AttentionOptions options = bench::make_attention_options(w, backend, precision);
+  const AttentionOptions options = bench::make_attention_options(w, in, backend, precision);
   AttentionResult reused;  // the steady state writes here every run
   const std::string name(to_string(backend));
   const Timings t = measure(
@@ -585,10 +585,11 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
   if (const Row* w4 = find_row(rows, "W4", "Auto")) {
-    for (std::string_view id : {"W4-bf16", "W4-f16"})  // 16-bit K/V: half the bytes, so about half the time
+    // 16-bit K/V: half the bytes, so about half the time; int8 a quarter, int4 an eighth (plus scales)
+    for (auto [id, target] : {std::pair{"W4-bf16", 0.55}, {"W4-f16", 0.55}, {"W4-int8", 0.32}, {"W4-int4", 0.22}})
       if (const Row* row = find_row(rows, id, "Auto"))
         out.push_back({fmt::format("{} vs W4", id), fmt::format("{} ms / W4 ms", id), row->median_ms / w4->median_ms,
-                       0.55, false});
+                       target, false});
   }
   if (const Row* plain = find_row(rows, "W1", "Auto")) {
     for (std::string_view id : {"W1-softcap", "W1-alibi", "W1-sinks"})

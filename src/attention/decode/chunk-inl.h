@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "attention/decode/plan.hpp"
+#include "attention/decode/quantized-inl.h"
 #include "attention/decode/tiles-inl.h"
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
@@ -38,37 +39,14 @@ HWY_BEFORE_NAMESPACE();
 namespace qkv::detail {
 namespace HWY_NAMESPACE {
 
-// One key tile (KeyRun) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and mask
-// per row, the online softmax update, dropout, O += P V. `band`: some key of the tile may be
-// hidden from some row (per-element mask work); always so for gathered keys.
+// Step 5 for float and 16-bit K/V: O += P V_tile, skipping zero weights when a hidden key's V
+// may be NaN or Inf (a 16-bit tile is widened into scratch for that check: masked tiles only).
 template <class T>
-void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
-                   const KeyRun& run, bool band, const Scratch& w) {
+void AccumulateValues(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
+                      const KeyRun& run, bool band, const Scratch& w) {
   const size_t dv = static_cast<size_t>(p.value_dim), cols = run.cols;
   const T* HWY_RESTRICT v_tile = ValueRow<T>(p, b, g, run.j0);
   const size_t v_stride = ValueRowStride(p) * static_cast<size_t>(run.step);
-  // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
-  // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
-  // (softcap(-inf) is finite).
-  DecodeScores<T>(p, plan, b, g, rows, run, w);
-  step::Softcap(p, w.scores, rows * kKeyTile);
-  const bool per_element = band || p.alibi_slopes || !p.terms.empty();
-  for (size_t r = 0; r < rows; ++r) {
-    float* HWY_RESTRICT s = w.scores + r * kKeyTile;
-    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
-    const step::Line line{b, row.h, row.i, run.j0, 0, run.step};
-    // Gathered strided keys (band is true for them) hide what `rest` shows: the tiles visit it.
-    if (per_element) step::ScoresToLogits(p, line, s, kKeyTile, cols, band, run.gathered_rest);
-    std::fill(s + cols, s + kKeyTile, step::kMinusInf);
-    // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
-    const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
-    if (factor != 1.0f)
-      for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
-    // 4. Dropout on P.
-    if (p.dropout_p > 0) step::Dropout(p, line, s, cols);
-  }
-  // 5. O += P V_tile, skipping zero weights when a hidden key's V may be NaN or Inf (a 16-bit
-  // tile is widened into scratch for that check: masked tiles only).
   const bool some_hidden = band || !p.terms.empty() || p.dropout_p > 0;
   if (!some_hidden) return DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
   const float* wide = nullptr;
@@ -86,6 +64,51 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
                               plan.out_stride, 1);
   } else {
     DecodeAccumulate<T>(p, plan, rows, cols, v_tile, v_stride, w);
+  }
+}
+
+// One key tile (KeyRun) for rows [r0, r0 + rows) of group (b, g): scores, modifiers and mask
+// per row, the online softmax update, dropout, O += P V. `band`: some key of the tile may be
+// hidden from some row (per-element mask work); always so for gathered keys. T: the K/V element
+// (float, bf16, f16, int8_t or Int4: quantized-inl.h).
+template <class T>
+void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, int64_t r0, size_t rows,
+                   const KeyRun& run, bool band, const Scratch& w) {
+  const size_t cols = run.cols;
+  // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
+  // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
+  // (softcap(-inf) is finite).
+  if constexpr (std::is_same_v<T, Int4>) {
+    Int4Scores(p, plan, b, g, rows, run, w);
+  } else {
+    DecodeScores<T>(p, plan, b, g, rows, run, w);
+  }
+  if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(p.k_scales, b, g, run.j0, run.step, cols, rows, w.scores);
+  step::Softcap(p, w.scores, rows * kKeyTile);
+  const bool per_element = band || p.alibi_slopes || !p.terms.empty();
+  for (size_t r = 0; r < rows; ++r) {
+    float* HWY_RESTRICT s = w.scores + r * kKeyTile;
+    const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
+    const step::Line line{b, row.h, row.i, run.j0, 0, run.step};
+    // Gathered strided keys (band is true for them) hide what `rest` shows: the tiles visit it.
+    if (per_element) step::ScoresToLogits(p, line, s, kKeyTile, cols, band, run.gathered_rest);
+    std::fill(s + cols, s + kKeyTile, step::kMinusInf);
+    // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
+    const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
+    if (factor != 1.0f)
+      for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
+    // 4. Dropout on P.
+    if (p.dropout_p > 0) step::Dropout(p, line, s, cols);
+  }
+  // 5. O += P V_tile. Quantized values are integers times finite scales, never NaN or inf.
+  if constexpr (std::is_same_v<T, Int4>) {
+    Int4Accumulate(p, plan, b, g, rows, run, w);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    ScaleColumns(p.v_scales, b, g, run.j0, run.step, cols, rows, w.scores);
+    DecodeAccumulate<T>(p, plan, rows, cols, ValueRow<T>(p, b, g, run.j0),
+                        ValueRowStride(p) * static_cast<size_t>(run.step), w);
+  } else {
+    AccumulateValues<T>(p, plan, b, g, rows, run, band, w);
   }
 }
 
@@ -191,13 +214,19 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const Stri
 
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));
-    switch (p.kv_dtype) {  // K and V read in their own element type, never widened to memory
+    switch (p.kv_dtype) {  // 16-bit K and V read in their own element type, never widened to memory
       case DType::F32: RowBlockOverChunk<float>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch); break;
       case DType::BF16:
         RowBlockOverChunk<hwy::bfloat16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
       case DType::F16:
         RowBlockOverChunk<hwy::float16_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
+      case DType::I8:  // read in place as T = int8_t, widened in registers; the scales on S and P
+        RowBlockOverChunk<int8_t>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
+        break;
+      case DType::I4:  // read in place, unpacked in registers (quantized-inl.h)
+        RowBlockOverChunk<Int4>(p, plan, split, b, g, r0, rows, chunk_begin, chunk_end, scratch);
         break;
     }
     for (size_t r = 0; r < rows; ++r) {

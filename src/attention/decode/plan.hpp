@@ -47,7 +47,7 @@ constexpr int64_t kPrefetchKeys = 32;
 constexpr size_t kRowBlock = 32;
 
 // Keys per chunk of float32 K/V, the unit of parallel work (16-bit K/V: twice the keys, the same
-// bytes). Small enough that a single head splits over the workers (8192 keys: 16 chunks) and that
+// bytes; int8 and int4 four times). Small enough that a single head splits over the workers (8192 keys: 16 chunks) and that
 // one chunk's K and V, 512 x (128 + 128) floats = 512 KB at d = 128, stay in a 1 MB L2 for the
 // row blocks after the first; large enough that a chunk's partials and per-item setup are noise
 // next to its K/V bytes (2048 keys ran slower). A chunk starts a new stream whose first keys the

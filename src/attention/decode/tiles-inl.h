@@ -91,20 +91,27 @@ HWY_INLINE const T* RowIn(const Rows<const float>& floats, const Rows<const uint
     return reinterpret_cast<const T*>(bits.row(b, g, j));
   }
 }
+// int8 and int4 K/V (T = int8_t, kv::Int4) are read in place too, from p.k_quant / p.v_quant
+// (decode/quantized-inl.h applies their scales).
 template <class T>
 HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.k_quant.row(b, g, j));
   return RowIn<T>(p.k, p.k_bits, b, g, j);
 }
 template <class T>
 HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.v_quant.row(b, g, j));
   return RowIn<T>(p.v, p.v_bits, b, g, j);
 }
 HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
+  if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.k_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.k.row_stride : p.k_bits.row_stride);
 }
 HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
+  if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.v_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
 }
+
 
 // Row r of an item of group g (decode::Plan::head_of, query_of).
 struct RowCoords {
@@ -139,12 +146,21 @@ HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, in
                              int64_t step) {
   if (first >= last) return;
   const int64_t keys = (last - first + step - 1) / step;
+  if (is_quantized(p.kv_dtype)) {  // the packed rows (bytes) and their scales
+    const int64_t k_bytes = p.kv_dtype == DType::I4 ? p.head_dim / 2 : p.head_dim;
+    const int64_t v_bytes = p.kv_dtype == DType::I4 ? p.value_dim / 2 : p.value_dim;
+    PrefetchRows(p.k_quant.row(b, g, first), keys, p.k_quant.row_stride * step, k_bytes);
+    PrefetchRows(p.v_quant.row(b, g, first), keys, p.v_quant.row_stride * step, v_bytes);
+    PrefetchRows(p.k_scales.row(b, g, first), keys, p.k_scales.row_stride * step, p.k_scales.row_stride);
+    PrefetchRows(p.v_scales.row(b, g, first), keys, p.v_scales.row_stride * step, p.v_scales.row_stride);
+    return;
+  }
   PrefetchRows(KeyRow<T>(p, b, g, first), keys, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
   PrefetchRows(ValueRow<T>(p, b, g, first), keys, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
 }
 
 // The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
-// the keys for 16-bit K/V.
+// the keys for 16-bit K/V, four times for int8 and int4 (one byte an element: kv::Int4 holds two).
 template <class T>
 constexpr int64_t PrefetchAhead() {
   return decode::kPrefetchKeys * static_cast<int64_t>(sizeof(float) / sizeof(T));

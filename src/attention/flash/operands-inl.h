@@ -65,8 +65,18 @@ inline void WidenTile(const Rows<const uint16_t>& rows, int64_t b, int64_t g, in
   }
 }
 
+// Step "load a tile" for quantized K/V: rows [0, cols) of `rows` and their scales dequantised
+// into `to` (packed, `dim` floats a row).
+inline void DequantizeTile(bool int4, const Rows<const uint8_t>& rows, const Rows<const float>& scales, int64_t b,
+                           int64_t g, size_t cols, size_t dim, float* HWY_RESTRICT to) {
+  for (size_t j = 0; j < cols; ++j) {
+    const int64_t i = static_cast<int64_t>(j);
+    kv::DequantizeRow(DF(), int4, rows.row(b, g, i), scales.row(b, g, i), dim, to + j * dim);
+  }
+}
+
 // The K and V tiles of keys j0, j0 + key_step, ... (cols of them) as floats: read in place when
-// they are, widened into the worker's scratch when they are 16-bit.
+// they are, widened into the worker's scratch when they are 16-bit or quantized.
 struct KvTile {
   const float* k;
   int64_t k_stride;
@@ -78,6 +88,14 @@ inline KvTile LoadKvTile(const AttentionProblem& p, int64_t b, int64_t g, int64_
   if (p.kv_dtype == DType::F32)
     return {p.k.row(b, g, j0), p.k.row_stride * key_step, p.v.row(b, g, j0), p.v.row_stride * key_step};
   const size_t dk = static_cast<size_t>(p.head_dim), dv = static_cast<size_t>(p.value_dim);
+  if (is_quantized(p.kv_dtype)) {
+    const bool int4 = p.kv_dtype == DType::I4;
+    DequantizeTile(int4, step::EveryStepRows(p.k_quant, j0, key_step), step::EveryStepRows(p.k_scales, j0, key_step),
+                   b, g, cols, dk, w.k_wide);
+    DequantizeTile(int4, step::EveryStepRows(p.v_quant, j0, key_step), step::EveryStepRows(p.v_scales, j0, key_step),
+                   b, g, cols, dv, w.v_wide);
+    return {w.k_wide, std::max<int64_t>(p.head_dim, 1), w.v_wide, std::max<int64_t>(p.value_dim, 1)};
+  }
   const Rows<const uint16_t> k = step::EveryStepRows(p.k_bits, j0, key_step);
   const Rows<const uint16_t> v = step::EveryStepRows(p.v_bits, j0, key_step);
   if (p.kv_dtype == DType::BF16) {

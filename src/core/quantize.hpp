@@ -1,0 +1,25 @@
+// What the attention builder and kernels need of qkv/quantize.hpp's formats: the check of a
+// quantized operand and the scalar dequantisation of one row (the reference's widened copy; the
+// kernels' SIMD dequantisation is simd/kv_load-inl.h's DequantizeRow, the same arithmetic).
+#pragma once
+
+#include <cstdint>
+
+#include "qkv/quantize.hpp"
+
+namespace qkv::detail {
+
+// Throws qkv::Error unless `scales` (f32) belong to `values` (I8 or I4) whose logical last dim is
+// `dim`: the same leading dims, quantized_groups(dtype, dim) scales a row, a contiguous last dim,
+// every scale finite and >= 0. `who` and `name` ("k", "v") start the message.
+void check_quantized(const char* who, const char* name, const Tensor& values, const Tensor& scales, int64_t dim);
+
+// The row x[0, dim) (finite) quantized into `values` (I8: dim bytes, I4: dim / 2 bytes, dim even)
+// and `scales` (quantized_groups(dtype, dim) floats). False, writing nothing defined, when an
+// element of x is not finite.
+bool quantize_row(DType dtype, const float* x, int64_t dim, uint8_t* values, float* scales);
+
+// out[0, dim) = the row `values` (I8: dim bytes, I4: dim / 2 bytes) times its `scales`.
+void dequantize_row(DType dtype, const uint8_t* values, const float* scales, int64_t dim, float* out);
+
+}  // namespace qkv::detail

@@ -1,0 +1,295 @@
+// Quantized keys and values (qkv/quantize.hpp): int8 per row and int4 per group of 32. The
+// quantisation round trip within its documented bound; every kernel (decode dequantises a tile
+// into scratch, flash a tile into scratch, the reference a widened copy) against the float64
+// oracle evaluated on the dequantised values, on random odd shapes (int8 any D, int4 even D with a
+// partial last group), grouped-query heads, every mask kind, modifiers and dropout, every SIMD
+// target, 1 and 2 threads, outputs poisoned with NaN; the public entry point on strided views;
+// the KV cache's quantising append; and the errors for bad scales and layouts.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention/kernels.hpp"
+#include "harness/kernel_cases.hpp"
+#include "harness/oracle.hpp"
+#include "qkv/inference.hpp"
+#include "qkv/quantize.hpp"
+
+namespace {
+
+using qkv::DType;
+using qkv::Mask;
+using qkv::Shape;
+using qkv::Tensor;
+using qkv_test::Case;
+using qkv_test::MaskKind;
+using qkv_test::Random;
+using qkv_test::Sizes;
+using qkv_test::kAllMasks;
+using qkv_test::make_case;
+
+constexpr DType kQuantTypes[] = {DType::I8, DType::I4};
+
+// The case with K and V quantized to `dtype` (the oracle reads the dequantised values).
+Case quantized(Case c, DType dtype) {
+  const qkv::QuantizedTensor k = qkv::quantize_kv(c.k, dtype), v = qkv::quantize_kv(c.v, dtype);
+  c.k = k.values;
+  c.k_scales = k.scales;
+  c.v = v.values;
+  c.v_scales = v.scales;
+  c.name += " kv=" + std::string(qkv::to_string(dtype));
+  return c;
+}
+
+// int4 packs two values a byte: its head dims are even (D mod 32 != 0 gives a partial last group).
+Sizes for_dtype(Sizes s, DType dtype) {
+  if (dtype == DType::I4) s.dk += s.dk % 2, s.dv += s.dv % 2;
+  return s;
+}
+
+using qkv_test::kv_decode_sizes;
+using qkv_test::kv_flash_sizes;
+
+std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
+  std::vector<Case> cases;
+  for (DType dtype : kQuantTypes) {
+    for (MaskKind kind : kAllMasks)
+      cases.push_back(quantized(make_case(rng, for_dtype(sizes(rng), dtype), kind, 1.0, 0.0f), dtype));
+    cases.push_back(quantized(
+        make_case(rng, for_dtype(sizes(rng), dtype), MaskKind::Combined, 1.0, 0.3f, qkv_test::Modifier::All), dtype));
+    cases.push_back(quantized(make_case(rng, for_dtype(sizes(rng), dtype), MaskKind::CausalOffset, 8.0, 0.0f), dtype));
+    // Whole vectors and groups on every target, the W4 head shape, with the KV-cache mask.
+    Case c = make_case(rng, {1, 4, 2, 1, 1000, 128, 128}, MaskKind::None, 1.0, 0.0f);
+    c.mask = Mask::causal(999);
+    c.bias = qkv_test::causal_bias(999);
+    cases.push_back(quantized(c, dtype));
+  }
+  return cases;
+}
+
+TEST(QuantizedKv, DecodeMatchesTheOracleOnDequantisedValues) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes));
+}
+
+TEST(QuantizedKv, FlashMatchesTheOracleOnDequantisedValues) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv_test::check_everywhere(qkv::detail::flash_attention, cases_for(rng, kv_flash_sizes));
+}
+
+// The reference widens a copy: held to a fixed bound against the oracle (check_everywhere measures
+// the fast kernels against the reference's own error, so it cannot judge the reference itself).
+TEST(QuantizedKv, ReferenceMatchesTheOracleOnDequantisedValues) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const std::vector<Case> cases = cases_for(rng, kv_flash_sizes);
+  std::vector<qkv_test::Expected> expected;
+  for (const Case& c : cases) expected.push_back(qkv_test::expect(c));
+  qkv_test::on_every_target_and_thread_count([&] {
+    for (size_t n = 0; n < cases.size(); ++n) {
+      qkv_test::KernelOutputs got;  // poisoned with NaN
+      qkv::detail::reference_attention(qkv_test::problem_of(cases[n], got));
+      const auto out = qkv_test::compare(got.output, expected[n].oracle.output, 1e-4);
+      const auto lse = qkv_test::compare(got.lse, expected[n].oracle.lse, 1e-4);
+      EXPECT_TRUE(out.ok) << cases[n].name << "\n" << out.detail;
+      EXPECT_TRUE(lse.ok) << cases[n].name << "\n" << lse.detail;
+    }
+  });
+}
+
+// Every element within half a scale of x (int8: max|row| / 254, int4: max|group| / 14), and the
+// integer the one nearest to x / scale, recomputed here in float64 from the scale.
+TEST(QuantizedKv, RoundTripWithinTheDocumentedBound) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (DType dtype : kQuantTypes) {
+    for (int trial = 0; trial < 12; ++trial) {
+      int64_t dim = rng.integer(1, 150);
+      if (dtype == DType::I4) dim += dim % 2;
+      const float magnitude = std::pow(10.0f, static_cast<float>(rng.integer(-3, 3)));
+      Tensor x = rng.randn(Shape{3, 5, dim});
+      float* data = x.data();
+      for (int64_t e = 0; e < x.numel(); ++e) data[e] *= magnitude;
+      if (trial == 0) std::fill_n(data, dim, 0.0f);  // an all-zero row: scale 0, zeros back
+      const qkv::QuantizedTensor q = qkv::quantize_kv(x, dtype);
+      const Tensor back = qkv::dequantize_kv(q);
+      ASSERT_EQ(back.shape(), x.shape());
+      const std::vector<float> scales = q.scales.to_vector();
+      const int64_t groups = qkv::quantized_groups(dtype, dim), group = dtype == DType::I8 ? dim : qkv::kInt4Group;
+      const double limit = dtype == DType::I8 ? 127 : 7;
+      const float* y = back.data();
+      for (int64_t r = 0; r < x.numel() / dim; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t first = g * group, last = std::min(dim, first + group);
+          double amax = 0;
+          for (int64_t d = first; d < last; ++d) amax = std::max(amax, std::abs(double(data[r * dim + d])));
+          const double scale = scales[static_cast<size_t>(r * groups + g)];
+          ASSERT_NEAR(scale, amax / limit, 1e-6 * amax / limit) << "row " << r << " group " << g;
+          for (int64_t d = first; d < last; ++d) {
+            const double want_q = scale == 0 ? 0 : std::clamp(std::nearbyint(data[r * dim + d] / scale), -limit, limit);
+            const double got = y[r * dim + d];
+            EXPECT_EQ(got, static_cast<float>(static_cast<float>(want_q) * static_cast<float>(scale)))
+                << qkv::to_string(dtype) << " D=" << dim << " [" << r << ", " << d << "]";
+            EXPECT_LE(std::abs(got - data[r * dim + d]), amax / (2 * limit) * (1 + 1e-5))
+                << qkv::to_string(dtype) << " D=" << dim << " [" << r << ", " << d << "]";
+          }
+        }
+    }
+  }
+}
+
+// The public entry point on (B, N, H, D) quantized views read through their strides (values and
+// scales transposed alike), every backend, into NaN-poisoned outputs, against the oracle on the
+// dequantised values.
+TEST(QuantizedKv, EveryBackendOnStridedViews) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int64_t batch = 2, hq = 6, hkv = 2, nq = 3, nk = 77, d = 72;  // int4: groups 32, 32, 8
+  for (DType dtype : kQuantTypes) {
+    const Tensor q = rng.randn(Shape{batch, hq, nq, d});
+    const qkv::QuantizedTensor k = qkv::quantize_kv(rng.randn(Shape{batch, nk, hkv, d}), dtype);
+    const qkv::QuantizedTensor v = qkv::quantize_kv(rng.randn(Shape{batch, nk, hkv, d}), dtype);
+    const qkv::QuantizedTensor k_view{k.values.transpose(1, 2), k.scales.transpose(1, 2)};
+    const qkv::QuantizedTensor v_view{v.values.transpose(1, 2), v.scales.transpose(1, 2)};
+    ASSERT_FALSE(k_view.values.is_contiguous());
+    const double scale = 1.0 / std::sqrt(double(d));
+    const auto oracle = qkv_test::attention_oracle(q, qkv::dequantize_kv(k_view), qkv::dequantize_kv(v_view), scale,
+                                                   qkv_test::causal_bias(nk - nq));
+    for (qkv::Backend backend : {qkv::Backend::Reference, qkv::Backend::Flash, qkv::Backend::Decode, qkv::Backend::Auto}) {
+      SCOPED_TRACE(std::string(qkv::to_string(backend)) + " " + std::string(qkv::to_string(dtype)));
+      qkv::AttentionOptions options;
+      options.mask = Mask::causal(nk - nq);
+      options.backend = backend;
+      options.k_scales = k_view.scales;
+      options.v_scales = v_view.scales;
+      qkv::AttentionResult result;
+      result.output = Tensor::full(Shape{batch, hq, nq, d}, NAN);
+      result.lse = Tensor::full(Shape{batch, hq, nq}, NAN);
+      qkv::scaled_dot_product_attention_into(q, k_view.values, v_view.values, result, options);
+      const auto out = qkv_test::compare(result.output, oracle.output, 1e-4);
+      const auto lse = qkv_test::compare(result.lse, oracle.lse, 1e-4);
+      EXPECT_TRUE(out.ok) << out.detail;
+      EXPECT_TRUE(lse.ok) << lse.detail;
+    }
+  }
+}
+
+// A quantized KV cache: append quantizes each row as quantize_kv does (the stored values and
+// scales are its bits), over two appends with ragged counts; decode over the cache equals
+// attention on the dequantised f32 cache; and a ring buffer quantizes into its slots alike.
+TEST(QuantizedKv, CacheAppendQuantizesAndDecodeReadsIt) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (DType dtype : kQuantTypes) {
+    SCOPED_TRACE(std::string(qkv::to_string(dtype)));
+    const int64_t batch = 2, hkv = 2, hq = 4, d = 48, capacity = 300;
+    qkv::nn::KVCache cache(batch, hkv, capacity, d, dtype);
+    const Tensor k1 = rng.randn(Shape{batch, hkv, 200, d}), v1 = rng.randn(Shape{batch, hkv, 200, d});
+    const Tensor k2 = rng.randn(Shape{batch, hkv, 1, d}), v2 = rng.randn(Shape{batch, hkv, 1, d});
+    cache.append(k1, v1, {200, 150});
+    cache.append(k2, v2);
+    ASSERT_EQ(cache.lengths(), (std::vector<int64_t>{201, 151}));
+    // The stored rows are quantize_kv's, bit for bit.
+    const qkv::QuantizedTensor want = qkv::quantize_kv(k1.narrow(2, 0, 150), dtype);
+    const Tensor stored = qkv::dequantize_kv({cache.keys(150), cache.key_scales(150)});
+    EXPECT_EQ(stored.contiguous().to_vector(), qkv::dequantize_kv(want).to_vector());
+    // Decode over the cache (key lengths per batch element) against the oracle on the dequantised cache.
+    const int64_t len = cache.length();
+    const Tensor q = rng.randn(Shape{batch, hq, 1, d});
+    qkv::AttentionOptions options;
+    options.mask = Mask::key_lengths(cache.lengths());
+    options.k_scales = cache.key_scales(len);
+    options.v_scales = cache.value_scales(len);
+    options.backend = qkv::Backend::Decode;
+    const auto got = qkv::scaled_dot_product_attention(q, cache.keys(len), cache.values(len), options);
+    qkv::AttentionOptions wide;
+    wide.mask = options.mask;
+    wide.backend = qkv::Backend::Reference;
+    const auto want_out = qkv::scaled_dot_product_attention(
+        q, qkv::dequantize_kv({cache.keys(len), cache.key_scales(len)}),
+        qkv::dequantize_kv({cache.values(len), cache.value_scales(len)}), wide);
+    const std::vector<float> expected = want_out.output.to_vector();
+    const auto out = qkv_test::compare(got.output, std::vector<double>(expected.begin(), expected.end()), 1e-5);
+    EXPECT_TRUE(out.ok) << out.detail;
+    // A non-finite row is refused, the cache left as it was.
+    Tensor bad = rng.randn(Shape{batch, hkv, 1, d});
+    bad.at({1, 0, 0, 3}) = NAN;
+    EXPECT_THROW(cache.append(bad, v2), qkv::Error);
+    EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{201, 151}));
+  }
+}
+
+TEST(QuantizedKv, ClearErrors) {
+  Random rng;
+  const Tensor q = rng.randn(Shape{1, 2, 3, 64});
+  const Tensor k = rng.randn(Shape{1, 2, 5, 64}), v = rng.randn(Shape{1, 2, 5, 64});
+  auto expect_error = [](auto call, const std::string& part) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one containing '" << part << "'";
+    } catch (const qkv::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  const qkv::QuantizedTensor k8 = qkv::quantize_kv(k, DType::I8), v8 = qkv::quantize_kv(v, DType::I8);
+  const qkv::QuantizedTensor k4 = qkv::quantize_kv(k, DType::I4), v4 = qkv::quantize_kv(v, DType::I4);
+  auto with_scales = [](const Tensor& ks, const Tensor& vs) {
+    qkv::AttentionOptions o;
+    o.k_scales = ks;
+    o.v_scales = vs;
+    return o;
+  };
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v8.values); }, "needs k_scales");
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v8.values, with_scales(k4.scales, v8.scales)); },
+               "k_scales is (1, 2, 5, 2) but should be (1, 2, 5, 1)");
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k4.values, v4.values, with_scales(k4.scales, v8.scales)); },
+               "v_scales is (1, 2, 5, 1) but should be (1, 2, 5, 2)");
+  Tensor nan_scales = k8.scales.clone();
+  nan_scales.at({0, 1, 2, 0}) = NAN;
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v8.values, with_scales(nan_scales, v8.scales)); },
+               "scales must be finite");
+  Tensor negative = v4.scales.clone();
+  negative.at({0, 0, 4, 1}) = -1;
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k4.values, v4.values, with_scales(k4.scales, negative)); },
+               "scales must be finite and >= 0");
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v4.values, with_scales(k8.scales, v4.scales)); },
+               "k is int8 but v is int4");
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k, v, with_scales(k8.scales, v8.scales)); },
+               "k_scales / v_scales are for int8 or int4");
+  // int4 with its bytes not in rows: a transposed last dim, and a head dim that is not q's.
+  expect_error(
+      [&] {
+        const Tensor odd = k4.values.transpose(2, 3).contiguous().transpose(2, 3);
+        qkv::scaled_dot_product_attention(q, odd, v4.values, with_scales(k4.scales, v4.scales));
+      },
+      "the last dim must be contiguous");
+  expect_error(
+      [&] {
+        qkv::scaled_dot_product_attention(rng.randn(Shape{1, 2, 3, 63}), k4.values, v4.values,
+                                          with_scales(k4.scales, v4.scales));
+      },
+      "head dims differ");
+  expect_error([&] { qkv::quantize_kv(rng.randn(Shape{2, 7}), DType::I4); }, "must be even");
+  expect_error([&] { qkv::quantize_kv(k, DType::BF16); }, "expected int8 or int4");
+  Tensor nan_x = k.clone();
+  nan_x.at({0, 1, 1, 1}) = INFINITY;
+  expect_error([&] { qkv::quantize_kv(nan_x, DType::I8); }, "non-finite");
+  expect_error([&] { (void)k8.values.to(DType::F32); }, "need their scales");
+  expect_error([&] { qkv::nn::KVCache(1, 1, 8, 7, DType::I4); }, "must be even");
+  const qkv::AttentionResult forward = qkv::scaled_dot_product_attention(q, k8.values, v8.values,
+                                                                         with_scales(k8.scales, v8.scales));
+  expect_error(
+      [&] {
+        qkv::scaled_dot_product_attention_backward(forward.output, q, k8.values, v8.values, forward,
+                                                   with_scales(k8.scales, v8.scales));
+      },
+      "the backward needs f32 k and v");
+}
+
+}  // namespace
