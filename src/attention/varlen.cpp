@@ -89,20 +89,6 @@ Sequences check_varlen(const char* who, const Tensor& q, const Tensor& k, const 
 Tensor sequence_rows(const Tensor& t, int64_t start, int64_t length) {
   return t.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
 }
-// The same rows as a packed (1, H, length, D) copy: what the kernels read. In place, each row of
-// a head lies H D floats from the next, and the flash kernels read K and V tile by tile from such
-// rows at about half the speed (bench V1, docs/inference.md); a copy costs one pass over the rows.
-Tensor sequence_copy(const Tensor& t, int64_t start, int64_t length) {
-  return sequence_rows(t, start, length).contiguous();
-}
-// A packed (1, H, n, D) result of one sequence into rows [start, start + n) of a (total, H, D) tensor.
-void place_rows(const Tensor& part, const Tensor& all, int64_t start) {
-  const int64_t heads = part.size(1), n = part.size(2), dim = part.size(3);
-  const auto& st = all.strides();
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t i = 0; i < n; ++i)
-      std::copy_n(part.data() + (h * n + i) * dim, dim, all.view_data() + (start + i) * st[0] + h * st[1]);
-}
 
 // Sequence b's call: no offsets, its row of (B, Hq) ALiBi slopes, its own dropout stream (seed + b).
 AttentionOptions sequence_options(const AttentionOptions& options, int64_t b) {
@@ -148,7 +134,7 @@ void varlen_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, At
     if (nq == 0) continue;
     AttentionResult part;
     part.output = sequence_rows(result.output, q0, nq);
-    sequence_attention_into(sequence_copy(q, q0, nq), sequence_copy(k, k0, nk), sequence_copy(v, k0, nk), part,
+    sequence_attention_into(sequence_rows(q, q0, nq), sequence_rows(k, k0, nk), sequence_rows(v, k0, nk), part,
                             sequence_options(options, b));
     place_stats(part.lse, result.lse, q0);
     place_stats(part.row_max, result.row_max, q0);
@@ -192,17 +178,15 @@ void varlen_attention_backward_into(const Tensor& grad_output, const Tensor& q, 
       continue;
     }
     AttentionResult part_forward;
-    part_forward.output = sequence_copy(forward.output, q0, nq);
+    part_forward.output = sequence_rows(forward.output, q0, nq);
     part_forward.lse = stats(forward.lse, q0, nq);
     part_forward.row_max = stats(forward.row_max, q0, nq);
     part_forward.row_sum = stats(forward.row_sum, q0, nq);
-    AttentionGrads part;  // packed, then placed: the backward's dK and dV are read back as they add up
-    sequence_attention_backward_into(sequence_copy(grad_output, q0, nq), sequence_copy(q, q0, nq),
-                                     sequence_copy(k, k0, nk), sequence_copy(v, k0, nk), part_forward, part,
+    AttentionGrads part{sequence_rows(grads.dq, q0, nq), sequence_rows(grads.dk, k0, nk),
+                        sequence_rows(grads.dv, k0, nk), Tensor(), Tensor()};
+    sequence_attention_backward_into(sequence_rows(grad_output, q0, nq), sequence_rows(q, q0, nq),
+                                     sequence_rows(k, k0, nk), sequence_rows(v, k0, nk), part_forward, part,
                                      sequence_options(options, b));
-    place_rows(part.dq, grads.dq, q0);
-    place_rows(part.dk, grads.dk, k0);
-    place_rows(part.dv, grads.dv, k0);
     if (grads.dsinks.defined())
       for (int64_t h = 0; h < heads; ++h) grads.dsinks.data()[h] += part.dsinks.data()[h];
   }
