@@ -30,7 +30,9 @@ struct Sequences {
 // B + 1 offsets: from 0, non-decreasing, ending at `total` (the rows of `tensor`).
 void check_offsets(const char* who, const std::vector<int64_t>& offsets, const char* name, int64_t total,
                    const char* tensor) {
-  const auto at = [&](size_t b) { return std::string(name) + "[" + std::to_string(b) + "] = " + std::to_string(offsets[b]); };
+  const auto at = [&](size_t b) {
+    return std::string(name) + "[" + std::to_string(b) + "] = " + std::to_string(offsets[b]);
+  };
   if (offsets.size() < 2)
     fail(who, std::string(name) + " has " + std::to_string(offsets.size()) +
                   " entries: it needs B + 1 >= 2 offsets, from 0 to the total rows of " + tensor);

@@ -134,7 +134,8 @@ void check_against_sequences(const Packed& p, const AttentionOptions& packed, co
 
   std::vector<float> dsinks(kQHeads, 0.0f);
   for (int64_t b = 0; b < p.count(); ++b) {
-    SCOPED_TRACE("sequence " + std::to_string(b) + ": Nq=" + std::to_string(p.nq(b)) + " Nk=" + std::to_string(p.nk(b)));
+    SCOPED_TRACE("sequence " + std::to_string(b) + ": Nq=" + std::to_string(p.nq(b)) +
+                 " Nk=" + std::to_string(p.nk(b)));
     const int64_t q0 = p.cu_q[b], k0 = p.cu_k[b], nq = p.nq(b), nk = p.nk(b);
     if (nq == 0) {
       expect_zeros(sequence_copy(g.dk, k0, nk).to_vector(), "dk of a sequence without queries");
