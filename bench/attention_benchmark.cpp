@@ -142,6 +142,7 @@ void register_benchmarks() {
     }
     if (!w.backward) continue;
     for (const qkv::Backend backend : {qkv::Backend::Auto, qkv::Backend::Reference}) {
+      if (backend == qkv::Backend::Reference && !w.has_reference) continue;
       const std::string name = "BM_AttentionBackward/" + id + "/" + std::string(qkv::to_string(backend));
       benchmark::RegisterBenchmark(name.c_str(), BM_AttentionBackward, &w, backend)
           ->Unit(benchmark::kMillisecond)

@@ -34,6 +34,11 @@
 //   W7-flash W7's shape and causal mask, softmax attention (Auto = flash; no Reference row: its
 //            N x N scores would be 8 GiB): the issue's target is W7 >= 20 x faster; `qkv bench`
 //            also fits W7's time slope from N = 4096 to 65536 (target <= 1.1)
+//   V1       16 sequences of 70 to 1766 tokens (mean 512; kVarlenLengths), H=12 d=64, causal, packed
+//            in one call (cu_seqlens; causal per sequence); `--workload V1` brings V1-padded
+//   V1-padded the same sequences padded to (16, 12, 2048, 64) with key lengths (causal & key_lengths):
+//            issue 41's target is V1 >= 1.8 x faster, forward and backward (V1-bwd, V1-padded-bwd).
+//            Both count the FLOPs of the packed sequences' visible pairs alone.
 //   W6       B=1 H=8 N=16384 d=64                        causal & (window(255) | strided(256))
 //            (Sparse Transformer's strided head; issue 10's target: GFLOP/s on the visible pairs
 //            >= 0.5 x W2's dense-causal GFLOP/s in the same run; `--workload W6` brings W2)
@@ -75,7 +80,14 @@ enum class Modifier {
   RelativePositionCpp,  // score_function = the same as a C++ lambda
   Documents,         // mask_mod = kDocuments, doc = kDocumentCount equal documents over the keys
   Bias,     // mask = a (1, Hq, Nq, Nk) additive tensor (a learned bias; its backward returns dbias)
+  Packed,   // q, k, v (total, H, d) holding kVarlenLengths' sequences, cu_seqlens_q = cu_seqlens_k
+  Padded,   // the same sequences in (B, H, Nq, d), padded, mask & key_lengths(kVarlenLengths)
 };
+// The packed workloads' sequence lengths: 16 draws log-uniform in [32, 2048] (numpy
+// default_rng(41)), the longest adjusted so that they sum to 8192 (mean 512).
+inline constexpr std::array<int64_t, 16> kVarlenLengths = {90, 70, 903, 349, 1089, 163, 386, 154,
+                                                           192, 774, 421, 79, 516, 996, 244, 1766};
+inline bool is_varlen(Modifier m) { return m == Modifier::Packed || m == Modifier::Padded; }
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
 inline constexpr const char* kRelativePosition = "s - 0.1 * abs(q - k)";
 inline constexpr const char* kDocuments = "doc(q) == doc(k)";
@@ -119,7 +131,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 30> kWorkloads = {{
+inline constexpr std::array<Workload, 32> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -149,6 +161,10 @@ inline constexpr std::array<Workload, 30> kWorkloads = {{
     {"W4-int4", "W4, int4 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
      Modifier::None, true, 0, 0, DType::I4},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
+    {"V1", "16 sequences, packed", WorkloadKind::Attention, 16, 12, 12, 2048, 2048, 64, true, false, true,
+     Modifier::Packed, false},
+    {"V1-padded", "V1 padded to 2048", WorkloadKind::Attention, 16, 12, 12, 2048, 2048, 64, true, false, true,
+     Modifier::Padded, false},
     {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, true, Modifier::None,
      false, 255, 256},
     {"W7", "linear attention, causal", WorkloadKind::Linear, 1, 8, 8, 16384, 16384, 64, true, false, false,
@@ -214,6 +230,11 @@ inline double forward_flops(const Workload& w) {
     return 4.0 * static_cast<double>(w.batch) * static_cast<double>(w.q_heads) * static_cast<double>(w.q_len) *
            static_cast<double>(w.head_dim) * static_cast<double>(w.head_dim);
   if (w.is_sparse()) return 4.0 * static_cast<double>(w.head_dim) * sparse_visible_pairs(w);
+  if (is_varlen(w.modifier)) {  // the causal pairs of the packed sequences
+    double pairs = 0;
+    for (int64_t n : kVarlenLengths) pairs += 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
+    return 4.0 * static_cast<double>(w.head_dim * w.q_heads) * pairs;
+  }
   const double attention = analysis::forward_flops(
       {w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim, w.head_dim, w.causal});
   if (!w.is_module()) return attention;
@@ -245,6 +266,12 @@ struct AttentionInputs {
 };
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {
+  if (w.modifier == Modifier::Packed) {
+    int64_t total = 0;
+    for (int64_t n : kVarlenLengths) total += n;
+    return {Tensor::randn({total, w.q_heads, w.head_dim}, 1), Tensor::randn({total, w.kv_heads, w.head_dim}, 2),
+            Tensor::randn({total, w.kv_heads, w.head_dim}, 3), Tensor(), Tensor()};
+  }
   const Tensor k = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2);
   const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
   const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
@@ -300,6 +327,14 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
     case Modifier::Bias:
       options.mask = options.mask & Mask::additive(Tensor::randn({1, w.q_heads, w.q_len, w.kv_len}, /*seed=*/6));
       break;
+    case Modifier::Packed:
+      options.cu_seqlens_q = {0};
+      for (int64_t n : kVarlenLengths) options.cu_seqlens_q.push_back(options.cu_seqlens_q.back() + n);
+      options.cu_seqlens_k = options.cu_seqlens_q;
+      break;
+    case Modifier::Padded:
+      options.mask = options.mask & Mask::key_lengths({kVarlenLengths.begin(), kVarlenLengths.end()});
+      break;
   }
   return options;
 }
@@ -320,11 +355,12 @@ struct BackwardInputs {
   AttentionResult forward;
 };
 
-inline BackwardInputs make_backward_inputs(const Workload& w, const AttentionInputs& in,
+// (The workload is not read: the gradient takes the forward output's shape, packed or not.)
+inline BackwardInputs make_backward_inputs(const Workload& /*w*/, const AttentionInputs& in,
                                            const AttentionOptions& options) {
   BackwardInputs out;
   out.forward = scaled_dot_product_attention(in.q, in.k, in.v, options);
-  out.grad_output = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/4);
+  out.grad_output = Tensor::randn(out.forward.output.shape(), /*seed=*/4);
   return out;
 }
 

@@ -84,6 +84,17 @@ struct AttentionOptions {
   // A score function in C++ (qkv/flex.hpp, qkv::score_function of a generic lambda), in place of
   // the text score_mod; null: off.
   std::shared_ptr<const ScoreFunction> score_function;
+
+  // Packed variable-length batches (FlashAttention's varlen convention); empty: off. Given (both,
+  // B + 1 offsets from 0, non-decreasing, ending at total_q / total_k): q is (total_q, Hq, Dk), k
+  // (total_k, Hkv, Dk), v (total_k, Hkv, Dv), and sequence b holds query rows [cu_seqlens_q[b],
+  // cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Each sequence attends
+  // to its own keys alone, the mask's band (causal, window) aligned to the end of its keys (query i
+  // at key position i + Nk_b - Nq_b: FlashAttention's bottom-right causal), ALiBi likewise, (B, Hq)
+  // slopes' row b, dropout drawn with seed + b; the other mask rules see the sequence's own i, j.
+  // output is (total_q, Hq, Dv); lse, row_max, row_sum (Hq, total_q). Not with need_weights,
+  // summaries, tensor masks, key_lengths or score/mask functions. docs/inference.md.
+  std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

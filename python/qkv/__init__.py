@@ -366,6 +366,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     key_lengths: padding, one length per batch: batch b sees its first key_lengths[b] keys.
     window: sliding-window attention, left or (left, right): query i sees i-left <= j <= i+right.
     need_weights: also return the (B, Hq, Nq, Nk) weights (after dropout, as applied to value).
+    cu_seqlens_q, cu_seqlens_k: a packed batch of variable-length sequences (FlashAttention's
+      varlen): query (total_q, Hq, Dk), key and value (total_k, Hkv, D), (B + 1,) int32 offsets;
+      sequence b is rows cu[b]:cu[b + 1] and attends to its own keys alone, is_causal and window
+      aligned to the end of its keys (bottom-right, as FlashAttention), (B, Hq) alibi_slopes a row
+      each. Returns output (total_q, Hq, Dv) and lse (Hq, total_q); the backward and qkv.torch take
+      the same keywords (docs/inference.md).
     backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
 
     Score modifiers, applied to each scaled score s in this order, before the mask:

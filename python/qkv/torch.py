@@ -84,6 +84,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     differentiated), precision for the forward and the backward, backend), as keywords. A float
     attn_mask that requires grad gets dL/dattn_mask (summed over its broadcast dims).
     temperature: softmax(q.k * scale / T), as qkv.scaled_dot_product_attention's (None: T = 1).
+    cu_seqlens_q, cu_seqlens_k: a packed batch of variable-length sequences ((total, H, D) tensors,
+    int32 offsets), as qkv.scaled_dot_product_attention's; the output is then (total_q, Hq, Dv).
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
     scale = _tempered_scale(scale, temperature, query, "qkv.torch.scaled_dot_product_attention")

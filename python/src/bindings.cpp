@@ -201,6 +201,19 @@ qkv::Tensor per_head(const py::object& value, const char* name) {
   return copy;
 }
 
+// cu_seqlens_q / cu_seqlens_k: None (off) or a (B + 1,) int32 array of offsets (FlashAttention's
+// varlen dtype, numpy or torch); the core checks the values.
+std::vector<int64_t> offsets_from(const py::object& value, const char* name) {
+  if (value.is_none()) return {};
+  const py::array a = py::array::ensure(value);
+  if (!a || !a.dtype().is(py::dtype::of<int32_t>()) || a.ndim() != 1)
+    throw qkv::Error(std::string(name) + " must be None or a (B + 1,) int32 array of offsets, got " + brief(value));
+  const auto offsets = a.cast<py::array_t<int32_t, py::array::forcecast>>().unchecked<1>();
+  std::vector<int64_t> out(static_cast<size_t>(offsets.shape(0)));
+  for (size_t x = 0; x < out.size(); ++x) out[x] = offsets(static_cast<py::ssize_t>(x));
+  return out;
+}
+
 // mod_inputs: None or a dict of name -> (L,) or (B, L) number array, copied to float32 tensors
 // (the core checks the shapes against what the functions index them by).
 std::map<std::string, qkv::Tensor> mod_inputs_from(const py::object& value) {
@@ -256,7 +269,15 @@ void bind_attention_options(py::module_& m) {
             return out;
           },
           [](O& o, const py::object& value) { o.mod_inputs = mod_inputs_from(value); },
-          "None or a dict of name: (L,) or (B, L) number array");
+          "None or a dict of name: (L,) or (B, L) number array")
+      .def_property(
+          "cu_seqlens_q", [](const O& o) { return o.cu_seqlens_q; },
+          [](O& o, const py::object& value) { o.cu_seqlens_q = offsets_from(value, "cu_seqlens_q"); },
+          "None or a (B + 1,) int32 array: the packed queries' sequence offsets")
+      .def_property(
+          "cu_seqlens_k", [](const O& o) { return o.cu_seqlens_k; },
+          [](O& o, const py::object& value) { o.cu_seqlens_k = offsets_from(value, "cu_seqlens_k"); },
+          "None or a (B + 1,) int32 array: the packed keys' sequence offsets");
 }
 
 // scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is

@@ -12,6 +12,7 @@
 #include "qkv/error.hpp"
 
 #include "attention/ring_block.hpp"
+#include "attention/varlen.hpp"
 #include "attention/kernels.hpp"
 #include "attention/summary/summary.hpp"
 #include "core/random.hpp"
@@ -127,13 +128,19 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options) {
+  if (detail::is_varlen(options)) return detail::varlen_attention_into(q, k, v, result, options);
   detail::block_attention_into(q, k, v, result, options, 0);
 }
 
-void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
-                                  const AttentionOptions& options, int64_t alibi_shift) {
+namespace detail {
+namespace {
+// The forward of every entry: alibi_shift for a block of a longer sequence (ring_block.hpp),
+// band_from_end for a sequence of a packed batch (varlen.hpp).
+void forward_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                  const AttentionOptions& options, int64_t alibi_shift, bool band_from_end) {
   detail::BuiltProblem built = detail::build_problem("scaled_dot_product_attention: ", q, k, v, options);
   built.problem.alibi_shift = alibi_shift;
+  if (band_from_end) align_band_to_end(built.problem);
   if ((options.backend == Backend::Flash || options.backend == Backend::Decode) && options.need_weights)
     throw Error("scaled_dot_product_attention: backend " + std::string(to_string(options.backend)) +
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
@@ -152,6 +159,18 @@ void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor
     detail::flash_summary_attention(built.problem, summaries);
   }
 }
+}  // namespace
+}  // namespace detail
+
+void detail::block_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                                  const AttentionOptions& options, int64_t alibi_shift) {
+  forward_into(q, k, v, result, options, alibi_shift, false);
+}
+
+void detail::sequence_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                                     const AttentionOptions& options) {
+  forward_into(q, k, v, result, options, 0, true);
+}
 
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                      const Tensor& v, const AttentionResult& forward,
@@ -168,10 +187,11 @@ namespace {
 // forward.lse is the whole row's and a pass over the block would give the block's.
 void backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
                    const AttentionResult& forward, AttentionGrads& grads, const AttentionOptions& options,
-                   int64_t alibi_shift, bool restore_rows) {
+                   int64_t alibi_shift, bool restore_rows, bool band_from_end = false) {
   BuiltBackwardProblem built;
   build_backward_problem(built, grad_output, q, k, v, forward, grads, options);
   built.problem.forward.alibi_shift = alibi_shift;
+  if (band_from_end) align_band_to_end(built.problem.forward);
   // ---- dispatch: the backward recomputes the scores in the order the forward's kernel summed
   // them, so its weights come from the forward's scores: after the reference, the reference
   // backward (the same sgemm); after flash, flash backward; after decode, flash backward with
@@ -192,7 +212,15 @@ void backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, 
 void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const AttentionResult& forward,
                                                 AttentionGrads& grads, const AttentionOptions& options) {
+  if (detail::is_varlen(options))
+    return detail::varlen_attention_backward_into(grad_output, q, k, v, forward, grads, options);
   detail::backward_into(grad_output, q, k, v, forward, grads, options, 0, true);
+}
+
+void detail::sequence_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
+                                              const Tensor& v, const AttentionResult& forward, AttentionGrads& grads,
+                                              const AttentionOptions& options) {
+  backward_into(grad_output, q, k, v, forward, grads, options, 0, true, true);
 }
 
 void detail::block_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,

@@ -301,6 +301,10 @@ std::shared_ptr<const ScoreFunction> score_function_of(const char* who, const At
 
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttentionOptions& options) {
+  // A packed batch reaches here one sequence at a time (attention/varlen.cpp), its offsets cleared.
+  if (!options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty())
+    fail(who, "cu_seqlens_q / cu_seqlens_k (a packed batch) are taken by scaled_dot_product_attention and its "
+              "backward only");
   // ---- shapes
   const Dims qd = read_dims(who, q, "q");
   Dims kd = read_dims(who, k, "k");
@@ -393,13 +397,13 @@ void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool nee
   p.row_sum = result.row_sum.data();
 }
 
-namespace {
-// A backward input that must have the shape of a forward result.
 void expect_shape(const char* who, const Tensor& t, const char* name, const Shape& shape, const char* what) {
   if (!t.defined()) fail(who, std::string(name) + " is undefined");
   if (t.shape() != shape)
     fail(who, std::string(name) + " is " + t.shape().str() + " but should be " + shape.str() + " (" + what + ")");
 }
+
+namespace {
 
 // Row shift and scale of the recomputed weights (problem.hpp), from row_max and row_sum when
 // the forward gave them, else from lse, listing the rows whose lse lost precision.
@@ -478,6 +482,12 @@ void build_backward_problem(BuiltBackwardProblem& built, const Tensor& grad_outp
       .grad_sinks = grads.dsinks.defined() ? grads.dsinks.data() : nullptr,
       .grad_bias = bind_bias_gradient(who, options.mask, q, k, v, f.scores_shape, grads.dbias),
   };
+}
+
+void align_band_to_end(AttentionProblem& p) {
+  const int64_t shift = p.kv_len - p.q_len;
+  if (p.band_lo > -Mask::kUnbounded) p.band_lo += shift;
+  if (p.band_hi < Mask::kUnbounded) p.band_hi += shift;
 }
 
 bool lse_lost_precision(float lse) {

@@ -98,6 +98,11 @@ struct AttentionProblem {
   }
 };
 
+// A packed batch's sequence (attention/varlen.hpp) sees the mask's band aligned to the end of its
+// keys, as FlashAttention's varlen causal: band_lo and band_hi, where bounded, move by Nk - Nq, so
+// query i sits at key position i + Nk - Nq (where ALiBi already puts it).
+void align_band_to_end(AttentionProblem& problem);
+
 // Runs `kernel` on `problem` with K and V widened to packed float copies when they are 16-bit or
 // quantized (kv_dtype.cpp): for the kernel that reads float K/V only (the reference).
 void with_float_kv(const AttentionProblem& problem, void (*kernel)(const AttentionProblem&));
@@ -187,6 +192,10 @@ Rows<T> rows_of(const Tensor& t);
 // scale and D = dO . O: the sink is a logit with no value, so dP_sink = 0 and dS_sink = -P_sink D.
 // Every backward kernel shares it; it reads only O, dO and the row stats (O(B Hq Nq Dv)).
 void sink_gradients(const AttentionBackwardProblem& problem);
+
+// A backward input that must have the shape of a forward result: else qkv::Error "<who><name> is
+// <its shape> but should be <shape> (<what>)".
+void expect_shape(const char* who, const Tensor& t, const char* name, const Shape& shape, const char* what);
 
 // A caller-provided result tensor (problem.cpp's check, shared with linear_attention.cpp):
 // allocated when undefined, else checked to have `shape`, be contiguous (packed) or have a

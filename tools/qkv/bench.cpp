@@ -625,6 +625,13 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
   if (const Row* summary = find_row(rows, "W2-summary", "Auto"); causal && summary)
     out.push_back({"W2 with summaries vs without", "W2-summary ms / W2 ms", summary->median_ms / causal->median_ms,
                    1.3, false});
+  for (bool backward : {false, true}) {  // issue 41: a packed batch against the same sequences padded
+    const Row* packed = find_row(rows, "V1", "Auto", backward);
+    if (const Row* padded = find_row(rows, "V1-padded", "Auto", backward); packed && padded)
+      out.push_back({backward ? "V1-bwd packed vs padded" : "V1 packed vs padded",
+                     backward ? "V1-padded-bwd ms / V1-bwd ms" : "V1-padded ms / V1 ms",
+                     padded->median_ms / packed->median_ms, 1.8, true});
+  }
   if (const Row* docs = find_row(rows, "W2-docs", "Auto"); docs && full)  // issue 42: hidden tiles skipped
     out.push_back({"W2-docs (mask_mod, 4 documents) vs unmasked", "W2-docs ms / W2-full ms",
                    docs->median_ms / full->median_ms, 0.35, false});
@@ -821,10 +828,11 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
       // W2 brings W2-full and W2-docs along, W1 its modifier rows, W4 its 16-bit rows, W6 and W2-summary
       // W2, W7 W7-flash: the targets compare them. "decode-sweep" names every sweep row.
       wanted = wanted || named == &w || (named && named->id == "W2" && (w.id == "W2-full" || w.id == "W2-docs")) ||
-               (named && named->id == "W1" && w.modifier != bench::Modifier::None) ||
+               (named && named->id == "W1" && w.id.substr(0, 3) == "W1-") ||
                (named && named->id == "W6" && w.id == "W2") ||
                (named && named->id == "W2-summary" && w.id == "W2") ||
                (named && named->id == "W7" && w.id == "W7-flash") ||
+               (named && named->id == "V1" && w.id == "V1-padded") ||
                (named && named->id == "W4" && w.id.substr(0, 3) == "W4-") || (id == "decode-sweep" && w.sweep);
     }
     if (ids.empty() && w.sweep) wanted = false;  // the sweep's 1 GB of K/V only when asked for

@@ -1,0 +1,35 @@
+// Packed variable-length batches (AttentionOptions::cu_seqlens_q / cu_seqlens_k, FlashAttention's
+// varlen convention): the entry points scaled_dot_product_attention(_backward)_into hand such a
+// call to (varlen.cpp), and the one-sequence calls those make (dispatch.cpp).
+#pragma once
+
+#include "qkv/attention.hpp"
+
+namespace qkv::detail {
+
+// Whether options describe a packed batch (either offset list given; varlen.cpp checks both).
+inline bool is_varlen(const AttentionOptions& options) {
+  return !options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty();
+}
+
+// The packed batch: q (total_q, Hq, Dk), k (total_k, Hkv, Dk), v (total_k, Hkv, Dv); result.output
+// (total_q, Hq, Dv), result.lse / row_max / row_sum (Hq, total_q). Each sequence runs as
+// sequence_attention_into on views of its rows (its output rows written in place).
+void varlen_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                           const AttentionOptions& options);
+// Its backward: grad_output and forward.output (total_q, Hq, Dv), forward.lse (Hq, total_q);
+// grads.dq, dk, dv shaped as q, k, v (the rows of a sequence with no queries or no keys zeroed),
+// dsinks (Hq) summed over the sequences.
+void varlen_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttentionResult& forward, AttentionGrads& grads,
+                                    const AttentionOptions& options);
+
+// One sequence of a packed batch, (1, H, N, D) views: scaled_dot_product_attention_into and its
+// backward with the mask's band aligned to the end of the keys (align_band_to_end, problem.hpp).
+void sequence_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
+                             const AttentionOptions& options);
+void sequence_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const AttentionResult& forward, AttentionGrads& grads,
+                                      const AttentionOptions& options);
+
+}  // namespace qkv::detail
