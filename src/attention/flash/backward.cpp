@@ -194,10 +194,15 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   products.GradP(p, walk.key_step, t, w);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
-  if (bp.grad_bias.data)  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp)
+  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp): with a slope
+  // computed apart first, without one taken from the softmax gradient (dS computed once).
+  const bool slope = p.has_score_slope();
+  if (bp.grad_bias.data && slope)
     step::AddBiasGradientTile(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.grad_t,
                               w.row_dot);
-  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.has_score_slope() ? w.softcap_t : nullptr);
+  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, slope ? w.softcap_t : nullptr);
+  if (bp.grad_bias.data && !slope)
+    step::AddBiasGradientFromDs(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.grad_t);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
 
