@@ -144,4 +144,55 @@ std::shared_ptr<const ScoreFunction> score_function(F f) {
   return std::make_shared<const ScoreCallable<F>>(std::move(f));
 }
 
+// Your own mask function in C++ (FlexAttention's mask_mod as a callable): a callable
+// f(b, h, q, k) -> bool, true where query q of head h, batch b sees key k, made a Mask by
+// Mask::function and combined with any other mask:
+//
+//   std::vector<int64_t> doc = ...;  // per token, read by reference: keep it alive
+//   options.mask = qkv::Mask::causal() & qkv::Mask::function(qkv::mask_function(
+//       [&doc](int64_t, int64_t, int64_t q, int64_t k) { return doc[q] == doc[k]; }, {false, false}));
+//
+// As for score_function: one virtual call per line (MaskFunction::line), f inlined over the
+// line in the template instantiated in your translation unit. The function is evaluated once
+// per call over every pair into a block map (FlexAttention's block mask, mask/mod_blocks.hpp)
+// when the problem has at most 2^24 pairs per map: tiles all hidden are skipped, tiles all
+// shown get no per-element mask, and only partial tiles call f again. `reads` says whether f
+// depends on b and h: when it does not, one map serves every batch and head (smaller, so larger
+// problems get one).
+struct MaskReads {
+  bool batch = true, head = true;
+};
+
+// The one interface the kernels call for a mask function, once per line.
+class MaskFunction {
+ public:
+  virtual ~MaskFunction() = default;
+  // shown[x] = 1 where query at.i0 + x * at.query_step sees key at.j0 + x * at.key_step (of head
+  // at.h, batch at.b), else 0, for x < count.
+  virtual void line(const ScoreLine& at, size_t count, float* shown) const = 0;
+  virtual MaskReads reads() const = 0;
+};
+
+template <class F>
+class MaskCallable final : public MaskFunction {
+ public:
+  MaskCallable(F f, MaskReads reads) : f_(std::move(f)), reads_(reads) {}
+  void line(const ScoreLine& at, size_t count, float* shown) const override {
+    for (size_t x = 0; x < count; ++x) {
+      const int64_t step = static_cast<int64_t>(x);
+      shown[x] = f_(at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step) ? 1.0f : 0.0f;
+    }
+  }
+  MaskReads reads() const override { return reads_; }
+
+ private:
+  F f_;
+  MaskReads reads_;
+};
+
+template <class F>
+std::shared_ptr<const MaskFunction> mask_function(F f, MaskReads reads = {}) {
+  return std::make_shared<const MaskCallable<F>>(std::move(f), reads);
+}
+
 }  // namespace qkv

@@ -36,6 +36,8 @@
 
 namespace qkv {
 
+class MaskFunction;  // qkv/flex.hpp
+
 // A mask expression that does not parse: the message quotes the expression, the column and the
 // bad token; column() is that 1-based column.
 class MaskParseError : public Error {
@@ -75,6 +77,9 @@ class Mask {
   // (L) or (B, L) float32, indexed by q, k, h or b (L covering the index). Parsed here (throws
   // MaskParseError); the inputs' shapes are checked when attention runs.
   static Mask expression(const std::string& text, std::map<std::string, Tensor> inputs = {});
+  // A mask function in C++ (qkv::mask_function of a callable, qkv/flex.hpp); kernels treat it as
+  // they treat expression(), block map included.
+  static Mask function(std::shared_ptr<const MaskFunction> f);
 
   // The mask a text expression describes; throws MaskParseError. Grammar (spaces free):
   //   expression := conjunction ("|" conjunction)*
@@ -102,7 +107,8 @@ class Mask {
     int64_t block_q = 1, block_k = 1;  // BlockSparse: layout[h][i / block_q][j / block_k] != 0
     std::vector<int64_t> lengths;      // KeyLengths: j < lengths[b]
     Tensor tensor;                     // Keep: the keep tensor; BlockSparse: the layout
-    std::string expression;                 // Expression: the mask function's text
+    std::string expression;                 // Expression: the mask function's text (or:)
+    std::shared_ptr<const MaskFunction> function;  // Expression: a C++ mask function (flex.hpp)
     std::map<std::string, Tensor> inputs;   // Expression: its named inputs
     std::shared_ptr<const Rule> left, right;  // And, Or
   };

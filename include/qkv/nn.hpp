@@ -80,6 +80,37 @@ enum class Weights {
 // dropout, softcap, alibi and sinks must stay off).
 enum class AttentionKind { Softmax, Linear };
 
+// T5's learned relative-position bias (Raffel et al. 2020): a bias per head and per bucket of the
+// distance k - q, added to every score (docs/flex.md). Buckets: the first half of the (per
+// direction) buckets one distance each, the rest logarithmic up to max_distance, farther ones in
+// the last; bidirectional gives keys before and after the query buckets of their own (an encoder),
+// else keys after the query share bucket 0 (a causal decoder).
+struct RelativePositionBiasOptions {
+  int64_t num_buckets = 32;
+  int64_t max_distance = 128;
+  bool bidirectional = true;
+};
+
+// The bias as a parameter `weight` (num_buckets, num_heads) (T5's relative_attention_bias
+// embedding), zeros at first. bias(q_len, kv_len) is (1, H, Nq, Nk); backward(dbias) adds
+// dbias (1 or B, H, Nq, Nk), reduced into the buckets, into weight_grad.
+class RelativePositionBias {
+ public:
+  RelativePositionBias(int64_t num_heads, const RelativePositionBiasOptions& options);
+  // T5's _relative_position_bucket of relative position k - q.
+  static int64_t bucket(int64_t relative_position, const RelativePositionBiasOptions& options);
+  Tensor bias(int64_t q_len, int64_t kv_len) const;
+  void backward(const Tensor& dbias);
+  void zero_grad();
+  const RelativePositionBiasOptions& options() const { return options_; }
+
+  Tensor weight, weight_grad;
+
+ private:
+  int64_t num_heads_;
+  RelativePositionBiasOptions options_;
+};
+
 struct MultiHeadAttentionOptions {
   int64_t num_kv_heads = 0;  // 0: num_heads. Fewer gives grouped-query attention.
   int64_t kdim = 0;          // features of the key input; 0: embed_dim
@@ -93,6 +124,9 @@ struct MultiHeadAttentionOptions {
   // Rotary position embedding (include/qkv/inference.hpp) on q and k of every forward, token n at
   // position n (with a cache: at its position after the cached ones); none: off.
   std::optional<RotaryEmbeddingOptions> rotary = std::nullopt;
+  // A learned T5 relative-position bias (parameter relative_position_bias.weight), trained
+  // through the attention backward's dbias; not with linear attention, a KV cache or a float mask.
+  std::optional<RelativePositionBiasOptions> relative_position_bias = std::nullopt;
   std::optional<uint64_t> seed = std::nullopt;  // initial weights and dropout decisions; none: see manual_seed
   AttentionKind attention = AttentionKind::Softmax;
   FeatureMap feature_map = FeatureMap::EluPlusOne;  // linear attention's phi
@@ -213,6 +247,7 @@ class MultiHeadAttention {
 
   Linear q_proj, k_proj, v_proj, out_proj;
   Tensor sinks, sinks_grad;  // (num_heads) with options().sinks, else undefined
+  std::optional<RelativePositionBias> relative_position_bias;  // with options().relative_position_bias
 
  private:
   struct Checked {};  // the options below have been checked and their defaults filled in

@@ -72,8 +72,10 @@ inline constexpr int64_t kMaxModelFileBytes = int64_t{2} << 30;
 enum class Positions {
   Sinusoidal,  // the fixed sin/cos table (max_len rows) added to the embedding
   Rotary,      // RoPE on q and k in every layer (nn::RotaryEmbedding, half-split, base 10000)
+  T5,          // a learned T5 relative-position bias per head in every layer (causal buckets: 32, up to
+               // distance 128; nn::RelativePositionBias), trained through the backward's dbias
 };
-Positions parse_positions(const std::string& name);  // "sinusoidal", "rotary"; else qkv::Error
+Positions parse_positions(const std::string& name);  // "sinusoidal", "rotary", "t5"; else qkv::Error
 std::string to_string(Positions positions);
 nn::AttentionKind parse_attention_kind(const std::string& name);  // "softmax", "linear"
 std::string to_string(nn::AttentionKind kind);

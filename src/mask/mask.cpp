@@ -149,6 +149,17 @@ Mask Mask::expression(const std::string& text, std::map<std::string, Tensor> inp
   return m;
 }
 
+Mask Mask::function(std::shared_ptr<const MaskFunction> f) {
+  if (!f) throw Error("Mask::function: the mask function is null");
+  Rule rule;
+  rule.kind = Rule::Kind::Expression;
+  rule.function = std::move(f);
+  Mask m;
+  m.rule_ = leaf(std::move(rule));
+  m.text_ = "mask: <C++ function>";
+  return m;
+}
+
 Mask& Mask::operator&=(const Mask& other) {
   // Bands intersect: the later lower edge and the earlier upper edge.
   band_lo_ = std::max(band_lo_, other.band_lo_);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace qkv::detail {
 
@@ -26,6 +27,24 @@ std::shared_ptr<const ModBlocks> ModBlocks::build(const ModExpression& e, const 
                                                   int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len) {
   bool reads_batch = false, reads_head = false;
   what_it_reads(e, inputs, reads_batch, reads_head);
+  const LineFunction line = [&](const ModLine& at, size_t count, float* out, std::vector<float>& scratch) {
+    if (scratch.size() < e.scratch_floats(count)) scratch.resize(e.scratch_floats(count));
+    e.evaluate(at, count, nullptr, inputs.data(), out, nullptr, scratch.data());
+  };
+  return build_from(line, reads_batch, reads_head, batch, q_heads, q_len, kv_len);
+}
+
+std::shared_ptr<const ModBlocks> ModBlocks::build(const MaskFunction& f, int64_t batch, int64_t q_heads,
+                                                  int64_t q_len, int64_t kv_len) {
+  const LineFunction line = [&f](const ModLine& at, size_t count, float* out, std::vector<float>&) {
+    f.line({at.b, at.h, at.i0, at.j0, at.query_step, at.key_step}, count, out);
+  };
+  return build_from(line, f.reads().batch, f.reads().head, batch, q_heads, q_len, kv_len);
+}
+
+std::shared_ptr<const ModBlocks> ModBlocks::build_from(const LineFunction& line, bool reads_batch, bool reads_head,
+                                                       int64_t batch, int64_t q_heads, int64_t q_len,
+                                                       int64_t kv_len) {
   auto map = std::make_shared<ModBlocks>();
   map->batches_ = reads_batch ? batch : 1;
   map->heads_ = reads_head ? q_heads : 1;
@@ -42,7 +61,7 @@ std::shared_ptr<const ModBlocks> ModBlocks::build(const ModExpression& e, const 
   // it a fifth of a 4-document W2's time), each with its own lines.
 #pragma omp parallel if (pairs >= kParallelPairs)
   {
-    std::vector<float> shown(keys), scratch(e.scratch_floats(keys));
+    std::vector<float> shown(keys), scratch;
     std::vector<int64_t> count(static_cast<size_t>(k_blocks));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < block_rows; ++r) {
@@ -50,7 +69,7 @@ std::shared_ptr<const ModBlocks> ModBlocks::build(const ModExpression& e, const 
       std::fill(count.begin(), count.end(), int64_t{0});
       const int64_t first = a * kBlock, last = std::min(q_len, first + kBlock);
       for (int64_t i = first; i < last; ++i) {
-        e.evaluate({b, h, i, 0, 0, 1}, keys, nullptr, inputs.data(), shown.data(), nullptr, scratch.data());
+        line({b, h, i, 0, 0, 1}, keys, shown.data(), scratch);
         for (int64_t c = 0; c < k_blocks; ++c) {
           const size_t begin = static_cast<size_t>(c * kBlock), end = std::min(keys, begin + kBlock);
           int64_t on = 0;

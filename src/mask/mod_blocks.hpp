@@ -6,12 +6,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "mask/mod_expression.hpp"
 #include "mask/rule.hpp"
+#include "qkv/flex.hpp"
 
 namespace qkv::detail {
 
@@ -27,6 +29,10 @@ class ModBlocks {
   // the problem is too large (kMaxPairs) or empty.
   static std::shared_ptr<const ModBlocks> build(const ModExpression& e, const std::vector<ModInput>& inputs,
                                                 int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len);
+  // The same of a C++ mask function (qkv/flex.hpp), per batch and head only where it says it
+  // reads them.
+  static std::shared_ptr<const ModBlocks> build(const MaskFunction& f, int64_t batch, int64_t q_heads, int64_t q_len,
+                                                int64_t kv_len);
 
   // The tile queries [i0, i1] x keys [j0, j1] of head h, batch b: Hidden or Full when every block
   // it touches is, else Partial (a block partly covered may be Partial where the tile is not: the
@@ -34,6 +40,11 @@ class ModBlocks {
   std::optional<TileVisibility> classify(int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const;
 
  private:
+  // Evaluates one query's keys: line(coordinates, count, out, the thread's scratch).
+  using LineFunction = std::function<void(const ModLine&, size_t, float*, std::vector<float>&)>;
+  static std::shared_ptr<const ModBlocks> build_from(const LineFunction& line, bool reads_batch, bool reads_head,
+                                                     int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len);
+
   int64_t batches_ = 1, heads_ = 1, q_len_ = 0, kv_len_ = 0, q_blocks_ = 0, k_blocks_ = 0;
   std::vector<TileVisibility> blocks_;  // [batch][head][query block][key block]
 };

@@ -18,6 +18,7 @@ using Kind = Mask::Rule::Kind;
 // A mask function over a line into `out`. The scratch is the calling thread's, grown once
 // (kernels classify and mask tiles on their own threads).
 void evaluate_function(const RuleNode& n, const ModLine& line, size_t count, float* out) {
+  if (n.function) return n.function->line({line.b, line.h, line.i0, line.j0, line.query_step, line.key_step}, count, out);
   thread_local std::vector<float> scratch;
   const size_t need = n.expression->scratch_floats(count);
   if (scratch.size() < need) scratch.resize(need);
@@ -191,8 +192,14 @@ struct Compiler {
             strides[static_cast<size_t>(rank - 1)], false};
   }
 
-  // A mask function's program and its inputs' views (bind_mod_inputs checks them).
+  // A mask function's program and its inputs' views (bind_mod_inputs checks them), or its C++
+  // callable; and its block map.
   void compile_expression(const Mask::Rule& r, RuleNode& n) {
+    if (r.function) {  // C++: nothing to parse or bind
+      n.function = r.function;
+      n.blocks = ModBlocks::build(*n.function, batch, q_heads, q_len, kv_len);
+      return;
+    }
     n.expression = std::make_shared<const ModExpression>(
         ModExpression::parse(r.expression, ModKind::Mask, mod_input_names(r.inputs)));
     n.inputs = bind_mod_inputs(who, *n.expression, r.inputs, batch, q_heads, q_len, kv_len, held);

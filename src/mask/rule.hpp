@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mask/mod_expression.hpp"
+#include "qkv/flex.hpp"
 #include "qkv/mask.hpp"
 
 namespace qkv::detail {
@@ -46,7 +47,8 @@ struct RuleNode {
   int64_t block_q = 1, block_k = 1;  // BlockSparse: view.at(0, h, i / block_q, j / block_k) != 0
   std::vector<int64_t> lengths;      // KeyLengths: j < lengths[b]
   MaskTermView view{};               // Keep (per element) or BlockSparse (per block)
-  std::shared_ptr<const ModExpression> expression;  // Expression: the mask function
+  std::shared_ptr<const ModExpression> expression;  // Expression: the mask function as text, or
+  std::shared_ptr<const MaskFunction> function;     // Expression: as C++ (qkv/flex.hpp)
   std::vector<ModInput> inputs;                     // Expression: its inputs, in its order
   std::shared_ptr<const class ModBlocks> blocks;    // Expression: its block map, or null (mod_blocks.hpp)
   int left = -1, right = -1;         // And, Or: indices of the children in MaskRule::nodes

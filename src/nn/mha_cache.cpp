@@ -77,6 +77,8 @@ KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dt
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& cache,
                                                      const std::vector<int64_t>& counts) const {
   const std::shared_lock lock(lock_.mutex().mutex);  // reads the module only (include/qkv/nn.hpp)
+  if (relative_position_bias)
+    throw Error("MultiHeadAttention: a KV cache forward does not take relative_position_bias yet");
   const int64_t hd = head_dim();
   const CachedCall call = check_cached_call(x, cache, counts, embed_dim_, num_kv_heads_, hd,
                                             options_.attention == AttentionKind::Linear, alibi_slopes_.defined());

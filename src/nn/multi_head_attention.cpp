@@ -48,6 +48,8 @@ MultiHeadAttentionOptions resolved(int64_t embed_dim, int64_t num_heads, MultiHe
   if (o.attention == AttentionKind::Linear && (o.dropout > 0 || o.softcap > 0 || o.alibi || o.sinks))
     throw Error(std::string(kWho) + "linear attention takes no dropout, softcap, alibi or sinks (they act on softmax "
                 "scores it never forms)");
+  if (o.attention == AttentionKind::Linear && o.relative_position_bias)
+    throw Error(std::string(kWho) + "linear attention takes no relative_position_bias (it forms no scores)");
   if (!o.seed) o.seed = detail::next_seed();
   return o;
 }
@@ -93,6 +95,16 @@ Tensor alibi_slopes_for(int64_t heads) {
   return slopes;
 }
 
+// The relative-position bias's term for a call with the caller's `mask`: the bias gets its
+// gradient only as the call's one additive term (attention/bias_gradient.hpp).
+Mask relative_bias_mask(const RelativePositionBias& bias, const Mask& mask, int64_t q_len, int64_t kv_len) {
+  for (const Mask::Term& term : mask.terms())
+    if (term.additive)
+      throw Error(std::string(kWho) + "a float mask (" + mask.str() +
+                  ") with relative_position_bias: the bias must be the call's only additive term");
+  return Mask::additive(bias.bias(q_len, kv_len));
+}
+
 // The forward's checks of one input: batch-first (B, N, features) or unbatched (N, features).
 void check_features(const Tensor& t, const char* name, const char* dim_name, int64_t expected) {
   if (!t.defined() || t.dim() < 2 || t.dim() > 3 || t.size(-1) != expected)
@@ -132,6 +144,7 @@ MultiHeadAttention::MultiHeadAttention(int64_t embed_dim, int64_t num_heads, con
   initialise(*this);
   if (o.alibi) alibi_slopes_ = alibi_slopes_for(num_heads);
   if (o.rotary) rotary_.emplace(embed_dim / num_heads, *o.rotary);
+  if (o.relative_position_bias) relative_position_bias.emplace(num_heads, *o.relative_position_bias);
   if (o.sinks) {
     sinks = Tensor::zeros({num_heads});
     sinks_grad = Tensor::zeros({num_heads});
@@ -268,6 +281,7 @@ MultiHeadAttentionOutput MultiHeadAttention::attend(const Tensor& q, const Tenso
   // ---- 3. attend, through the one functional core
   AttentionOptions attention;
   attention.mask = options_.causal ? mask & Mask::causal() : mask;
+  if (relative_position_bias) attention.mask &= relative_bias_mask(*relative_position_bias, mask, q_len, kv_len);
   attention.need_weights = weights != Weights::None;
   attention.softcap = options_.softcap;
   attention.alibi_slopes = alibi_slopes_;
@@ -354,6 +368,8 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     projected = {dq.reshape({batch, q_len, embed_dim_}), dk.reshape({batch, kv_len, num_kv_heads_ * hd}),
                  dv.reshape({batch, kv_len, num_kv_heads_ * hd})};
   }
+  // The relative-position bias's gradient: dbias of its (1, H, Nq, Nk) term, written whole.
+  if (relative_position_bias) d.dbias = Tensor::empty({1, num_heads_, q_len, kv_len});
   if (nothing_attended) {
     // the gradients stay the zeros they were made
   } else if (options_.attention == AttentionKind::Linear) {
@@ -365,6 +381,7 @@ std::vector<Tensor> MultiHeadAttention::backward_to_projections(const Tensor& gr
     rotary_->apply_inplace(d.dq, {0}, /*inverse=*/true);
     rotary_->apply_inplace(d.dk, {0}, /*inverse=*/true);
   }
+  if (relative_position_bias && !nothing_attended) relative_position_bias->backward(d.dbias);
   if (sinks_grad.defined() && d.dsinks.defined()) {
     float* total = sinks_grad.data();
     const Tensor dsinks = d.dsinks.contiguous();
@@ -431,6 +448,7 @@ void MultiHeadAttention::zero_grad() {
   const std::unique_lock lock(lock_.mutex().mutex);
   for (Linear* proj : {&q_proj, &k_proj, &v_proj, &out_proj}) proj->zero_grad();
   grad::reset_grad(sinks_grad, sinks);
+  if (relative_position_bias) relative_position_bias->zero_grad();
 }
 
 std::vector<NamedTensor> MultiHeadAttention::parameters() const {
@@ -446,6 +464,9 @@ std::vector<NamedTensor> MultiHeadAttention::named_parameters() const {
     params.insert(params.end(), p.begin(), p.end());
   }
   if (sinks.defined()) params.push_back({"sinks", sinks, sinks_grad});
+  if (relative_position_bias)
+    params.push_back({"relative_position_bias.weight", relative_position_bias->weight,
+                      relative_position_bias->weight_grad});
   return params;
 }
 

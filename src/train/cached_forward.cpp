@@ -94,6 +94,9 @@ std::vector<nn::KVCache> AttentionModel::make_caches(int64_t batch, int64_t capa
   if (config_.attention != nn::AttentionKind::Softmax)
     throw Error("AttentionModel::make_caches: a KV cache serves softmax attention; this model uses " +
                 to_string(config_.attention) + " attention (generate without the cache)");
+  if (config_.positions == Positions::T5)
+    throw Error("AttentionModel::make_caches: a KV cache does not take the T5 relative-position bias yet "
+                "(generate without the cache)");
   if (capacity < 1 || capacity > config_.max_len)
     throw Error("AttentionModel::make_caches: capacity " + std::to_string(capacity) + " must be in [1, max_len " +
                 std::to_string(config_.max_len) + "]");

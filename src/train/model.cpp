@@ -70,7 +70,7 @@ ModelConfig checked(const ModelConfig& c) {
                 " bytes, over the limit of " + std::to_string(kMaxPositionTableBytes));
   if (c.attention != nn::AttentionKind::Softmax && c.attention != nn::AttentionKind::Linear)
     throw Error("AttentionModel: unknown attention kind " + std::to_string(static_cast<int>(c.attention)));
-  if (c.positions != Positions::Sinusoidal && c.positions != Positions::Rotary)
+  if (c.positions != Positions::Sinusoidal && c.positions != Positions::Rotary && c.positions != Positions::T5)
     throw Error("AttentionModel: unknown positions " + std::to_string(static_cast<int>(c.positions)));
   if (c.positions == Positions::Rotary && (c.d_model / c.num_heads) % 2 != 0)
     throw Error("AttentionModel: rotary positions need an even head dim, but d_model " + std::to_string(c.d_model) +
@@ -121,6 +121,7 @@ AttentionModel::AttentionModel(const ModelConfig& config, uint64_t seed)
     options.seed = module_seed(seed, 2 + static_cast<uint64_t>(l));
     options.attention = config.attention;
     if (config.positions == Positions::Rotary) options.rotary = nn::RotaryEmbeddingOptions{};
+    if (config.positions == Positions::T5) options.relative_position_bias = nn::RelativePositionBiasOptions{32, 128, false};
     layers.push_back({nn::LayerNorm(config.d_model), nn::MultiHeadAttention(config.d_model, config.num_heads, options)});
   }
 }

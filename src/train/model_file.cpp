@@ -129,8 +129,8 @@ void read_config(Reader& in, Header& header) {
     if (attention > 1) in.fail("unknown attention kind " + std::to_string(attention) + " (0 softmax, 1 linear)");
     config.attention = attention == 1 ? nn::AttentionKind::Linear : nn::AttentionKind::Softmax;
     const auto positions = in.value<uint32_t>("the positions");
-    if (positions > 1) in.fail("unknown positions " + std::to_string(positions) + " (0 sinusoidal, 1 rotary)");
-    config.positions = positions == 1 ? Positions::Rotary : Positions::Sinusoidal;
+    if (positions > 2) in.fail("unknown positions " + std::to_string(positions) + " (0 sinusoidal, 1 rotary, 2 t5)");
+    config.positions = positions == 2 ? Positions::T5 : positions == 1 ? Positions::Rotary : Positions::Sinusoidal;
     const auto mask_length = in.value<uint32_t>("the mask's length");
     if (mask_length > kMaxMaskText)
       in.fail("a mask expression of " + std::to_string(mask_length) + " bytes (at most " +
@@ -224,7 +224,7 @@ void AttentionModel::save(const std::string& path, const Checkpoint* checkpoint)
   for (int64_t v : {config_.vocab_size, config_.max_len, config_.d_model, config_.num_heads, config_.num_layers})
     out.value<int64_t>(v);
   out.value<uint32_t>(config_.attention == nn::AttentionKind::Linear ? 1 : 0);
-  out.value<uint32_t>(config_.positions == Positions::Rotary ? 1 : 0);
+  out.value<uint32_t>(config_.positions == Positions::T5 ? 2 : config_.positions == Positions::Rotary ? 1 : 0);
   out.value<uint32_t>(static_cast<uint32_t>(config_.mask.size()));
   out.bytes(config_.mask.data(), config_.mask.size());
   out.value<uint32_t>(static_cast<uint32_t>(params.size()));

@@ -80,10 +80,13 @@ std::string to_string(Task task) {
 Positions parse_positions(const std::string& name) {
   if (name == "sinusoidal") return Positions::Sinusoidal;
   if (name == "rotary") return Positions::Rotary;
-  throw Error("unknown positions '" + name + "': choose sinusoidal or rotary");
+  if (name == "t5") return Positions::T5;
+  throw Error("unknown positions '" + name + "': choose sinusoidal, rotary or t5");
 }
 
-std::string to_string(Positions positions) { return positions == Positions::Rotary ? "rotary" : "sinusoidal"; }
+std::string to_string(Positions positions) {
+  return positions == Positions::Rotary ? "rotary" : positions == Positions::T5 ? "t5" : "sinusoidal";
+}
 
 nn::AttentionKind parse_attention_kind(const std::string& name) {
   if (name == "softmax") return nn::AttentionKind::Softmax;

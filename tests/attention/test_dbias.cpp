@@ -296,13 +296,53 @@ TEST(BiasGradient, FlashIsBitIdenticalOnRepeat) {
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(2);
   qkv_test::ThreadEveryProblem threaded;
-  for (int shape : {0, 7}) {
+  // Key lengths that differ per batch element with a bias broadcast over the batch: the key
+  // chunks of the elements must line up (a race on dbias lines when they did not).
+  for (const auto& [shape, structure] : {std::pair{0, Structure::Causal}, std::pair{7, Structure::Causal},
+                                         std::pair{0, Structure::KeyLengths}, std::pair{7, Structure::KeyLengths}}) {
     const qkv_test::Sizes s{3, 4, 2, 200, 180, 32, 32};
-    const BiasCase c = make_bias_case(rng, s, bias_shapes(s.batch, s.q_heads, s.nq, s.nk)[shape], Structure::Causal, 0);
+    const BiasCase c = make_bias_case(rng, s, bias_shapes(s.batch, s.q_heads, s.nq, s.nk)[shape], structure, 1);
     const std::vector<float> first = run_dbias(c, Backend::Flash).to_vector();
-    for (int repeat = 0; repeat < 3; ++repeat) EXPECT_EQ(run_dbias(c, Backend::Flash).to_vector(), first) << c.name;
+    for (int repeat = 0; repeat < 6; ++repeat) EXPECT_EQ(run_dbias(c, Backend::Flash).to_vector(), first) << c.name;
   }
   omp_set_num_threads(threads_before);
+}
+
+// The flash backward takes dbias from the softmax gradient's dS when the scores have no slope
+// and computes it apart when they do (flash/backward.cpp): an identity score function (slope 1)
+// takes the second way, and must give the same bits as the first, for dbias and dQ, dK, dV.
+TEST(BiasGradient, FlashWithoutSlopeEqualsIdentityScoreFunctionBitForBit) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const qkv_test::Sizes sizes[] = {{2, 4, 2, 150, 130, 32, 32}, {1, 2, 1, 113, 129, 17, 33}};
+  const int shapes[] = {7, 0};
+  const Structure structures[] = {Structure::Causal, Structure::KeyLengths};
+  auto gradients = [](const BiasCase& c) {
+    const AttentionOptions o = c.options_for(Backend::Flash);
+    const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, o);
+    AttentionGrads g;
+    g.dbias = Tensor::full(c.bias.shape(), std::numeric_limits<float>::quiet_NaN());
+    qkv::scaled_dot_product_attention_backward_into(c.grad_output, c.q, c.k, c.v, forward, g, o);
+    return std::vector<std::vector<float>>{g.dbias.to_vector(), g.dq.to_vector(), g.dk.to_vector(),
+                                           g.dv.to_vector()};
+  };
+  for (size_t n = 0; n < 2; ++n) {
+    const qkv_test::Sizes& s = sizes[n];
+    BiasCase plain = make_bias_case(rng, s, bias_shapes(s.batch, s.q_heads, s.nq, s.nk)[shapes[n]], structures[n], 0);
+    BiasCase identity = plain;
+    identity.options.score_mod = "s";
+    qkv_test::on_every_target_and_thread_count([&] {
+      const std::vector<std::vector<float>> want = gradients(plain), got = gradients(identity);
+      const char* names[] = {"dbias", "dq", "dk", "dv"};
+      for (size_t t = 0; t < want.size(); ++t) {
+        size_t differ = 0, first = 0;
+        for (size_t e = 0; e < want[t].size(); ++e)
+          if (!(got[t][e] == want[t][e]) && differ++ == 0) first = e;
+        EXPECT_EQ(differ, 0u) << plain.name << " " << names[t] << ": first at " << first << ", "
+                              << got[t][first] << " vs " << want[t][first];
+      }
+    });
+  }
 }
 
 TEST(BiasGradient, OnlyForOneAdditiveTerm) {

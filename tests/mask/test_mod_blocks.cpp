@@ -92,5 +92,45 @@ TEST(ModBlocks, TooLargeAProblemGetsNoMap) {
   EXPECT_EQ(ModBlocks::build(by_head, {}, 64, 128, 512, 512), nullptr) << "128 maps of 512 x 512";
 }
 
+// A C++ mask function (qkv::mask_function) gets the map of its text twin, block for block, and
+// one map for every batch and head only when it says it reads neither.
+TEST(ModBlocks, CallableGetsItsTextTwinsMap) {
+  qkv_test::Random rng;
+  SCOPED_TRACE(rng.note());
+  const Problem p{2, 3, rng.integer(40, 150), rng.integer(40, 150)};
+  const int64_t length = std::max(p.nq, p.nk);
+  std::vector<float> docs(static_cast<size_t>(length));
+  for (int64_t x = 0, doc = 0; x < length; ++x) {
+    if (rng.chance(0.04)) ++doc;
+    docs[static_cast<size_t>(x)] = static_cast<float>(doc);
+  }
+  const std::map<std::string, Tensor> inputs = {{"doc", Tensor::from(docs, Shape{length})}};
+  const ModExpression e = ModExpression::parse("doc(q) == doc(k) && k <= q + h || b == 1 && k < 7", ModKind::Mask,
+                                               mod_input_names(inputs));
+  std::vector<Tensor> held;
+  const std::vector<ModInput> views = bind_mod_inputs("test: ", e, inputs, p.batch, p.heads, p.nq, p.nk, held);
+  const std::shared_ptr<const ModBlocks> want = ModBlocks::build(e, views, p.batch, p.heads, p.nq, p.nk);
+  const auto callable = qkv::mask_function([&docs](int64_t b, int64_t h, int64_t q, int64_t k) {
+    return (docs[static_cast<size_t>(q)] == docs[static_cast<size_t>(k)] && k <= q + h) || (b == 1 && k < 7);
+  });
+  const std::shared_ptr<const ModBlocks> got = ModBlocks::build(*callable, p.batch, p.heads, p.nq, p.nk);
+  ASSERT_NE(want, nullptr);
+  ASSERT_NE(got, nullptr);
+  const int64_t block = ModBlocks::kBlock;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i0 = 0; i0 < p.nq; i0 += block)
+        for (int64_t j0 = 0; j0 < p.nk; j0 += block) {
+          const int64_t i1 = std::min(p.nq, i0 + block) - 1, j1 = std::min(p.nk, j0 + block) - 1;
+          EXPECT_EQ(static_cast<int>(*got->classify(b, h, i0, i1, j0, j1)),
+                    static_cast<int>(*want->classify(b, h, i0, i1, j0, j1)))
+              << "b=" << b << " h=" << h << " block [" << i0 << ", " << j0 << "]";
+        }
+  const auto causal = [](int64_t, int64_t, int64_t q, int64_t k) { return k <= q; };
+  EXPECT_EQ(ModBlocks::build(*qkv::mask_function(causal), 64, 128, 512, 512), nullptr) << "a map per b and h";
+  EXPECT_NE(ModBlocks::build(*qkv::mask_function(causal, {false, false}), 64, 128, 512, 512), nullptr)
+      << "reads neither b nor h: one map";
+}
+
 }  // namespace
 }  // namespace qkv::detail

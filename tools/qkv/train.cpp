@@ -340,8 +340,9 @@ void add_train_command(CLI::App& app) {
                   "A mask expression every layer ands with causal (qkv viz --mask's syntax), saved in the model, "
                   "e.g. \"window(3) | strided(4)\"");
   cmd->add_option("--positions", options->positions,
-                  "sinusoidal: a fixed table added to the embedding; rotary: RoPE on q and k in every layer")
-      ->check(CLI::IsMember({"sinusoidal", "rotary"}))
+                  "sinusoidal: a fixed table added to the embedding; rotary: RoPE on q and k in every layer; t5: a "
+                  "learned relative-position bias per head in every layer (T5's causal buckets)")
+      ->check(CLI::IsMember({"sinusoidal", "rotary", "t5"}))
       ->capture_default_str();
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--seed", options->seed, "Seed of the weights and of every batch")->capture_default_str();

@@ -194,10 +194,15 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   products.GradP(p, walk.key_step, t, w);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < cols; ++j) step::Dropout(p, t.line(walk, j), w.grad_t + j * br, t.rows);
-  if (bp.grad_bias.data)  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp)
+  // dL/dbias = dS before the modifiers' slopes (attention/bias_gradient.hpp): with a slope
+  // computed apart first, without one taken from the softmax gradient (dS computed once).
+  const bool slope = p.has_score_slope();
+  if (bp.grad_bias.data && slope)
     step::AddBiasGradientTile(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.grad_t,
                               w.row_dot);
-  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, p.has_score_slope() ? w.softcap_t : nullptr);
+  step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, slope ? w.softcap_t : nullptr);
+  if (bp.grad_bias.data && !slope)
+    step::AddBiasGradientFromDs(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.grad_t);
   return products.GradKQ(p, query_rows, keys, step::EveryStepRows(grad_q_out, t.i0, walk.query_step), t, w);
 }
 
@@ -363,8 +368,20 @@ void key_chunk(const AttentionBackwardProblem& bp, const Chunks& chunks, const L
   const int64_t nq = p.q_len, nk = p.kv_len, key_tile = static_cast<int64_t>(flash::kKeyTile);
   const int64_t pair = item / chunks.splits, chunk = item % chunks.splits;
   const int64_t b = pair / p.kv_heads, g = pair % p.kv_heads;
-  const int64_t visible_end = nq > 0 ? std::clamp<int64_t>(p.last_visible_key(b, nq - 1), 0, nk) : 0;
-  const int64_t visible_tiles = (visible_end + key_tile - 1) / key_tile;
+  const auto visible_end_of = [&](int64_t batch) {
+    return nq > 0 ? std::clamp<int64_t>(p.last_visible_key(batch, nq - 1), 0, nk) : 0;
+  };
+  const int64_t visible_end = visible_end_of(b);
+  // The chunks split the keys up to split_end. With a bias gradient broadcast over the batch,
+  // chunk n of every batch element runs in one group, after the others (bias_waves), and must
+  // cover the same keys: split_end is then the last key any batch element sees (key lengths
+  // differ per batch), each element's chunk cut at its own end. (Split at each element's own end,
+  // chunk n of one element overlapped chunk n + 1 of another, which ran at the same time on
+  // another worker and added into the same dbias lines: a race.)
+  int64_t split_end = visible_end;
+  if (bp.grad_bias.data && bp.grad_bias.stride_b == 0)
+    for (int64_t other = 0; other < p.batch; ++other) split_end = std::max(split_end, visible_end_of(other));
+  const int64_t visible_tiles = (split_end + key_tile - 1) / key_tile;
   const int64_t key_begin = std::min(visible_end, visible_tiles * chunk / chunks.splits * key_tile);
   const int64_t key_end = std::min(visible_end, visible_tiles * (chunk + 1) / chunks.splits * key_tile);
   if (chunk == chunks.splits - 1)

@@ -1,6 +1,7 @@
-// Steps "bias gradient" (the flash backward's, once per pair of tiles, before the softmax
-// gradient overwrites P): dS = P (dP - D), exactly 0 where P = 0, of the pair's pairs added into
-// dbias (attention/bias_gradient.hpp). The tile holds key lines over query lanes; dbias is read
+// Steps "bias gradient" (the flash backward's, once per pair of tiles): dS = P (dP - D), exactly
+// 0 where P = 0, of the pair's pairs added into dbias, either computed here (before the softmax
+// gradient multiplies dS by a modifier's slope) or taken from the softmax gradient's output when
+// there is no slope (attention/bias_gradient.hpp). The tile holds key lines over query lanes; dbias is read
 // through its view, so a key-major accumulator (flash/key_major_bias.hpp: queries contiguous)
 // takes whole vectors per line, and any other layout (a bias broadcast over queries, a residue's
 // strides) the same sums lane by lane. PrefetchBiasTile fetches the pair's bias and dbias first.
@@ -30,31 +31,55 @@ namespace HWY_NAMESPACE {
 namespace pipeline {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// weights_t holds P and grad_t dP (after dropout) as key lines: line l (key j0 + l walk.key_step)
-// of br lanes, lane x query i0 + x walk.query_step, `rows` lanes real; row_dot the lanes' D.
+// Adds the tile's dS into dbias: line l (key j0 + l walk.key_step) of br lanes, lane x query
+// i0 + x walk.query_step, `rows` lanes real; ds(at, x) gives the vector of dS at float `at` of
+// the tile (lanes x ..), read whole (br is whole vectors). Lanes that are not a whole vector of
+// contiguous elements (a short tile's, a bias broadcast over queries: lane_step 0) are added one
+// by one from the vector stored, never from a scalar product: the compiler fuses a scalar
+// `line += p * (dP - D)` into one FMA, which rounds differently from the vector lanes and from
+// SoftmaxGradient's dS.
+template <class VectorDs>
+HWY_INLINE void AddTileLines(const BiasGradView& g, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+                             int64_t j0, size_t cols, size_t br, const VectorDs& ds) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const int64_t lane_step = walk.query_step * g.stride_q;
+  HWY_ALIGN float part[HWY_MAX_BYTES / sizeof(float)];
+  for (size_t l = 0; l < cols; ++l) {
+    float* line = g.row(b, h, i0) + (j0 + static_cast<int64_t>(l) * walk.key_step) * g.stride_k;
+    size_t x = 0;
+    if (lane_step == 1)
+      for (; x + lanes <= rows; x += lanes) hn::StoreU(hn::Add(hn::LoadU(df, line + x), ds(l * br + x, x)), df, line + x);
+    for (; x < rows; x += lanes) {
+      hn::Store(ds(l * br + x, x), df, part);
+      for (size_t n = 0; n < lanes && x + n < rows; ++n) line[static_cast<int64_t>(x + n) * lane_step] += part[n];
+    }
+  }
+}
+
+// weights_t holds P and grad_t dP (after dropout) as key lines (as AddTileLines), row_dot the
+// lanes' D: adds dS = P (dP - D), 0 where P = 0. For a pair whose scores have a slope (softcap, a
+// score function), before SoftmaxGradient multiplies dS by it.
 HWY_INLINE void AddBiasGradientTile(const BiasGradView& g, const Walk& walk, int64_t b, int64_t h, int64_t i0,
                                     size_t rows, int64_t j0, size_t cols, size_t br,
                                     const float* HWY_RESTRICT weights_t, const float* HWY_RESTRICT grad_t,
                                     const float* HWY_RESTRICT row_dot) {
   const DF df;
-  const size_t lanes = hn::Lanes(df);
-  const int64_t lane_step = walk.query_step * g.stride_q;
-  for (size_t l = 0; l < cols; ++l) {
-    float* line = g.row(b, h, i0) + (j0 + static_cast<int64_t>(l) * walk.key_step) * g.stride_k;
-    const float* weights = weights_t + l * br;
-    const float* grads = grad_t + l * br;
-    size_t x = 0;
-    if (lane_step == 1)
-      for (; x + lanes <= rows; x += lanes) {
-        const VF p = hn::Load(df, weights + x);
-        const VF ds = hn::Mul(p, hn::Sub(hn::Load(df, grads + x), hn::Load(df, row_dot + x)));
-        hn::StoreU(hn::Add(hn::LoadU(df, line + x), hn::IfThenZeroElse(hn::Eq(p, hn::Zero(df)), ds)), df, line + x);
-      }
-    for (; x < rows; ++x) {
-      const float p = weights[x];
-      line[static_cast<int64_t>(x) * lane_step] += p == 0.0f ? 0.0f : p * (grads[x] - row_dot[x]);
-    }
-  }
+  AddTileLines(g, walk, b, h, i0, rows, j0, cols, br, [&](size_t at, size_t x) {
+    const VF p = hn::Load(df, weights_t + at);
+    const VF ds = hn::Mul(p, hn::Sub(hn::Load(df, grad_t + at), hn::Load(df, row_dot + x)));
+    return hn::IfThenZeroElse(hn::Eq(p, hn::Zero(df)), ds);
+  });
+}
+
+// The same from dS itself (ds_t, SoftmaxGradient's output without a slope: the same bits as
+// above), so that a pair without softcap or a score function computes dS once (issue 42's
+// backward-with-dbias target; measured in docs/flex.md).
+HWY_INLINE void AddBiasGradientFromDs(const BiasGradView& g, const Walk& walk, int64_t b, int64_t h, int64_t i0,
+                                      size_t rows, int64_t j0, size_t cols, size_t br,
+                                      const float* HWY_RESTRICT ds_t) {
+  const DF df;
+  AddTileLines(g, walk, b, h, i0, rows, j0, cols, br, [&](size_t at, size_t) { return hn::Load(df, ds_t + at); });
 }
 
 // Prefetches (into L2) what the pair reads of a key-major tensor: for each of its key lines the
