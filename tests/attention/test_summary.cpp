@@ -45,17 +45,46 @@ struct Expected {
 // Two kernels' scores differ in their last bits (their sums run in different orders), so two
 // keys whose reference weights differ by less than that may come in either order: a key other
 // than the expected one is accepted when its reference weight is within 1e-6 of the expected
-// weight and the two are not exactly equal (an exact tie must go to the lower index). Where the
-// mask adds a float term, equal reference weights need not be a tie: two repeated keys' logits
-// plus different biases may round to one float in the reference and to two in the other kernel
-// (its dot products sum in another order), so there a key within 1e-6 is accepted even at equal
-// reference weights.
+// weight, unless the two keys are an exact tie, which must go to the lower index. An exact tie is
+// two equal key rows with nothing per key added to their logits (no float mask term, no ALiBi):
+// every kernel computes their logits in the same order, so they are equal in every kernel. Equal
+// reference weights are not enough: two different logits an ulp apart can round to one float
+// weight in the reference and stay apart in the other kernel.
 constexpr double kNearTie = 1e-6;
 
 bool has_additive_term(const qkv::Mask& mask) {
   for (const qkv::Mask::Term& term : mask.terms())
     if (term.additive) return true;
   return false;
+}
+
+// Which keys of a row tie exactly: twin(row, a) == twin(row, b).
+struct Twins {
+  std::vector<int64_t> first;  // (B, Hkv, Nk): the first key of the head whose row equals this one
+  int64_t hq = 1, hkv = 1, nq = 1, nk = 1;
+  int64_t of(int64_t row, int64_t key) const {
+    const int64_t b = row / (hq * nq), h = row / nq % hq;
+    return first[static_cast<size_t>((b * hkv + h / (hq / hkv)) * nk + key)];
+  }
+};
+
+// Every key its own class when a float mask term or ALiBi adds per-key terms.
+Twins twins_of(const Case& c) {
+  Twins t;
+  t.hq = c.q.size(1), t.hkv = c.k.size(1), t.nq = c.q.size(2), t.nk = c.k.size(2);
+  const int64_t dk = c.k.size(3), heads = c.k.size(0) * t.hkv;
+  const bool per_key_terms = has_additive_term(c.mask) || c.alibi_slopes.defined();
+  const std::vector<float> k = c.k.to_vector();
+  for (int64_t g = 0; g < heads; ++g)
+    for (int64_t j = 0; j < t.nk; ++j) {
+      int64_t first = j;
+      for (int64_t i = 0; i < j && !per_key_terms && first == j; ++i)
+        if (std::equal(k.begin() + (g * t.nk + i) * dk, k.begin() + (g * t.nk + i + 1) * dk,
+                       k.begin() + (g * t.nk + j) * dk))
+          first = i;
+      t.first.push_back(first);
+    }
+  return t;
 }
 
 Expected summaries_of(const Tensor& weights, int64_t k) {
@@ -105,8 +134,10 @@ AttentionResult poisoned(const Case& c, int64_t k) {
   return r;
 }
 
+// twins null: the summaries come from the same weights as e (the reference's own), where equal
+// weights are exact ties.
 void expect_summaries(const Expected& e, const AttentionResult& r, const std::string& what,
-                      bool exact_ties = true) {
+                      const Twins* twins = nullptr) {
   const std::vector<float> entropy = r.entropy.to_vector(), weights = r.top_weights.to_vector(),
                            received = r.received.to_vector();
   ASSERT_EQ(entropy.size(), e.entropy.size()) << what;
@@ -118,7 +149,9 @@ void expect_summaries(const Expected& e, const AttentionResult& r, const std::st
     if (r.top_keys[x] != e.top_keys[x] && r.top_keys[x] >= 0 && e.top_keys[x] >= 0) {
       const int64_t row = static_cast<int64_t>(x) / e.k;
       const double got = e.weights[static_cast<size_t>(row * e.nk + r.top_keys[x])];
-      ASSERT_TRUE((!exact_ties || got != e.top_weights[x]) && std::abs(got - e.top_weights[x]) <= kNearTie)
+      const bool exact_tie = twins == nullptr ? got == e.top_weights[x]
+                                              : twins->of(row, r.top_keys[x]) == twins->of(row, e.top_keys[x]);
+      ASSERT_TRUE(!exact_tie && std::abs(got - e.top_weights[x]) <= kNearTie)
           << what << " top entry " << x << ": key " << r.top_keys[x] << " (reference weight " << got
           << ") where key " << e.top_keys[x] << " (" << e.top_weights[x] << ") was expected";
       continue;
@@ -180,8 +213,10 @@ TEST(Summary, FlashMatchesReferenceWeightsEverywhere) {
   SCOPED_TRACE(rng.note());
   const std::vector<Case> cases = random_cases(rng);
   std::vector<Expected> expected;
+  std::vector<Twins> twins;
   std::vector<int64_t> ks;
   for (const Case& c : cases) {
+    twins.push_back(twins_of(c));
     AttentionOptions options = qkv_test::options_of(c, Backend::Reference);
     options.need_weights = true;
     ks.push_back(rng.chance(0.3) ? rng.integer(1, 3) : rng.integer(4, 40));
@@ -192,7 +227,7 @@ TEST(Summary, FlashMatchesReferenceWeightsEverywhere) {
       const Case& c = cases[n];
       AttentionResult r = poisoned(c, ks[n]);
       qkv::scaled_dot_product_attention_into(c.q, c.k, c.v, r, summary_options(c, Backend::Flash, ks[n]));
-      expect_summaries(expected[n], r, c.name + " k=" + std::to_string(ks[n]), !has_additive_term(c.mask));
+      expect_summaries(expected[n], r, c.name + " k=" + std::to_string(ks[n]), &twins[n]);
       // The output is flash's: against the reference's to the kernels' tolerance.
       const AttentionResult plain =
           qkv::scaled_dot_product_attention(c.q, c.k, c.v, qkv_test::options_of(c, Backend::Reference));
