@@ -292,10 +292,13 @@ HWY_EXPORT(RowsBlock);
 HWY_EXPORT(RowsTileOutputs);
 
 bool rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
-  // Multiply-adds: as small_rows_gemm. A parallel region per product of a decode step
-  // (SmolLM2-135M's 576 x 576 ... 1536 x 576 at 2^17) loses to one thread on a loaded machine;
-  // from 2^20 on (the lm_head and larger) two threads win.
-  constexpr int64_t kMinWorkForThreads = int64_t{1} << 20;
+  // Multiply-adds. Decode is bound by reading W, which one thread does not saturate: on an idle
+  // machine every product of a decode step from 2^16 up (SmolLM2-135M's 192 x 576 K/V
+  // projections and larger, 128 KiB of bf16 W) reads faster on two threads, the region's start
+  // and join included (docs/models.md, "Speed"). Below that the join costs what the second
+  // thread saves. On an oversubscribed machine every region waits for a descheduled thread, and
+  // no threshold helps.
+  constexpr int64_t kMinWorkForThreads = int64_t{1} << 16;
   return std::max<int64_t>(rows, 1) * n * k >= kMinWorkForThreads && omp_get_max_threads() > 1;
 }
 

@@ -267,7 +267,9 @@ bool rows_off_lines(const float* x, int64_t ldx) {
 }  // namespace
 
 bool small_rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
-  constexpr int64_t kMinWorkForThreads = int64_t{1} << 20;  // multiply-adds
+  // Multiply-adds: as rows_gemm's (gemm/rows.cpp), from 2^16 on two threads read a float32 W
+  // faster than one, start and join included (a decode step's products; docs/models.md).
+  constexpr int64_t kMinWorkForThreads = int64_t{1} << 16;
   return rows * n * k >= kMinWorkForThreads && n > kBlock && omp_get_max_threads() > 1;
 }
 
