@@ -4,7 +4,8 @@
 //
 //   ggml_attention --threads 2 [--check] SPEC...
 //   SPEC = id:kind:batch:q_heads:kv_heads:q_len:kv_len:head_dim:mask:kv_dtype
-//          kind attention|module, mask causal|none, kv_dtype f32|f16
+//          kind attention|module, mask causal|none, kv_dtype f32|f16|bf16|int8|int4
+//          (ggml's K/V: f32, f16 for both 16-bit rows, q8_0 for int8, q4_0 for int4)
 //
 // Per workload: the graph is built once (inputs random, filled beforehand) and run by
 // ggml_graph_compute on a ggml threadpool of --threads threads (what the CPU backend runs);
@@ -39,7 +40,7 @@ struct Spec {
   std::string id, kind;
   int64_t batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
   bool causal = false;
-  bool f16 = false;
+  ggml_type kv_type = GGML_TYPE_F32;
 };
 
 Spec parse_spec(const std::string& text) {
@@ -60,7 +61,16 @@ Spec parse_spec(const std::string& text) {
   s.kv_len = std::stoll(f[6]);
   s.head_dim = std::stoll(f[7]);
   s.causal = f[8] == "causal";
-  s.f16 = f[9] == "f16" || f[9] == "bf16";  // ggml's 16-bit K/V here is f16
+  if (f[9] == "f16" || f[9] == "bf16") {
+    s.kv_type = GGML_TYPE_F16;  // ggml's 16-bit K/V cache type
+  } else if (f[9] == "int8") {
+    s.kv_type = GGML_TYPE_Q8_0;
+  } else if (f[9] == "int4") {
+    s.kv_type = GGML_TYPE_Q4_0;
+  } else if (f[9] != "f32") {
+    std::fprintf(stderr, "ggml_attention: unknown kv_dtype '%s'\n", f[9].c_str());
+    std::exit(2);
+  }
   return s;
 }
 
@@ -103,13 +113,24 @@ void fill_random(ggml_tensor* t, std::mt19937& rng, float scale = 1.0f) {
   }
   std::vector<float> values(static_cast<size_t>(n));
   for (float& x : values) x = normal(rng);
-  ggml_fp32_to_fp16_row(values.data(), static_cast<ggml_fp16_t*>(t->data), n);
+  if (t->type == GGML_TYPE_F16) {
+    ggml_fp32_to_fp16_row(values.data(), static_cast<ggml_fp16_t*>(t->data), n);
+    return;
+  }
+  const int64_t row = t->ne[0];  // quantized: blocks along the row (head_dim, a multiple of 32)
+  ggml_quantize_chunk(t->type, values.data(), t->data, 0, n / row, row, nullptr);
 }
 
 float element(const ggml_tensor* t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   const char* p = static_cast<const char*>(t->data) + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
   if (t->type == GGML_TYPE_F32) return *reinterpret_cast<const float*>(p);
-  return ggml_fp16_to_fp32(*reinterpret_cast<const ggml_fp16_t*>(p));
+  if (t->type == GGML_TYPE_F16) return ggml_fp16_to_fp32(*reinterpret_cast<const ggml_fp16_t*>(p));
+  // quantized: dequantise the block holding i0 (rows are whole blocks)
+  const int64_t block = ggml_blck_size(t->type);
+  const char* row = static_cast<const char*>(t->data) + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+  float values[256];
+  ggml_get_type_traits(t->type)->to_float(row + (i0 / block) * ggml_type_size(t->type), values, block);
+  return values[i0 % block];
 }
 
 // Largest |ggml - float64 reference| over a few (batch, head, query) rows.
@@ -148,10 +169,9 @@ struct Graph {
 };
 
 Graph build_attention(const Spec& s, std::mt19937& rng) {
-  const ggml_type kv_type = s.f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
-  const size_t kv_size = ggml_type_size(kv_type);
-  const size_t bytes = 4 * static_cast<size_t>(s.head_dim * s.q_len * s.q_heads * s.batch) * 2 +
-                       2 * kv_size * static_cast<size_t>(s.head_dim * s.kv_len * s.kv_heads * s.batch) +
+  const ggml_type kv_type = s.kv_type;
+  const size_t kv_bytes = ggml_row_size(kv_type, s.head_dim) * static_cast<size_t>(s.kv_len * s.kv_heads * s.batch);
+  const size_t bytes = 4 * static_cast<size_t>(s.head_dim * s.q_len * s.q_heads * s.batch) * 2 + 2 * kv_bytes +
                        2 * static_cast<size_t>(s.kv_len * s.q_len) + 16 * ggml_tensor_overhead() +
                        ggml_graph_overhead() + (size_t{1} << 20);
   Graph g;
@@ -175,7 +195,7 @@ Graph build_attention(const Spec& s, std::mt19937& rng) {
   ggml_flash_attn_ext_set_prec(g.out, GGML_PREC_F32);
   g.graph = ggml_new_graph(g.ctx);
   ggml_build_forward_expand(g.graph, g.out);
-  g.variant = std::string("flash_attn_ext ") + (s.f16 ? "f16" : "f32") + " K/V";
+  g.variant = std::string("flash_attn_ext ") + ggml_type_name(kv_type) + " K/V";
   return g;
 }
 

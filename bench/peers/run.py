@@ -18,7 +18,8 @@ The peers, each on the same shapes, float32, --threads threads (2 by default):
          MatMul-Softmax-MatMul subgraph; models written with Debian's python3-onnx
          (onnx_models.py) and timed by a Node script (ort_attention.js)
   ggml   ggml's CPU flash attention, ggml_flash_attn_ext, f32 K/V and, on the 16-bit decode
-         rows, f16 K/V (its 16-bit cache type; the W4-bf16 row shows its f16 time), run by
+         rows, f16 K/V (its 16-bit cache type; the W4-bf16 row shows its f16 time), on the
+         quantized decode rows its q8_0 (W4-int8) and q4_0 (W4-int4) caches, run by
          ggml_graph_compute on a threadpool of --threads threads (ggml_attention.cpp). Built
          from the ggml checkout given by --ggml-src or $GGML_SRC (CMake, CPU backend only, -j2)
          into <cache>/ggml, never into this repository; without one, the column is skipped
@@ -59,12 +60,14 @@ ROWS = [
     ("W4", "attention", 1, 32, 32, 1, 8192, 128, False, "f32"),
     ("W4-bf16", "attention", 1, 32, 32, 1, 8192, 128, False, "bf16"),
     ("W4-f16", "attention", 1, 32, 32, 1, 8192, 128, False, "f16"),
+    ("W4-int8", "attention", 1, 32, 32, 1, 8192, 128, False, "int8"),
+    ("W4-int4", "attention", 1, 32, 32, 1, 8192, 128, False, "int4"),
     ("W5", "module", 2, 8, 8, 10, 10, 64, False, "f32"),
 ]
 WORKLOADS = {r[0]: dict(zip(("id", "kind", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "causal",
                              "kv_dtype"), r)) for r in ROWS}
-# As `qkv bench --workload`: W2 brings W2-full, W4 its 16-bit rows.
-FOLLOWERS = {"W2": ["W2-full"], "W4": ["W4-bf16", "W4-f16"]}
+# As `qkv bench --workload`: W2 brings W2-full, W4 its 16-bit and quantized rows.
+FOLLOWERS = {"W2": ["W2-full"], "W4": ["W4-bf16", "W4-f16", "W4-int8", "W4-int4"]}
 PEERS = ["torch", "ort", "ggml"]
 TITLES = {"torch": "torch", "ort": "ORT", "ggml": "ggml", "qkv": "qkv"}
 
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="W0,W1,W2,W3,W4,W5",
-                        help="comma list of " + ", ".join(WORKLOADS) + " (W2 brings W2-full, W4 its 16-bit rows)")
+                        help="comma list of " + ", ".join(WORKLOADS) + " (W2 brings W2-full, W4 its 16-bit and quantized rows)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds; each peer's best is kept")
     parser.add_argument("--threads", type=int, default=2, help="threads of every peer and of qkv")
     parser.add_argument("--qkv", default=os.path.join(REPO, "build", "release", "tools", "qkv", "qkv"),
@@ -369,7 +372,7 @@ class Ggml(Peer):
         out = {}
         for w in self.args.ids:
             workload = WORKLOADS[w]
-            if workload["kv_dtype"] == "f32":
+            if workload["kv_dtype"] in ("f32", "int8", "int4"):  # int8, int4: ggml's q8_0, q4_0
                 out[w] = spec(workload)
             else:
                 out["W4-f16"] = spec(WORKLOADS["W4-f16"])
