@@ -7,12 +7,14 @@
 #include "attention/varlen.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "attention/problem.hpp"  // prepare_result, expect_shape
 #include "attention/summary/summary.hpp"  // clear_summary_outputs
 #include "qkv/error.hpp"
+#include "qkv/mask.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -50,6 +52,16 @@ void check_packed_operand(const char* who, const Tensor& t, const char* name, co
     fail(who, std::string(name) + " is " + t.shape().str() + ": with cu_seqlens it must be " + shape);
 }
 
+// Whether the rule tree holds a leaf that reads tensors or a function by (b, i, j): under
+// cu_seqlens each sequence runs as batch 0 with its own i and j, so such a leaf would read the
+// rows of the first sequence for every one.
+bool reads_by_position(const std::shared_ptr<const Mask::Rule>& rule) {
+  if (!rule) return false;
+  using Kind = Mask::Rule::Kind;
+  if (rule->kind == Kind::Keep || rule->kind == Kind::Expression) return true;
+  return reads_by_position(rule->left) || reads_by_position(rule->right);
+}
+
 // What a packed batch does not take: each names the option and what to use instead.
 void check_varlen_options(const char* who, const AttentionOptions& o, int64_t batch) {
   const auto refuse = [&](bool given, const std::string& what) {
@@ -61,6 +73,9 @@ void check_varlen_options(const char* who, const AttentionOptions& o, int64_t ba
   refuse(o.mask.has_key_lengths(), "key_lengths (cu_seqlens_k gives each sequence its keys)");
   refuse(!o.score_mod.empty() || !o.mask_mod.empty() || o.score_function || !o.mod_inputs.empty(),
          "a score or mask function (score_mod, mask_mod, score_function, mod_inputs)");
+  refuse(reads_by_position(o.mask.rule()),
+         "a mask rule that reads a keep tensor or a mask function (" + o.mask.str() + ")");
+  refuse(o.k_scales.defined() || o.v_scales.defined(), "quantized K/V (k_scales, v_scales)");
   if (o.alibi_slopes.defined() && o.alibi_slopes.dim() == 2 && o.alibi_slopes.size(0) != batch)
     fail(who, "alibi_slopes is " + o.alibi_slopes.shape().str() + " but the packed batch has " +
                   std::to_string(batch) + " sequences: (B, Hq) slopes need one row per sequence");

@@ -62,6 +62,8 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, nn::KVCache& cach
   AttentionOptions options;
   options.mask = mask_of(pass, spec);
   options.need_weights = pass.attention != nullptr;
+  options.k_scales = cache.key_scales(keys);  // undefined unless the cache is quantized
+  options.v_scales = cache.value_scales(keys);
   AttentionResult result;
   result.output = out;
   scaled_dot_product_attention_into(q, cache.keys(keys), cache.values(keys), result, options);

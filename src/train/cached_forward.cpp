@@ -81,6 +81,8 @@ Tensor masked_cached_attention(const nn::MultiHeadAttention& layer, const Tensor
   const int64_t keys = offset + len;
   AttentionOptions options;
   options.mask = Mask::causal(offset) & shifted_mask(mask, offset, batch, keys);
+  options.k_scales = cache.key_scales(keys);  // undefined unless the cache is quantized
+  options.v_scales = cache.value_scales(keys);
   const Tensor concatenated = Tensor::empty({batch, len, heads, hd});
   AttentionResult result;
   result.output = concatenated.transpose(1, 2);

@@ -289,6 +289,16 @@ TEST(Varlen, BadOffsetsAndOptionsAreRefused) {
   AttentionOptions tensor = o;
   tensor.mask = Mask::keep(Tensor::full(Shape{5, 5}, 1.0f));
   expect_error(forward(tensor), {"tensor mask"});
+  // Rules that read by (b, i, j) would see sequence b's rows as batch 0's: refused wherever they sit.
+  AttentionOptions function = o;
+  function.mask = Mask::expression("flag(q) > 0", {{"flag", Tensor::full(Shape{9}, 1.0f)}});
+  expect_error(forward(function), {"mask rule that reads", "mask function"});
+  AttentionOptions keep_in_union = o;
+  keep_in_union.mask = Mask::causal() | Mask::keep(Tensor::full(Shape{5, 5}, 1.0f));
+  expect_error(forward(keep_in_union), {"mask rule that reads a keep tensor"});
+  AttentionOptions quantized = o;
+  quantized.k_scales = Tensor::full(Shape{9, kKvHeads, 1}, 1.0f);
+  expect_error(forward(quantized), {"quantized K/V"});
   AttentionOptions slopes = o;
   slopes.alibi_slopes = Tensor::full(Shape{3, kQHeads}, 0.1f);
   expect_error(forward(slopes), {"alibi_slopes is (3, 4)", "2 sequences"});

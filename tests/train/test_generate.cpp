@@ -98,6 +98,10 @@ TEST(CachedForward, MaskedModelsEqualTheFullForward) {
         SCOPED_TRACE("mask " + mask + ", " + qkv::train::to_string(positions) + ", chunks of " + std::to_string(chunk));
         EXPECT_LE(max_abs_difference(cached_logits(model, ids, kN, chunk, qkv::DType::F32), full), 1e-5 * scale + 1e-5);
       }
+      // A quantized cache: the masked cached forward hands attention the cache's scales; int8
+      // moves the logits by the rounding of K and V (a 254th of a row's largest), not more.
+      SCOPED_TRACE("mask " + mask + ", int8 cache");
+      EXPECT_LE(max_abs_difference(cached_logits(model, ids, kN, 3, qkv::DType::I8), full), 0.05 * scale);
     }
   }
   // The mask matters: without it the model computes something else.
