@@ -23,11 +23,8 @@ using qkv::Mask;
 using qkv::Shape;
 using qkv::Tensor;
 using qkv_test::Case;
-using qkv_test::MaskKind;
 using qkv_test::Random;
 using qkv_test::Sizes;
-using qkv_test::kAllMasks;
-using qkv_test::make_case;
 
 constexpr DType kHalfTypes[] = {DType::BF16, DType::F16};
 
@@ -44,18 +41,9 @@ using qkv_test::kv_flash_sizes;
 
 std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
   std::vector<Case> cases;
-  for (DType dtype : kHalfTypes) {
-    for (MaskKind kind : kAllMasks) cases.push_back(with_kv(make_case(rng, sizes(rng), kind, 1.0, 0.0f), dtype));
-    cases.push_back(with_kv(make_case(rng, sizes(rng), MaskKind::Combined, 1.0, 0.3f, qkv_test::Modifier::All), dtype));
-    cases.push_back(with_kv(make_case(rng, sizes(rng), MaskKind::CausalOffset, 8.0, 0.0f), dtype));
-  }
-  // Whole vectors on every target, the W4 head shape, with the KV-cache mask.
-  for (DType dtype : kHalfTypes) {
-    Case c = make_case(rng, {1, 4, 2, 1, 1000, 128, 128}, MaskKind::None, 1.0, 0.0f);
-    c.mask = Mask::causal(999);
-    c.bias = qkv_test::causal_bias(999);
-    cases.push_back(with_kv(c, dtype));
-  }
+  for (DType dtype : kHalfTypes)
+    for (Case& c : qkv_test::kv_storage_cases(rng, sizes, [&](Case c) { return with_kv(std::move(c), dtype); }))
+      cases.push_back(std::move(c));
   return cases;
 }
 

@@ -26,11 +26,8 @@ using qkv::Mask;
 using qkv::Shape;
 using qkv::Tensor;
 using qkv_test::Case;
-using qkv_test::MaskKind;
 using qkv_test::Random;
 using qkv_test::Sizes;
-using qkv_test::kAllMasks;
-using qkv_test::make_case;
 
 constexpr DType kQuantTypes[] = {DType::I8, DType::I4};
 
@@ -57,16 +54,9 @@ using qkv_test::kv_flash_sizes;
 std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
   std::vector<Case> cases;
   for (DType dtype : kQuantTypes) {
-    for (MaskKind kind : kAllMasks)
-      cases.push_back(quantized(make_case(rng, for_dtype(sizes(rng), dtype), kind, 1.0, 0.0f), dtype));
-    cases.push_back(quantized(
-        make_case(rng, for_dtype(sizes(rng), dtype), MaskKind::Combined, 1.0, 0.3f, qkv_test::Modifier::All), dtype));
-    cases.push_back(quantized(make_case(rng, for_dtype(sizes(rng), dtype), MaskKind::CausalOffset, 8.0, 0.0f), dtype));
-    // Whole vectors and groups on every target, the W4 head shape, with the KV-cache mask.
-    Case c = make_case(rng, {1, 4, 2, 1, 1000, 128, 128}, MaskKind::None, 1.0, 0.0f);
-    c.mask = Mask::causal(999);
-    c.bias = qkv_test::causal_bias(999);
-    cases.push_back(quantized(c, dtype));
+    const auto dtype_sizes = [&](Random& r) { return for_dtype(sizes(r), dtype); };
+    for (Case& c : qkv_test::kv_storage_cases(rng, dtype_sizes, [&](Case c) { return quantized(std::move(c), dtype); }))
+      cases.push_back(std::move(c));
   }
   return cases;
 }

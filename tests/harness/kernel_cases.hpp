@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -510,6 +511,22 @@ inline Case make_case(Random& rng, const Sizes& s, MaskKind kind, double logit_s
            " dropout=" + std::to_string(dropout_p);
   if (modifier != Modifier::None) set_modifiers(c, modifier, rng);
   return c;
+}
+
+// The K/V dtype tests' cases (16-bit, quantized): every mask kind, all modifiers with dropout, a
+// scaled causal offset, and whole vectors (and int4's groups) on every target: the W4 head shape
+// with the KV cache's mask. `store` puts each case's K and V in the dtype under test.
+inline std::vector<Case> kv_storage_cases(Random& rng, const std::function<Sizes(Random&)>& sizes,
+                                          const std::function<Case(Case)>& store) {
+  std::vector<Case> cases;
+  for (MaskKind kind : kAllMasks) cases.push_back(store(make_case(rng, sizes(rng), kind, 1.0, 0.0f)));
+  cases.push_back(store(make_case(rng, sizes(rng), MaskKind::Combined, 1.0, 0.3f, Modifier::All)));
+  cases.push_back(store(make_case(rng, sizes(rng), MaskKind::CausalOffset, 8.0, 0.0f)));
+  Case c = make_case(rng, {1, 4, 2, 1, 1000, 128, 128}, MaskKind::None, 1.0, 0.0f);
+  c.mask = qkv::Mask::causal(999);
+  c.bias = causal_bias(999);
+  cases.push_back(store(c));
+  return cases;
 }
 
 // Long sequences for the strided residues: flash and flash backward compute the keys of a root
