@@ -1,7 +1,7 @@
 // qkv::models::detail::activate and gated_activate (token_ops.hpp): the MLP's activations on
 // whole vectors (Highway's Tanh and Exp). libm's scalar tanhf and expf took a GPT-2 prefill about
 // as long as its bf16 matrix products (docs/models.md, "Speed"); on vectors they are a small part.
-// One thread: a parallel region here would cost more than it saves on a loaded machine.
+// A prefill's activations run on every thread (token_ops.hpp's for_each_run), a decode step's on one.
 //
 // Each activation has one formula, on vectors: the last count % lanes elements go through it in a
 // padded vector, so no scalar twin can disagree with it. GELU-erf has no vector erf in Highway and
@@ -84,12 +84,18 @@ namespace {
 
 float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * static_cast<float>(1.0 / std::numbers::sqrt2))); }
 
+// Runs of 1024 elements (whole vectors on every target), on every thread for a prefill's rows.
 void activate_any(float* x, const float* up, int64_t count, Activation act) {
   if (act != Activation::GeluErf) {
-    HWY_DYNAMIC_DISPATCH(ActivateRange)(x, up, static_cast<size_t>(count), static_cast<int>(act));
+    for_each_run(count, 1024, 2, [&](int64_t first, int64_t last) {
+      HWY_DYNAMIC_DISPATCH(ActivateRange)(x + first, up ? up + first : nullptr, static_cast<size_t>(last - first),
+                                          static_cast<int>(act));
+    });
     return;
   }
-  for (int64_t i = 0; i < count; ++i) x[i] = gelu_erf(x[i]) * (up ? up[i] : 1.0f);
+  for_each_run(count, 1024, 20, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) x[i] = gelu_erf(x[i]) * (up ? up[i] : 1.0f);
+  });
 }
 
 }  // namespace

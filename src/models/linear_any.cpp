@@ -10,6 +10,7 @@
 #include "gemm/bf16_dot.hpp"
 #include "gemm/gemm.hpp"
 #include "gemm/rows.hpp"
+#include "models/token_ops.hpp"
 
 namespace qkv::models::detail {
 
@@ -84,9 +85,7 @@ void linear(const float* x, int64_t m, const StoredMatrix& w, const float* bias,
   } else {
     linear_in_out(x, m, w, y);
   }
-  if (bias == nullptr) return;
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < w.out; ++j) y[i * w.out + j] += bias[j];
+  if (bias != nullptr) add_bias(y, m, w.out, bias);
 }
 
 Tensor linear(const Tensor& x, const StoredMatrix& w, const std::vector<float>& bias) {

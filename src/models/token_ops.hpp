@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "qkv/models/config.hpp"
@@ -21,5 +22,13 @@ void activate(float* x, int64_t count, Activation act);
 void gated_activate(float* gate, const float* up, int64_t count, Activation act);
 // x (count) += y (count).
 void add_into(float* x, const float* y, int64_t count);
+// y (rows, dim) += bias (dim) on every row.
+void add_bias(float* y, int64_t rows, int64_t dim, const float* bias);
+
+// body(first, last) over [0, count) in runs of whole `unit`s (rows), on every thread when the work
+// (count elements of about `cycles_per_element` each) pays for a parallel region (a prefill's
+// rows), on the calling thread otherwise (a decode step's one row). Runs are disjoint.
+void for_each_run(int64_t count, int64_t unit, double cycles_per_element,
+                  const std::function<void(int64_t first, int64_t last)>& body);
 
 }  // namespace qkv::models::detail

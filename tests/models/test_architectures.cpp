@@ -10,6 +10,7 @@
 #include "checkpoint.hpp"
 #include "compare.hpp"
 #include "gemm/bf16_dot.hpp"
+#include "harness/kernel_cases.hpp"
 #include "configs.hpp"
 #include "oracles.hpp"
 #include "qkv/error.hpp"
@@ -261,6 +262,22 @@ TEST(Llama, ConcurrentForwardsAgree) {
     ASSERT_EQ(got->size(), want->size());
     for (size_t i = 0; i < want->size(); ++i) EXPECT_NEAR((*got)[i], (*want)[i], 1e-5 * (1 + std::abs((*want)[i])));
   }
+}
+
+// A prefill's token ops (norms, activations, bias and residual adds) run in runs of rows on every
+// thread when the work pays for a parallel region (models/token_ops.hpp); these small models never
+// would, so here every problem is threaded, and each architecture still matches its oracle.
+TEST(Architectures, TokenOpsOnEveryThreadMatchTheOracles) {
+  const qkv_test::ThreadEveryProblem threaded;
+  const ModelConfig gpt2 = parse_config(gpt2_json()), bert = parse_config(bert_json(true)),
+                    llama = parse_config(llama_json("LlamaForCausalLM", false, ""));
+  const Checkpoint gpt2_k = gpt2_checkpoint(gpt2, DType::F32, 23), bert_k = bert_checkpoint(bert, DType::F32, 24),
+                   llama_k = llama_checkpoint(llama, DType::F32, 25);
+  expect_matches(Model(gpt2, gpt2_k.weights), gpt2_oracle(gpt2, gpt2_k, kIds), "gpt2, threaded");
+  const OracleOutput bert_want = bert_oracle(bert, bert_k, kIds, std::vector<int64_t>(kIds.size(), 0));
+  const ModelOutput bert_got = Model(bert, bert_k.weights).forward(kIds);
+  expect_rows_close(bert_got.logits, 0, bert_want.logits, kTolerance, "bert, threaded");
+  expect_matches(Model(llama, llama_k.weights), llama_oracle(llama, llama_k, kIds), "llama, threaded");
 }
 
 }  // namespace
