@@ -233,6 +233,9 @@ inline std::string shape_string(const Workload& w) {
     return "(" + std::to_string(w.batch) + ", " + std::to_string(heads) + ", " + std::to_string(len) + ", " +
            std::to_string(w.head_dim) + ")";
   };
+  if (w.is_cascade())  // the shared prefix, then each sequence's own keys
+    return dims(w.q_heads, w.q_len) + " x (1, " + std::to_string(w.kv_heads) + ", " + std::to_string(kCascadePrefix) +
+           ", " + std::to_string(w.head_dim) + ") + " + dims(w.kv_heads, w.kv_len - kCascadePrefix);
   return dims(w.q_heads, w.q_len) + " x " + dims(w.kv_heads, w.kv_len);
 }
 
