@@ -85,7 +85,8 @@ def _check_arguments_of_core():
             setattr(cls, name, staticmethod(_named_errors(getattr(cls, name), f"Mask.{name}")))
     for cls, methods in ((_core.RotaryEmbedding, ("__init__", "apply")), (_core.KVCache, ("__init__",)),
                          (_core.MultiHeadAttentionCore, ("__init__", "forward", "backward", "backward_self",
-                                                         "load_state_dict", "make_cache", "forward_cached"))):
+                                                         "load_state_dict", "make_cache", "forward_cached",
+                                                         "forward_packed"))):
         for name in methods:
             setattr(cls, name, _named_errors(getattr(cls, name), f"{cls.__name__}.{name}"))
     for name in ("attention", "attention_backward", "attention_half_kv", "attention_quantized_kv", "cascade_attention",
@@ -802,7 +803,8 @@ class MultiHeadAttention:
                                              dtype, _int(window, "make_cache: window")))
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
-                average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None):
+                average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None,
+                cu_seqlens=None):
         """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
 
         query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
@@ -827,10 +829,26 @@ class MultiHeadAttention:
           is what the full causal forward over the whole sequence gives them. counts: tokens of
           each batch element (right padding; default all). No masks or weights with a cache.
 
+        cu_seqlens: a packed batch (self-attention, inference; FlashAttention's varlen convention):
+          query (total_tokens, embed_dim) holds the sequences end to end, sequence b its rows
+          cu_seqlens[b]:cu_seqlens[b + 1] ((B + 1,) ints from 0 to total_tokens). Each sequence
+          attends to its own tokens alone, from position 0; the output (total_tokens, embed_dim)
+          rows of a sequence are what forward on it alone gives. is_causal applies per sequence;
+          no key, value, masks, weights or cache.
+
         Returns (output, weights or None), as PyTorch does; output is (B, Nq, embed_dim)
         (or (Nq, B, embed_dim) without batch_first).
         """
         query = _as_float32(query, "query", allow_cast)
+        if cu_seqlens is not None:
+            if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
+                    or need_weights or cache is not None:
+                raise Error("forward with cu_seqlens is self-attention on a packed batch: no key, value, masks, "
+                            "weights or cache")
+            offsets = _int_list(cu_seqlens, "cu_seqlens")
+            output = self._core.forward_packed(np.ascontiguousarray(query), offsets,
+                                               Mask.causal() if is_causal else Mask())
+            return output, None
         if cache is not None:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:

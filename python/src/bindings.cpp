@@ -691,7 +691,19 @@ does; `&` binds tighter). A union with an additive array is an error.
              }
              return to_numpy(out);
            },
-           py::arg("x"), py::arg("cache"), py::arg("counts") = std::vector<int64_t>());
+           py::arg("x"), py::arg("cache"), py::arg("counts") = std::vector<int64_t>())
+      .def("forward_packed",
+           [](const qkv::nn::MultiHeadAttention& m, const FloatArray& x, const std::vector<int64_t>& cu_seqlens,
+              const qkv::Mask& mask) {
+             const qkv::Tensor xt = to_tensor(x);
+             qkv::Tensor out;
+             {
+               py::gil_scoped_release release;
+               out = m.forward_packed(xt, cu_seqlens, mask).output;
+             }
+             return to_numpy(out);
+           },
+           py::arg("x"), py::arg("cu_seqlens"), py::arg("mask"));
 
   // ---- inference (include/qkv/inference.hpp)
   py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(

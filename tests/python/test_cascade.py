@@ -128,3 +128,4 @@ def test_bad_inputs_are_errors_naming_them():
         qkv.cascade_attention(q, pk, pv, sk, sv, window=3)
     with pytest.raises(qkv.Error, match=r"query is float64"):
         qkv.cascade_attention(q.astype(np.float64), pk, pv, sk, sv)
+
