@@ -83,6 +83,18 @@ void BM_Linear(benchmark::State& state, const Workload* w) {
   state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
 }
 
+void BM_Cascade(benchmark::State& state, const Workload* w) {
+  const qkv::bench::CascadeInputs in = qkv::bench::make_cascade_inputs(*w);
+  qkv::AttentionResult result;
+  qkv::cascade_attention_into(in.q, in.prefix_k, in.prefix_v, in.suffix_k, in.suffix_v, result);  // warm-up
+  for (auto _ : state) {
+    qkv::cascade_attention_into(in.q, in.prefix_k, in.prefix_v, in.suffix_k, in.suffix_v, result);
+    benchmark::DoNotOptimize(result.output.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = flops_rate(qkv::bench::forward_flops(*w));
+}
+
 void BM_Module(benchmark::State& state, const Workload* w) {
   const qkv::bench::ModuleInputs in = qkv::bench::make_module_inputs(*w);
   (void)in.layer.forward(in.x);  // warm-up
@@ -123,6 +135,12 @@ void register_benchmarks() {
     if (w.sweep) continue;  // the decode sweep (1 GB of K/V) is `qkv bench --workload decode-sweep`
     if (w.is_module()) {
       benchmark::RegisterBenchmark(("BM_Module/" + id).c_str(), BM_Module, &w)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      continue;
+    }
+    if (w.is_cascade()) {
+      benchmark::RegisterBenchmark(("BM_Cascade/" + id).c_str(), BM_Cascade, &w)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
       continue;

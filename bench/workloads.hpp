@@ -39,6 +39,12 @@
 //   V1-padded the same sequences padded to (16, 12, 2048, 64) with key lengths (causal & key_lengths):
 //            issue 41's target is V1 >= 1.8 x faster, forward and backward (V1-bwd, V1-padded-bwd).
 //            Both count the FLOPs of the packed sequences' visible pairs alone.
+//   C1       16 sequences sharing a 4096-token prompt, each with 256 tokens of its own, one decode
+//            step (Nq = 1), 32 heads of 128 (W4's): qkv::cascade_attention, the prefix's K/V read
+//            once for all 16 (kCascadePrefix); `--workload C1` brings C1-separate
+//   C1-separate the same step without sharing: one batched decode call over each sequence's own
+//            copy of its 4352 keys ((16, 32, 4352, 128) K/V, 2.3 GB): issue 41's target is C1
+//            >= 4 x faster. Both count 4 d FLOPs per (query, key) pair of the 4352 keys.
 //   W6       B=1 H=8 N=16384 d=64                        causal & (window(255) | strided(256))
 //            (Sparse Transformer's strided head; issue 10's target: GFLOP/s on the visible pairs
 //            >= 0.5 x W2's dense-causal GFLOP/s in the same run; `--workload W6` brings W2)
@@ -68,6 +74,7 @@ enum class WorkloadKind {
   Attention,  // one scaled_dot_product_attention call
   Module,     // one nn::MultiHeadAttention forward (projections + attention)
   Linear,     // one linear_attention call (causal when `causal`)
+  Cascade,    // one cascade_attention call: kv_len - kCascadePrefix keys of each sequence's own
 };
 
 // The score modifier an attention workload turns on (AttentionOptions), if any.
@@ -89,6 +96,8 @@ inline constexpr std::array<int64_t, 16> kVarlenLengths = {90, 70, 903, 349, 108
                                                            192, 774, 421, 79, 516, 996, 244, 1766};
 inline bool is_varlen(Modifier m) { return m == Modifier::Packed || m == Modifier::Padded; }
 inline constexpr float kSoftcap = 30.0f;  // Gemma 2's attention softcap
+// The cascade workloads' shared prefix: C1's kv_len (4352) is these keys plus each sequence's own.
+inline constexpr int64_t kCascadePrefix = 4096;
 inline constexpr const char* kRelativePosition = "s - 0.1 * abs(q - k)";
 inline constexpr const char* kDocuments = "doc(q) == doc(k)";
 inline constexpr int64_t kDocumentCount = 4;
@@ -126,12 +135,13 @@ struct Workload {
   int64_t embed_dim() const { return q_heads * head_dim; }
   bool is_module() const { return kind == WorkloadKind::Module; }
   bool is_linear() const { return kind == WorkloadKind::Linear; }
+  bool is_cascade() const { return kind == WorkloadKind::Cascade; }
 };
 
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 32> kWorkloads = {{
+inline constexpr std::array<Workload, 34> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -165,6 +175,10 @@ inline constexpr std::array<Workload, 32> kWorkloads = {{
      Modifier::Packed, false},
     {"V1-padded", "V1 padded to 2048", WorkloadKind::Attention, 16, 12, 12, 2048, 2048, 64, true, false, true,
      Modifier::Padded, false},
+    {"C1", "16 x (4096 shared + 256 own)", WorkloadKind::Cascade, 16, 32, 32, 1, 4096 + 256, 128, false, true,
+     false, Modifier::None, false},
+    {"C1-separate", "C1 without sharing", WorkloadKind::Attention, 16, 32, 32, 1, 4096 + 256, 128, false, true,
+     false, Modifier::None, false},
     {"W6", "strided sparse", WorkloadKind::Attention, 1, 8, 8, 16384, 16384, 64, true, false, true, Modifier::None,
      false, 255, 256},
     {"W7", "linear attention, causal", WorkloadKind::Linear, 1, 8, 8, 16384, 16384, 64, true, false, false,
@@ -219,6 +233,9 @@ inline std::string shape_string(const Workload& w) {
     return "(" + std::to_string(w.batch) + ", " + std::to_string(heads) + ", " + std::to_string(len) + ", " +
            std::to_string(w.head_dim) + ")";
   };
+  if (w.is_cascade())  // the shared prefix, then each sequence's own keys
+    return dims(w.q_heads, w.q_len) + " x (1, " + std::to_string(w.kv_heads) + ", " + std::to_string(kCascadePrefix) +
+           ", " + std::to_string(w.head_dim) + ") + " + dims(w.kv_heads, w.kv_len - kCascadePrefix);
   return dims(w.q_heads, w.q_len) + " x " + dims(w.kv_heads, w.kv_len);
 }
 
@@ -253,8 +270,10 @@ inline double kv_bytes(const Workload& w) {
   const double row = w.kv_dtype == DType::I4 ? static_cast<double>(w.head_dim) / 2
                                              : static_cast<double>(w.head_dim * static_cast<int64_t>(element_size(w.kv_dtype)));
   const double scales = is_quantized(w.kv_dtype) ? 4.0 * static_cast<double>(quantized_groups(w.kv_dtype, w.head_dim)) : 0;
-  return 2.0 * static_cast<double>(w.batch) * static_cast<double>(w.kv_heads) * static_cast<double>(w.kv_len) *
-         (row + scales);
+  const double rows = w.is_cascade()  // the prefix once, each sequence's own keys
+                          ? static_cast<double>(kCascadePrefix + w.batch * (w.kv_len - kCascadePrefix))
+                          : static_cast<double>(w.batch) * static_cast<double>(w.kv_len);
+  return 2.0 * rows * static_cast<double>(w.kv_heads) * (row + scales);
 }
 
 // The inputs of an attention workload, from fixed seeds.
@@ -278,6 +297,21 @@ inline AttentionInputs make_attention_inputs(const Workload& w) {
   if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor()};
   const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
   return {q, kq.values, vq.values, kq.scales, vq.scales};
+}
+
+// A cascade workload's inputs, from fixed seeds: q (B, Hq, 1, d), the prefix (1, Hkv, kCascadePrefix,
+// d) and the suffixes (B, Hkv, kv_len - kCascadePrefix, d).
+struct CascadeInputs {
+  Tensor q, prefix_k, prefix_v, suffix_k, suffix_v;
+};
+
+inline CascadeInputs make_cascade_inputs(const Workload& w) {
+  const int64_t own = w.kv_len - kCascadePrefix;
+  return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, 1),
+          Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 2).to(w.kv_dtype),
+          Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 3).to(w.kv_dtype),
+          Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 7).to(w.kv_dtype),
+          Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 8).to(w.kv_dtype)};
 }
 
 inline LinearAttentionOptions make_linear_options(const Workload& w) {

@@ -210,6 +210,17 @@ class MultiHeadAttention {
   // its padding are finite but meaningless. Keeps nothing for backward and applies no dropout.
   MultiHeadAttentionOutput forward(const Tensor& x, KVCache& cache, const std::vector<int64_t>& counts = {}) const;
 
+  // Self-attention on a packed batch (FlashAttention's varlen convention, no padding): x
+  // (total_tokens, embed_dim) holds B sequences end to end, sequence b its rows cu_seqlens[b] ..
+  // cu_seqlens[b + 1] (B + 1 offsets from 0, non-decreasing, ending at total_tokens). Each
+  // sequence attends to its own tokens alone, at positions 0, 1, ... (causal, rotary and ALiBi
+  // per sequence), through scaled_dot_product_attention's cu_seqlens; `mask` may add rules
+  // (window, strided, ...; not tensors). Returns output (total_tokens, embed_dim): each sequence's
+  // rows are what forward on that sequence alone returns. Keeps nothing for backward and applies
+  // no dropout (inference); not with linear attention or relative_position_bias.
+  MultiHeadAttentionOutput forward_packed(const Tensor& x, const std::vector<int64_t>& cu_seqlens,
+                                          const Mask& mask = {}) const;
+
   // Backward of the last forward; grad_output is shaped as its output. Adds every projection's
   // parameter gradients. backward() follows forward(x) and returns dL/dx (the query, key and
   // value paths summed); backward_cross() follows either form and returns the three apart.

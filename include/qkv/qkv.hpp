@@ -3,6 +3,7 @@
 
 #include "qkv/analysis.hpp"
 #include "qkv/attention.hpp"
+#include "qkv/cascade.hpp"
 #include "qkv/dtype.hpp"
 #include "qkv/error.hpp"
 #include "qkv/flex.hpp"

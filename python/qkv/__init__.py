@@ -47,7 +47,7 @@ __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
     "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
     "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-    "QuantizedKV", "quantize_kv",
+    "QuantizedKV", "quantize_kv", "cascade_attention",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -85,10 +85,12 @@ def _check_arguments_of_core():
             setattr(cls, name, staticmethod(_named_errors(getattr(cls, name), f"Mask.{name}")))
     for cls, methods in ((_core.RotaryEmbedding, ("__init__", "apply")), (_core.KVCache, ("__init__",)),
                          (_core.MultiHeadAttentionCore, ("__init__", "forward", "backward", "backward_self",
-                                                         "load_state_dict", "make_cache", "forward_cached"))):
+                                                         "load_state_dict", "make_cache", "forward_cached",
+                                                         "forward_packed"))):
         for name in methods:
             setattr(cls, name, _named_errors(getattr(cls, name), f"{cls.__name__}.{name}"))
-    for name in ("attention", "attention_backward", "attention_half_kv", "attention_quantized_kv", "linear_attention",
+    for name in ("attention", "attention_backward", "attention_half_kv", "attention_quantized_kv", "cascade_attention",
+                 "linear_attention",
                  "linear_attention_backward", "create_causal_mask", "create_padding_mask", "row_entropy",
                  "head_entropy"):
         setattr(_core, name, _named_errors(getattr(_core, name), name))
@@ -438,6 +440,48 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             ((row_max, row_sum) if return_row_stats else ()))
 
 
+def _kv_level(key, value, names, allow_cast):
+    """One level's key and value for cascade_attention: (key, value, "f32") as float32 arrays, or
+    their bits and "bf16" / "f16" when both are 16-bit (as scaled_dot_product_attention takes them)."""
+    key_half, value_half = _half_bits(key), _half_bits(value)
+    if key_half is None and value_half is None:
+        return _as_float32(key, names[0], allow_cast), _as_float32(value, names[1], allow_cast), "f32"
+    if key_half is None or value_half is None or key_half[1] != value_half[1]:
+        raise Error(f"cascade_attention: {names[0]} is {getattr(key, 'dtype', '?')} but {names[1]} is "
+                    f"{getattr(value, 'dtype', '?')}: 16-bit keys and values must share a dtype")
+    return key_half[0], value_half[0], key_half[1]
+
+
+def cascade_attention(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths=None,
+                      is_causal=False, scale=None, return_lse=False, allow_cast=False, **options):
+    """Shared-prefix (cascade) attention: B sequences share one copy of a prompt prefix's keys and
+    values, and each has its own suffix (FlashInfer's cascade attention, vLLM's cascade_attention).
+    Sequence b's rows equal scaled_dot_product_attention(query[b], concat(prefix, suffix[b])), its
+    queries the last Nq positions of that sequence; the prefix is read once for all B sequences.
+
+    query (B, Hq, Nq, Dk) float32 (Nq = 1 for a decode step); prefix_key (1, Hkv, Np, Dk),
+    prefix_value (1, Hkv, Np, Dv); suffix_key (B, Hkv, Ns, Dk), suffix_value (B, Hkv, Ns, Dv).
+    Hq a multiple of Hkv (grouped-query heads). Each level's key and value are float32, or both
+    16-bit (numpy float16, torch float16 or bfloat16); numpy arrays or torch tensors.
+    suffix_lengths: (B,) ints in [0, Ns], the suffix keys each sequence holds (vLLM's
+      suffix_kv_lens); None: all Ns.
+    is_causal: query i of sequence b sits at position Np + L_b - Nq + i and sees the positions up
+      to its own (bottom-right, as flash_attn_with_kvcache); needs L_b >= Nq - 1.
+    scale: defaults to 1 / sqrt(Dk). options: softcap, sinks (counted once), backend, precision;
+      the others (dropout_p, alibi_slopes, ...) are a qkv.Error, as are bad shapes and lengths.
+    return_lse: also return the (B, Hq, Nq) log-sum-exp of each row.
+
+    Returns the (B, Hq, Nq, Dv) float32 output, or (output, lse) with return_lse.
+    """
+    query = _as_float32(query, "query", allow_cast)
+    prefix = _kv_level(prefix_key, prefix_value, ("prefix_key", "prefix_value"), allow_cast)
+    suffix = _kv_level(suffix_key, suffix_value, ("suffix_key", "suffix_value"), allow_cast)
+    mask = _mask_from(query, None, is_causal, suffix_lengths, None)
+    output, lse = _core.cascade_attention(query, *prefix, *suffix,
+                                          _options("cascade_attention", options, mask=mask, scale=scale))
+    return (output, lse) if return_lse else output
+
+
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                                           key_lengths=None, window=None, row_max=None, row_sum=None,
@@ -759,7 +803,8 @@ class MultiHeadAttention:
                                              dtype, _int(window, "make_cache: window")))
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
-                average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None):
+                average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None,
+                cu_seqlens=None):
         """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
 
         query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
@@ -784,10 +829,26 @@ class MultiHeadAttention:
           is what the full causal forward over the whole sequence gives them. counts: tokens of
           each batch element (right padding; default all). No masks or weights with a cache.
 
+        cu_seqlens: a packed batch (self-attention, inference; FlashAttention's varlen convention):
+          query (total_tokens, embed_dim) holds the sequences end to end, sequence b its rows
+          cu_seqlens[b]:cu_seqlens[b + 1] ((B + 1,) ints from 0 to total_tokens). Each sequence
+          attends to its own tokens alone, from position 0; the output (total_tokens, embed_dim)
+          rows of a sequence are what forward on it alone gives. is_causal applies per sequence;
+          no key, value, masks, weights or cache.
+
         Returns (output, weights or None), as PyTorch does; output is (B, Nq, embed_dim)
         (or (Nq, B, embed_dim) without batch_first).
         """
         query = _as_float32(query, "query", allow_cast)
+        if cu_seqlens is not None:
+            if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
+                    or need_weights or cache is not None:
+                raise Error("forward with cu_seqlens is self-attention on a packed batch: no key, value, masks, "
+                            "weights or cache")
+            offsets = _int_list(cu_seqlens, "cu_seqlens")
+            output = self._core.forward_packed(np.ascontiguousarray(query), offsets,
+                                               Mask.causal() if is_causal else Mask())
+            return output, None
         if cache is not None:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:

@@ -309,6 +309,27 @@ py::tuple attention_half_kv(const FloatArray& q, const BitsArray& k, const BitsA
   return py::make_tuple(to_numpy(result.output), to_numpy(result.lse));
 }
 
+// qkv::cascade_attention (qkv/cascade.hpp): each level's K/V as float32 arrays ("f32") or as the
+// bits of 16-bit ones ("bf16", "f16", as attention_half_kv takes them). Returns (output, lse).
+qkv::Tensor kv_level(const py::object& a, const std::string& dtype) {
+  if (dtype == "f32") return to_tensor(a.cast<FloatArray>());
+  return bits_tensor(a.cast<BitsArray>(), qkv::dtype_from_string(dtype));
+}
+
+py::tuple cascade_attention(const FloatArray& q, const py::object& prefix_k, const py::object& prefix_v,
+                            const std::string& prefix_dtype, const py::object& suffix_k, const py::object& suffix_v,
+                            const std::string& suffix_dtype, const qkv::AttentionOptions& options) {
+  const qkv::Tensor qt = to_tensor(q);
+  const qkv::Tensor pk = kv_level(prefix_k, prefix_dtype), pv = kv_level(prefix_v, prefix_dtype);
+  const qkv::Tensor sk = kv_level(suffix_k, suffix_dtype), sv = kv_level(suffix_v, suffix_dtype);
+  qkv::AttentionResult result;
+  {
+    py::gil_scoped_release release;
+    result = qkv::cascade_attention(qt, pk, pv, sk, sv, options);
+  }
+  return py::make_tuple(to_numpy(result.output), to_numpy(result.lse));
+}
+
 // Forward with quantized K/V ("int8" or "int4": packed bytes and scales): returns (output, lse).
 // Inference only, as attention_half_kv.
 py::tuple attention_quantized_kv(const FloatArray& q, const BytesArray& k, const FloatArray& k_scales,
@@ -593,6 +614,9 @@ does; `&` binds tighter). A union with an additive array is an error.
   m.def("attention_half_kv", &attention_half_kv, py::arg("q"), py::arg("k_bits"), py::arg("v_bits"),
         py::arg("dtype"), py::arg("options"),
         "qkv::scaled_dot_product_attention with K and V given as bf16 or f16 bits: returns (output, lse).");
+  m.def("cascade_attention", &cascade_attention, py::arg("q"), py::arg("prefix_k"), py::arg("prefix_v"),
+        py::arg("prefix_dtype"), py::arg("suffix_k"), py::arg("suffix_v"), py::arg("suffix_dtype"),
+        py::arg("options"), "qkv::cascade_attention: shared-prefix attention, returns (output, lse).");
   m.def("attention_quantized_kv", &attention_quantized_kv, py::arg("q"), py::arg("k_values"), py::arg("k_scales"),
         py::arg("v_values"), py::arg("v_scales"), py::arg("dtype"), py::arg("options"),
         "qkv::scaled_dot_product_attention with K and V quantized (int8 / int4 bytes and scales): (output, lse).");
@@ -667,7 +691,19 @@ does; `&` binds tighter). A union with an additive array is an error.
              }
              return to_numpy(out);
            },
-           py::arg("x"), py::arg("cache"), py::arg("counts") = std::vector<int64_t>());
+           py::arg("x"), py::arg("cache"), py::arg("counts") = std::vector<int64_t>())
+      .def("forward_packed",
+           [](const qkv::nn::MultiHeadAttention& m, const FloatArray& x, const std::vector<int64_t>& cu_seqlens,
+              const qkv::Mask& mask) {
+             const qkv::Tensor xt = to_tensor(x);
+             qkv::Tensor out;
+             {
+               py::gil_scoped_release release;
+               out = m.forward_packed(xt, cu_seqlens, mask).output;
+             }
+             return to_numpy(out);
+           },
+           py::arg("x"), py::arg("cu_seqlens"), py::arg("mask"));
 
   // ---- inference (include/qkv/inference.hpp)
   py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(

@@ -1,7 +1,8 @@
 // The log-sum-exp merge of softmax partials and the sink gradient: the arithmetic of combining
 // attention over disjoint sets of keys, defined once. Decode merges its key chunks with it
 // (decode/launch.cpp), ring attention its (query block, key block) results and its sinks
-// (src/dist/), and the backward kernels' and ring's sink gradients are sink_gradient_of_row.
+// (src/dist/), cascade attention its prefix and suffix results and sinks (cascade.cpp), and the
+// backward kernels' and ring's sink gradients are sink_gradient_of_row.
 //
 // A part is one row's softmax over some of its keys, in the online-softmax state
 //   max m, sum l = sum_j exp(s_j - m), out o = sum_j exp(s_j - m) v_j (Dv floats).

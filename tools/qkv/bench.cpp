@@ -503,6 +503,19 @@ double linear_slope(const Workload& w, Progress& progress) {
   return std::log(ms[1] / ms[0]) / std::log(static_cast<double>(lengths[1]) / static_cast<double>(lengths[0]));
 }
 
+// cascade_attention: a fresh result on the first call, then into the same output and lse.
+Row measure_cascade(const Workload& w, int runs, Progress& progress, MatmulPrecision precision) {
+  const bench::CascadeInputs in = bench::make_cascade_inputs(w);
+  AttentionOptions options;
+  options.precision = precision;
+  AttentionResult reused;
+  const Timings t = measure(
+      [&] { (void)cascade_attention(in.q, in.prefix_k, in.prefix_v, in.suffix_k, in.suffix_v, options); },
+      [&] { cascade_attention_into(in.q, in.prefix_k, in.prefix_v, in.suffix_k, in.suffix_v, reused, options); }, runs,
+      nullptr, w.id, "Auto", progress);
+  return {&w, false, "Auto", "cascade", t.runs, t.first_ms, t.median_ms, t.min_ms, t.peak_extra_mib, std::nullopt};
+}
+
 // The module allocates its outputs on every forward: both phases call the same forward.
 Row measure_module(const Workload& w, int runs, Progress& progress, MatmulPrecision precision) {
   const bench::ModuleInputs in = bench::make_module_inputs(w, precision);
@@ -632,6 +645,11 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
                      backward ? "V1-padded-bwd ms / V1-bwd ms" : "V1-padded ms / V1 ms",
                      padded->median_ms / packed->median_ms, 1.8, true});
   }
+  // Issue 41: 16 sequences' decode step with their shared prefix read once, against without sharing.
+  if (const Row* cascade = find_row(rows, "C1", "Auto"); cascade)
+    if (const Row* separate = find_row(rows, "C1-separate", "Auto"))
+      out.push_back({"C1 cascade vs separate decodes", "C1-separate ms / C1 ms", separate->median_ms / cascade->median_ms,
+                     4, true});
   if (const Row* docs = find_row(rows, "W2-docs", "Auto"); docs && full)  // issue 42: hidden tiles skipped
     out.push_back({"W2-docs (mask_mod, 4 documents) vs unmasked", "W2-docs ms / W2-full ms",
                    docs->median_ms / full->median_ms, 0.35, false});
@@ -833,6 +851,7 @@ std::vector<const Workload*> selected_workloads(const std::vector<std::string>& 
                (named && named->id == "W2-summary" && w.id == "W2") ||
                (named && named->id == "W7" && w.id == "W7-flash") ||
                (named && named->id == "V1" && w.id == "V1-padded") ||
+               (named && named->id == "C1" && w.id == "C1-separate") ||
                (named && named->id == "W4" && w.id.substr(0, 3) == "W4-") || (id == "decode-sweep" && w.sweep);
     }
     if (ids.empty() && w.sweep) wanted = false;  // the sweep's 1 GB of K/V only when asked for
@@ -893,6 +912,10 @@ void run_bench(const BenchOptions& options) {
   for (const Workload* w : selected_workloads(options.workloads)) {
     if (w->is_module()) {
       rows.push_back(measure_module(*w, options.runs, progress, env.precision));
+      continue;
+    }
+    if (w->is_cascade()) {
+      rows.push_back(measure_cascade(*w, options.runs, progress, env.precision));
       continue;
     }
     const bench::AttentionInputs inputs = bench::make_attention_inputs(*w);
