@@ -78,11 +78,12 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   // 1. Scores. 2. Softcap on the whole tile, then ALiBi and the mask, one query's line over the
   // tile's keys at a time; the columns past the tile's last key are hidden after the modifiers
   // (softcap(-inf) is finite).
-  if constexpr (sizeof(T) == 1) {  // int8, int4: the keys' scales applied there (quantized-inl.h)
-    QuantizedScores<T>(p, plan, b, g, rows, run, w);
+  if constexpr (std::is_same_v<T, Int4>) {
+    Int4Scores(p, plan, b, g, rows, run, w);
   } else {
     DecodeScores<T>(p, plan, b, g, rows, run, w);
   }
+  if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(p.k_scales, b, g, run.j0, run.step, cols, rows, w.scores);
   step::Softcap(p, w.scores, rows * kKeyTile);
   const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {

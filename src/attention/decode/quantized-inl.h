@@ -1,13 +1,14 @@
 // Decode's steps for quantized K/V (qkv/quantize.hpp), read in place and widened in registers
 // (Highway -inl.h, included by chunk-inl.h once per SIMD target). q stays float32: the products
 // are those of the dequantised values, x' = q * scale rounded once, as the oracle's.
-//   Scores (QuantizedScores): a register tile of rows x kScoreKeys keys as dot_scores' (each key
-//     widened once for every row of the tile), its four dot products per row added across lanes
-//     together (SumFour: two interleaves and the blocks, not one reduction per key). int8: the
-//     integers sign-extended and converted, the row's scale on the four sums, q . (s k) =
-//     s (q . k). int4: each group's 16 bytes zero-extended once, both nibbles looked up in a
-//     16-entry table (n - 8) * scale of the group (Int4Values: vpermps on 16-lane targets, no
-//     conversion; elsewhere a subtract and convert).
+//   Scores: int8 through tiles-inl.h's score tile on the integers (kv::LoadWide sign-extends and
+//     converts), the keys' scales then on the score columns, q . (s k) = s (q . k)
+//     (ScaleColumns). int4 (Int4Scores): a register tile of rows x kScoreKeys keys as
+//     dot_scores' (each key unpacked once for every row of the tile), each group's 16 bytes
+//     zero-extended once and both nibbles looked up in a 16-entry table (n - 8) * scale of the
+//     group (Int4Values: vpermps on 16-lane targets, no conversion; elsewhere a subtract and
+//     convert); a row's four dot products added across lanes together and stored as one vector
+//     (SumFour: two interleaves and the blocks, not one reduction per key).
 //   Values: int8 through tiles-inl.h's value tile on the integers, the scale folded into the
 //     weight column, p (s v) = (p s) v (ScaleColumns); int4 through the same broadcast tile
 //     (tile_gemm::BroadcastSteps) with Int4Values as its loader, whole groups in registers.
@@ -99,7 +100,7 @@ HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT out) {
 }
 #endif
 
-// out[x] = the sum of the lanes of acc[x], x < 4: interleaved within 128-bit blocks twice (lane
+// out[x] = the sum of the lanes of acc[x], x < 4, stored together: interleaved within 128-bit blocks twice (lane
 // x of each block then holds part of acc[x]'s sum), then the blocks added (one lane: as is).
 HWY_INLINE void SumFour(const VF (&acc)[4], float* HWY_RESTRICT out) {
 #if HWY_TARGET == HWY_SCALAR
@@ -107,42 +108,24 @@ HWY_INLINE void SumFour(const VF (&acc)[4], float* HWY_RESTRICT out) {
 #else
   const DF d;
   const hn::Repartition<uint64_t, DF> d64;
-  const auto ab = hn::BitCast(d64, hn::Add(hn::InterleaveLower(d, acc[0], acc[1]), hn::InterleaveUpper(d, acc[0], acc[1])));
-  const auto cd = hn::BitCast(d64, hn::Add(hn::InterleaveLower(d, acc[2], acc[3]), hn::InterleaveUpper(d, acc[2], acc[3])));
-  StoreBlockSum(d, hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, ab, cd)), hn::BitCast(d, hn::InterleaveUpper(d64, ab, cd))),
-                out);
+  // Per block: ab = [a0 + a2, b0 + b2, a1 + a3, b1 + b3], cd alike; their 64-bit halves
+  // interleaved and added give [a, b, c, d] of the block.
+  const auto pair_sums = [&](const VF& a, const VF& b) {
+    return hn::BitCast(d64, hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b)));
+  };
+  const auto ab = pair_sums(acc[0], acc[1]), cd = pair_sums(acc[2], acc[3]);
+  const VF abcd =
+      hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, ab, cd)), hn::BitCast(d, hn::InterleaveUpper(d64, ab, cd)));
+  StoreBlockSum(d, abcd, out);
 #endif
 }
 static_assert(kScoreKeys == 4, "SumFour adds the dot products of four keys");
 
-// s[r * kKeyTile + x] = qs_r . k'_x for Rows rows (q_stride apart) and kScoreKeys int8 keys:
-// vectors over whole vectors of D, a scalar tail, the key's scale on the sum.
+// s[r * kKeyTile + x] = qs_r . k'_x for Rows rows (q_stride apart) and kScoreKeys int4 keys: each
+// group's values dequantised once (Int4Values) for every row, the last partial group scalar.
 template <size_t Rows>
-HWY_INLINE void QuantizedScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const int8_t* const* keys,
-                                   const float* const* scales, float* HWY_RESTRICT s) {
-  const size_t lanes = hn::Lanes(DF()), full = dk / lanes * lanes;
-  VF acc[Rows][kScoreKeys];
-  tile_gemm::ZeroTile(acc);
-  for (size_t d = 0; d < full; d += lanes) {
-    VF key_vec[kScoreKeys];
-    tile_gemm::LoadGathered(keys, d, key_vec);
-    tile_gemm::DotStep(q + d, q_stride, key_vec, acc);
-  }
-  for (size_t r = 0; r < Rows; ++r) {
-    float sums[kMaxLanes < 4 ? 4 : kMaxLanes];
-    SumFour(acc[r], sums);
-    for (size_t x = 0; x < kScoreKeys; ++x) {
-      for (size_t d = full; d < dk; ++d) sums[x] += q[r * q_stride + d] * static_cast<float>(keys[x][d]);
-      s[r * kKeyTile + x] = sums[x] * scales[x][0];
-    }
-  }
-}
-
-// The same for int4 keys: each group's values dequantised once (Int4Values) for every row, the
-// last partial group scalar.
-template <size_t Rows>
-HWY_INLINE void QuantizedScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const Int4* const* keys,
-                                   const float* const* scales, float* HWY_RESTRICT s) {
+HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const Int4* const* keys,
+                              const float* const* scales, float* HWY_RESTRICT s) {
   const size_t lanes = hn::Lanes(DF()), whole = WholeInt4Groups(dk);
   const uint8_t* bytes[kScoreKeys];
   for (size_t x = 0; x < kScoreKeys; ++x) bytes[x] = &keys[x]->byte;
@@ -158,39 +141,35 @@ HWY_INLINE void QuantizedScoreTile(size_t dk, const float* HWY_RESTRICT q, size_
     }
   }
   for (size_t r = 0; r < Rows; ++r) {
-    float sums[kMaxLanes < 4 ? 4 : kMaxLanes];
-    SumFour(acc[r], sums);
-    for (size_t x = 0; x < kScoreKeys; ++x) {
+    SumFour(acc[r], s + r * kKeyTile);
+    for (size_t x = 0; x < kScoreKeys; ++x)
       for (size_t d = whole * kInt4Group; d < dk; ++d)
-        sums[x] += q[r * q_stride + d] * Int4Scalar(bytes[x], scales[x], dk, d);
-      s[r * kKeyTile + x] = sums[x];
-    }
+        s[r * kKeyTile + x] += q[r * q_stride + d] * Int4Scalar(bytes[x], scales[x], dk, d);
   }
 }
 
-// Step "scores" for int8 and int4 (T = int8_t, Int4): S (rows x Bc) = Qs K'_run^T, keys outer
-// in fours (each key widened once per row tile, its bytes reused from L1), prefetching as
-// DecodeScores does. Past the run's last key the pointers repeat that key (hidden later).
-template <class T>
-void QuantizedScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
-                     const KeyRun& run, const Scratch& w) {
+// Step "scores" for int4: S (rows x Bc) = Qs K'_run^T, keys outer in fours (each key unpacked
+// once per row tile, its bytes reused from L1), prefetching as DecodeScores does. Past the run's
+// last key the pointers repeat that key (hidden later).
+inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
+                       const KeyRun& run, const Scratch& w) {
   const size_t dk = static_cast<size_t>(p.head_dim);
   for (size_t j = 0; j < run.cols; j += kScoreKeys) {
-    const int64_t ahead = run.j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>()) * run.step;
+    const int64_t ahead = run.j0 + (static_cast<int64_t>(j) + PrefetchAhead<Int4>()) * run.step;
     if (ahead < run.end)
-      PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * run.step, run.end),
-                      run.step);
-    const T* keys[kScoreKeys];
+      PrefetchKeys<Int4>(p, b, g, ahead,
+                         std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * run.step, run.end), run.step);
+    const Int4* keys[kScoreKeys];
     const float* scales[kScoreKeys];
     for (size_t x = 0; x < kScoreKeys; ++x) {
       const int64_t key = run.j0 + static_cast<int64_t>(std::min(j + x, run.cols - 1)) * run.step;
-      keys[x] = KeyRow<T>(p, b, g, key);
+      keys[x] = KeyRow<Int4>(p, b, g, key);
       scales[x] = p.k_scales.row(b, g, key);
     }
     for (size_t r = 0; r < rows; r += dot_scores::kRows)
       tile_gemm::WithConstant<dot_scores::kRows>(std::min(dot_scores::kRows, rows - r), [&](auto tile_rows) {
-        QuantizedScoreTile<decltype(tile_rows)::value>(dk, w.q + r * plan.q_stride, plan.q_stride, keys, scales,
-                                                       w.scores + r * kKeyTile + j);
+        Int4ScoreTile<decltype(tile_rows)::value>(dk, w.q + r * plan.q_stride, plan.q_stride, keys, scales,
+                                                  w.scores + r * kKeyTile + j);
       });
   }
 }
