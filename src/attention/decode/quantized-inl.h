@@ -79,7 +79,7 @@ HWY_INLINE void Int4Values(const uint8_t* HWY_RESTRICT bytes, float scale, VF& l
 // Whole groups a row's vectors cover (a vector wider than 16 lanes leaves every group scalar).
 HWY_INLINE size_t WholeInt4Groups(size_t dim) { return kMaxLanes <= kInt4Group / 2 ? dim / kInt4Group : 0; }
 
-// Value d of an int4 row whose groups from `first` on are read scalar: the last, partial group.
+// Value d of an int4 row of `dim` values, dequantised, read scalar (the last, partial group).
 HWY_INLINE float Int4Scalar(const uint8_t* HWY_RESTRICT row, const float* HWY_RESTRICT scales, size_t dim, size_t d) {
   const size_t first = d / kInt4Group * kInt4Group, half = std::min(kInt4Group, dim - first) / 2;
   const size_t j = d - first, byte = row[first / 2 + j % half];
@@ -100,8 +100,9 @@ HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT out) {
 }
 #endif
 
-// out[x] = the sum of the lanes of acc[x], x < 4, stored together: interleaved within 128-bit blocks twice (lane
-// x of each block then holds part of acc[x]'s sum), then the blocks added (one lane: as is).
+// out[x] = the sum of the lanes of acc[x], x < 4, stored together: interleaved within 128-bit
+// blocks twice (lane x of each block then holds part of acc[x]'s sum), then the blocks added
+// (one lane: as is).
 HWY_INLINE void SumFour(const VF (&acc)[4], float* HWY_RESTRICT out) {
 #if HWY_TARGET == HWY_SCALAR
   for (size_t x = 0; x < 4; ++x) out[x] = hn::GetLane(acc[x]);
