@@ -57,6 +57,11 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
     const auto dtype_sizes = [&](Random& r) { return for_dtype(sizes(r), dtype); };
     for (Case& c : qkv_test::kv_storage_cases(rng, dtype_sizes, [&](Case c) { return quantized(std::move(c), dtype); }))
       cases.push_back(std::move(c));
+    // Every remainder of decode's int4 tiles at once: 15 rows per K/V head (5 heads x 3 queries:
+    // row tiles of 4 and 3), D = 112 (value tiles of two groups and of one, a last group of 16
+    // values read scalar), 301 keys (a last tile of 45, a last score tile of one key).
+    cases.push_back(quantized(qkv_test::make_case(rng, {1, 10, 2, 3, 301, 112, 112}, qkv_test::MaskKind::None, 1.0, 0.0f),
+                              dtype));
   }
   return cases;
 }
