@@ -287,4 +287,31 @@ TEST(QuantizedKv, ClearErrors) {
       "the backward needs f32 k and v");
 }
 
+// Scales past 2^18 are checked in runs on every thread (core/quantize.cpp): a bad scale in the
+// first, a middle or the last run is still found and named, and good scales pass.
+TEST(QuantizedKv, ManyScalesAreCheckedInEveryRun) {
+  Random rng;
+  const int64_t keys = (int64_t{1} << 17) + 5;  // 2 heads: 2^18 + 10 int8 row scales
+  const Tensor q = rng.randn(Shape{1, 2, 1, 2});
+  const qkv::QuantizedTensor k = qkv::quantize_kv(rng.randn(Shape{1, 2, keys, 2}), DType::I8),
+                             v = qkv::quantize_kv(rng.randn(Shape{1, 2, keys, 2}), DType::I8);
+  qkv::AttentionOptions o;
+  o.k_scales = k.scales;
+  o.v_scales = v.scales;
+  const Tensor good = qkv::scaled_dot_product_attention(q, k.values, v.values, o).output;
+  EXPECT_TRUE(std::isfinite(good.data()[0]));
+  for (const int64_t flat : {int64_t{3}, keys + 70000, 2 * keys - 1}) {
+    Tensor bad = v.scales.clone();
+    bad.data()[flat] = -2;
+    o.v_scales = bad;
+    try {
+      (void)qkv::scaled_dot_product_attention(q, k.values, v.values, o);
+      ADD_FAILURE() << "no error for a negative scale at flat index " << flat;
+    } catch (const qkv::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("at flat index " + std::to_string(flat)), std::string::npos) << e.what();
+    }
+  }
+}
+
+
 }  // namespace
