@@ -111,32 +111,83 @@ inline float tanh(float a) { return std::tanh(a); }
 inline float min(float a, float b) { return std::fmin(a, b); }
 inline float max(float a, float b) { return std::fmax(a, b); }
 
+// How a callable's lines are compiled. The callable is instantiated in your translation unit,
+// which is usually compiled for the baseline x86-64 (SSE2), where a loop over int64 positions
+// cannot be vectorised (SSE2 has no int64 compare and no int64 -> float conversion): each score
+// then cost a scalar conversion and a branch. So on x86-64 with GCC or Clang the loop is
+// compiled three times, for AVX-512 (F, VL, DQ, BW: int64 vectors, compares and conversions),
+// for AVX2 and for the baseline, `flatten` inlining the callable into each, and the best one the
+// CPU runs is chosen once, when the wrapper is made. Elsewhere the loop is compiled once.
+namespace flex_detail {
+enum class Isa { Baseline, Avx2, Avx512 };
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QKV_FLEX_MULTIVERSION 1
+inline Isa best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+    return Isa::Avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+  return Isa::Baseline;
+}
+template <class Body>
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma"), flatten)) void run_avx512(const Body& body) {
+  body();
+}
+template <class Body>
+__attribute__((target("avx2,fma"), flatten)) void run_avx2(const Body& body) {
+  body();
+}
+#else
+inline Isa best_isa() { return Isa::Baseline; }
+#endif
+
+// body() compiled for `isa` (one of best_isa()'s answers).
+template <class Body>
+inline void run(Isa isa, const Body& body) {
+#ifdef QKV_FLEX_MULTIVERSION
+  if (isa == Isa::Avx512) return run_avx512(body);
+  if (isa == Isa::Avx2) return run_avx2(body);
+#endif
+  (void)isa;
+  body();
+}
+
+// Query and key of element x of a line.
+inline int64_t query_of(const ScoreLine& at, size_t x) { return at.i0 + static_cast<int64_t>(x) * at.query_step; }
+inline int64_t key_of(const ScoreLine& at, size_t x) { return at.j0 + static_cast<int64_t>(x) * at.key_step; }
+}  // namespace flex_detail
+
 // A callable f(s, b, h, q, k) as a ScoreFunction: its line() runs f over the line's elements,
 // inlined, on floats, or on Duals when the derivative is asked for.
 template <class F>
 class ScoreCallable final : public ScoreFunction {
  public:
-  explicit ScoreCallable(F f) : f_(std::move(f)) {}
+  explicit ScoreCallable(F f) : f_(std::move(f)), isa_(flex_detail::best_isa()) {}
   size_t scratch_floats(size_t) const override { return 0; }
   void line(const ScoreLine& at, size_t, size_t count, float* s, float* slope, float*) const override {
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
     if (slope == nullptr) {
-      for (size_t x = 0; x < count; ++x) {
-        const int64_t step = static_cast<int64_t>(x);
-        s[x] = static_cast<float>(f_(s[x], at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
-      }
+      flex_detail::run(isa_, [&] {
+        for (size_t x = 0; x < count; ++x) s[x] = static_cast<float>(f(s[x], at.b, at.h, query_of(at, x), key_of(at, x)));
+      });
       return;
     }
-    for (size_t x = 0; x < count; ++x) {
-      const int64_t step = static_cast<int64_t>(x);
-      const Dual out =
-          flex_detail::dual(f_(Dual{s[x], 1.0f}, at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
-      s[x] = out.value;
-      slope[x] = out.slope;
-    }
+    flex_detail::run(isa_, [&] {
+      for (size_t x = 0; x < count; ++x) {
+        const Dual out = flex_detail::dual(f(Dual{s[x], 1.0f}, at.b, at.h, query_of(at, x), key_of(at, x)));
+        s[x] = out.value;
+        slope[x] = out.slope;
+      }
+    });
   }
 
  private:
   F f_;
+  flex_detail::Isa isa_;
 };
 
 template <class F>
@@ -176,18 +227,21 @@ class MaskFunction {
 template <class F>
 class MaskCallable final : public MaskFunction {
  public:
-  MaskCallable(F f, MaskReads reads) : f_(std::move(f)), reads_(reads) {}
+  MaskCallable(F f, MaskReads reads) : f_(std::move(f)), reads_(reads), isa_(flex_detail::best_isa()) {}
   void line(const ScoreLine& at, size_t count, float* shown) const override {
-    for (size_t x = 0; x < count; ++x) {
-      const int64_t step = static_cast<int64_t>(x);
-      shown[x] = f_(at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step) ? 1.0f : 0.0f;
-    }
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
+    flex_detail::run(isa_, [&] {  // compiled per instruction set, as ScoreCallable::line
+      for (size_t x = 0; x < count; ++x) shown[x] = f(at.b, at.h, query_of(at, x), key_of(at, x)) ? 1.0f : 0.0f;
+    });
   }
   MaskReads reads() const override { return reads_; }
 
  private:
   F f_;
   MaskReads reads_;
+  flex_detail::Isa isa_;
 };
 
 template <class F>
