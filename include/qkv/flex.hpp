@@ -6,9 +6,9 @@
 //   });
 //   options.score_function = relative;
 //
-// called by the kernels one virtual call per line of scores (ScoreFunction::line), the lambda
-// inlined over the line's elements in the template instantiated here, in your translation unit:
-// no function pointer per element. Its derivative in s, for the backward, comes from calling it
+// called by the kernels one virtual call per tile of scores in the forward (ScoreFunction::tile)
+// and per line in the backward (ScoreFunction::line), the lambda inlined over the elements in the
+// template instantiated here, in your translation unit: no function pointer per element. Its derivative in s, for the backward, comes from calling it
 // with s a Dual (value and d/ds): write it with operators and the functions below (qkv::tanh,
 // qkv::exp, ... found by argument-dependent lookup when called unqualified) so that it takes
 // both a float and a Dual. The text score functions (AttentionOptions::score_mod) implement the
@@ -40,6 +40,17 @@ class ScoreFunction {
   // n >= count is the line's length in whole SIMD vectors (elements past count have no query or
   // key and are left alone); `scratch` holds scratch_floats(n) floats, 64-byte aligned.
   virtual void line(const ScoreLine& at, size_t n, size_t count, float* s, float* slope, float* scratch) const = 0;
+  // The forward's whole tile in one call: `lines` lines, line l at `first` with its key moved by
+  // l * line_key_step and its scores at s + l * n, as line() without the derivative. By default
+  // line() per line; a callable runs the tile in one loop (ScoreCallable).
+  virtual void tile(const ScoreLine& first, int64_t line_key_step, size_t lines, size_t n, size_t count, float* s,
+                    float* scratch) const {
+    for (size_t l = 0; l < lines; ++l) {
+      ScoreLine at = first;
+      at.j0 += static_cast<int64_t>(l) * line_key_step;
+      line(at, n, count, s + l * n, nullptr, scratch);
+    }
+  }
 };
 
 // A dual number: a value and its derivative in the score s.
@@ -181,6 +192,22 @@ class ScoreCallable final : public ScoreFunction {
         const Dual out = flex_detail::dual(f(Dual{s[x], 1.0f}, at.b, at.h, query_of(at, x), key_of(at, x)));
         s[x] = out.value;
         slope[x] = out.slope;
+      }
+    });
+  }
+  // One dispatch and one loop nest per tile: the per-line call and loop set-up cost about what a
+  // line of 48 vectorised scores does.
+  void tile(const ScoreLine& first, int64_t line_key_step, size_t lines, size_t n, size_t count, float* s,
+            float*) const override {
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
+    flex_detail::run(isa_, [&] {
+      for (size_t l = 0; l < lines; ++l) {
+        const int64_t key_shift = static_cast<int64_t>(l) * line_key_step;
+        float* line_s = s + l * n;
+        for (size_t x = 0; x < count; ++x)
+          line_s[x] = static_cast<float>(f(line_s[x], first.b, first.h, query_of(first, x), key_of(first, x) + key_shift));
       }
     });
   }
