@@ -175,7 +175,8 @@ inline int64_t key_of(const ScoreLine& at, size_t x) { return at.j0 + static_cas
 template <class F>
 class ScoreCallable final : public ScoreFunction {
  public:
-  explicit ScoreCallable(F f) : f_(std::move(f)), isa_(flex_detail::best_isa()) {}
+  // isa: which copy of the loops runs (tests ask for each; best_isa() is the fastest the CPU runs).
+  explicit ScoreCallable(F f, flex_detail::Isa isa = flex_detail::best_isa()) : f_(std::move(f)), isa_(isa) {}
   size_t scratch_floats(size_t) const override { return 0; }
   void line(const ScoreLine& at, size_t, size_t count, float* s, float* slope, float*) const override {
     using flex_detail::key_of;
