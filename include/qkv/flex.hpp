@@ -6,9 +6,9 @@
 //   });
 //   options.score_function = relative;
 //
-// called by the kernels one virtual call per line of scores (ScoreFunction::line), the lambda
-// inlined over the line's elements in the template instantiated here, in your translation unit:
-// no function pointer per element. Its derivative in s, for the backward, comes from calling it
+// called by the kernels one virtual call per tile of scores in the forward (ScoreFunction::tile)
+// and per line in the backward (ScoreFunction::line), the lambda inlined over the elements in the
+// template instantiated here, in your translation unit: no function pointer per element. Its derivative in s, for the backward, comes from calling it
 // with s a Dual (value and d/ds): write it with operators and the functions below (qkv::tanh,
 // qkv::exp, ... found by argument-dependent lookup when called unqualified) so that it takes
 // both a float and a Dual. The text score functions (AttentionOptions::score_mod) implement the
@@ -40,6 +40,17 @@ class ScoreFunction {
   // n >= count is the line's length in whole SIMD vectors (elements past count have no query or
   // key and are left alone); `scratch` holds scratch_floats(n) floats, 64-byte aligned.
   virtual void line(const ScoreLine& at, size_t n, size_t count, float* s, float* slope, float* scratch) const = 0;
+  // The forward's whole tile in one call: `lines` lines, line l at `first` with its key moved by
+  // l * line_key_step and its scores at s + l * n, as line() without the derivative. By default
+  // line() per line; a callable runs the tile in one loop (ScoreCallable).
+  virtual void tile(const ScoreLine& first, int64_t line_key_step, size_t lines, size_t n, size_t count, float* s,
+                    float* scratch) const {
+    for (size_t l = 0; l < lines; ++l) {
+      ScoreLine at = first;
+      at.j0 += static_cast<int64_t>(l) * line_key_step;
+      line(at, n, count, s + l * n, nullptr, scratch);
+    }
+  }
 };
 
 // A dual number: a value and its derivative in the score s.
@@ -111,32 +122,100 @@ inline float tanh(float a) { return std::tanh(a); }
 inline float min(float a, float b) { return std::fmin(a, b); }
 inline float max(float a, float b) { return std::fmax(a, b); }
 
+// How a callable's lines are compiled. The callable is instantiated in your translation unit,
+// which is usually compiled for the baseline x86-64 (SSE2), where a loop over int64 positions
+// cannot be vectorised (SSE2 has no int64 compare and no int64 -> float conversion): each score
+// then cost a scalar conversion and a branch. So on x86-64 with GCC or Clang the loop is
+// compiled three times, for AVX-512 (F, VL, DQ, BW: int64 vectors, compares and conversions),
+// for AVX2 and for the baseline, `flatten` inlining the callable into each, and the best one the
+// CPU runs is chosen once, when the wrapper is made. Elsewhere the loop is compiled once.
+namespace flex_detail {
+enum class Isa { Baseline, Avx2, Avx512 };
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QKV_FLEX_MULTIVERSION 1
+inline Isa best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+    return Isa::Avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+  return Isa::Baseline;
+}
+template <class Body>
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma"), flatten)) void run_avx512(const Body& body) {
+  body();
+}
+template <class Body>
+__attribute__((target("avx2,fma"), flatten)) void run_avx2(const Body& body) {
+  body();
+}
+#else
+inline Isa best_isa() { return Isa::Baseline; }
+#endif
+
+// body() compiled for `isa` (one of best_isa()'s answers).
+template <class Body>
+inline void run(Isa isa, const Body& body) {
+#ifdef QKV_FLEX_MULTIVERSION
+  if (isa == Isa::Avx512) return run_avx512(body);
+  if (isa == Isa::Avx2) return run_avx2(body);
+#endif
+  (void)isa;
+  body();
+}
+
+// Query and key of element x of a line.
+inline int64_t query_of(const ScoreLine& at, size_t x) { return at.i0 + static_cast<int64_t>(x) * at.query_step; }
+inline int64_t key_of(const ScoreLine& at, size_t x) { return at.j0 + static_cast<int64_t>(x) * at.key_step; }
+}  // namespace flex_detail
+
 // A callable f(s, b, h, q, k) as a ScoreFunction: its line() runs f over the line's elements,
 // inlined, on floats, or on Duals when the derivative is asked for.
 template <class F>
 class ScoreCallable final : public ScoreFunction {
  public:
-  explicit ScoreCallable(F f) : f_(std::move(f)) {}
+  // isa: which copy of the loops runs (tests ask for each; best_isa() is the fastest the CPU runs).
+  explicit ScoreCallable(F f, flex_detail::Isa isa = flex_detail::best_isa()) : f_(std::move(f)), isa_(isa) {}
   size_t scratch_floats(size_t) const override { return 0; }
   void line(const ScoreLine& at, size_t, size_t count, float* s, float* slope, float*) const override {
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
     if (slope == nullptr) {
-      for (size_t x = 0; x < count; ++x) {
-        const int64_t step = static_cast<int64_t>(x);
-        s[x] = static_cast<float>(f_(s[x], at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
-      }
+      flex_detail::run(isa_, [&] {
+        for (size_t x = 0; x < count; ++x) s[x] = static_cast<float>(f(s[x], at.b, at.h, query_of(at, x), key_of(at, x)));
+      });
       return;
     }
-    for (size_t x = 0; x < count; ++x) {
-      const int64_t step = static_cast<int64_t>(x);
-      const Dual out =
-          flex_detail::dual(f_(Dual{s[x], 1.0f}, at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step));
-      s[x] = out.value;
-      slope[x] = out.slope;
-    }
+    flex_detail::run(isa_, [&] {
+      for (size_t x = 0; x < count; ++x) {
+        const Dual out = flex_detail::dual(f(Dual{s[x], 1.0f}, at.b, at.h, query_of(at, x), key_of(at, x)));
+        s[x] = out.value;
+        slope[x] = out.slope;
+      }
+    });
+  }
+  // One dispatch and one loop nest per tile: the per-line call and loop set-up cost about what a
+  // line of 48 vectorised scores does.
+  void tile(const ScoreLine& first, int64_t line_key_step, size_t lines, size_t n, size_t count, float* s,
+            float*) const override {
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
+    flex_detail::run(isa_, [&] {
+      for (size_t l = 0; l < lines; ++l) {
+        const int64_t key_shift = static_cast<int64_t>(l) * line_key_step;
+        float* line_s = s + l * n;
+        for (size_t x = 0; x < count; ++x)
+          line_s[x] = static_cast<float>(f(line_s[x], first.b, first.h, query_of(first, x), key_of(first, x) + key_shift));
+      }
+    });
   }
 
  private:
   F f_;
+  flex_detail::Isa isa_;
 };
 
 template <class F>
@@ -176,18 +255,21 @@ class MaskFunction {
 template <class F>
 class MaskCallable final : public MaskFunction {
  public:
-  MaskCallable(F f, MaskReads reads) : f_(std::move(f)), reads_(reads) {}
+  MaskCallable(F f, MaskReads reads) : f_(std::move(f)), reads_(reads), isa_(flex_detail::best_isa()) {}
   void line(const ScoreLine& at, size_t count, float* shown) const override {
-    for (size_t x = 0; x < count; ++x) {
-      const int64_t step = static_cast<int64_t>(x);
-      shown[x] = f_(at.b, at.h, at.i0 + step * at.query_step, at.j0 + step * at.key_step) ? 1.0f : 0.0f;
-    }
+    using flex_detail::key_of;
+    using flex_detail::query_of;
+    const F& f = f_;
+    flex_detail::run(isa_, [&] {  // compiled per instruction set, as ScoreCallable::line
+      for (size_t x = 0; x < count; ++x) shown[x] = f(at.b, at.h, query_of(at, x), key_of(at, x)) ? 1.0f : 0.0f;
+    });
   }
   MaskReads reads() const override { return reads_; }
 
  private:
   F f_;
   MaskReads reads_;
+  flex_detail::Isa isa_;
 };
 
 template <class F>

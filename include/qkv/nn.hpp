@@ -92,14 +92,16 @@ struct RelativePositionBiasOptions {
 };
 
 // The bias as a parameter `weight` (num_buckets, num_heads) (T5's relative_attention_bias
-// embedding), zeros at first. bias(q_len, kv_len) is (1, H, Nq, Nk); backward(dbias) adds
-// dbias (1 or B, H, Nq, Nk), reduced into the buckets, into weight_grad.
+// embedding), zeros at first. bias(q_len, kv_len) is (1, H, Nq, Nk), query i at position
+// query_offset + i and key j at position j (a KV cache's new queries after query_offset cached
+// tokens); backward(dbias) adds dbias (1 or B, H, Nq, Nk) of a call with query_offset 0, reduced
+// into the buckets, into weight_grad.
 class RelativePositionBias {
  public:
   RelativePositionBias(int64_t num_heads, const RelativePositionBiasOptions& options);
   // T5's _relative_position_bucket of relative position k - q.
   static int64_t bucket(int64_t relative_position, const RelativePositionBiasOptions& options);
-  Tensor bias(int64_t q_len, int64_t kv_len) const;
+  Tensor bias(int64_t q_len, int64_t kv_len, int64_t query_offset = 0) const;
   void backward(const Tensor& dbias);
   void zero_grad();
   const RelativePositionBiasOptions& options() const { return options_; }
@@ -125,7 +127,8 @@ struct MultiHeadAttentionOptions {
   // position n (with a cache: at its position after the cached ones); none: off.
   std::optional<RotaryEmbeddingOptions> rotary = std::nullopt;
   // A learned T5 relative-position bias (parameter relative_position_bias.weight), trained
-  // through the attention backward's dbias; not with linear attention, a KV cache or a float mask.
+  // through the attention backward's dbias; not with linear attention, a ring-buffer KV cache or a
+  // float mask.
   std::optional<RelativePositionBiasOptions> relative_position_bias = std::nullopt;
   std::optional<uint64_t> seed = std::nullopt;  // initial weights and dropout decisions; none: see manual_seed
   AttentionKind attention = AttentionKind::Softmax;

@@ -671,11 +671,18 @@ class MultiHeadAttention:
     interleaved=...) whose options are copied (its head_dim must be embed_dim // num_heads).
     precision: of the attention's products, forward and backward, as in
     scaled_dot_product_attention ("highest", "high" or "medium"); the projections stay float32.
+    relative_position_bias: a learned T5 relative-position bias (parameter
+    "relative_position_bias.weight", (num_buckets, num_heads), zeros at first, trained through the
+    fused backward's bias gradient): None (off), True (32 buckets, max_distance 128,
+    bidirectional), or a dict with keys "num_buckets", "max_distance", "bidirectional" (False: a
+    causal decoder's buckets). It works with a cache (not a ring buffer); not with linear
+    attention or a float mask.
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, bias=True, dropout=0.0, kdim=None, vdim=None,
                  batch_first=True, seed=None, softcap=0.0, alibi=False, sinks=False, causal=False,
-                 attention="softmax", feature_map="elu+1", rotary=None, precision="highest"):
+                 attention="softmax", feature_map="elu+1", rotary=None, precision="highest",
+                 relative_position_bias=None):
         if not isinstance(attention, str) or not isinstance(feature_map, str):
             raise Error(f"MultiHeadAttention: attention and feature_map are strings (\"softmax\" or \"linear\"; "
                         f"\"elu+1\" or \"relu\"), got {_brief(attention)} and {_brief(feature_map)}")
@@ -685,7 +692,8 @@ class MultiHeadAttention:
             num_kv_heads=0 if num_kv_heads is None else num_kv_heads, kdim=0 if kdim is None else kdim,
             vdim=0 if vdim is None else vdim, bias=bool(bias), dropout=dropout, causal=bool(causal), seed=seed,
             softcap=softcap, alibi=bool(alibi), sinks=bool(sinks), attention=attention, feature_map=feature_map,
-            rotary=_rotary_options(rotary, embed_dim, num_heads), precision=precision))
+            rotary=_rotary_options(rotary, embed_dim, num_heads), precision=precision,
+            relative_position_bias=_relative_position_bias_options(relative_position_bias)))
         self._core = _core.MultiHeadAttentionCore(embed_dim, num_heads, options)
         self.batch_first = bool(batch_first)
         self.dropout = float(dropout)
@@ -705,6 +713,12 @@ class MultiHeadAttention:
     attention = property(lambda self: self._core.options.attention)
     feature_map = property(lambda self: self._core.options.feature_map)
     precision = property(lambda self: self._core.options.precision)
+
+    @property
+    def relative_position_bias(self):
+        """None, or {"num_buckets": ..., "max_distance": ..., "bidirectional": ...}: the T5 bias's options."""
+        options = self._core.options.relative_position_bias
+        return None if options is None else dict(zip(("num_buckets", "max_distance", "bidirectional"), options))
 
     @property
     def rotary(self):
@@ -774,6 +788,8 @@ class MultiHeadAttention:
             state["out_proj.bias"] = p["out_proj.bias"].copy()
         if "sinks" in p:
             state["sinks"] = p["sinks"].copy()
+        if "relative_position_bias.weight" in p:  # no torch counterpart: qkv's own name
+            state["relative_position_bias.weight"] = p["relative_position_bias.weight"].copy()
         return state
 
     def load_state_dict(self, state):
@@ -947,6 +963,8 @@ class MultiHeadAttention:
     def __repr__(self):
         extra = "" if self.attention == "softmax" else f", attention={self.attention!r}, feature_map={self.feature_map!r}"
         extra += "" if self.rotary is None else f", rotary={self.rotary!r}"
+        extra += "" if self.relative_position_bias is None else \
+            f", relative_position_bias={self.relative_position_bias!r}"
         extra += ", causal=True" if self.causal else ""
         return (f"qkv.MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first}{extra})")
@@ -977,6 +995,29 @@ def _rotary_options(rotary, embed_dim, num_heads):
         return (float(base), bool(interleaved))
     raise Error(f"MultiHeadAttention: rotary must be None, True, a dict (base, interleaved) or a "
                 f"qkv.RotaryEmbedding, got {type(rotary).__name__}")
+
+
+def _relative_position_bias_options(option):
+    """MultiHeadAttention's relative_position_bias argument as the core's (num_buckets,
+    max_distance, bidirectional), or None."""
+    if option is None or option is False:
+        return None
+    if option is True:
+        option = {}
+    if not isinstance(option, dict):
+        raise Error(f"MultiHeadAttention: relative_position_bias must be None, True or a dict (num_buckets, "
+                    f"max_distance, bidirectional), got {type(option).__name__}")
+    unknown = sorted(set(map(str, option)) - {"num_buckets", "max_distance", "bidirectional"})
+    if unknown:
+        raise Error(f"MultiHeadAttention: unknown relative_position_bias option(s) {', '.join(unknown)}: the "
+                    f"options are num_buckets, max_distance and bidirectional")
+    bidirectional = option.get("bidirectional", True)
+    if not isinstance(bidirectional, (bool, np.bool_)):
+        raise Error(f"MultiHeadAttention: relative_position_bias bidirectional must be True or False, "
+                    f"got {bidirectional!r}")
+    return (_int(option.get("num_buckets", 32), "MultiHeadAttention: relative_position_bias num_buckets"),
+            _int(option.get("max_distance", 128), "MultiHeadAttention: relative_position_bias max_distance"),
+            bool(bidirectional))
 
 
 class KVCache:

@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -431,6 +432,7 @@ qkv::nn::AttentionKind attention_kind_from_string(const std::string& name) {
 void bind_module_options(py::module_& m) {
   using O = qkv::nn::MultiHeadAttentionOptions;
   using Rotary = std::optional<std::pair<double, bool>>;
+  using RelativeBias = std::optional<std::tuple<int64_t, int64_t, bool>>;
   py::class_<O>(m, "MultiHeadAttentionOptions", "qkv::nn::MultiHeadAttentionOptions (include/qkv/nn.hpp).")
       .def(py::init<>())
       .def_readwrite("num_kv_heads", &O::num_kv_heads, "an integer >= 0 (0 = num_heads)")
@@ -450,6 +452,19 @@ void bind_module_options(py::module_& m) {
             if (r) o.rotary = qkv::nn::RotaryEmbeddingOptions{.base = r->first, .interleaved = r->second, .inverse_frequencies = {}};
           },
           "None or (base, interleaved)")
+      .def_property(
+          "relative_position_bias",
+          [](const O& o) {
+            return o.relative_position_bias ? RelativeBias(std::tuple(o.relative_position_bias->num_buckets,
+                                                                      o.relative_position_bias->max_distance,
+                                                                      o.relative_position_bias->bidirectional))
+                                            : RelativeBias();
+          },
+          [](O& o, const RelativeBias& r) {
+            o.relative_position_bias.reset();
+            if (r) o.relative_position_bias = qkv::nn::RelativePositionBiasOptions{std::get<0>(*r), std::get<1>(*r), std::get<2>(*r)};
+          },
+          "None or (num_buckets, max_distance, bidirectional): a learned T5 relative-position bias")
       .def_readwrite("seed", &O::seed, "None or an integer in [0, 2**64)")
       .def_property(
           "attention", [](const O& o) { return o.attention == qkv::nn::AttentionKind::Linear ? "linear" : "softmax"; },

@@ -39,7 +39,8 @@ struct CachedCall {
   bool uniform, ring;
 };
 CachedCall check_cached_call(const Tensor& x, const KVCache& cache, const std::vector<int64_t>& counts,
-                             int64_t embed_dim, int64_t kv_heads, int64_t hd, bool linear, bool alibi) {
+                             int64_t embed_dim, int64_t kv_heads, int64_t hd, bool linear, bool alibi,
+                             bool relative_bias) {
   if (!x.defined() || x.dim() < 2 || x.dim() > 3 || x.size(-1) != embed_dim)
     throw Error(std::string(kWho) + "x is " + (x.defined() ? x.shape().str() : std::string("undefined")) +
                 " but should be (B, N, " + std::to_string(embed_dim) + ") or (N, " + std::to_string(embed_dim) + ")");
@@ -66,7 +67,26 @@ CachedCall check_cached_call(const Tensor& x, const KVCache& cache, const std::v
   if (alibi && (call.ring || !call.uniform))
     throw Error(std::string(kWho) + "ALiBi needs each key's index to be its position: not with a ring buffer or "
                 "ragged lengths");
+  if (relative_bias && call.ring)
+    throw Error(std::string(kWho) + "relative_position_bias reads each key's position from its index in the cache: "
+                "not with a ring-buffer cache (its slots hold positions in no fixed order)");
   return call;
+}
+
+// The T5 relative-position bias of a cached call's new queries (element b's at positions
+// before[b] ..) over the cache's first `keys` keys (key j at position j): (1, H, len, keys) when
+// every element is at the same position, else (B, H, len, keys), one offset per element. Not
+// with a ring buffer (check_cached_call refuses it).
+Tensor cached_relative_bias(const RelativePositionBias& bias, const CachedCall& call, int64_t keys) {
+  if (call.uniform) return bias.bias(call.len, keys, call.before[0]);
+  const Tensor first = bias.bias(call.len, keys, call.before[0]);
+  const int64_t per_element = first.numel();
+  Tensor out = Tensor::empty({call.batch, first.size(1), call.len, keys});
+  for (int64_t b = 0; b < call.batch; ++b) {
+    const Tensor element = b == 0 ? first : bias.bias(call.len, keys, call.before[static_cast<size_t>(b)]);
+    std::copy(element.data(), element.data() + per_element, out.data() + b * per_element);
+  }
+  return out;
 }
 }  // namespace
 
@@ -77,11 +97,10 @@ KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dt
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& cache,
                                                      const std::vector<int64_t>& counts) const {
   const std::shared_lock lock(lock_.mutex().mutex);  // reads the module only (include/qkv/nn.hpp)
-  if (relative_position_bias)
-    throw Error("MultiHeadAttention: a KV cache forward does not take relative_position_bias yet");
   const int64_t hd = head_dim();
   const CachedCall call = check_cached_call(x, cache, counts, embed_dim_, num_kv_heads_, hd,
-                                            options_.attention == AttentionKind::Linear, alibi_slopes_.defined());
+                                            options_.attention == AttentionKind::Linear, alibi_slopes_.defined(),
+                                            relative_position_bias.has_value());
   const Tensor& x_in = call.x;
   const int64_t batch = call.batch, len = call.len;
   const std::vector<int64_t>& before = call.before;
@@ -122,6 +141,7 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
     int64_t keys = 0;
     for (size_t b = 0; b < before.size(); ++b) keys = std::max(keys, before[b] + count[b]);
     attention.mask = uniform ? Mask::causal(before[0]) : Mask::keep(ragged_keep(before, count, len, keys));
+    if (relative_position_bias) attention.mask &= Mask::additive(cached_relative_bias(*relative_position_bias, call, keys));
     AttentionResult result;
     result.output = heads_out;
     attention.k_scales = cache.key_scales(keys);

@@ -15,11 +15,14 @@ namespace qkv::nn {
 namespace {
 constexpr const char* kWho = "RelativePositionBias: ";
 
-// The bucket of every k - q of a (q_len, kv_len) problem, at index k - q + q_len - 1.
-std::vector<int64_t> buckets_of(int64_t q_len, int64_t kv_len, const RelativePositionBiasOptions& o) {
+// The bucket of every k - q of a (q_len, kv_len) problem whose query i sits at position
+// query_offset + i, at index k - i + q_len - 1 (the relative position k - q plus query_offset +
+// q_len - 1).
+std::vector<int64_t> buckets_of(int64_t q_len, int64_t kv_len, const RelativePositionBiasOptions& o,
+                                int64_t query_offset = 0) {
   std::vector<int64_t> out(static_cast<size_t>(std::max<int64_t>(0, q_len + kv_len - 1)));
   for (size_t n = 0; n < out.size(); ++n)
-    out[n] = RelativePositionBias::bucket(static_cast<int64_t>(n) - (q_len - 1), o);
+    out[n] = RelativePositionBias::bucket(static_cast<int64_t>(n) - (q_len - 1) - query_offset, o);
   return out;
 }
 }  // namespace
@@ -56,11 +59,14 @@ int64_t RelativePositionBias::bucket(int64_t relative_position, const RelativePo
   return first + std::min(large, buckets - 1);
 }
 
-Tensor RelativePositionBias::bias(int64_t q_len, int64_t kv_len) const {
+Tensor RelativePositionBias::bias(int64_t q_len, int64_t kv_len, int64_t query_offset) const {
+  if (q_len < 0 || kv_len < 0 || query_offset < 0)
+    throw Error(std::string(kWho) + "bias: q_len (" + std::to_string(q_len) + "), kv_len (" + std::to_string(kv_len) +
+                ") and query_offset (" + std::to_string(query_offset) + ") must be >= 0");
   Tensor out = Tensor::empty({1, num_heads_, q_len, kv_len});
   const float* table = weight.data();
   float* to = out.data();
-  const std::vector<int64_t> buckets = buckets_of(q_len, kv_len, options_);
+  const std::vector<int64_t> buckets = buckets_of(q_len, kv_len, options_, query_offset);
   for (int64_t i = 0; i < q_len; ++i)
     for (int64_t j = 0; j < kv_len; ++j) {
       const int64_t b = buckets[static_cast<size_t>(j - i + q_len - 1)];

@@ -81,6 +81,8 @@ Tensor masked_cached_attention(const nn::MultiHeadAttention& layer, const Tensor
   const int64_t keys = offset + len;
   AttentionOptions options;
   options.mask = Mask::causal(offset) & shifted_mask(mask, offset, batch, keys);
+  if (layer.relative_position_bias)  // T5 positions: queries at offset .., keys at 0 ..
+    options.mask &= Mask::additive(layer.relative_position_bias->bias(len, keys, offset));
   options.k_scales = cache.key_scales(keys);  // undefined unless the cache is quantized
   options.v_scales = cache.value_scales(keys);
   const Tensor concatenated = Tensor::empty({batch, len, heads, hd});
@@ -96,9 +98,6 @@ std::vector<nn::KVCache> AttentionModel::make_caches(int64_t batch, int64_t capa
   if (config_.attention != nn::AttentionKind::Softmax)
     throw Error("AttentionModel::make_caches: a KV cache serves softmax attention; this model uses " +
                 to_string(config_.attention) + " attention (generate without the cache)");
-  if (config_.positions == Positions::T5)
-    throw Error("AttentionModel::make_caches: a KV cache does not take the T5 relative-position bias yet "
-                "(generate without the cache)");
   if (capacity < 1 || capacity > config_.max_len)
     throw Error("AttentionModel::make_caches: capacity " + std::to_string(capacity) + " must be in [1, max_len " +
                 std::to_string(config_.max_len) + "]");

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -330,3 +331,42 @@ TEST(ScoreMod, RefusalsNameTheFunctionAndTheBackend) {
 }
 
 }  // namespace
+
+// A callable's loops are compiled once per instruction set (qkv/flex.hpp, flex_detail::run):
+// every copy this CPU runs gives, line by line (scores and slopes) and a tile at a time, what the
+// function gives element by element in float64, on a line with odd steps and a ragged count.
+TEST(ScoreMod, CallableCopiesPerInstructionSetAgree) {
+  using qkv::flex_detail::Isa;
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const auto f = [](auto s, int64_t, int64_t h, int64_t q, int64_t k) {
+    return s * (1.0f + 0.5f * static_cast<float>(h)) - 0.1f * static_cast<float>(std::abs(q - k));
+  };
+  const qkv::ScoreLine at{1, 2, 7, 40, 3, -2};
+  const size_t n = 48, count = 37, lines = 5;
+  const int64_t line_key_step = 11;
+  const std::vector<float> start = rng.randn(qkv::Shape{static_cast<int64_t>(n * lines)}).to_vector();
+  const auto want = [&](size_t l, size_t x) {  // element x of line l, in float64
+    const double q = static_cast<double>(at.i0 + static_cast<int64_t>(x) * at.query_step);
+    const double k = static_cast<double>(at.j0 + static_cast<int64_t>(x) * at.key_step +
+                                         static_cast<int64_t>(l) * line_key_step);
+    return static_cast<double>(start[l * n + x]) * 2.0 - 0.1 * std::fabs(q - k);
+  };
+  for (const Isa isa : {Isa::Baseline, Isa::Avx2, Isa::Avx512}) {
+    if (static_cast<int>(isa) > static_cast<int>(qkv::flex_detail::best_isa())) continue;
+    SCOPED_TRACE("instruction set " + std::to_string(static_cast<int>(isa)));
+    const qkv::ScoreCallable<decltype(f)> callable(f, isa);
+    std::vector<float> s(start.begin(), start.begin() + n), slope(n, std::numeric_limits<float>::quiet_NaN());
+    callable.line(at, n, count, s.data(), slope.data(), nullptr);
+    for (size_t x = 0; x < n; ++x) {
+      EXPECT_NEAR(s[x], x < count ? want(0, x) : start[x], 1e-5 * (1 + std::fabs(want(0, x)))) << "element " << x;
+      if (x < count) EXPECT_EQ(slope[x], 2.0f) << "element " << x;
+    }
+    std::vector<float> tile = start;
+    callable.tile(at, line_key_step, lines, n, count, tile.data(), nullptr);
+    for (size_t l = 0; l < lines; ++l)
+      for (size_t x = 0; x < n; ++x)
+        EXPECT_NEAR(tile[l * n + x], x < count ? want(l, x) : start[l * n + x], 1e-5 * (1 + std::fabs(want(l, x))))
+            << "line " << l << " element " << x;
+  }
+}

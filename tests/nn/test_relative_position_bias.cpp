@@ -2,12 +2,14 @@
 // MultiHeadAttentionOptions::relative_position_bias: the buckets against the T5 formula written
 // again in float64 and its properties; the bias table's gradient, reduced from the fused
 // backward's dbias, against central finite differences of the module's loss (bidirectional and
-// causal, batched); a student learning a teacher's bias through it; the refusals.
+// causal, batched); a student learning a teacher's bias through it; the bias of queries after
+// cached tokens and a layer over a KV cache against its full forward; the refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "harness/oracle.hpp"
@@ -102,6 +104,78 @@ TEST(RelativePositionBias, GradientMatchesFiniteDifferences) {
   }
 }
 
+// bias(len, keys, offset) is the rows offset .. offset + len of bias(offset + len, keys): the
+// queries after `offset` cached tokens see the bias the full sequence gives them.
+TEST(RelativePositionBias, QueryOffsetGivesTheFullSequencesRows) {
+  qkv_test::Random rng;
+  SCOPED_TRACE(rng.note());
+  for (const bool bidirectional : {false, true}) {
+    RelativePositionBias bias(3, RelativePositionBiasOptions{8, 12, bidirectional});
+    const std::vector<float> table = rng.randn(bias.weight.shape()).to_vector();
+    std::copy(table.begin(), table.end(), bias.weight.data());
+    const int64_t offset = 23, len = 5, keys = 31;  // distances past max_distance included
+    const Tensor full = bias.bias(offset + len, keys), moved = bias.bias(len, keys, offset);
+    ASSERT_EQ(moved.shape(), Shape({1, 3, len, keys}));
+    for (int64_t h = 0; h < 3; ++h)
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t j = 0; j < keys; ++j)
+          ASSERT_EQ(moved.at({0, h, i, j}), full.at({0, h, offset + i, j}))
+              << "head " << h << " query " << i << " key " << j << (bidirectional ? " bidirectional" : " causal");
+  }
+}
+
+// A layer with the bias over a KV cache: fed in chunks (prefill and decode steps), its outputs
+// are the full forward's; ragged prompts in one batch give each element its own sequence's.
+TEST(RelativePositionBias, CachedForwardEqualsTheFullForward) {
+  qkv_test::Random rng;
+  SCOPED_TRACE(rng.note());
+  MultiHeadAttentionOptions o;
+  o.causal = true;
+  o.num_kv_heads = 2;
+  o.relative_position_bias = RelativePositionBiasOptions{8, 12, false};
+  o.seed = 5;
+  MultiHeadAttention m(24, 4, o);
+  const std::vector<float> table = rng.randn(m.relative_position_bias->weight.shape(), 2.0).to_vector();
+  std::copy(table.begin(), table.end(), m.relative_position_bias->weight.data());
+  m.eval();
+  const Tensor x = rng.randn(Shape{2, 29, 24});
+  const Tensor full = m.forward(x).output;
+  for (const int64_t chunk : {1, 4, 29}) {
+    qkv::nn::KVCache cache = m.make_cache(2, 29);
+    for (int64_t start = 0; start < 29; start += chunk) {
+      const int64_t len = std::min(chunk, 29 - start);
+      const Tensor got = m.forward(x.narrow(1, start, len), cache).output;
+      EXPECT_LT(qkv_test::max_rel_diff(got, full.narrow(1, start, len)), 2e-5) << "chunk " << chunk << " at " << start;
+    }
+  }
+  // Ragged: element 0's prompt is 6 tokens, element 1's 11 (the rest padding), then 3 steps each.
+  const std::vector<int64_t> prompt = {6, 11};
+  qkv::nn::KVCache cache = m.make_cache(2, 16);
+  const Tensor prefill = m.forward(x.narrow(1, 0, 11), cache, prompt).output;
+  for (int64_t b = 0; b < 2; ++b) {
+    const Tensor alone = m.forward(x.narrow(0, b, 1).narrow(1, 0, prompt[b] + 3)).output;
+    EXPECT_LT(qkv_test::max_rel_diff(prefill.narrow(0, b, 1).narrow(1, 0, prompt[b]), alone.narrow(1, 0, prompt[b])),
+              2e-5) << "element " << b;
+  }
+  std::vector<Tensor> steps;
+  for (int64_t s = 0; s < 3; ++s) {
+    Tensor token = Tensor::empty(Shape{2, 1, 24});
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t c = 0; c < 24; ++c) token.at({b, 0, c}) = x.at({b, prompt[b] + s, c});
+    steps.push_back(m.forward(token, cache).output);
+  }
+  for (int64_t b = 0; b < 2; ++b) {
+    const Tensor alone = m.forward(x.narrow(0, b, 1).narrow(1, 0, prompt[b] + 3)).output;
+    for (int64_t s = 0; s < 3; ++s)
+      EXPECT_LT(qkv_test::max_rel_diff(steps[s].narrow(0, b, 1), alone.narrow(1, prompt[b] + s, 1)), 2e-5)
+          << "element " << b << " step " << s;
+  }
+  // The bias matters: a zero table gives other outputs.
+  MultiHeadAttention zero(24, 4, o);
+  zero.eval();
+  EXPECT_GT(qkv_test::max_rel_diff(zero.forward(x).output, full), 1e-3);
+}
+
 // A teacher with a random bias table; a student with the same projections and a zero table
 // learns the teacher's outputs by SGD on the table alone.
 TEST(RelativePositionBias, StudentLearnsTheTeachersBias) {
@@ -152,8 +226,14 @@ TEST(RelativePositionBias, Refusals) {
   qkv_test::Random rng;
   const Tensor x = rng.randn(Shape{1, 5, 8});
   EXPECT_THROW(m.forward(x, qkv::Mask::additive(rng.randn(Shape{5, 5}))), qkv::Error) << "a second additive term";
-  qkv::nn::KVCache cache = m.make_cache(1, 8);
-  EXPECT_THROW(m.forward(x, cache), qkv::Error) << "a KV cache";
+  qkv::nn::KVCache ring = m.make_cache(1, 4, qkv::DType::F32, /*window=*/4);
+  try {
+    m.forward(x, ring);
+    ADD_FAILURE() << "a ring-buffer cache";
+  } catch (const qkv::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not with a ring-buffer cache"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)m.relative_position_bias->bias(2, 3, -1), qkv::Error) << "a negative query offset";
   bool named = false;
   for (const auto& p : m.parameters()) named = named || p.name == "relative_position_bias.weight";
   EXPECT_TRUE(named);

@@ -1,6 +1,7 @@
-"""qkv.MultiHeadAttention's options beyond torch's: attention="linear" with its feature map, and
-rotary position embedding (with a KV cache too), each against a float64 numpy evaluation of the
-module from its own parameters; bad option values are qkv.Error with a message naming them."""
+"""qkv.MultiHeadAttention's options beyond torch's: attention="linear" with its feature map,
+rotary position embedding and the T5 relative-position bias (each with a KV cache too), each
+against a float64 numpy evaluation of the module from its own parameters; bad option values are
+qkv.Error with a message naming them."""
 import numpy as np
 import pytest
 
@@ -187,3 +188,87 @@ def test_grouped_query_state_dict_round_trips(rng):
     copy.load_state_dict(state)
     for name, value in mha.parameters().items():
         np.testing.assert_array_equal(copy.parameters()[name], value)
+
+
+def t5_bucket(relative, num_buckets, max_distance, bidirectional):
+    """T5's bucket of relative position k - q (transformers' _relative_position_bucket), in float64
+    but for torch's float32 truncation of the logarithmic part."""
+    bucket, n = 0, relative
+    if bidirectional:
+        num_buckets //= 2
+        bucket = num_buckets if n > 0 else 0
+        n = abs(n)
+    else:
+        n = max(-n, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return bucket + n
+    large = exact + int(np.float32(np.log(n / exact) / np.log(max_distance / exact) * (num_buckets - exact)))
+    return bucket + min(large, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_bias_equals_float64_evaluation_and_learns(rng, bidirectional):
+    """relative_position_bias: the module against the float64 module with T5's bias added to its
+    scores (a random table), and the table gets a gradient from backward."""
+    options = {"num_buckets": 8, "max_distance": 12, "bidirectional": bidirectional}
+    mha = qkv.MultiHeadAttention(24, 3, relative_position_bias=options, seed=int(rng.integers(1 << 31)))
+    assert mha.relative_position_bias == options
+    assert "relative_position_bias={" in repr(mha)
+    table = mha.parameters()["relative_position_bias.weight"]
+    assert table.shape == (8, 3) and not table.any()  # zeros at first, as T5's
+    table[...] = rng.standard_normal(table.shape).astype(np.float32)
+    randomise_biases(mha, rng)
+    mha.eval()
+    x = rng.standard_normal((2, 19, 24)).astype(np.float32)
+    got, _ = mha(x)
+    # The float64 module with the bias: as module64, the bias added before the softmax.
+    p = {name: value.astype(np.float64) for name, value in mha.parameters().items()}
+    x64 = x.astype(np.float64)
+
+    def heads(name):
+        return (x64 @ p[f"{name}_proj.weight"].T + p[f"{name}_proj.bias"]).reshape(2, 19, 3, 8).transpose(0, 2, 1, 3)
+
+    buckets = np.array([[t5_bucket(j - i, 8, 12, bidirectional) for j in range(19)] for i in range(19)])
+    bias = p["relative_position_bias.weight"][buckets].transpose(2, 0, 1)  # (H, N, N)
+    s = heads("q") @ np.swapaxes(heads("k"), -1, -2) / np.sqrt(8) + bias
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    want = (w @ heads("v")).transpose(0, 2, 1, 3).reshape(2, 19, 24) @ p["out_proj.weight"].T + p["out_proj.bias"]
+    assert rel_err(got, want) <= 2e-5
+    mha.train()
+    mha.zero_grad()
+    mha(x)
+    mha.backward(rng.standard_normal(got.shape).astype(np.float32))
+    assert np.abs(mha.grads()["relative_position_bias.weight"]).max() > 0
+    copy = qkv.MultiHeadAttention(24, 3, relative_position_bias=options)
+    copy.load_state_dict(mha.state_dict())
+    np.testing.assert_array_equal(copy.parameters()["relative_position_bias.weight"], table)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 23])
+def test_t5_bias_cache_equals_full_causal_forward(rng, chunk):
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, seed=int(rng.integers(1 << 31)),
+                                 relative_position_bias={"num_buckets": 8, "max_distance": 16, "bidirectional": False})
+    table = mha.parameters()["relative_position_bias.weight"]
+    table[...] = rng.standard_normal(table.shape).astype(np.float32)
+    mha.eval()
+    x = rng.standard_normal((2, 23, 32)).astype(np.float32)
+    full, _ = mha(x)
+    cache = mha.make_cache(2, 40)
+    parts = [mha(x[:, s:s + chunk], cache=cache)[0] for s in range(0, 23, chunk)]
+    assert rel_err(np.concatenate(parts, axis=1), full) <= 2e-5
+    with pytest.raises(qkv.Error, match="not with a ring-buffer cache"):
+        mha(x[:, :1], cache=mha.make_cache(2, 4, window=4))
+
+
+@pytest.mark.parametrize("option, match", [
+    ({"buckets": 8}, "unknown relative_position_bias option\\(s\\) buckets"),
+    ({"bidirectional": 1}, "bidirectional must be True or False, got 1"),
+    ({"num_buckets": 8.5}, "relative_position_bias num_buckets must be an integer"),
+    ("t5", "relative_position_bias must be None, True or a dict"),
+    ({"num_buckets": 2}, "num_buckets \\(2\\) >= 4"),
+])
+def test_bad_t5_options_are_errors(option, match):
+    with pytest.raises(qkv.Error, match=match):
+        qkv.MultiHeadAttention(16, 2, relative_position_bias=option)

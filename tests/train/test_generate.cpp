@@ -1,6 +1,7 @@
 // Inference with the train model: the cached forward (per-layer KV caches) against the full
 // forward, greedy generation with and without the cache, and a trained copy-task model that
-// generates the right tokens from its KV cache (f32 and bf16).
+// generates the right tokens from its KV cache (f32 and bf16); sinusoidal, rotary and T5 positions
+// (the T5 tables random, so that they matter).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -28,6 +29,17 @@ std::vector<int64_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
     ids.push_back(static_cast<int64_t>(state % static_cast<uint64_t>(vocab)));
   }
   return ids;
+}
+
+// A T5 model's bias tables (zeros when built) set to random values in [-2, 2), so that its
+// positions change the logits; a no-op for other models.
+void randomise_t5_tables(AttentionModel& model, uint64_t seed) {
+  for (auto& block : model.layers) {
+    if (!block.attention.relative_position_bias) continue;
+    Tensor& table = block.attention.relative_position_bias->weight;
+    const std::vector<int64_t> draws = random_ids(table.numel(), 1000, seed++);
+    for (int64_t e = 0; e < table.numel(); ++e) table.data()[e] = static_cast<float>(draws[e]) / 250.0f - 2.0f;
+  }
 }
 
 // Runs ids (batch 2) through the caches in chunks of `chunk` tokens and returns the logits of
@@ -63,10 +75,11 @@ double max_abs_difference(const std::vector<float>& a, const std::vector<float>&
 
 TEST(CachedForward, EqualsTheFullForwardInChunksOf1_3And17) {
   constexpr int64_t kN = 41;
-  for (Positions positions : {Positions::Sinusoidal, Positions::Rotary}) {
+  for (Positions positions : {Positions::Sinusoidal, Positions::Rotary, Positions::T5}) {
     const ModelConfig config{.vocab_size = 11, .max_len = 48, .d_model = 24, .num_heads = 3, .num_layers = 2,
                              .positions = positions};
-    const AttentionModel model(config, 7);
+    AttentionModel model(config, 7);
+    randomise_t5_tables(model, 3);
     const std::vector<int64_t> ids = random_ids(2 * kN, config.vocab_size, 3);
     const std::vector<float> full = model.forward(ids, 2, kN).to_vector();
     double scale = 0;
@@ -86,10 +99,11 @@ TEST(CachedForward, MaskedModelsEqualTheFullForward) {
   constexpr int64_t kN = 37;
   for (const std::string mask : {"window(3) | strided(4)", "global(2) | window(1)", "strided(5, 2) & window(9)",
                                  "causal & (window(2, 1) | strided(3))", "global(20) | strided(6)"}) {
-    for (Positions positions : {Positions::Sinusoidal, Positions::Rotary}) {
+    for (Positions positions : {Positions::Sinusoidal, Positions::Rotary, Positions::T5}) {
       const ModelConfig config{.vocab_size = 11, .max_len = 40, .d_model = 16, .num_heads = 2, .num_layers = 2,
                                .positions = positions, .mask = mask};
-      const AttentionModel model(config, 9);
+      AttentionModel model(config, 9);
+      randomise_t5_tables(model, 4);
       const std::vector<int64_t> ids = random_ids(2 * kN, config.vocab_size, 5);
       const std::vector<float> full = model.forward(ids, 2, kN).to_vector();
       double scale = 0;
@@ -135,10 +149,11 @@ TEST(CachedForward, Errors) {
 }
 
 TEST(Generate, TheCacheChangesTheTimeNotTheTokens) {
-  for (Positions positions : {Positions::Sinusoidal, Positions::Rotary}) {
+  for (Positions positions : {Positions::Sinusoidal, Positions::Rotary, Positions::T5}) {
     const ModelConfig config{.vocab_size = 13, .max_len = 40, .d_model = 16, .num_heads = 2, .num_layers = 2,
                              .positions = positions};
-    const AttentionModel model(config, 21);
+    AttentionModel model(config, 21);
+    randomise_t5_tables(model, 5);
     const std::vector<int64_t> prompt = random_ids(9, config.vocab_size, 4);
     const qkv::train::Generation cached = qkv::train::generate(model, prompt, {.tokens = 31});
     const qkv::train::Generation recomputed = qkv::train::generate(model, prompt, {.tokens = 31, .use_cache = false});

@@ -50,9 +50,10 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
 // ALiBi, the score function and mask on a tile of key lines (flash's and its backward's; softcap
 // ran on the whole tile before): line l the key j0 + l walk.key_step over br queries
 // i0 + x walk.query_step, `rows` of them real, lines br floats apart. In the reference's order:
-// ALiBi line by line (when the problem has slopes), the score function line by line (when it has
-// one: ScoreMod, in `mod_scratch`, ModExpression::scratch_floats(br) floats; with `slope`, the
-// backward's tile of softcap's slopes, its derivative joins them), the band and key lengths for
+// ALiBi line by line (when the problem has slopes), the score function (when it has one, in
+// `mod_scratch`, ModExpression::scratch_floats(br) floats: the whole tile in one call,
+// ScoreModTile; with `slope`, the backward's tile of softcap's slopes, line by line, ScoreMod, its
+// derivative joining them), the band and key lengths for
 // all lines at once (MaskBandLines), then
 // line by line the rule (a residue's: -inf where node `hide` of the rule shows the key, the pairs
 // the tiles visit; the strided rule holds by construction) and the tensor terms. (ALiBi after the
@@ -66,8 +67,9 @@ HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const Ti
   };
   if (p.alibi_slopes)
     for (size_t l = 0; l < cols; ++l) Alibi(p, line(l), s + l * br, br);
-  if (p.score_mod)
-    for (size_t l = 0; l < cols; ++l) ScoreMod(p, line(l), s + l * br, br, rows, slope ? slope + l * br : nullptr, mod_scratch);
+  if (p.score_mod && slope == nullptr) ScoreModTile(p, line(0), walk.key_step, cols, s, br, rows, mod_scratch);
+  if (p.score_mod && slope != nullptr)
+    for (size_t l = 0; l < cols; ++l) ScoreMod(p, line(l), s + l * br, br, rows, slope + l * br, mod_scratch);
   if (mask.band) MaskBandLines(p, b, i0, walk.query_step, j0, walk.key_step, s, br, cols);
   const bool rule = walk.residue ? mask.hide >= 0 : mask.band && !p.rule.empty();
   if (!rule && p.terms.empty()) return;

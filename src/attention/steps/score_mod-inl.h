@@ -231,6 +231,16 @@ HWY_INLINE void ScoreMod(const AttentionProblem& p, const Line& line, float* HWY
   }
 }
 
+// The forward's ScoreMod over a tile of `lines` key lines (line l's key first.j0 + l *
+// line_key_step, its n floats at s + l * n, `count` of them real): one call of the score
+// function for the tile (ScoreFunction::tile). No-op without a score function.
+HWY_INLINE void ScoreModTile(const AttentionProblem& p, const Line& first, int64_t line_key_step, size_t lines,
+                             float* HWY_RESTRICT s, size_t n, size_t count, float* HWY_RESTRICT scratch) {
+  if (!p.score_mod) return;
+  p.score_mod->tile({first.b, first.h, first.i0, first.j0, first.query_step, first.key_step}, line_key_step, lines, n,
+                    count, s, scratch + n);
+}
+
 }  // namespace pipeline
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
