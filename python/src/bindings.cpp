@@ -214,6 +214,19 @@ std::vector<int64_t> offsets_from(const py::object& value, const char* name) {
   return out;
 }
 
+// block_table: None (off) or a (B, max_pages) int32 array of pool page indices (FlashAttention's
+// flash_attn_with_kvcache; int64 too), row-major into B x max_pages entries; cache_seqlens: None or
+// a (B,) int32 (or int64) array of key counts. The core checks the values.
+std::vector<int64_t> indices_from(const py::object& value, const char* name, int dims, const char* shape) {
+  if (value.is_none()) return {};
+  const py::array a = py::array::ensure(value);
+  const bool integer = a && (a.dtype().is(py::dtype::of<int32_t>()) || a.dtype().is(py::dtype::of<int64_t>()));
+  if (!integer || a.ndim() != dims)
+    throw qkv::Error(std::string(name) + " must be None or a " + shape + " int32 array, got " + brief(value));
+  const auto flat = a.cast<py::array_t<int64_t, py::array::forcecast | py::array::c_style>>();
+  return std::vector<int64_t>(flat.data(), flat.data() + flat.size());
+}
+
 // mod_inputs: None or a dict of name -> (L,) or (B, L) number array, copied to float32 tensors
 // (the core checks the shapes against what the functions index them by).
 std::map<std::string, qkv::Tensor> mod_inputs_from(const py::object& value) {
@@ -277,7 +290,15 @@ void bind_attention_options(py::module_& m) {
       .def_property(
           "cu_seqlens_k", [](const O& o) { return o.cu_seqlens_k; },
           [](O& o, const py::object& value) { o.cu_seqlens_k = offsets_from(value, "cu_seqlens_k"); },
-          "None or a (B + 1,) int32 array: the packed keys' sequence offsets");
+          "None or a (B + 1,) int32 array: the packed keys' sequence offsets")
+      .def_property(
+          "block_table", [](const O& o) { return o.block_table; },
+          [](O& o, const py::object& value) { o.block_table = indices_from(value, "block_table", 2, "(B, max_pages)"); },
+          "None or a (B, max_pages) int32 array: each sequence's pages of the key/value pools")
+      .def_property(
+          "cache_seqlens", [](const O& o) { return o.cache_seqlens; },
+          [](O& o, const py::object& value) { o.cache_seqlens = indices_from(value, "cache_seqlens", 1, "(B,)"); },
+          "None or a (B,) int32 array: the keys each paged sequence holds");
 }
 
 // scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is

@@ -92,7 +92,8 @@ void decode_attention(const AttentionProblem& problem) {
   const decode::Partials partials{partial_base, partial_base + slots, partial_base + 2 * slots};
 
   // A `rest | strided(S)` rule: the tiles see `rest`, the strided keys are gathered per query.
-  const StridedSplit split = strided_split(problem.rule, decode::kMinGatherStride);
+  // Paged K/V never gather: a strided run of keys crosses pages, and the tiles evaluate the rule.
+  const StridedSplit split = problem.paged.on() ? StridedSplit{} : strided_split(problem.rule, decode::kMinGatherStride);
   std::optional<AttentionProblem> tiles_problem;
   if (split.rest >= 0) {
     tiles_problem = problem;
