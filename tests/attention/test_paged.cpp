@@ -19,6 +19,7 @@
 
 #include "harness/kernel_cases.hpp"
 #include "harness/oracle.hpp"
+#include "harness/sequence_cases.hpp"
 #include "qkv/qkv.hpp"
 
 namespace {
@@ -32,7 +33,7 @@ using qkv::Tensor;
 using qkv_test::Random;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr int64_t kQHeads = 4, kKvHeads = 2, kDk = 13, kDv = 11;
+constexpr int64_t kQHeads = 6, kKvHeads = 2, kDk = 19, kDv = 9;  // GQA groups of 3, odd dims
 
 // A paged batch: each sequence's keys and values contiguous (1, Hkv, n, D), the same rows in the
 // pools (num_pages, page_size, Hkv, D) through the block table (B x max_pages), and q (B, Hq, Nq, Dk).
@@ -92,28 +93,9 @@ Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& l
   return p;
 }
 
-// A mask as the paged call takes it, and as sequence b's own call means it given shift = Nk - Nq.
-struct MaskCase {
-  std::string name;
-  Mask paged;
-  std::function<Mask(int64_t shift)> alone;
-};
-
-std::vector<MaskCase> mask_cases() {
-  return {
-      {"none", Mask(), [](int64_t) { return Mask(); }},
-      {"causal", Mask::causal(), [](int64_t s) { return Mask::causal(s); }},
-      {"causal(offset=3)", Mask::causal(3), [](int64_t s) { return Mask::causal(3 + s); }},
-      {"causal(offset=-2)", Mask::causal(-2), [](int64_t s) { return Mask::causal(s - 2); }},
-      {"window(4)", Mask::window(4), [](int64_t s) { return Mask::window(4, 0, s); }},
-      {"window(3, 2)", Mask::window(3, 2), [](int64_t s) { return Mask::window(3, 2, s); }},
-      {"strided(3)", Mask::strided(3), [](int64_t) { return Mask::strided(3); }},
-      {"causal & strided(5, 1)", Mask::causal() & Mask::strided(5, 1),
-       [](int64_t s) { return Mask::causal(s) & Mask::strided(5, 1); }},
-      {"causal | global(2)", Mask::causal() | Mask::global_tokens(2),
-       [](int64_t) { return Mask::causal() | Mask::global_tokens(2); }},
-  };
-}
+using MaskCase = qkv_test::SequenceMask;
+using qkv_test::expect_error;
+std::vector<MaskCase> mask_cases() { return qkv_test::sequence_masks(); }
 
 // Paged and contiguous tiles end at different keys (a tile stops at a page's end), so the online
 // softmax rounds differently: a few float32 ulps of outputs of size ~1.
@@ -177,7 +159,7 @@ TEST(Paged, EveryMaskAgainstContiguousKeys) {
           for (bool modifiers : {false, true}) {
             SCOPED_TRACE("mask " + mask.name + (modifiers ? " with softcap, (B, Hq) ALiBi, sinks" : ""));
             AttentionOptions o;
-            o.mask = mask.paged;
+            o.mask = mask.whole;
             if (modifiers) set_modifiers(o, p.batch(), rng);
             check_against_contiguous(p, o, mask, DType::F32);
           }
@@ -197,11 +179,11 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
       for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
         SCOPED_TRACE("K/V " + std::string(qkv::to_string(dtype)));
         AttentionOptions o;
-        o.mask = causal.paged;
+        o.mask = causal.whole;
         set_modifiers(o, p.batch(), rng);
         check_against_contiguous(p, o, causal, dtype);
         o = AttentionOptions();
-        o.mask = causal.paged;
+        o.mask = causal.whole;
         o.alibi_slopes = rng.uniform_tensor(Shape{kQHeads}, 0.0, 0.5);
         o.dropout_p = 0.25f;
         o.seed = rng.next_u64();
@@ -222,17 +204,6 @@ TEST(Paged, PrefillLongerThanTheCache) {
     o.mask = Mask::causal();
     check_against_contiguous(p, o, mask_cases()[1], DType::F32);
   });
-}
-
-// The error of `call`, which must throw qkv::Error containing every one of `parts`.
-template <class Call>
-void expect_error(const Call& call, std::initializer_list<const char*> parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one containing " << *parts.begin();
-  } catch (const qkv::Error& e) {
-    for (const char* part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
 }
 
 TEST(Paged, BadTablesAndOptionsAreNamed) {
