@@ -193,17 +193,22 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
   }
 }
 
-// More queries than a sequence's keys (prefill-with-cache of a short cache): the first queries
-// see nothing and get zeros and lse -inf, as the contiguous call's.
-TEST(Paged, PrefillLongerThanTheCache) {
+// Prefill with a cache: more queries than a sequence's keys (the first queries see nothing and
+// get zeros and lse -inf, as the contiguous call's), and rows (Hq x Nq) past decode's row block.
+TEST(Paged, PrefillWithACache) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  const Paged p = random_paged(rng, 16, {20, 40, 3}, 9);
-  qkv_test::on_every_target_and_thread_count([&] {
-    AttentionOptions o;
-    o.mask = Mask::causal();
-    check_against_contiguous(p, o, mask_cases()[1], DType::F32);
-  });
+  for (int64_t nq : {9, 40}) {
+    SCOPED_TRACE("Nq " + std::to_string(nq));
+    const Paged p = random_paged(rng, 16, {20, 40, 3, 700}, nq);
+    qkv_test::on_every_target_and_thread_count([&] {
+      for (int mask : {0, 1, 4}) {  // none, causal, window(4)
+        AttentionOptions o;
+        o.mask = mask_cases()[mask].whole;
+        check_against_contiguous(p, o, mask_cases()[mask], DType::F32);
+      }
+    });
+  }
 }
 
 TEST(Paged, BadTablesAndOptionsAreNamed) {
