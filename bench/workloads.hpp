@@ -301,15 +301,15 @@ inline AttentionInputs make_attention_inputs(const Workload& w) {
     int64_t total = 0;
     for (int64_t n : kVarlenLengths) total += n;
     return {Tensor::randn({total, w.q_heads, w.head_dim}, 1), Tensor::randn({total, w.kv_heads, w.head_dim}, 2),
-            Tensor::randn({total, w.kv_heads, w.head_dim}, 3), Tensor(), Tensor()};
+            Tensor::randn({total, w.kv_heads, w.head_dim}, 3), Tensor(), Tensor(), {}};
   }
   const Tensor k = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2);
   const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
   const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
   if (w.modifier == Modifier::Paged) return paged_inputs(q, k, v);
-  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor()};
+  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor(), {}};
   const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
-  return {q, kq.values, vq.values, kq.scales, vq.scales};
+  return {q, kq.values, vq.values, kq.scales, vq.scales, {}};
 }
 
 inline LinearAttentionOptions make_linear_options(const Workload& w) {
