@@ -47,7 +47,7 @@ __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
     "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
     "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-    "QuantizedKV", "quantize_kv",
+    "QuantizedKV", "quantize_kv", "PagedKVCache",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -990,6 +990,7 @@ class KVCache:
 
 
 RotaryEmbedding = _core.RotaryEmbedding
+PagedKVCache = _core.PagedKVCache
 
 
 def __getattr__(name):

@@ -129,3 +129,40 @@ def test_refused_options_are_named():
             qkv.scaled_dot_product_attention(q, k_pool, v_pool, block_table=table, cache_seqlens=lengths, **keywords)
     with pytest.raises(qkv.Error, match=r"\(B, Nq, Hq, Dk\)"):
         qkv.scaled_dot_product_attention(q[0], k_pool, v_pool, block_table=table, cache_seqlens=lengths)
+
+
+def test_paged_kv_cache_fork_and_attention():
+    """qkv.PagedKVCache: a prompt forked into two continuations (the shared, partly filled last
+    page copied on the first append), attended through paged_options against the float64 oracle
+    on each sequence's own rows."""
+    rng = np.random.default_rng(11)
+    cache = qkv.PagedKVCache(num_pages=20, page_size=4, kv_heads=HKV, head_dim=DK)
+    rows = {}
+    prompt = cache.add_sequence()
+    k, v = rng.standard_normal((2, HKV, 10, DK), dtype=np.float32)
+    cache.append(prompt, k, v)
+    a, b = cache.fork(prompt), cache.fork(prompt)
+    assert cache.pages(a) == cache.pages(prompt) and cache.references(cache.pages(a)[0]) == 3
+    rows[prompt] = (k, v)
+    for s, n in [(a, 5), (b, 1)]:
+        k2, v2 = rng.standard_normal((2, HKV, n, DK), dtype=np.float32)
+        cache.append(s, k2, v2)
+        rows[s] = (np.concatenate([k, k2], 1), np.concatenate([v, v2], 1))
+    assert cache.pages(a)[2] != cache.pages(prompt)[2] != cache.pages(b)[2]  # each copied the shared last page
+    sequences = [prompt, a, b]
+    table, lengths = cache.paged_options(sequences)
+    assert list(lengths) == [10, 15, 11]
+    q = rng.standard_normal((3, 2, HQ, DK)).astype(np.float32)
+    out = qkv.scaled_dot_product_attention(q, cache.key_pool, cache.value_pool[..., :DK], is_causal=True,
+                                           block_table=table, cache_seqlens=lengths)
+    for i, s in enumerate(sequences):
+        k_s, v_s = rows[s]
+        n = k_s.shape[1]
+        # the oracle on a one-page pool holding the sequence's own rows
+        want, _ = oracle(q[i:i + 1], k_s.transpose(1, 0, 2)[None], v_s.transpose(1, 0, 2)[None, ..., :DV],
+                         np.zeros((1, 1), np.int32), [n], True)
+        np.testing.assert_allclose(out[i:i + 1, ..., :DV], want, atol=2e-5, rtol=2e-5)
+    cache.release(prompt)
+    cache.release(a)
+    cache.release(b)
+    assert cache.free_pages == 20
