@@ -130,6 +130,47 @@ TEST(PagedKVCache, AttentionOverThePoolMatchesContiguousKeys) {
   }
 }
 
+// MultiHeadAttention (GQA, rotary) on a paged cache: a prompt, forked into two continuations
+// decoded a token or two at a time as one batch, gives each continuation's rows of the full
+// causal forward over its whole sequence.
+TEST(PagedKVCache, MultiHeadAttentionContinuesForkedSequences) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv::nn::MultiHeadAttentionOptions options;
+  options.num_kv_heads = 2;
+  options.rotary = qkv::nn::RotaryEmbeddingOptions{};
+  options.seed = rng.next_u64();
+  qkv::nn::MultiHeadAttention m(24, 4, options);
+  m.eval();
+  const int64_t prompt_len = 7, steps = 5;
+  const Tensor prompt = rng.randn(Shape{1, prompt_len, 24});
+  std::vector<Tensor> full = {Tensor(), Tensor()};  // each continuation's whole sequence (1, T, 24)
+  const Tensor tails = rng.randn(Shape{2, steps, 24});
+  PagedKVCache cache(30, 3, 2, m.head_dim());
+  const int64_t root = cache.add_sequence();
+  (void)m.forward(prompt, cache, {root});
+  const std::vector<int64_t> ids = {cache.fork(root), cache.fork(root)};
+  std::vector<std::vector<float>> got(2);
+  for (int64_t t = 0; t < steps; t += 2) {
+    const int64_t n = std::min<int64_t>(2, steps - t);
+    const Tensor out = m.forward(tails.narrow(1, t, n).contiguous(), cache, ids).output;  // (2, n, 24)
+    for (int64_t b = 0; b < 2; ++b) {
+      const std::vector<float> rows = out.narrow(0, b, 1).contiguous().to_vector();
+      got[b].insert(got[b].end(), rows.begin(), rows.end());
+    }
+  }
+  for (int64_t b = 0; b < 2; ++b) {
+    Tensor whole = Tensor::empty(Shape{1, prompt_len + steps, 24});
+    for (int64_t i = 0; i < prompt_len + steps; ++i)
+      for (int64_t c = 0; c < 24; ++c)
+        whole.at({0, i, c}) = i < prompt_len ? prompt.at({0, i, c}) : tails.at({b, i - prompt_len, c});
+    const std::vector<float> want =
+        m.forward(whole, qkv::Mask::causal()).output.narrow(1, prompt_len, steps).contiguous().to_vector();
+    ASSERT_EQ(got[b].size(), want.size());
+    for (size_t x = 0; x < want.size(); ++x) ASSERT_NEAR(got[b][x], want[x], 1e-4) << "continuation " << b << " at " << x;
+  }
+}
+
 TEST(PagedKVCache, RefusalsLeaveTheCacheUnchanged) {
   Random rng;
   PagedKVCache cache(3, kPageSize, kHeads, kDim);
