@@ -42,7 +42,8 @@ benchmark::Counter flops_rate(double flops) {
 
 void BM_Attention(benchmark::State& state, const Workload* w, qkv::Backend backend) {
   const qkv::bench::AttentionInputs in = qkv::bench::make_attention_inputs(*w);
-  const qkv::AttentionOptions options = qkv::bench::make_attention_options(*w, backend);
+  // with the inputs' quantization scales or block table
+  const qkv::AttentionOptions options = qkv::bench::make_attention_options(*w, in, backend);
   qkv::AttentionResult result;
   qkv::scaled_dot_product_attention_into(in.q, in.k, in.v, result, options);  // warm-up: allocates result
   for (auto _ : state) {

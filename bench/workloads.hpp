@@ -27,6 +27,8 @@
 //   W4-f16   W4 with K and V in float16                    time; `--workload W4` runs all of W4-*)
 //   W4-int8  W4 with K and V int8, a scale per token and head (issue 41's target: <= 0.32 x W4's time)
 //   W4-int4  W4 with K and V 4-bit, a scale per 32 values      (issue 41's target: <= 0.22 x W4's time)
+//   W4-paged W4 with K and V in a pool of 64-key pages in shuffled order, read through a block
+//            table (issue 41's target: within 10% of W4's time)
 //   decode-<N>k[-bf16]  W4's heads, 1 query vs N = 1, 4, 16, 32 thousand keys, K/V f32 or bf16:
 //            the decode sweep in GB/s, only on request (`--workload decode-sweep`: 1 GB of K/V)
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
@@ -64,7 +66,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <numeric>
+#include <random>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "qkv/qkv.hpp"
@@ -90,6 +95,7 @@ enum class Modifier {
   Bias,     // mask = a (1, Hq, Nq, Nk) additive tensor (a learned bias; its backward returns dbias)
   Packed,   // q, k, v (total, H, d) holding kVarlenLengths' sequences, cu_seqlens_q = cu_seqlens_k
   Padded,   // the same sequences in (B, H, Nq, d), padded, mask & key_lengths(kVarlenLengths)
+  Paged,    // k, v as pools of kPageSize-key pages in a shuffled order, block_table + cache_seqlens
 };
 // The packed workloads' sequence lengths: 16 draws log-uniform in [32, 2048] (numpy
 // default_rng(41)), the longest adjusted so that they sum to 8192 (mean 512).
@@ -102,6 +108,7 @@ inline constexpr int64_t kCascadePrefix = 4096;
 inline constexpr const char* kRelativePosition = "s - 0.1 * abs(q - k)";
 inline constexpr const char* kDocuments = "doc(q) == doc(k)";
 inline constexpr int64_t kDocumentCount = 4;
+inline constexpr int64_t kPageSize = 64;  // the paged rows' page size (issue 41's target is at 64)
 
 struct Workload {
   std::string_view id;           // "W2"
@@ -142,7 +149,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 34> kWorkloads = {{
+inline constexpr std::array<Workload, 35> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -171,6 +178,8 @@ inline constexpr std::array<Workload, 34> kWorkloads = {{
      Modifier::None, true, 0, 0, DType::I8},
     {"W4-int4", "W4, int4 K/V", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
      Modifier::None, true, 0, 0, DType::I4},
+    {"W4-paged", "W4, 64-key pages shuffled", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
+     Modifier::Paged, false},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
     {"V1", "16 sequences, packed", WorkloadKind::Attention, 16, 12, 12, 2048, 2048, 64, true, false, true,
      Modifier::Packed, false},
@@ -283,21 +292,44 @@ struct AttentionInputs {
   Tensor k;  // (B, Hkv, Nk, d)
   Tensor v;  // (B, Hkv, Nk, d)
   Tensor k_scales, v_scales;  // quantized K/V (int8, int4): their scales, for AttentionOptions
+  std::vector<int64_t> block_table;  // paged K/V: (B, Nk / kPageSize) pool pages; k, v the pools
 };
+
+// Paged inputs: k and v (B, Hkv, Nk, d) moved into pools (B Nk / kPageSize, kPageSize, Hkv, d) whose
+// pages lie in a shuffled order (a fixed seed), and the block table that finds them.
+inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t batch = k.size(0), heads = k.size(1), keys = k.size(2), dim = k.size(3);
+  const int64_t pages = keys / kPageSize;  // Nk a multiple of the page size
+  std::vector<int64_t> table(static_cast<size_t>(batch * pages));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(7));
+  const auto pool_of = [&](const Tensor& t) {
+    Tensor pool = Tensor::empty({batch * pages, kPageSize, heads, dim});
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t j = 0; j < keys; ++j)
+          std::copy_n(t.data() + ((b * heads + h) * keys + j) * dim, dim,
+                      pool.data() + ((table[static_cast<size_t>(b * pages + j / kPageSize)] * kPageSize +
+                                      j % kPageSize) * heads + h) * dim);
+    return pool;
+  };
+  return {q, pool_of(k), pool_of(v), Tensor(), Tensor(), std::move(table)};
+}
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {
   if (w.modifier == Modifier::Packed) {
     int64_t total = 0;
     for (int64_t n : kVarlenLengths) total += n;
     return {Tensor::randn({total, w.q_heads, w.head_dim}, 1), Tensor::randn({total, w.kv_heads, w.head_dim}, 2),
-            Tensor::randn({total, w.kv_heads, w.head_dim}, 3), Tensor(), Tensor()};
+            Tensor::randn({total, w.kv_heads, w.head_dim}, 3), Tensor(), Tensor(), {}};
   }
   const Tensor k = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2);
   const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
   const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
-  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor()};
+  if (w.modifier == Modifier::Paged) return paged_inputs(q, k, v);
+  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor(), {}};
   const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
-  return {q, kq.values, vq.values, kq.scales, vq.scales};
+  return {q, kq.values, vq.values, kq.scales, vq.scales, {}};
 }
 
 // A cascade workload's inputs, from fixed seeds: q (B, Hq, 1, d), the prefix (1, Hkv, kCascadePrefix,
@@ -372,6 +404,9 @@ inline AttentionOptions make_attention_options(const Workload& w, Backend backen
     case Modifier::Padded:
       options.mask = options.mask & Mask::key_lengths({kVarlenLengths.begin(), kVarlenLengths.end()});
       break;
+    case Modifier::Paged:  // the block table comes with the inputs
+      options.cache_seqlens.assign(static_cast<size_t>(w.batch), w.kv_len);
+      break;
   }
   return options;
 }
@@ -382,6 +417,7 @@ inline AttentionOptions make_attention_options(const Workload& w, const Attentio
   AttentionOptions options = make_attention_options(w, backend, precision);
   options.k_scales = in.k_scales;
   options.v_scales = in.v_scales;
+  options.block_table = in.block_table;
   return options;
 }
 

@@ -95,6 +95,19 @@ struct AttentionOptions {
   // output is (total_q, Hq, Dv); lse, row_max, row_sum (Hq, total_q). Not with need_weights,
   // summaries, tensor masks, key_lengths or score/mask functions. docs/inference.md.
   std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
+
+  // Paged K/V (FlashAttention's flash_attn_with_kvcache, vLLM's block tables); empty: off. Given
+  // (both): q is (B, Hq, Nq, Dk), k (num_pages, page_size, Hkv, Dk) and v (num_pages, page_size,
+  // Hkv, Dv) page pools; block_table holds B x max_pages pool page indices, row-major (row b: the
+  // pages of sequence b in key order), cache_seqlens the B key counts. Sequence b's key j is row
+  // j % page_size of pool page block_table[b * max_pages + j / page_size]; its query i sits at key
+  // position cache_seqlens[b] - Nq + i (causal and window aligned to the end of its keys, ALiBi
+  // likewise, (B, Hq) slopes' row b, dropout drawn with seed + b). Pages may be shared between
+  // sequences and lie in any order; only the entries a sequence's keys reach are read (and must
+  // lie in [0, num_pages)). Runs the decode kernel on the pages in place, any Nq; output (B, Hq,
+  // Nq, Dv). Forward only, K/V f32, bf16 or f16; not with need_weights, summaries, tensor masks,
+  // key_lengths, score/mask functions, cu_seqlens or backend Flash / Reference. docs/inference.md.
+  std::vector<int64_t> block_table, cache_seqlens;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

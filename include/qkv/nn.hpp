@@ -25,6 +25,10 @@
 #include "qkv/tensor.hpp"
 
 namespace qkv::nn {
+class PagedKVCache;  // qkv/paged_cache.hpp
+}  // namespace qkv::nn
+
+namespace qkv::nn {
 
 // Modules built without a seed draw one from a global sequence, so two layers made alike get
 // different weights (as torch does); manual_seed restarts that sequence, like torch.manual_seed.
@@ -212,6 +216,10 @@ class MultiHeadAttention {
   // first counts[b] tokens (right padding, for prompts of different lengths); the output rows of
   // its padding are finite but meaningless. Keeps nothing for backward and applies no dropout.
   MultiHeadAttentionOutput forward(const Tensor& x, KVCache& cache, const std::vector<int64_t>& counts = {}) const;
+  // The same on a paged cache (include/qkv/paged_cache.hpp): batch element b of x (B, N,
+  // embed_dim) continues sequence sequences[b], whose N new keys and values are appended (pages
+  // taken, a shared last page copied) before attending over its pages in place.
+  MultiHeadAttentionOutput forward(const Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences) const;
 
   // Self-attention on a packed batch (FlashAttention's varlen convention, no padding): x
   // (total_tokens, embed_dim) holds B sequences end to end, sequence b its rows cu_seqlens[b] ..

@@ -47,7 +47,7 @@ __all__ = [
     "Backend", "Error", "KVCache", "Mask", "MaskParseError", "MultiHeadAttention", "RotaryEmbedding",
     "attention_summary", "create_causal_mask", "create_padding_mask", "dropout_keeps", "entropy", "head_entropy",
     "linear_attention", "linear_attention_backward", "manual_seed", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-    "QuantizedKV", "quantize_kv", "cascade_attention",
+    "QuantizedKV", "quantize_kv", "cascade_attention", "PagedKVCache",
 ]
 
 _INT64 = (-2**63, 2**63 - 1)
@@ -374,6 +374,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       aligned to the end of its keys (bottom-right, as FlashAttention), (B, Hq) alibi_slopes a row
       each. Returns output (total_q, Hq, Dv) and lse (Hq, total_q); the backward and qkv.torch take
       the same keywords (docs/inference.md).
+    block_table, cache_seqlens: paged K/V, as FlashAttention's flash_attn_with_kvcache takes them
+      (its layout, not the (B, H, N, D) above): query (B, Nq, Hq, Dk), key (num_pages, page_size,
+      Hkv, Dk) and value (num_pages, page_size, Hkv, Dv) page pools (float32, or 16-bit),
+      block_table (B, max_pages) int32 pool page indices, cache_seqlens (B,) int32 the keys each
+      sequence holds; sequence b's key j is row j % page_size of page block_table[b, j // page_size],
+      its query i at key position cache_seqlens[b] - Nq + i (is_causal and window bottom-right
+      aligned, as FlashAttention). Returns output (B, Nq, Hq, Dv) and lse (B, Hq, Nq). Forward only:
+      no need_weights, tensor masks, key_lengths or score functions (docs/inference.md).
     backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
 
     Score modifiers, applied to each scaled score s in this order, before the mask:
@@ -410,6 +418,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ("int8", "int4").
     """
     scale = _tempered_scale(scale, temperature, query, "scaled_dot_product_attention")
+    if options.get("block_table") is not None or options.get("cache_seqlens") is not None:
+        return _paged_attention(query, key, value, (attn_mask, is_causal, key_lengths, window), need_weights,
+                                dropout_p, return_lse, return_row_stats, allow_cast, scale, options)
     if isinstance(key, QuantizedKV) or isinstance(value, QuantizedKV):
         return _quantized_attention(query, key, value, need_weights, dropout_p, return_row_stats, return_lse,
                                     allow_cast, enable_gqa, (attn_mask, is_causal, key_lengths, window), scale,
@@ -480,6 +491,38 @@ def cascade_attention(query, prefix_key, prefix_value, suffix_key, suffix_value,
     output, lse = _core.cascade_attention(query, *prefix, *suffix,
                                           _options("cascade_attention", options, mask=mask, scale=scale))
     return (output, lse) if return_lse else output
+
+
+def _paged_attention(query, key, value, mask_arguments, need_weights, dropout_p, return_lse, return_row_stats,
+                     allow_cast, scale, options):
+    """scaled_dot_product_attention with block_table / cache_seqlens: query (B, Nq, Hq, Dk) in
+    FlashAttention's layout, viewed as the core's (B, Hq, Nq, Dk); key and value page pools, float32
+    or 16-bit; the output back in (B, Nq, Hq, Dv)."""
+    who = "scaled_dot_product_attention"
+    query = _as_float32(query, "query", allow_cast)
+    if query.ndim != 4:
+        raise Error(f"{who}: with block_table, query must be (B, Nq, Hq, Dk) as flash_attn_with_kvcache takes it, "
+                    f"got shape {tuple(query.shape)}")
+    query = np.ascontiguousarray(query.transpose(0, 2, 1, 3))
+    mask = _mask_from(query, *mask_arguments)
+    arguments = dict(mask=mask, scale=scale, dropout_p=dropout_p, need_weights=bool(need_weights))
+    key_half, value_half = _half_bits(key), _half_bits(value)
+    if key_half is not None or value_half is not None:
+        if key_half is None or value_half is None or key_half[1] != value_half[1]:
+            raise Error(f"key is {getattr(key, 'dtype', '?')} but value is {getattr(value, 'dtype', '?')}: "
+                        "16-bit keys and values must share a dtype")
+        if return_row_stats:
+            raise Error("16-bit key/value are for inference: no return_row_stats")
+        output, lse = _core.attention_half_kv(query, key_half[0], value_half[0], key_half[1],
+                                              _options(who, options, **arguments))
+        row_max = row_sum = None
+    else:
+        key, value = _as_float32(key, "key", allow_cast), _as_float32(value, "value", allow_cast)
+        output, _, lse, row_max, row_sum = _core.attention(query, key, value, _options(who, options, **arguments))
+    output = np.ascontiguousarray(output.transpose(0, 2, 1, 3))
+    if not (return_lse or return_row_stats):
+        return output
+    return (output,) + ((lse,) if return_lse else ()) + ((row_max, row_sum) if return_row_stats else ())
 
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, output, lse, attn_mask=None,
@@ -1049,6 +1092,7 @@ class KVCache:
 
 
 RotaryEmbedding = _core.RotaryEmbedding
+PagedKVCache = _core.PagedKVCache
 
 
 def __getattr__(name):

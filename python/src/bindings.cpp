@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include <qkv/paged_cache.hpp>
 #include <qkv/qkv.hpp>
 
 #include "analysis_bindings.hpp"
@@ -215,6 +216,19 @@ std::vector<int64_t> offsets_from(const py::object& value, const char* name) {
   return out;
 }
 
+// block_table: None (off) or a (B, max_pages) int32 array of pool page indices (FlashAttention's
+// flash_attn_with_kvcache; int64 too), row-major into B x max_pages entries; cache_seqlens: None or
+// a (B,) int32 (or int64) array of key counts. The core checks the values.
+std::vector<int64_t> indices_from(const py::object& value, const char* name, int dims, const char* shape) {
+  if (value.is_none()) return {};
+  const py::array a = py::array::ensure(value);
+  const bool integer = a && (a.dtype().is(py::dtype::of<int32_t>()) || a.dtype().is(py::dtype::of<int64_t>()));
+  if (!integer || a.ndim() != dims)
+    throw qkv::Error(std::string(name) + " must be None or a " + shape + " int32 array, got " + brief(value));
+  const auto flat = a.cast<py::array_t<int64_t, py::array::forcecast | py::array::c_style>>();
+  return std::vector<int64_t>(flat.data(), flat.data() + flat.size());
+}
+
 // mod_inputs: None or a dict of name -> (L,) or (B, L) number array, copied to float32 tensors
 // (the core checks the shapes against what the functions index them by).
 std::map<std::string, qkv::Tensor> mod_inputs_from(const py::object& value) {
@@ -278,7 +292,15 @@ void bind_attention_options(py::module_& m) {
       .def_property(
           "cu_seqlens_k", [](const O& o) { return o.cu_seqlens_k; },
           [](O& o, const py::object& value) { o.cu_seqlens_k = offsets_from(value, "cu_seqlens_k"); },
-          "None or a (B + 1,) int32 array: the packed keys' sequence offsets");
+          "None or a (B + 1,) int32 array: the packed keys' sequence offsets")
+      .def_property(
+          "block_table", [](const O& o) { return o.block_table; },
+          [](O& o, const py::object& value) { o.block_table = indices_from(value, "block_table", 2, "(B, max_pages)"); },
+          "None or a (B, max_pages) int32 array: each sequence's pages of the key/value pools")
+      .def_property(
+          "cache_seqlens", [](const O& o) { return o.cache_seqlens; },
+          [](O& o, const py::object& value) { o.cache_seqlens = indices_from(value, "cache_seqlens", 1, "(B,)"); },
+          "None or a (B,) int32 array: the keys each paged sequence holds");
 }
 
 // scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is
@@ -752,6 +774,47 @@ window > 0 makes it a ring buffer of window slots.
                                                      : c.values(n).to(qkv::DType::F32));
            },
            "The whole value storage as float32 (a copy; dequantised when int8 / int4).");
+
+  using Paged = qkv::nn::PagedKVCache;
+  py::class_<Paged>(m, "PagedKVCache", R"doc(
+Keys and values of many sequences in one pool of float32 pages (num_pages, page_size, kv_heads,
+head_dim), each sequence a list of pages (include/qkv/paged_cache.hpp): append takes free pages as
+a sequence grows, fork shares a sequence's pages (reference counts), and an append into a shared
+page copies it first. key_pool / value_pool are views of the pools, and paged_options(sequences)
+the (block_table, cache_seqlens) int32 arrays scaled_dot_product_attention takes with them.
+Not safe to call from several threads at once.
+)doc")
+      .def(py::init([](int64_t num_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim) {
+             return Paged(num_pages, page_size, kv_heads, head_dim);
+           }),
+           py::arg("num_pages"), py::arg("page_size"), py::arg("kv_heads"), py::arg("head_dim"))
+      .def("add_sequence", &Paged::add_sequence, "A new empty sequence; returns its id.")
+      .def("fork", &Paged::fork, py::arg("parent"), "A new sequence sharing parent's pages; returns its id.")
+      .def("release", &Paged::release, py::arg("sequence"), "Ends a sequence; pages no sequence holds are freed.")
+      .def("append",
+           [](Paged& c, int64_t sequence, const FloatArray& k, const FloatArray& v) {
+             c.append(sequence, to_tensor(k), to_tensor(v));
+           },
+           py::arg("sequence"), py::arg("k"), py::arg("v"), "k, v (kv_heads, N, head_dim) float32 at the sequence's end.")
+      .def("length", &Paged::length, py::arg("sequence"))
+      .def("pages", &Paged::pages, py::arg("sequence"))
+      .def("references", &Paged::references, py::arg("page"))
+      .def_property_readonly("free_pages", &Paged::free_pages)
+      .def_property_readonly("page_size", &Paged::page_size)
+      .def_property_readonly("key_pool", [](const Paged& c) { return to_numpy(c.key_pool()); })
+      .def_property_readonly("value_pool", [](const Paged& c) { return to_numpy(c.value_pool()); })
+      .def("paged_options",
+           [](const Paged& c, const std::vector<int64_t>& sequences) {
+             qkv::AttentionOptions o;
+             c.set_paged_options(sequences, o);
+             py::array_t<int32_t> table({static_cast<py::ssize_t>(sequences.size()),
+                                         static_cast<py::ssize_t>(o.block_table.size() / std::max<size_t>(1, sequences.size()))});
+             py::array_t<int32_t> lengths(static_cast<py::ssize_t>(sequences.size()));
+             std::copy(o.block_table.begin(), o.block_table.end(), table.mutable_data());
+             std::copy(o.cache_seqlens.begin(), o.cache_seqlens.end(), lengths.mutable_data());
+             return py::make_tuple(table, lengths);
+           },
+           py::arg("sequences"), "(block_table (B, max_pages), cache_seqlens (B,)) int32 for these sequences.");
 
   py::class_<qkv::nn::RotaryEmbedding>(m, "RotaryEmbedding", R"doc(
 Rotary position embedding: pair i of a head vector at position p rotated by p * base^(-2i/D);

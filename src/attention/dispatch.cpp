@@ -11,6 +11,7 @@
 
 #include "qkv/error.hpp"
 
+#include "attention/paged.hpp"
 #include "attention/ring_block.hpp"
 #include "attention/varlen.hpp"
 #include "attention/kernels.hpp"
@@ -129,6 +130,7 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options) {
   if (detail::is_varlen(options)) return detail::varlen_attention_into(q, k, v, result, options);
+  if (detail::is_paged(options)) return detail::paged_attention_into(q, k, v, result, options);
   detail::block_attention_into(q, k, v, result, options, 0);
 }
 
@@ -212,6 +214,8 @@ void backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, 
 void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const AttentionResult& forward,
                                                 AttentionGrads& grads, const AttentionOptions& options) {
+  if (detail::is_paged(options))
+    throw Error("scaled_dot_product_attention_backward: block_table / cache_seqlens (paged K/V) are forward only");
   if (detail::is_varlen(options))
     return detail::varlen_attention_backward_into(grad_output, q, k, v, forward, grads, options);
   detail::backward_into(grad_output, q, k, v, forward, grads, options, 0, true);

@@ -368,7 +368,7 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .output = {}, .weights = nullptr, .lse = nullptr, .row_max = nullptr, .row_sum = nullptr,
       .kv_dtype = k.dtype(), .k_bits = operands.k_bits, .v_bits = operands.v_bits,
       .k_quant = operands.k_quant, .v_quant = operands.v_quant,
-      .k_scales = operands.k_scales, .v_scales = operands.v_scales,
+      .k_scales = operands.k_scales, .v_scales = operands.v_scales, .paged = {},
   };
   return built;
 }

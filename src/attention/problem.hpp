@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention/bias_gradient.hpp"  // BiasGradView
+#include "attention/paged.hpp"  // PagedKv
 #include "mask/rule.hpp"  // MaskTermView, MaskRule
 #include "qkv/attention.hpp"
 #include "qkv/flex.hpp"
@@ -78,6 +79,9 @@ struct AttentionProblem {
   // and their scales (1 or ceil(D / 32) floats a row); kernels dequantise a tile at a time.
   Rows<const uint8_t> k_quant, v_quant;
   Rows<const float> k_scales, v_scales;
+  // Paged K/V (attention/paged.hpp): when paged.on(), k / k_bits and v / v_bits view the pool's
+  // page 0 and key j's row lies paged.offset(j, ...) past it; batch 1, read by decode alone.
+  PagedKv paged;
 
   // Whether the backward scales dS by d(modified score)/d(raw score) (softcap, a score function).
   bool has_score_slope() const { return softcap > 0 || score_mod != nullptr; }

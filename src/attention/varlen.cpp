@@ -52,9 +52,8 @@ void check_packed_operand(const char* who, const Tensor& t, const char* name, co
     fail(who, std::string(name) + " is " + t.shape().str() + ": with cu_seqlens it must be " + shape);
 }
 
-// Whether the rule tree holds a leaf that reads tensors or a function by (b, i, j): under
-// cu_seqlens each sequence runs as batch 0 with its own i and j, so such a leaf would read the
-// rows of the first sequence for every one.
+}  // namespace
+
 bool reads_by_position(const std::shared_ptr<const Mask::Rule>& rule) {
   if (!rule) return false;
   using Kind = Mask::Rule::Kind;
@@ -62,24 +61,25 @@ bool reads_by_position(const std::shared_ptr<const Mask::Rule>& rule) {
   return reads_by_position(rule->left) || reads_by_position(rule->right);
 }
 
-// What a packed batch does not take: each names the option and what to use instead.
-void check_varlen_options(const char* who, const AttentionOptions& o, int64_t batch) {
+void check_sequence_options(const char* who, const AttentionOptions& o, int64_t batch, const char* by) {
   const auto refuse = [&](bool given, const std::string& what) {
-    if (given) fail(who, what + " is not taken with cu_seqlens_q / cu_seqlens_k");
+    if (given) fail(who, what + " is not taken with " + by);
   };
-  refuse(o.need_weights, "need_weights (a packed batch's weights have no one shape)");
+  refuse(o.need_weights, "need_weights (a per-sequence call's weights have no one shape)");
   refuse(o.summary_top_k > 0, "summary_top_k");
   refuse(!o.mask.terms().empty(), "a tensor mask (keep or additive): use causal, window or the mask rules; it");
-  refuse(o.mask.has_key_lengths(), "key_lengths (cu_seqlens_k gives each sequence its keys)");
+  refuse(o.mask.has_key_lengths(), "key_lengths (the sequences' lengths give each its keys)");
   refuse(!o.score_mod.empty() || !o.mask_mod.empty() || o.score_function || !o.mod_inputs.empty(),
          "a score or mask function (score_mod, mask_mod, score_function, mod_inputs)");
   refuse(reads_by_position(o.mask.rule()),
          "a mask rule that reads a keep tensor or a mask function (" + o.mask.str() + ")");
   refuse(o.k_scales.defined() || o.v_scales.defined(), "quantized K/V (k_scales, v_scales)");
   if (o.alibi_slopes.defined() && o.alibi_slopes.dim() == 2 && o.alibi_slopes.size(0) != batch)
-    fail(who, "alibi_slopes is " + o.alibi_slopes.shape().str() + " but the packed batch has " +
-                  std::to_string(batch) + " sequences: (B, Hq) slopes need one row per sequence");
+    fail(who, "alibi_slopes is " + o.alibi_slopes.shape().str() + " but the batch has " + std::to_string(batch) +
+                  " sequences: (B, Hq) slopes need one row per sequence");
 }
+
+namespace {
 
 Sequences check_varlen(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                        const AttentionOptions& options) {
@@ -98,24 +98,15 @@ Sequences check_varlen(const char* who, const Tensor& q, const Tensor& k, const 
   if (cq.size() != ck.size())
     fail(who, "cu_seqlens_q has " + std::to_string(cq.size()) + " entries but cu_seqlens_k " +
                   std::to_string(ck.size()) + ": one pair of offsets per sequence");
-  check_varlen_options(who, options, static_cast<int64_t>(cq.size()) - 1);
+  if (!options.block_table.empty() || !options.cache_seqlens.empty())
+    fail(who, "block_table / cache_seqlens (paged K/V) are not taken with cu_seqlens_q / cu_seqlens_k");
+  check_sequence_options(who, options, static_cast<int64_t>(cq.size()) - 1, "cu_seqlens_q / cu_seqlens_k");
   return {cq, ck};
 }
 
 // Rows [start, start + length) of a (total, H, D) tensor as the (1, H, length, D) view a sequence's call takes.
 Tensor sequence_rows(const Tensor& t, int64_t start, int64_t length) {
   return t.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
-}
-
-// Sequence b's call: no offsets, its row of (B, Hq) ALiBi slopes, its own dropout stream (seed + b).
-AttentionOptions sequence_options(const AttentionOptions& options, int64_t b) {
-  AttentionOptions o = options;
-  o.cu_seqlens_q.clear();
-  o.cu_seqlens_k.clear();
-  if (options.alibi_slopes.defined() && options.alibi_slopes.dim() == 2)
-    o.alibi_slopes = options.alibi_slopes.narrow(0, b, 1).squeeze(0);
-  o.seed = options.seed + static_cast<uint64_t>(b);
-  return o;
 }
 
 // Zeros rows [start, start + length) of a (total, H, D) tensor with a contiguous last dim.
@@ -132,6 +123,18 @@ void place_stats(const Tensor& part, const Tensor& all, int64_t start) {
   for (int64_t h = 0; h < heads; ++h) std::copy_n(part.data() + h * n, n, all.data() + h * total + start);
 }
 }  // namespace
+
+AttentionOptions sequence_options(const AttentionOptions& options, int64_t b) {
+  AttentionOptions o = options;
+  o.cu_seqlens_q.clear();
+  o.cu_seqlens_k.clear();
+  o.block_table.clear();
+  o.cache_seqlens.clear();
+  if (options.alibi_slopes.defined() && options.alibi_slopes.dim() == 2)
+    o.alibi_slopes = options.alibi_slopes.narrow(0, b, 1).squeeze(0);
+  o.seed = options.seed + static_cast<uint64_t>(b);
+  return o;
+}
 
 void varlen_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                            const AttentionOptions& options) {

@@ -3,7 +3,10 @@
 // call to (varlen.cpp), and the one-sequence calls those make (dispatch.cpp).
 #pragma once
 
+#include <memory>
+
 #include "qkv/attention.hpp"
+#include "qkv/mask.hpp"
 
 namespace qkv::detail {
 
@@ -23,6 +26,18 @@ void varlen_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, At
 void varlen_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionResult& forward, AttentionGrads& grads,
                                     const AttentionOptions& options);
+
+// What a call made of per-sequence calls (a packed batch, paged K/V) does not take, each refusal
+// naming the option and `by` (the options that made it per-sequence): need_weights, summaries,
+// tensor masks, key_lengths, score and mask functions, rules that read by position, quantized K/V;
+// (B, Hq) ALiBi slopes must have `batch` rows.
+void check_sequence_options(const char* who, const AttentionOptions& options, int64_t batch, const char* by);
+// Whether the rule tree holds a leaf that reads tensors or a function by (b, i, j): each sequence
+// runs as batch 0 with its own i and j, so such a leaf would read the first sequence's rows for all.
+bool reads_by_position(const std::shared_ptr<const Mask::Rule>& rule);
+// Sequence b's options: no offsets or pages, its row of (B, Hq) ALiBi slopes, its own dropout
+// stream (seed + b).
+AttentionOptions sequence_options(const AttentionOptions& options, int64_t b);
 
 // One sequence of a packed batch, (1, H, N, D) views: scaled_dot_product_attention_into and its
 // backward with the mask's band aligned to the end of the keys (align_band_to_end, problem.hpp).

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "nn/cached_heads.hpp"
 #include "nn/module_lock.hpp"
 #include "qkv/nn.hpp"
 
@@ -108,13 +109,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& c
   const bool uniform = call.uniform, ring = call.ring;
 
   // ---- 1. project, 2. split into heads, 2b. rotate to the tokens' positions
-  const Tensor q = q_proj.apply(x_in).reshape({batch, len, num_heads_, hd}).transpose(1, 2);
-  const Tensor k = k_proj.apply(x_in).reshape({batch, len, num_kv_heads_, hd}).transpose(1, 2);
-  const Tensor v = v_proj.apply(x_in).reshape({batch, len, num_kv_heads_, hd}).transpose(1, 2);
-  if (rotary_) {
-    rotary_->apply_inplace(q, before);
-    rotary_->apply_inplace(k, before);
-  }
+  const CachedHeads heads = project_cached_heads(*this, x_in, before);
+  const Tensor &q = heads.q, &k = heads.k, &v = heads.v;
 
   AttentionOptions attention;
   attention.softcap = options_.softcap;

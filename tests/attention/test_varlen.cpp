@@ -15,6 +15,7 @@
 
 #include "harness/kernel_cases.hpp"
 #include "harness/oracle.hpp"
+#include "harness/sequence_cases.hpp"
 #include "qkv/qkv.hpp"
 
 namespace {
@@ -65,29 +66,9 @@ std::vector<float> stats_of(const Tensor& t, int64_t start, int64_t n) {
   return t.narrow(1, start, n).contiguous().to_vector();
 }
 
-// A mask as a packed call takes it, and as sequence b's own call means it given shift = Nk - Nq.
-struct MaskCase {
-  std::string name;
-  Mask packed;
-  std::function<Mask(int64_t shift)> alone;
-};
-
-std::vector<MaskCase> mask_cases() {
-  return {
-      {"none", Mask(), [](int64_t) { return Mask(); }},
-      {"causal", Mask::causal(), [](int64_t s) { return Mask::causal(s); }},
-      {"causal(offset=3)", Mask::causal(3), [](int64_t s) { return Mask::causal(3 + s); }},
-      {"causal(offset=-2)", Mask::causal(-2), [](int64_t s) { return Mask::causal(s - 2); }},
-      {"window(4)", Mask::window(4), [](int64_t s) { return Mask::window(4, 0, s); }},
-      {"window(3, 2)", Mask::window(3, 2), [](int64_t s) { return Mask::window(3, 2, s); }},
-      {"strided(3)", Mask::strided(3), [](int64_t) { return Mask::strided(3); }},
-      {"causal & strided(5, 1)", Mask::causal() & Mask::strided(5, 1),
-       [](int64_t s) { return Mask::causal(s) & Mask::strided(5, 1); }},
-      // In a union the band is a rule: the sequence's own positions, not aligned to the end.
-      {"causal | global(2)", Mask::causal() | Mask::global_tokens(2),
-       [](int64_t) { return Mask::causal() | Mask::global_tokens(2); }},
-  };
-}
+using MaskCase = qkv_test::SequenceMask;
+using qkv_test::expect_error;
+std::vector<MaskCase> mask_cases() { return qkv_test::sequence_masks(); }
 
 // The modifiers of a case: none, or one of each kind with (B, Hq) ALiBi slopes.
 void set_modifiers(AttentionOptions& o, bool on, int64_t batch, Random& rng) {
@@ -183,7 +164,7 @@ TEST(Varlen, EverySequenceAsItsOwnCall) {
         for (bool modifiers : {false, true}) {
           SCOPED_TRACE("mask " + mask.name + (modifiers ? " with softcap, (B, Hq) ALiBi, sinks" : ""));
           AttentionOptions o = packed_options(p, backend);
-          o.mask = mask.packed;
+          o.mask = mask.whole;
           set_modifiers(o, modifiers, p.count(), rng);
           check_against_sequences(p, o, mask);
         }
@@ -200,7 +181,7 @@ TEST(Varlen, HeadAlibiAndDropout) {
     for (Backend backend : {Backend::Auto, Backend::Reference, Backend::Flash}) {
       SCOPED_TRACE("backend " + std::string(qkv::to_string(backend)));
       AttentionOptions o = packed_options(p, backend);
-      o.mask = causal.packed;
+      o.mask = causal.whole;
       o.alibi_slopes = rng.uniform_tensor(Shape{kQHeads}, 0.0, 0.5);
       check_against_sequences(p, o, causal);
       o.alibi_slopes = Tensor();
@@ -246,17 +227,6 @@ TEST(Varlen, SelfAttentionMatchesPaddedKeyLengths) {
         for (int64_t d = 0; d < kDv; ++d)
           EXPECT_NEAR(packed.output.at({cu[b] + i, h, d}), padded.output.at({b, h, i, d}), 1e-5);
       }
-}
-
-// The error of `call`, which must throw qkv::Error containing every one of `parts`.
-template <class Call>
-void expect_error(const Call& call, std::initializer_list<const char*> parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one containing " << *parts.begin();
-  } catch (const qkv::Error& e) {
-    for (const char* part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
 }
 
 TEST(Varlen, BadOffsetsAndOptionsAreRefused) {

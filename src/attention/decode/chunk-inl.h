@@ -188,15 +188,17 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   // requested together so their misses overlap (docs/performance-log.md). Not
   // under a rule, whose first tiles may be hidden and never read.
   if (p.rule.empty()) PrefetchKeys<T>(p, b, g, begin, std::min(end, begin + PrefetchAhead<T>()), 1);
-  for (int64_t j0 = begin; j0 < end; j0 += static_cast<int64_t>(kKeyTile)) {
-    const size_t cols = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kKeyTile), end - j0));
-    bool band = !(all_begin <= j0 && j0 + static_cast<int64_t>(cols) <= all_end);
+  // Tiles of Bc keys; paged K/V's also end where a page does (a tile is then rows of one page).
+  for (int64_t j0 = begin, cols = 0; j0 < end; j0 += cols) {
+    const int64_t tile_end = std::min(end, p.paged.on() ? p.paged.page_end(j0) : end);
+    cols = std::min<int64_t>(static_cast<int64_t>(kKeyTile), tile_end - j0);
+    bool band = !(all_begin <= j0 && j0 + cols <= all_end);
     if (!p.rule.empty()) {  // the rule's view of the tile: skipped when it hides it from every row
-      const TileVisibility rule = RuleTileOfRows(p, plan, b, g, r0, rows, j0, cols);
+      const TileVisibility rule = RuleTileOfRows(p, plan, b, g, r0, rows, j0, static_cast<size_t>(cols));
       if (rule == TileVisibility::Hidden) continue;
       band = band || rule == TileVisibility::Partial;
     }
-    DecodeKeyTile<T>(p, plan, b, g, r0, rows, {j0, 1, cols, end, -1}, band, w);
+    DecodeKeyTile<T>(p, plan, b, g, r0, rows, {j0, 1, static_cast<size_t>(cols), end, -1}, band, w);
   }
   if (split) GatherStrided<T>(p, plan, *split, b, g, r0, rows, chunk_begin, chunk_end, w);
 }

@@ -92,7 +92,8 @@ void decode_attention(const AttentionProblem& problem) {
   const decode::Partials partials{partial_base, partial_base + slots, partial_base + 2 * slots};
 
   // A `rest | strided(S)` rule: the tiles see `rest`, the strided keys are gathered per query.
-  const StridedSplit split = strided_split(problem.rule, decode::kMinGatherStride);
+  // Paged K/V never gather: a strided run of keys crosses pages, and the tiles evaluate the rule.
+  const StridedSplit split = problem.paged.on() ? StridedSplit{} : strided_split(problem.rule, decode::kMinGatherStride);
   std::optional<AttentionProblem> tiles_problem;
   if (split.rest >= 0) {
     tiles_problem = problem;
@@ -105,14 +106,19 @@ void decode_attention(const AttentionProblem& problem) {
   // the merge. Items in (batch, kv head, chunk) order, dealt in contiguous shares with stealing
   // (simd/item_shares.hpp): a worker keeps its heads from call to call, and masks that make
   // chunks unequal still balance.
+  // Paged K/V take the items chunk-major instead (every head of a chunk in turn): a pool holds a
+  // key's heads side by side (row stride Hkv D), so consecutive items read neighbouring rows of
+  // the same pages rather than one row per 4 KB page of a head far from the last.
+  const bool chunk_major = problem.paged.on();
   ItemShares shares(launch.workers(), items);
   const int64_t merged_rows = plan.chunks > 1 ? groups * plan.rows : 0;
   launch.parallel([&](int worker) {
     float* block = launch.block(worker);
     shares.run(worker, [&](int64_t item) {
-      const int64_t bg = item / plan.chunks;
-      HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads,
-                                        item % plan.chunks, partials, block);
+      const int64_t bg = chunk_major ? item % groups : item / plan.chunks;
+      const int64_t chunk = chunk_major ? item / groups : item % plan.chunks;
+      HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads, chunk,
+                                        partials, block);
     });
     if (merged_rows == 0) return;
     // One worker: no OpenMP construct at all (Launch::parallel's contract).

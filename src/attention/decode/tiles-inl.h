@@ -91,18 +91,6 @@ HWY_INLINE const T* RowIn(const Rows<const float>& floats, const Rows<const uint
     return reinterpret_cast<const T*>(bits.row(b, g, j));
   }
 }
-// int8 and int4 K/V (T = int8_t, kv::Int4) are read in place too, from p.k_quant / p.v_quant
-// (decode/quantized-inl.h applies their scales).
-template <class T>
-HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.k_quant.row(b, g, j));
-  return RowIn<T>(p.k, p.k_bits, b, g, j);
-}
-template <class T>
-HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.v_quant.row(b, g, j));
-  return RowIn<T>(p.v, p.v_bits, b, g, j);
-}
 HWY_INLINE size_t KeyRowStride(const AttentionProblem& p) {
   if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.k_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.k.row_stride : p.k_bits.row_stride);
@@ -111,7 +99,27 @@ HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
   if (is_quantized(p.kv_dtype)) return static_cast<size_t>(p.v_quant.row_stride);
   return static_cast<size_t>(p.kv_dtype == DType::F32 ? p.v.row_stride : p.v_bits.row_stride);
 }
-
+// int8 and int4 K/V (T = int8_t, kv::Int4) are read in place too, from p.k_quant / p.v_quant
+// (decode/quantized-inl.h applies their scales). Paged K/V (p.paged, float or 16-bit): key j's row
+// lies in its page (PagedKv::offset) past the pool's row 0; the keys [j, paged.page_end(j)) are
+// rows of one page, KeyRowStride apart, so a tile that stays in a page is a strided view as a
+// contiguous cache's tile is (RowBlockOverChunk cuts tiles at page ends).
+template <class T>
+HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.k_quant.row(b, g, j));
+  if (p.paged.on())
+    return RowIn<T>(p.k, p.k_bits, 0, g, 0) +
+           p.paged.offset(j, p.paged.k_page_stride, static_cast<int64_t>(KeyRowStride(p)));
+  return RowIn<T>(p.k, p.k_bits, b, g, j);
+}
+template <class T>
+HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.v_quant.row(b, g, j));
+  if (p.paged.on())
+    return RowIn<T>(p.v, p.v_bits, 0, g, 0) +
+           p.paged.offset(j, p.paged.v_page_stride, static_cast<int64_t>(ValueRowStride(p)));
+  return RowIn<T>(p.v, p.v_bits, b, g, j);
+}
 
 // Row r of an item of group g (decode::Plan::head_of, query_of).
 struct RowCoords {
@@ -145,8 +153,8 @@ template <class T>
 HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
                              int64_t step) {
   if (first >= last) return;
-  const int64_t keys = (last - first + step - 1) / step;
-  if (is_quantized(p.kv_dtype)) {  // the packed rows (bytes) and their scales
+  if (is_quantized(p.kv_dtype)) {
+    const int64_t keys = (last - first + step - 1) / step;  // the packed rows (bytes) and their scales
     const int64_t k_bytes = p.kv_dtype == DType::I4 ? p.head_dim / 2 : p.head_dim;
     const int64_t v_bytes = p.kv_dtype == DType::I4 ? p.value_dim / 2 : p.value_dim;
     PrefetchRows(p.k_quant.row(b, g, first), keys, p.k_quant.row_stride * step, k_bytes);
@@ -155,8 +163,14 @@ HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, in
     PrefetchRows(p.v_scales.row(b, g, first), keys, p.v_scales.row_stride * step, p.v_scales.row_stride);
     return;
   }
-  PrefetchRows(KeyRow<T>(p, b, g, first), keys, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
-  PrefetchRows(ValueRow<T>(p, b, g, first), keys, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
+  // Paged: a run at a time within one page (the whole range at once otherwise).
+  for (int64_t j = first; j < last;) {
+    const int64_t stop = p.paged.on() ? std::min(last, p.paged.page_end(j)) : last;
+    const int64_t run = (stop - j + step - 1) / step;
+    PrefetchRows(KeyRow<T>(p, b, g, j), run, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
+    PrefetchRows(ValueRow<T>(p, b, g, j), run, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
+    j += run * step;
+  }
 }
 
 // The prefetch distance in keys of type T: the same bytes whatever the element type, so twice
@@ -177,13 +191,15 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
   const size_t cols = run.cols;
   const size_t dk = static_cast<size_t>(p.head_dim);
   const size_t full_dk = dk / hn::Lanes(DF()) * hn::Lanes(DF());
+  // The tile's keys are rows key_step apart (one page of paged K/V: RowBlockOverChunk's cut).
+  const T* tile = KeyRow<T>(p, b, g, j0);
+  const size_t key_step = KeyRowStride(p) * static_cast<size_t>(step);
   for (size_t j = 0; j < cols; j += kScoreKeys) {
     const int64_t ahead = j0 + (static_cast<int64_t>(j) + PrefetchAhead<T>()) * step;
     if (ahead < end)
       PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
     const T* keys[kScoreKeys];
-    for (size_t x = 0; x < kScoreKeys; ++x)
-      keys[x] = KeyRow<T>(p, b, g, j0 + static_cast<int64_t>(std::min(j + x, cols - 1)) * step);
+    for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = tile + std::min(j + x, cols - 1) * key_step;
     dot_scores::ScoreRows(rows, dk, full_dk, w.q, plan.q_stride, keys, w.scores + j, kKeyTile, 1);
   }
 }
