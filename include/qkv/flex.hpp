@@ -132,7 +132,8 @@ inline float max(float a, float b) { return std::fmax(a, b); }
 namespace flex_detail {
 enum class Isa { Baseline, Avx2, Avx512 };
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// (Not clang-cl: __builtin_cpu_supports needs compiler-rt's CPU model, which MSVC's runtime lacks.)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
 #define QKV_FLEX_MULTIVERSION 1
 inline Isa best_isa() {
   __builtin_cpu_init();
@@ -153,6 +154,12 @@ __attribute__((target("avx2,fma"), flatten)) void run_avx2(const Body& body) {
 #else
 inline Isa best_isa() { return Isa::Baseline; }
 #endif
+
+// `isa`, or best_isa() where the CPU cannot run it (an AVX-512 copy on an AVX2 CPU would fault).
+inline Isa runnable(Isa isa) {
+  const Isa best = best_isa();
+  return static_cast<int>(isa) > static_cast<int>(best) ? best : isa;
+}
 
 // body() compiled for `isa` (one of best_isa()'s answers).
 template <class Body>
@@ -175,8 +182,10 @@ inline int64_t key_of(const ScoreLine& at, size_t x) { return at.j0 + static_cas
 template <class F>
 class ScoreCallable final : public ScoreFunction {
  public:
-  // isa: which copy of the loops runs (tests ask for each; best_isa() is the fastest the CPU runs).
-  explicit ScoreCallable(F f, flex_detail::Isa isa = flex_detail::best_isa()) : f_(std::move(f)), isa_(isa) {}
+  // isa: which copy of the loops runs (tests ask for each; best_isa() is the fastest the CPU runs);
+  // one the CPU cannot run falls back to best_isa().
+  explicit ScoreCallable(F f, flex_detail::Isa isa = flex_detail::best_isa())
+      : f_(std::move(f)), isa_(flex_detail::runnable(isa)) {}
   size_t scratch_floats(size_t) const override { return 0; }
   void line(const ScoreLine& at, size_t, size_t count, float* s, float* slope, float*) const override {
     using flex_detail::key_of;

@@ -38,6 +38,8 @@ class PagedKVCache {
   const std::vector<int64_t>& pages(int64_t sequence) const;  // pool pages in key order
   int64_t references(int64_t page) const;                     // sequences holding the page
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  // The free pages appending n positions to `sequence` takes (a copy of a shared last page included).
+  int64_t pages_needed(int64_t sequence, int64_t n) const;
   int64_t page_size() const { return page_size_; }
   const Tensor& key_pool() const { return keys_; }    // (num_pages, page_size, kv_heads, head_dim)
   const Tensor& value_pool() const { return values_; }

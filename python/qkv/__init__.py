@@ -503,6 +503,11 @@ def _paged_attention(query, key, value, mask_arguments, need_weights, dropout_p,
     if query.ndim != 4:
         raise Error(f"{who}: with block_table, query must be (B, Nq, Hq, Dk) as flash_attn_with_kvcache takes it, "
                     f"got shape {tuple(query.shape)}")
+    # The core takes the table flattened (B x max_pages entries): its rows must be B here.
+    table = options.get("block_table")
+    if table is not None and np.ndim(table) == 2 and np.shape(table)[0] != query.shape[0]:
+        raise Error(f"{who}: block_table has shape {tuple(np.shape(table))} but query {tuple(query.shape)} has "
+                    f"B = {query.shape[0]}: one row of pages per sequence")
     query = np.ascontiguousarray(query.transpose(0, 2, 1, 3))
     mask = _mask_from(query, *mask_arguments)
     arguments = dict(mask=mask, scale=scale, dropout_p=dropout_p, need_weights=bool(need_weights))

@@ -222,7 +222,8 @@ std::vector<int64_t> offsets_from(const py::object& value, const char* name) {
 std::vector<int64_t> indices_from(const py::object& value, const char* name, int dims, const char* shape) {
   if (value.is_none()) return {};
   const py::array a = py::array::ensure(value);
-  const bool integer = a && (a.dtype().is(py::dtype::of<int32_t>()) || a.dtype().is(py::dtype::of<int64_t>()));
+  // By kind and size, not dtype identity: numpy's int64 may be 'l' or 'q', and either byte order.
+  const bool integer = a && a.dtype().kind() == 'i' && (a.itemsize() == 4 || a.itemsize() == 8);
   if (!integer || a.ndim() != dims)
     throw qkv::Error(std::string(name) + " must be None or a " + shape + " int32 array, got " + brief(value));
   const auto flat = a.cast<py::array_t<int64_t, py::array::forcecast | py::array::c_style>>();

@@ -65,6 +65,7 @@ void check_options(const AttentionOptions& o) {
   refuse(o.summary_top_k > 0, "summary_top_k");
   refuse(o.k_scales.defined() || o.v_scales.defined(), "quantized K/V (k_scales, v_scales)");
   refuse(!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty(), "cu_seqlens_q / cu_seqlens_k");
+  refuse(!o.block_table.empty() || !o.cache_seqlens.empty(), "block_table / cache_seqlens (paged K/V)");
   const Mask& m = o.mask;
   const bool causal_only = m.band_lo() == -Mask::kUnbounded && (m.band_hi() == 0 || m.band_hi() == Mask::kUnbounded);
   if (!m.terms().empty() || m.rule() || !causal_only)

@@ -305,6 +305,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   if (!options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty())
     fail(who, "cu_seqlens_q / cu_seqlens_k (a packed batch) are taken by scaled_dot_product_attention and its "
               "backward only");
+  // Paged K/V likewise reaches here a sequence at a time (attention/paged.cpp), its table cleared.
+  if (!options.block_table.empty() || !options.cache_seqlens.empty())
+    fail(who, "block_table / cache_seqlens (paged K/V) are taken by scaled_dot_product_attention's forward only");
   // ---- shapes
   const Dims qd = read_dims(who, q, "q");
   Dims kd = read_dims(who, k, "k");

@@ -27,7 +27,9 @@ HWY_AFTER_NAMESPACE();
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -140,17 +142,18 @@ namespace detail {
 
 namespace {
 
-// Whether any of `count` float bit patterns is negative (sign set, -0 included), inf or NaN. A
-// decode step reads its scales here once before the kernel reads them again (W4-int4: 8 MB, a
-// quarter of the kernel's own time on one thread), so a large set is split into runs over the
-// threads; each run's loop vectorises.
-bool any_sign_or_nonfinite(const uint32_t* bits, int64_t count) {
+// Whether any of `count` float bit patterns is above `limit`'s (a non-negative finite float's):
+// negative (sign set, -0 included), inf, NaN or larger than limit, compared as integers. A decode
+// step reads its scales here once before the kernel reads them again (W4-int4: 8 MB, a quarter of
+// the kernel's own time on one thread), so a large set is split into runs over the threads; each
+// run's loop vectorises.
+bool any_above(const uint32_t* bits, int64_t count, uint32_t limit) {
   constexpr int64_t kRun = int64_t{1} << 16, kMinToThread = int64_t{1} << 18;
   const int64_t runs = (count + kRun - 1) / kRun;
   std::atomic<bool> any{false};
   for_each_item(count >= kMinToThread ? omp_get_max_threads() : 1, runs, [&](int64_t run) {
     bool bad = false;
-    for (int64_t e = run * kRun; e < std::min(count, (run + 1) * kRun); ++e) bad |= bits[e] >= 0x7f800000u;
+    for (int64_t e = run * kRun; e < std::min(count, (run + 1) * kRun); ++e) bad |= bits[e] > limit;
     if (bad) any.store(true, std::memory_order_relaxed);
   });
   return any.load(std::memory_order_relaxed);
@@ -181,11 +184,19 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
   const Tensor packed = scales.contiguous();
   const auto* bits = static_cast<const uint32_t*>(packed.raw_data());
   const int64_t count = packed.numel();
-  if (any_sign_or_nonfinite(bits, count))
+  // The largest scale whose every dequantised value (|q| <= 128 for int8, 8 for int4) is finite:
+  // a hidden key's weight 0 times an infinite value would be NaN.
+  const float largest = std::numeric_limits<float>::max() / (values.dtype() == DType::I8 ? 128.0f : 8.0f);
+  uint32_t limit = 0;
+  std::memcpy(&limit, &largest, sizeof limit);
+  char largest_text[32];
+  std::snprintf(largest_text, sizeof largest_text, "%.4g", static_cast<double>(largest));
+  if (any_above(bits, count, limit))
     for (int64_t e = 0; e < count; ++e)
-      if (bits[e] >= 0x7f800000u && bits[e] != 0x80000000u)  // -0 is a zero scale
+      if (bits[e] > limit && bits[e] != 0x80000000u)  // -0 is a zero scale
         throw Error(what + ": " + scales_name + " has " + std::to_string(packed.data()[e]) + " at flat index " +
-                    std::to_string(e) + ": scales must be finite and >= 0");
+                    std::to_string(e) + ": scales must be finite and >= 0, and at most " + std::string(largest_text) +
+                    " (max float / " + (values.dtype() == DType::I8 ? "128" : "8") + ")");
 }
 
 HWY_EXPORT(DequantizeRowSimd);

@@ -24,8 +24,24 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, PagedKVCac
                 " but should be (B, N, " + std::to_string(embed_dim_) + ") with B = " +
                 std::to_string(sequences.size()) + " sequences");
   const int64_t batch = x.size(0), len = x.size(1), hd = head_dim();
+  if (batch == 0) return {.output = Tensor::empty({0, len, embed_dim_}), .weights = {}};
+  // Checked before anything is appended, so that a refused call leaves every sequence as it was:
+  // each sequence once (two elements of one sequence would each see the other's keys), and pages
+  // for the whole batch (counted per element: stricter than needed when forks share a last page).
   std::vector<int64_t> before;
-  for (int64_t id : sequences) before.push_back(cache.length(id));
+  int64_t needed = 0;
+  for (size_t b = 0; b < sequences.size(); ++b) {
+    for (size_t a = 0; a < b; ++a)
+      if (sequences[a] == sequences[b])
+        throw Error(std::string(who) + "sequence " + std::to_string(sequences[b]) + " is batch elements " +
+                    std::to_string(a) + " and " + std::to_string(b) + ": each sequence may appear once");
+    before.push_back(cache.length(sequences[b]));
+    needed += cache.pages_needed(sequences[b], len);
+  }
+  if (needed > cache.free_pages())
+    throw Error(std::string(who) + "appending " + std::to_string(len) + " positions to each of " +
+                std::to_string(batch) + " sequences needs " + std::to_string(needed) + " free pages but the pool has " +
+                std::to_string(cache.free_pages()));
 
   // ---- 1. project, 2. split into heads, 2b. rotate to the tokens' positions
   const CachedHeads heads = project_cached_heads(*this, x, before);

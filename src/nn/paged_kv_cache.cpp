@@ -78,6 +78,14 @@ void PagedKVCache::write_rows(const Tensor& from, const Tensor& pool, int64_t pa
     }
 }
 
+int64_t PagedKVCache::pages_needed(int64_t sequence, int64_t n) const {
+  const Sequence& s = live(sequence, "pages_needed");
+  if (n < 0) fail("pages_needed: n = " + str(n) + " is negative");
+  const int64_t room = static_cast<int64_t>(s.pages.size()) * page_size_ - s.length;
+  const bool shared_last = room > 0 && n > 0 && counts_[static_cast<size_t>(s.pages.back())] > 1;
+  return (std::max<int64_t>(0, n - room) + page_size_ - 1) / page_size_ + (shared_last ? 1 : 0);
+}
+
 void PagedKVCache::append(int64_t sequence, const Tensor& k, const Tensor& v) {
   Sequence& s = live(sequence, "append");
   for (auto [t, name] : {std::pair{&k, "k"}, {&v, "v"}}) {
@@ -91,7 +99,7 @@ void PagedKVCache::append(int64_t sequence, const Tensor& k, const Tensor& v) {
   if (v.size(1) != k.size(1)) fail("k is " + k.shape().str() + " but v is " + v.shape().str());
   const int64_t n = k.size(1), room = static_cast<int64_t>(s.pages.size()) * page_size_ - s.length;
   const bool shared_last = room > 0 && n > 0 && counts_[static_cast<size_t>(s.pages.back())] > 1;
-  const int64_t needed = (std::max<int64_t>(0, n - room) + page_size_ - 1) / page_size_ + (shared_last ? 1 : 0);
+  const int64_t needed = pages_needed(sequence, n);
   if (needed > free_pages())
     fail("appending " + str(n) + " positions to sequence " + str(sequence) + " (length " + str(s.length) +
          ") needs " + str(needed) + " free pages but the pool has " + str(free_pages()));

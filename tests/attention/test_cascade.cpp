@@ -246,6 +246,7 @@ TEST(Cascade, BadInputsAreRefusedWithTheirValues) {
                "alibi_slopes");
   expect_error(call(q, pk, pv, sk, sv, with([](auto& o) { o.score_mod = "s * 2"; })), "score or mask function");
   expect_error(call(q, pk, pv, sk, sv, with([](auto& o) { o.cu_seqlens_q = {0, 1}; })), "cu_seqlens");
+  expect_error(call(q, pk, pv, sk, sv, with([](auto& o) { o.block_table = {0}; })), "block_table");
   expect_error(call(q, pk, pv, sk, sv, with([](auto& o) { o.sinks = Tensor::full(Shape{3}, 0.0f); })),
                "sinks is (3): it must be (Hq) = (4)");
   expect_error(call(q, pk, pv, sk, sv, with([&](auto& o) {

@@ -253,6 +253,14 @@ TEST(QuantizedKv, ClearErrors) {
   negative.at({0, 0, 4, 1}) = -1;
   expect_error([&] { qkv::scaled_dot_product_attention(q, k4.values, v4.values, with_scales(k4.scales, negative)); },
                "scales must be finite and >= 0");
+  Tensor huge = v4.scales.clone();  // 7 x this overflows: a hidden key's 0 x inf would be NaN
+  huge.at({0, 1, 2, 0}) = 1e38f;
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k4.values, v4.values, with_scales(k4.scales, huge)); },
+               "at most");
+  Tensor large8 = k8.scales.clone();  // fine for int4's bound, over int8's
+  large8.at({0, 0, 1, 0}) = 1e37f;
+  expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v8.values, with_scales(large8, v8.scales)); },
+               "(max float / 128)");
   expect_error([&] { qkv::scaled_dot_product_attention(q, k8.values, v4.values, with_scales(k8.scales, v4.scales)); },
                "k is int8 but v is int4");
   expect_error([&] { qkv::scaled_dot_product_attention(q, k, v, with_scales(k8.scales, v8.scales)); },

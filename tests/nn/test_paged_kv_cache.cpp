@@ -190,4 +190,26 @@ TEST(PagedKVCache, RefusalsLeaveTheCacheUnchanged) {
   qkv_test::expect_error([] { PagedKVCache(2, 4, 1, 2, DType::I8); }, {"f32, bf16 or f16"});
 }
 
+// MultiHeadAttention's paged forward checks the whole batch before it appends anything: a batch
+// the pool cannot hold, or one naming a sequence twice, is refused with every sequence unchanged.
+TEST(PagedKVCache, MultiHeadAttentionRefusesABatchWholeBeforeAppending) {
+  Random rng;
+  qkv::nn::MultiHeadAttention m(8, 2);
+  m.eval();
+  PagedKVCache cache(3, 4, 2, m.head_dim());
+  const int64_t s0 = cache.add_sequence(), s1 = cache.add_sequence();
+  (void)m.forward(rng.randn(Shape{2, 4, 8}), cache, {s0, s1});  // one full page each, one page free
+  qkv_test::expect_error([&] { (void)m.forward(rng.randn(Shape{2, 1, 8}), cache, {s0, s1}); },
+                         {"needs 2 free pages but the pool has 1"});
+  EXPECT_EQ(cache.length(s0), 4);
+  EXPECT_EQ(cache.length(s1), 4);
+  EXPECT_EQ(cache.free_pages(), 1);
+  const std::string twice = "sequence " + std::to_string(s1) + " is batch elements 0 and 1";
+  qkv_test::expect_error([&] { (void)m.forward(rng.randn(Shape{2, 1, 8}), cache, {s1, s1}); }, {twice.c_str()});
+  EXPECT_EQ(cache.length(s1), 4);
+  EXPECT_EQ(m.forward(Tensor::empty(Shape{0, 3, 8}), cache, {}).output.shape(), (Shape{0, 3, 8}));
+  EXPECT_EQ(m.forward(rng.randn(Shape{1, 1, 8}), cache, {s0}).output.shape(), (Shape{1, 1, 8}));
+  EXPECT_EQ(cache.length(s0), 5);
+}
+
 }  // namespace

@@ -113,11 +113,13 @@ def test_torch_int32_tables_and_16_bit_pools():
     (lambda t, n: (t, n + 1000), "cache_seqlens[0] = 1040 is outside"),
     (lambda t, n: (t, n[:2]), "cache_seqlens has 2 entries"),
     (lambda t, n: (t, None), "need both"),
+    (lambda t, n: (t.reshape(1, -1), n), "block_table has shape (1, "),
+    (lambda t, n: (t.astype(np.longlong), n + 1000), "cache_seqlens[0] = 1040 is outside"),  # int64 'q' is taken
 ])
 def test_bad_tables_are_named(change, message):
     q, k_pool, v_pool, table, lengths = paged(7, 16, 1)
     table, lengths = change(table, lengths)
-    with pytest.raises(qkv.Error, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(qkv.Error, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         qkv.scaled_dot_product_attention(q, k_pool, v_pool, block_table=table, cache_seqlens=lengths)
 
 
