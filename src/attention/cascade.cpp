@@ -144,9 +144,8 @@ AttentionOptions pass_options(const AttentionOptions& options, Mask mask) {
 // From this many stacked query rows per head, Auto runs the prefix pass on flash rather than on
 // decode (which Auto's own rule picks up to 64 queries): every row multiplies the pass's products
 // while its bytes stay the prefix's, and flash's register tiles run many rows faster than decode's
-// per-row score dot products. Measured on the C1 shape (32 heads of 128, 4096 prefix keys, 2
-// threads, Zen 4, load 7), flash / decode ms, medians of 15 alternating calls: 32 rows 59 / 91,
-// 16 rows 32 / 48, 8 rows 48 / 56, 2 rows 31 / 18.
+// per-row score dot products (the crossover measured on C1's shape: docs/inference.md, "Shared-
+// prefix (cascade) decoding").
 constexpr int64_t kFlashStackedRows = 8;
 
 // Step 1: the B Nq query rows of each head over the prefix, in one call.
