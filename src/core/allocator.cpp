@@ -1,11 +1,16 @@
 #include "core/allocator.hpp"
+#include "core/huge_pages.hpp"
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
+#include <cstdint>
 #include <string>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +104,18 @@ float* allocate_floats(size_t count) {
   while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
   }
   return data;
+}
+
+void advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHugePage - 1);
+  if (begin < end) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 void free_floats(float* data, size_t count) {

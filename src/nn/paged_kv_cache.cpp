@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/huge_pages.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -22,8 +23,14 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
     fail("num_pages (" + str(num_pages) + "), page_size (" + str(page_size) + "), kv_heads (" + str(kv_heads) +
          ") and head_dim (" + str(head_dim) + ") must be at least 1");
   if (is_quantized(dtype)) fail("pages are f32, bf16 or f16, got " + std::string(to_string(dtype)));
-  keys_ = Tensor::zeros(Shape{num_pages, page_size, kv_heads, head_dim}, dtype);
-  values_ = Tensor::zeros(Shape{num_pages, page_size, kv_heads, head_dim}, dtype);
+  // Huge pages for the pools, asked for before the zeros first touch them: attention reads a
+  // head's rows Hkv x head_dim elements apart, a new 4 KB page per key (docs/inference.md).
+  for (Tensor* pool : {&keys_, &values_}) {
+    *pool = Tensor::empty(Shape{num_pages, page_size, kv_heads, head_dim}, dtype);
+    const size_t bytes = static_cast<size_t>(pool->numel()) * element_size(dtype);
+    detail::advise_huge_pages(pool->raw_data(), bytes);
+    std::memset(pool->raw_data(), 0, bytes);  // +0 in every dtype
+  }
   counts_.assign(static_cast<size_t>(num_pages), 0);
   for (int64_t page = num_pages - 1; page >= 0; --page) free_.push_back(page);  // page 0 taken first
 }

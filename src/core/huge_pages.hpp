@@ -1,0 +1,16 @@
+// Transparent huge pages for the library's own long-lived pools.
+#pragma once
+
+#include <cstddef>
+
+namespace qkv::detail {
+
+// Asks the kernel to back the 2 MB-aligned part of [data, data + bytes) with transparent huge
+// pages (Linux madvise(MADV_HUGEPAGE), which THP's default "madvise" mode needs; elsewhere
+// nothing). For pools read with a large stride (a paged KV cache's rows of one head lie Hkv x D
+// elements apart, a new 4 KB page per key, so 4 KB pages cost a TLB entry per key): call it
+// before the memory is first written, as pages faulted in before stay 4 KB. A hint: a refusal is
+// ignored. Defined in allocator.cpp.
+void advise_huge_pages(void* data, size_t bytes);
+
+}  // namespace qkv::detail
