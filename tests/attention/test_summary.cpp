@@ -45,11 +45,14 @@ struct Expected {
 // Two kernels' scores differ in their last bits (their sums run in different orders), so two
 // keys whose reference weights differ by less than that may come in either order: a key other
 // than the expected one is accepted when its reference weight is within 1e-6 of the expected
-// weight, unless the two keys are an exact tie, which must go to the lower index. An exact tie is
-// two equal key rows with nothing per key added to their logits (no float mask term, no ALiBi):
-// every kernel computes their logits in the same order, so they are equal in every kernel. Equal
-// reference weights are not enough: two different logits an ulp apart can round to one float
-// weight in the reference and stay apart in the other kernel.
+// weight. Exact ties must go to the lower index: with the reference's own weights, equal weights;
+// against another kernel, two equal key rows with nothing per key added to their logits (no float
+// mask term, no ALiBi), whose logits every kernel computes in the same order, so a key's lower
+// twin comes before it in that kernel's list. Equal reference weights are not enough there: two
+// different logits an ulp apart can round to one float weight in the reference and stay apart in
+// the other kernel. Nor is the slot: twins an ulp above a third key in one kernel and an ulp below
+// it in the other take different slots (seed 14490465335938470176: reference keys 58, 43 at
+// weights 0.0292132292, 0.0292132162; flash 43, 53, the twins, first).
 constexpr double kNearTie = 1e-6;
 
 bool has_additive_term(const qkv::Mask& mask) {
@@ -146,11 +149,25 @@ void expect_summaries(const Expected& e, const AttentionResult& r, const std::st
   for (size_t x = 0; x < entropy.size(); ++x)
     ASSERT_NEAR(entropy[x], e.entropy[x], kTolerance * std::max(1.0, std::abs(e.entropy[x]))) << what << " row " << x;
   for (size_t x = 0; x < weights.size(); ++x) {
+    const int64_t row = static_cast<int64_t>(x) / e.k, slot = static_cast<int64_t>(x) % e.k;
+    if (twins != nullptr && r.top_keys[x] >= 0) {
+      // Distinct keys, and the key's lower twin (if any, and not hidden from this row by a mask:
+      // a visible twin has the key's own reference weight) in an earlier slot.
+      const int64_t first = twins->of(row, r.top_keys[x]);
+      const float weight = e.weights[static_cast<size_t>(row * e.nk + r.top_keys[x])];
+      bool lower_twin_before =
+          first == r.top_keys[x] || weight == 0 || e.weights[static_cast<size_t>(row * e.nk + first)] != weight;
+      for (int64_t y = 0; y < slot; ++y) {
+        const int64_t earlier = r.top_keys[static_cast<size_t>(row * e.k + y)];
+        ASSERT_NE(earlier, r.top_keys[x]) << what << " top entry " << x << ": key listed twice";
+        lower_twin_before = lower_twin_before || earlier == first;
+      }
+      ASSERT_TRUE(lower_twin_before) << what << " top entry " << x << ": key " << r.top_keys[x]
+                                     << " without its exact twin " << first << " before it";
+    }
     if (r.top_keys[x] != e.top_keys[x] && r.top_keys[x] >= 0 && e.top_keys[x] >= 0) {
-      const int64_t row = static_cast<int64_t>(x) / e.k;
       const double got = e.weights[static_cast<size_t>(row * e.nk + r.top_keys[x])];
-      const bool exact_tie = twins == nullptr ? got == e.top_weights[x]
-                                              : twins->of(row, r.top_keys[x]) == twins->of(row, e.top_keys[x]);
+      const bool exact_tie = twins == nullptr && got == e.top_weights[x];
       ASSERT_TRUE(!exact_tie && std::abs(got - e.top_weights[x]) <= kNearTie)
           << what << " top entry " << x << ": key " << r.top_keys[x] << " (reference weight " << got
           << ") where key " << e.top_keys[x] << " (" << e.top_weights[x] << ") was expected";
