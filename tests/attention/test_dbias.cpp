@@ -308,6 +308,42 @@ TEST(BiasGradient, FlashIsBitIdenticalOnRepeat) {
   omp_set_num_threads(threads_before);
 }
 
+// Mask terms given as strided views (a key stride other than 1: a transposed tensor) are copied
+// key-major one float at a time where contiguous ones go through register transposes
+// (flash/key_major_terms.cpp): the same values, so the same bits, forward (output, lse) and
+// backward (dQ, dK, dV, dbias), for a keep and an additive term of each query-row layout, on every
+// SIMD target and thread count.
+TEST(BiasGradient, FlashReadsTermsGivenAsStridedViews) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const qkv_test::Sizes s{2, 4, 2, 70, 83, 16, 24};
+  // A view with the values of `t` whose last two dims are strided (key stride Nq).
+  const auto strided = [](const Tensor& t) { return t.transpose(-1, -2).contiguous().transpose(-1, -2); };
+  const Shape shapes[] = {Shape{s.nq, s.nk}, Shape{1, s.q_heads, s.nq, s.nk}, Shape{s.batch, s.q_heads, s.nq, s.nk}};
+  for (const Shape& shape : shapes) {
+    BiasCase c = make_bias_case(rng, s, shape, Structure::None, 1);
+    const Tensor keep = qkv_test::random_keep(rng, shape, 0.8);
+    const auto run = [&](const Tensor& keep_term, const Tensor& bias_term) {
+      AttentionOptions o = c.options;
+      o.mask = Mask::causal(20) & Mask::keep(keep_term) & Mask::additive(bias_term);
+      o.backend = Backend::Flash;
+      const AttentionResult forward = qkv::scaled_dot_product_attention(c.q, c.k, c.v, o);
+      AttentionGrads g;
+      g.dbias = Tensor::full(shape, std::numeric_limits<float>::quiet_NaN());
+      qkv::scaled_dot_product_attention_backward_into(c.grad_output, c.q, c.k, c.v, forward, g, o);
+      return std::vector<std::vector<float>>{forward.output.to_vector(), forward.lse.to_vector(),
+                                             g.dq.to_vector(), g.dk.to_vector(), g.dv.to_vector(),
+                                             g.dbias.to_vector()};
+    };
+    const Tensor keep_view = strided(keep), bias_view = strided(c.bias);
+    ASSERT_FALSE(bias_view.is_contiguous());
+    qkv_test::on_every_target_and_thread_count([&] {
+      const auto want = run(keep, c.bias), got = run(keep_view, bias_view);
+      for (size_t n = 0; n < want.size(); ++n) EXPECT_EQ(got[n], want[n]) << c.name << " part " << n;
+    });
+  }
+}
+
 // The flash backward takes dbias from the softmax gradient's dS when the scores have no slope
 // and computes it apart when they do (flash/backward.cpp): an identity score function (slope 1)
 // takes the second way, and must give the same bits as the first, for dbias and dQ, dK, dV.

@@ -177,7 +177,11 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
                   const BackwardProducts& products, const BackwardScratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, cols = t.cols;
-  if (bp.grad_bias.data) step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);  // during the products
+  if (bp.grad_bias.data) {  // during the products
+    step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);
+  } else if (!p.terms.empty()) {
+    step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);
+  }
   products.Scores(p, walk.key_step, t, w);
   if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || p.score_mod || !p.terms.empty()) {
     step::Softcap(p, w.weights_t, cols * br, w.softcap_t);
@@ -299,7 +303,7 @@ void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& sp
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-#include "attention/flash/key_major_bias.hpp"
+#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -462,18 +466,18 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 
 }  // namespace
 
-void flash_attention_backward(const AttentionBackwardProblem& bp) {
-  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
-  // then the strided keys are added by residues, as the forward gathers them.
-  // With a bias gradient: the bias and its gradient key-major (key_major_bias.hpp), and the tiles
-  // evaluate the whole rule (no residues: their items, which own query rows, would add into one
-  // dbias element at once where the bias broadcasts over queries).
+void flash_attention_backward(const AttentionBackwardProblem& given) {
+  // Tensor mask terms with query rows, and the bias gradient, key-major (key_major_terms.hpp).
+  AttentionBackwardProblem bp = given;
+  const KeyMajorTerms key_major(bp);
+  // With a bias gradient the tiles evaluate the whole rule (no residues: their items, which own
+  // query rows, would add into one dbias element at once where the bias broadcasts over queries).
   if (bp.grad_bias.data) {
-    AttentionBackwardProblem keyed = bp;
-    const KeyMajorBias key_major(keyed);
-    backward_passes(keyed, nullptr, keyed);
+    backward_passes(bp, nullptr, bp);
     return key_major.finish();
   }
+  // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
+  // then the strided keys are added by residues, as the forward gathers them.
   const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash::kKeyTile));
   if (split.rest < 0) return backward_passes(bp, nullptr, bp);
   AttentionBackwardProblem tiles = bp;

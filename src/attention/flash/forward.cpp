@@ -107,6 +107,9 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, const TileAt& t, 
   // 3 vectors skips two thirds of its hidden half).
   std::array<size_t, V> trim;
   step::DiagonalTrim(p, walk, mask, t.i0, t.j0, t.cols, V, trim.data());
+  if (!p.terms.empty())  // the next key tile's, during this one (the current one's came too late)
+    step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0 + static_cast<int64_t>(t.cols) * walk.key_step,
+                            t.cols);
   const bool on_amx = products.OnAmx(p, walk, t);
   products.Scores<V>(p, on_amx, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
@@ -222,6 +225,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 #include <omp.h>
 
+#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -259,12 +263,10 @@ struct ForwardAmxBlocks {
   }
 };
 
-}  // namespace
-
 // The forward's launch: items (b, h, query tile) over the workers, after the strided residues
 // when the rule has them; each worker's float block laid out by ForwardScratchLayout, and its AMX
 // block (ForwardAmxLayout) when the products may run on AMX tiles.
-void flash_attention(const AttentionProblem& problem) {
+void flash_tiles(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
 
@@ -307,6 +309,16 @@ void flash_attention(const AttentionProblem& problem) {
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), at, launch.block_of_this_worker(),
                                          amx.of_this_worker(launch.workers()), &amx.layout, next);
   });
+}
+
+}  // namespace
+
+// Tensor mask terms with query rows are read key-major (key_major_terms.hpp).
+void flash_attention(const AttentionProblem& problem) {
+  if (problem.terms.empty()) return flash_tiles(problem);
+  AttentionProblem keyed = problem;
+  const KeyMajorTerms key_major(keyed);
+  flash_tiles(keyed);
 }
 
 int64_t flash_attention_compiled_targets() { return HWY_TARGETS; }

@@ -2,9 +2,9 @@
 // 0 where P = 0, of the pair's pairs added into dbias, either computed here (before the softmax
 // gradient multiplies dS by a modifier's slope) or taken from the softmax gradient's output when
 // there is no slope (attention/bias_gradient.hpp). The tile holds key lines over query lanes; dbias is read
-// through its view, so a key-major accumulator (flash/key_major_bias.hpp: queries contiguous)
+// through its view, so a key-major accumulator (flash/key_major_terms.hpp: queries contiguous)
 // takes whole vectors per line, and any other layout (a bias broadcast over queries, a residue's
-// strides) the same sums lane by lane. PrefetchBiasTile fetches the pair's bias and dbias first.
+// strides) the same sums lane by lane. PrefetchBiasTile fetches the pair's terms and dbias first.
 //
 // Included inside a Highway foreach_target pass (the -inl.h convention).
 
@@ -23,6 +23,7 @@
 #include "attention/problem.hpp"
 #include "attention/steps/lines-inl.h"
 #include "attention/steps/operands-inl.h"
+#include "attention/steps/tile_mask-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -82,29 +83,11 @@ HWY_INLINE void AddBiasGradientFromDs(const BiasGradView& g, const Walk& walk, i
   AddTileLines(g, walk, b, h, i0, rows, j0, cols, br, [&](size_t at, size_t) { return hn::Load(df, ds_t + at); });
 }
 
-// Prefetches (into L2) what the pair reads of a key-major tensor: for each of its key lines the
-// run of its queries' floats, when they are contiguous (stride_q 1). The bias and its gradient
-// are streamed from memory once per wave, and a line's run (Br floats) starts a few cache lines
-// a whole row (Nq floats) after the last line's, which the hardware prefetchers did not follow:
-// the mask step and AddBiasGradientTile then waited on each (measured: docs/flex.md). Issued
-// before the pair's products, the lines arrive while they run.
-HWY_INLINE void PrefetchKeyMajorTile(const float* data, int64_t stride_b, int64_t stride_h, int64_t stride_q,
-                                     int64_t stride_k, const Walk& walk, int64_t b, int64_t h, int64_t i0,
-                                     size_t rows, int64_t j0, size_t cols, bool write) {
-  if (walk.query_step * stride_q != 1) return;
-  // The pair's key lines as rows of `rows` floats, walk.key_step keys apart.
-  const Rows<const float> lines{data + b * stride_b + h * stride_h + i0 + j0 * stride_k, 0, 0,
-                                walk.key_step * stride_k};
-  PrefetchRows(lines, 0, 0, 0, 1, static_cast<int64_t>(cols), static_cast<int64_t>(rows), write);
-}
-
-// The pair's part of the bias (the one additive term) and of dbias, prefetched (see above).
+// The pair's part of the mask terms (PrefetchTermTiles) and of dbias, prefetched: dbias is
+// streamed from memory once per wave as the bias is (see PrefetchKeyMajorTile).
 HWY_INLINE void PrefetchBiasTile(const AttentionBackwardProblem& bp, const Walk& walk, int64_t b, int64_t h,
                                  int64_t i0, size_t rows, int64_t j0, size_t cols) {
-  for (const MaskTermView& m : bp.forward.terms)
-    if (m.additive)
-      PrefetchKeyMajorTile(m.data, m.stride_b, m.stride_h, m.stride_q, m.stride_k, walk, b, h, i0, rows, j0, cols,
-                           false);
+  PrefetchTermTiles(bp.forward, walk, b, h, i0, rows, j0, cols);
   const BiasGradView& g = bp.grad_bias;
   PrefetchKeyMajorTile(g.data, g.stride_b, g.stride_h, g.stride_q, g.stride_k, walk, b, h, i0, rows, j0, cols, true);
 }

@@ -29,7 +29,7 @@
 //   operands-inl.h   operands read in place: EveryStepRows, PrefetchRows, RowsFinite, the strided
 //                    residues' query tile (ResidueTileRows)
 //   tile_mask-inl.h  ClassifyMaskTile, the band and key lengths (MaskBandLines, MaskBand), the
-//                    tensor terms (MaskTerms), DiagonalTrim
+//                    tensor terms (MaskTerms; PrefetchTermTiles ahead of them), DiagonalTrim
 //   mask_rule-inl.h  the symbolic rule along a line: MaskRuleStep, MaskWhereRuleShows
 //   modifiers-inl.h  Softcap, Alibi
 //   score_mod-inl.h  ScoreMod: a score function's program over a line, with its derivative

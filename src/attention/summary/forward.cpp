@@ -66,6 +66,7 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   const flash_steps::KvTile kv = flash_steps::LoadKvTile(p, t.b, t.g, t.j0, 1, t.cols, w);
   std::array<size_t, V> trim;
   step::DiagonalTrim(p, walk, mask, t.i0, t.j0, t.cols, V, trim.data());
+  if (!p.terms.empty()) step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0, t.cols);  // during the products
   const ForwardProducts products;
   products.Scores<V>(p, false, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
@@ -140,6 +141,7 @@ HWY_AFTER_NAMESPACE();
 #include <limits>
 #include <string>
 
+#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "qkv/error.hpp"
 #include "simd/query_tiles.hpp"
@@ -152,7 +154,10 @@ HWY_EXPORT(SummaryQueryTile);
 // Items (b, h, query tile) over the workers, as flash_attention deals them; each worker's block
 // is the flash scratch and the summary scratch, and the shared floats one received-mass partial
 // per worker, summed into out.received at the end.
-void flash_summary_attention(const AttentionProblem& problem, const SummaryOutputs& out) {
+void flash_summary_attention(const AttentionProblem& given, const SummaryOutputs& out) {
+  // Tensor mask terms with query rows are read key-major, as flash_attention reads them.
+  AttentionProblem problem = given;
+  const KeyMajorTerms key_major(problem);
   const int64_t heads = problem.batch * problem.q_heads, nk = problem.kv_len;
   if (nk > std::numeric_limits<int32_t>::max())
     throw Error("attention summaries: at most " + std::to_string(std::numeric_limits<int32_t>::max()) +
