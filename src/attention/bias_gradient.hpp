@@ -11,8 +11,8 @@
 // Who adds where (races):
 //  - the reference backward runs its (b, h) one after another: add_bias_gradient_row per row;
 //  - the flash backward's items are (b, g, chunk of keys) (flash/backward.cpp); each pair of
-//    tiles adds its dS with the step AddBiasGradientTile (steps/bias_gradient-inl.h), into a
-//    key-major copy when the bias has query rows (flash/key_major_terms.hpp). Two items may add
+//    tiles adds its dS with the step AddBiasGradientTile (steps/bias_gradient-inl.h), by
+//    dbias's rows through register transposes when it has them. Two items may add
 //    into the same element only when they differ only in dims the bias broadcasts over;
 //    bias_waves sorts the items into waves of items that never share an element, each wave the
 //    same positions over the other dims, so the items at one position across the waves are the

@@ -55,8 +55,6 @@ enum class WorkspaceSlot {
   LinearScratch,
   GemmPanels,
   GemmRows,  // the Small GEMM's aligned copies of x (gemm/small.cpp)
-  ForwardTerms,   // the flash forwards' key-major mask terms (attention/flash/key_major_terms.hpp)
-  BackwardTerms,  // the flash backward's, and its key-major bias gradient
   Count
 };
 Workspace& thread_workspace(WorkspaceSlot slot);

@@ -177,15 +177,18 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
                   const BackwardProducts& products, const BackwardScratch& w) {
   const AttentionProblem& p = bp.forward;
   const size_t br = w.br, cols = t.cols;
-  if (bp.grad_bias.data) {  // during the products
-    step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);
+  // The next key tile's terms and dbias, during this pair.
+  const int64_t next = t.j0 + static_cast<int64_t>(cols) * walk.key_step;
+  if (bp.grad_bias.data) {
+    step::PrefetchBiasTile(bp, walk, t.b, t.h, t.i0, t.rows, next, cols);
   } else if (!p.terms.empty()) {
-    step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0, cols);
+    step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, next, cols);
   }
   products.Scores(p, walk.key_step, t, w);
   if (mask.band || mask.hide >= 0 || p.softcap > 0 || p.alibi_slopes || p.score_mod || !p.terms.empty()) {
     step::Softcap(p, w.weights_t, cols * br, w.softcap_t);
-    step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.score_mod, w.softcap_t);
+    step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.score_mod, w.softcap_t,
+                     w.term_t);
   }
   step::RecomputeWeights(w.weights_t, cols, br, w.shift, w.scale);
   const float* dropped = w.weights_t;
@@ -203,7 +206,7 @@ bool BackwardPair(const AttentionBackwardProblem& bp, const Walk& walk, const Ti
   const bool slope = p.has_score_slope();
   if (bp.grad_bias.data && slope)
     step::AddBiasGradientTile(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.weights_t, w.grad_t,
-                              w.row_dot);
+                              w.row_dot, w.term_t);
   step::SoftmaxGradient(w.weights_t, w.grad_t, cols, br, w.row_dot, slope ? w.softcap_t : nullptr);
   if (bp.grad_bias.data && !slope)
     step::AddBiasGradientFromDs(bp.grad_bias, walk, t.b, t.h, t.i0, t.rows, t.j0, cols, br, w.grad_t);
@@ -303,7 +306,6 @@ void BackwardResidues(const AttentionBackwardProblem& bp, const StridedSplit& sp
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -466,16 +468,10 @@ void backward_passes(const AttentionBackwardProblem& bp, const StridedSplit* spl
 
 }  // namespace
 
-void flash_attention_backward(const AttentionBackwardProblem& given) {
-  // Tensor mask terms with query rows, and the bias gradient, key-major (key_major_terms.hpp).
-  AttentionBackwardProblem bp = given;
-  const KeyMajorTerms key_major(bp);
+void flash_attention_backward(const AttentionBackwardProblem& bp) {
   // With a bias gradient the tiles evaluate the whole rule (no residues: their items, which own
   // query rows, would add into one dbias element at once where the bias broadcasts over queries).
-  if (bp.grad_bias.data) {
-    backward_passes(bp, nullptr, bp);
-    return key_major.finish();
-  }
+  if (bp.grad_bias.data) return backward_passes(bp, nullptr, bp);
   // A `rest | strided(S)` rule with S >= Bc: the tiles see `rest` (a band folded into the band),
   // then the strided keys are added by residues, as the forward gathers them.
   const StridedSplit split = strided_split(bp.forward.rule, static_cast<int64_t>(flash::kKeyTile));

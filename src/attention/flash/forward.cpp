@@ -113,7 +113,8 @@ void FlashKeyTile(const AttentionProblem& p, const Walk& walk, const TileAt& t, 
   const bool on_amx = products.OnAmx(p, walk, t);
   products.Scores<V>(p, on_amx, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
-  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod);
+  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod, nullptr,
+                   w.term_t);
   const bool max_grew = step::SoftmaxColumnsUpdate<V>(w.scores, t.cols, w.running_max, w.row_sum, w.correction);
   if (p.dropout_p > 0)
     for (size_t j = 0; j < t.cols; ++j) step::Dropout(p, t.line(walk, j), w.scores + j * br, t.rows);
@@ -225,7 +226,6 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 #include <omp.h>
 
-#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "core/allocator.hpp"
 
@@ -263,10 +263,12 @@ struct ForwardAmxBlocks {
   }
 };
 
+}  // namespace
+
 // The forward's launch: items (b, h, query tile) over the workers, after the strided residues
 // when the rule has them; each worker's float block laid out by ForwardScratchLayout, and its AMX
 // block (ForwardAmxLayout) when the products may run on AMX tiles.
-void flash_tiles(const AttentionProblem& problem) {
+void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
 
@@ -309,16 +311,6 @@ void flash_tiles(const AttentionProblem& problem) {
     HWY_DYNAMIC_DISPATCH(FlashQueryTile)(tiles, tiles_problem.has_value(), at, launch.block_of_this_worker(),
                                          amx.of_this_worker(launch.workers()), &amx.layout, next);
   });
-}
-
-}  // namespace
-
-// Tensor mask terms with query rows are read key-major (key_major_terms.hpp).
-void flash_attention(const AttentionProblem& problem) {
-  if (problem.terms.empty()) return flash_tiles(problem);
-  AttentionProblem keyed = problem;
-  const KeyMajorTerms key_major(keyed);
-  flash_tiles(keyed);
 }
 
 int64_t flash_attention_compiled_targets() { return HWY_TARGETS; }

@@ -56,20 +56,26 @@ inline size_t score_mod_floats(const AttentionProblem& p, size_t br) {
   return p.score_mod ? br + p.score_mod->scratch_floats(br) : 0;
 }
 
+// The floats of a tile of a tensor mask term (Bc, Br), read transposed from its rows
+// (steps/tile_mask-inl.h, TileTerms; the backward's dS^T for a row-major dbias too), when p has
+// terms.
+inline size_t term_tile_floats(const AttentionProblem& p, size_t br) { return p.terms.empty() ? 0 : kKeyTile * br; }
+
 // ---- Forward.
 
 // One forward worker's scratch, offsets in floats from a 64-byte aligned base. br = queries per
 // tile (per target), dk/dv = head and value dims.
 struct ForwardScratchLayout {
-  size_t q_t, scores, out_t, running_max, row_sum, correction, k_wide, v_wide, score_mod;
+  size_t q_t, scores, out_t, running_max, row_sum, correction, k_wide, v_wide, score_mod, term_t;
   size_t total;
 
   // The layout for problem p's tiles of br queries.
   ForwardScratchLayout(const AttentionProblem& p, size_t br)
       : ForwardScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim),
-                             p.kv_dtype != DType::F32, score_mod_floats(p, br)) {}
+                             p.kv_dtype != DType::F32, score_mod_floats(p, br), term_tile_floats(p, br)) {}
 
-  ForwardScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false, size_t score_mod_floats = 0) {
+  ForwardScratchLayout(size_t br, size_t dk, size_t dv, bool wide_kv = false, size_t score_mod_floats = 0,
+                       size_t term_floats = 0) {
     Parts parts;
     q_t = parts.take(dk * br);               // Qt (Dk, Br)
     scores = parts.take(kKeyTile * br);      // St then P^T (Bc, Br)
@@ -80,6 +86,7 @@ struct ForwardScratchLayout {
     k_wide = parts.take(wide_kv ? kKeyTile * dk : 0);  // 16-bit K/V: the tile widened to float
     v_wide = parts.take(wide_kv ? kKeyTile * dv : 0);
     score_mod = parts.take(score_mod_floats);  // the score function's lines (ScoreMod)
+    term_t = parts.take(term_floats);          // a mask term's tile, transposed (TileTerms)
     total = parts.total();
   }
 };
@@ -122,14 +129,14 @@ struct ForwardAmxLayout {
 struct BackwardScratchLayout {
   size_t dk, dv, dk_pad, dv_pad;
   size_t q_t, grad_out_t, q_rows, grad_out_rows, q_scaled, weights_t, dropped_t, grad_t, softcap_t, k_rows, grad_k,
-      grad_v, grad_q, shift, scale, row_dot, score_mod, total;
+      grad_v, grad_q, shift, scale, row_dot, score_mod, term_t, total;
 
   // The layout for problem p's tiles of at most br queries.
   BackwardScratchLayout(const AttentionProblem& p, size_t br)
       : BackwardScratchLayout(br, static_cast<size_t>(p.head_dim), static_cast<size_t>(p.value_dim),
-                              score_mod_floats(p, br)) {}
+                              score_mod_floats(p, br), term_tile_floats(p, br)) {}
 
-  BackwardScratchLayout(size_t br, size_t dk_, size_t dv_, size_t score_mod_floats = 0)
+  BackwardScratchLayout(size_t br, size_t dk_, size_t dv_, size_t score_mod_floats = 0, size_t term_floats = 0)
       : dk(dk_), dv(dv_), dk_pad(round_to_cache_line(dk_)), dv_pad(round_to_cache_line(dv_)) {
     Parts parts;
     q_t = parts.take(dk * br);                // Qt (Dk, Br), scale * Q^T
@@ -151,6 +158,7 @@ struct BackwardScratchLayout {
     scale = parts.take(br);
     row_dot = parts.take(br);  // per query: D = dO . O
     score_mod = parts.take(score_mod_floats);  // the score function's lines and their derivatives
+    term_t = parts.take(term_floats);  // a mask term's tile, transposed (TileTerms), then dS^T for dbias
     total = parts.total();
   }
 };

@@ -42,11 +42,11 @@ using flash::kKeyTile;
 
 // One forward worker's view of its scratch block (flash::ForwardScratchLayout).
 struct ForwardScratch {
-  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *k_wide, *v_wide, *score_mod;
+  float *q_t, *scores, *out_t, *running_max, *row_sum, *correction, *k_wide, *v_wide, *score_mod, *term_t;
   ForwardScratch(float* base, const flash::ForwardScratchLayout& l)
       : q_t(base + l.q_t), scores(base + l.scores), out_t(base + l.out_t), running_max(base + l.running_max),
         row_sum(base + l.row_sum), correction(base + l.correction), k_wide(base + l.k_wide),
-        v_wide(base + l.v_wide), score_mod(base + l.score_mod) {}
+        v_wide(base + l.v_wide), score_mod(base + l.score_mod), term_t(base + l.term_t) {}
 };
 
 // Step "load a tile" for 16-bit K/V: rows [j0, j0 + cols) of head (b, g) widened into `to`
@@ -155,14 +155,14 @@ struct BackwardScratch {
   size_t br, dk_pad, dv_pad;
   size_t dk_cols, dv_cols;  // Dk and Dv rounded up to whole vectors: the columns the products compute
   float *q_t, *grad_out_t, *q_rows, *grad_out_rows, *q_scaled, *weights_t, *dropped_t, *grad_t, *softcap_t, *k_rows,
-      *grad_k, *grad_v, *grad_q, *shift, *scale, *row_dot, *score_mod;
+      *grad_k, *grad_v, *grad_q, *shift, *scale, *row_dot, *score_mod, *term_t;
   BackwardScratch(float* s, size_t br_, const flash::BackwardScratchLayout& l)
       : br(br_), dk_pad(l.dk_pad), dv_pad(l.dv_pad), dk_cols(round_up(l.dk, hn::Lanes(DF()))),
         dv_cols(round_up(l.dv, hn::Lanes(DF()))), q_t(s + l.q_t), grad_out_t(s + l.grad_out_t),
         q_rows(s + l.q_rows), grad_out_rows(s + l.grad_out_rows), q_scaled(s + l.q_scaled),
         weights_t(s + l.weights_t), dropped_t(s + l.dropped_t), grad_t(s + l.grad_t), softcap_t(s + l.softcap_t),
         k_rows(s + l.k_rows), grad_k(s + l.grad_k), grad_v(s + l.grad_v), grad_q(s + l.grad_q), shift(s + l.shift),
-        scale(s + l.scale), row_dot(s + l.row_dot), score_mod(s + l.score_mod) {}
+        scale(s + l.scale), row_dot(s + l.row_dot), score_mod(s + l.score_mod), term_t(s + l.term_t) {}
 };
 
 // The keys of a pair: cols keys from j0; the K rows dQ = dS K reads (k_rows, k_stride apart) and

@@ -56,12 +56,14 @@ HWY_INLINE void ScoresToLogits(const AttentionProblem& p, const Line& line, floa
 // derivative joining them), the band and key lengths for
 // all lines at once (MaskBandLines), then
 // line by line the rule (a residue's: -inf where node `hide` of the rule shows the key, the pairs
-// the tiles visit; the strided rule holds by construction) and the tensor terms. (ALiBi after the
+// the tiles visit; the strided rule holds by construction), then the tensor terms (TileTerms,
+// each term over every line; `term_t` its tile's floats, term_tile_floats). (ALiBi after the
 // band would differ where slope x distance overflows without FMA: -inf + inf.) `mask.band` false
 // skips the band and the rule (a tile every query of it fully sees).
 HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const TileMask& mask, int64_t b, int64_t h,
                            int64_t i0, size_t rows, int64_t j0, size_t cols, size_t br, float* HWY_RESTRICT s,
-                           float* HWY_RESTRICT mod_scratch = nullptr, float* HWY_RESTRICT slope = nullptr) {
+                           float* HWY_RESTRICT mod_scratch = nullptr, float* HWY_RESTRICT slope = nullptr,
+                           float* HWY_RESTRICT term_t = nullptr) {
   const auto line = [&](size_t l) {
     return Line{b, h, i0, j0 + static_cast<int64_t>(l) * walk.key_step, walk.query_step, 0};
   };
@@ -72,17 +74,14 @@ HWY_INLINE void TileLogits(const AttentionProblem& p, const Walk& walk, const Ti
     for (size_t l = 0; l < cols; ++l) ScoreMod(p, line(l), s + l * br, br, rows, slope + l * br, mod_scratch);
   if (mask.band) MaskBandLines(p, b, i0, walk.query_step, j0, walk.key_step, s, br, cols);
   const bool rule = walk.residue ? mask.hide >= 0 : mask.band && !p.rule.empty();
-  if (!rule && p.terms.empty()) return;
-  for (size_t l = 0; l < cols; ++l) {
-    const Line at = line(l);
-    float* HWY_RESTRICT scores = s + l * br;
-    if (rule && walk.residue) {
-      MaskWhereRuleShows(p.rule, mask.hide, at, scores, rows);
-    } else if (rule) {
-      MaskRuleStep(p, at, scores, br, rows);
+  for (size_t l = 0; rule && l < cols; ++l) {
+    if (walk.residue) {
+      MaskWhereRuleShows(p.rule, mask.hide, line(l), s + l * br, rows);
+    } else {
+      MaskRuleStep(p, line(l), s + l * br, br, rows);
     }
-    MaskTerms(p, at, scores, rows);
   }
+  if (!p.terms.empty()) TileTerms(p, walk, b, h, i0, rows, j0, cols, br, s, term_t);
 }
 
 }  // namespace pipeline

@@ -134,10 +134,11 @@ HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h,
 }
 
 // ---- Step "finish", the way back: row i (< rows) of head (b, h) of `out`, from row i0, gets
-// column i of At (d, br), times factor[i] when factor is given. By blocks as PackTransposed.
+// column i of At (d, br), times factor[i] when factor is given; with `add`, the row adds it (the
+// row's element + the column's, one rounding). By blocks as PackTransposed.
 HWY_INLINE void UnpackTransposed(const float* HWY_RESTRICT a_t, size_t br, size_t rows, size_t d,
                                  const float* HWY_RESTRICT factor, const Rows<float>& out, int64_t b, int64_t h,
-                                 int64_t i0) {
+                                 int64_t i0, bool add = false) {
   float* HWY_RESTRICT first = out.row(b, h, i0);
   const int64_t stride = out.row_stride;
   size_t blocked_rows = 0, blocked_cols = 0;
@@ -155,7 +156,8 @@ HWY_INLINE void UnpackTransposed(const float* HWY_RESTRICT a_t, size_t br, size_
         HWY_UNROLL(16)
         for (size_t x = 0; x < 16; ++x) {
           const VF row = factor ? hn::Mul(r[x], hn::Set(df, factor[i + x])) : r[x];
-          hn::StoreU(row, df, first + static_cast<int64_t>(i + x) * stride + static_cast<int64_t>(c));
+          float* HWY_RESTRICT to = first + static_cast<int64_t>(i + x) * stride + static_cast<int64_t>(c);
+          hn::StoreU(add ? hn::Add(hn::LoadU(df, to), row) : row, df, to);
         }
       }
   }
@@ -176,6 +178,12 @@ HWY_INLINE void UnpackTransposed(const float* HWY_RESTRICT a_t, size_t br, size_
         r2 = hn::Mul(r2, hn::Set(d4, factor[i + 2]));
         r3 = hn::Mul(r3, hn::Set(d4, factor[i + 3]));
       }
+      if (add) {
+        r0 = hn::Add(hn::LoadU(d4, to + c), r0);
+        r1 = hn::Add(hn::LoadU(d4, to + stride + c), r1);
+        r2 = hn::Add(hn::LoadU(d4, to + 2 * stride + c), r2);
+        r3 = hn::Add(hn::LoadU(d4, to + 3 * stride + c), r3);
+      }
       hn::StoreU(r0, d4, to + c);
       hn::StoreU(r1, d4, to + stride + c);
       hn::StoreU(r2, d4, to + 2 * stride + c);
@@ -186,7 +194,10 @@ HWY_INLINE void UnpackTransposed(const float* HWY_RESTRICT a_t, size_t br, size_
   for (size_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT row = first + static_cast<int64_t>(i) * stride;
     const float f = factor ? factor[i] : 1.0f;
-    for (size_t c = i < blocked_rows ? blocked_cols : 0; c < d; ++c) row[c] = factor ? a_t[c * br + i] * f : a_t[c * br + i];
+    for (size_t c = i < blocked_rows ? blocked_cols : 0; c < d; ++c) {
+      const float value = factor ? a_t[c * br + i] * f : a_t[c * br + i];
+      row[c] = add ? row[c] + value : value;
+    }
   }
 }
 

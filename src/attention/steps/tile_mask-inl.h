@@ -22,6 +22,7 @@
 #include "attention/problem.hpp"
 #include "attention/steps/lines-inl.h"
 #include "attention/steps/operands-inl.h"
+#include "attention/steps/pack-inl.h"
 #include "hwy/highway.h"
 #include "mask/rule.hpp"
 
@@ -132,63 +133,87 @@ HWY_INLINE void MaskBand(const AttentionProblem& p, const Line& line, float* HWY
   }
 }
 
-// ---- Step "mask", tensor terms, in the reference's order (after the band), over the `count`
-// real elements of a line: a keep 0 hides, an additive term adds (-inf hides even a NaN score).
-// A line whose values are contiguous (a key-major term's, flash/key_major_terms.hpp) by whole
-// vectors, the same operations lane by lane, the rest one by one.
-HWY_INLINE void MaskTerms(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t count) {
+// ---- Step "mask", tensor terms, in the reference's order (after the band): a keep 0 hides, an
+// additive term adds (-inf hides even a NaN score). One line of `count` real elements, the term's
+// values `step` floats apart: contiguous ones by whole vectors (the same operations lane by
+// lane), the rest one by one.
+HWY_INLINE void MaskTermLine(const float* HWY_RESTRICT values, int64_t step, bool additive, float* HWY_RESTRICT s,
+                             size_t count) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const VF minus_inf = hn::Set(df, kMinusInf), zero = hn::Zero(df);
-  for (const MaskTermView& term : p.terms) {
-    const float* values = term.data + line.b * term.stride_b + line.h * term.stride_h + line.i0 * term.stride_q +
-                          line.j0 * term.stride_k;
-    const int64_t step = line.query_step * term.stride_q + line.key_step * term.stride_k;
-    size_t x = 0;
-    for (; step == 1 && x + lanes <= count; x += lanes) {
-      const VF value = hn::LoadU(df, values + x), score = hn::LoadU(df, s + x);
-      hn::StoreU(term.additive ? hn::IfThenElse(hn::Eq(value, minus_inf), minus_inf, hn::Add(score, value))
-                               : hn::IfThenElse(hn::Eq(value, zero), minus_inf, score),
-                 df, s + x);
-    }
-    for (; x < count; ++x) {
-      const float value = values[static_cast<int64_t>(x) * step];
-      if (term.additive) {
-        s[x] = value == kMinusInf ? kMinusInf : s[x] + value;
-      } else if (value == 0.0f) {
-        s[x] = kMinusInf;
-      }
+  size_t x = 0;
+  for (; step == 1 && x + lanes <= count; x += lanes) {
+    const VF value = hn::LoadU(df, values + x), score = hn::LoadU(df, s + x);
+    hn::StoreU(additive ? hn::IfThenElse(hn::Eq(value, minus_inf), minus_inf, hn::Add(score, value))
+                        : hn::IfThenElse(hn::Eq(value, zero), minus_inf, score),
+               df, s + x);
+  }
+  for (; x < count; ++x) {
+    const float value = values[static_cast<int64_t>(x) * step];
+    if (additive) {
+      s[x] = value == kMinusInf ? kMinusInf : s[x] + value;
+    } else if (value == 0.0f) {
+      s[x] = kMinusInf;
     }
   }
 }
 
-// Prefetches (into L2) what a tile reads of a key-major tensor: for each of its key lines the
-// run of its queries' floats, when they are contiguous (stride_q 1). A term (and the backward's
-// dbias) is streamed from memory once per pass, and a line's run (Br floats) starts a few cache
-// lines a whole row (Nq floats) after the last line's, which the hardware prefetchers do not
-// follow: MaskTerms waited on each line (W1-bias forward 1.8 x W1 on one thread with a key-major
-// copy read unprefetched; docs/flex.md). Issued before the tile's products, the lines arrive
-// while they run.
-HWY_INLINE void PrefetchKeyMajorTile(const float* data, int64_t stride_b, int64_t stride_h, int64_t stride_q,
-                                     int64_t stride_k, const Walk& walk, int64_t b, int64_t h, int64_t i0,
-                                     size_t rows, int64_t j0, size_t cols, bool write) {
-  if (walk.query_step * stride_q != 1) return;
-  // The tile's key lines as rows of `rows` floats, walk.key_step keys apart.
-  const Rows<const float> lines{data + b * stride_b + h * stride_h + i0 + j0 * stride_k, 0, 0,
-                                walk.key_step * stride_k};
-  PrefetchRows(lines, 0, 0, 0, 1, static_cast<int64_t>(cols), static_cast<int64_t>(rows), write);
+// Every term over one line (decode's one query over keys; a tile's line where its term is not
+// read by TileTerms' transposes).
+HWY_INLINE void MaskTerms(const AttentionProblem& p, const Line& line, float* HWY_RESTRICT s, size_t count) {
+  for (const MaskTermView& term : p.terms)
+    MaskTermLine(term.data + line.b * term.stride_b + line.h * term.stride_h + line.i0 * term.stride_q +
+                     line.j0 * term.stride_k,
+                 line.query_step * term.stride_q + line.key_step * term.stride_k, term.additive, s, count);
 }
 
-// The tile's part of every key-major mask term, prefetched (above); its lines past the last key
-// are not.
+// Whether a tile reads a term by its rows: a term laid out by query rows (keys contiguous, one
+// row per query), a tile of consecutive queries and keys.
+HWY_INLINE bool TermByRows(const MaskTermView& term, const Walk& walk) {
+  return term.stride_k == 1 && term.stride_q != 0 && walk.key_step == 1 && walk.query_step == 1 && !walk.residue;
+}
+
+// The terms over a tile's `cols` key lines (line l: key j0 + l walk.key_step over the `rows` real
+// queries from i0, lines br floats apart). A term laid out by query rows is read as rows and
+// transposed in registers into `term_t` (Bc x Br floats; PackTransposed): read by key lines in
+// place, each line gathered one float per query, Nk floats apart, missing L1 on each (the
+// W1-bias forward ran 1.7-1.8 x W1 so; docs/flex.md). Other terms line by line.
+HWY_INLINE void TileTerms(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0, size_t rows,
+                          int64_t j0, size_t cols, size_t br, float* HWY_RESTRICT s, float* HWY_RESTRICT term_t) {
+  for (const MaskTermView& term : p.terms) {
+    if (term_t != nullptr && TermByRows(term, walk)) {
+      PackTransposed(Rows<const float>{term.data + j0, term.stride_b, term.stride_h, term.stride_q}, b, h, i0, rows,
+                     cols, br, 1.0f, term_t);
+      for (size_t l = 0; l < cols; ++l) MaskTermLine(term_t + l * br, 1, term.additive, s + l * br, rows);
+      continue;
+    }
+    for (size_t l = 0; l < cols; ++l) {
+      const int64_t j = j0 + static_cast<int64_t>(l) * walk.key_step;
+      const float* values = term.data + b * term.stride_b + h * term.stride_h + i0 * term.stride_q + j * term.stride_k;
+      MaskTermLine(values, walk.query_step * term.stride_q, term.additive, s + l * br, rows);
+    }
+  }
+}
+
+// Prefetches (into L2) the part of a tensor laid out by query rows that a tile of consecutive
+// queries and keys reads (or writes: the backward's dbias): its `rows` rows from i0, `cols`
+// floats each from key j0, the keys past kv_len left out. Issued a tile ahead: a tile's rows, Nk
+// floats apart, are streams the hardware prefetchers pick up only after some misses.
+HWY_INLINE void PrefetchTileRows(const AttentionProblem& p, const float* data, int64_t stride_b, int64_t stride_h,
+                                 int64_t stride_q, int64_t b, int64_t h, int64_t i0, size_t rows, int64_t j0,
+                                 size_t cols, bool write) {
+  const int64_t keys = std::min(static_cast<int64_t>(cols), p.kv_len - j0);
+  if (keys <= 0) return;
+  PrefetchRows(Rows<const float>{data + j0, stride_b, stride_h, stride_q}, b, h, i0, 1, static_cast<int64_t>(rows),
+               keys, write);
+}
+
+// The tile's part of every term TileTerms reads by rows, prefetched (above).
 HWY_INLINE void PrefetchTermTiles(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0,
                                   size_t rows, int64_t j0, size_t cols) {
-  const int64_t lines = (p.kv_len - j0 + walk.key_step - 1) / walk.key_step;
-  if (lines <= 0) return;
-  cols = std::min(cols, static_cast<size_t>(lines));
   for (const MaskTermView& m : p.terms)
-    PrefetchKeyMajorTile(m.data, m.stride_b, m.stride_h, m.stride_q, m.stride_k, walk, b, h, i0, rows, j0, cols,
-                         false);
+    if (TermByRows(m, walk)) PrefetchTileRows(p, m.data, m.stride_b, m.stride_h, m.stride_q, b, h, i0, rows, j0, cols, false);
 }
 
 // Step "diagonal trim": the lines (keys) of a tile each query vector's products need, on the

@@ -66,11 +66,13 @@ void SummaryKeyTile(const AttentionProblem& p, const TileAt& t, size_t tile, con
   const flash_steps::KvTile kv = flash_steps::LoadKvTile(p, t.b, t.g, t.j0, 1, t.cols, w);
   std::array<size_t, V> trim;
   step::DiagonalTrim(p, walk, mask, t.i0, t.j0, t.cols, V, trim.data());
-  if (!p.terms.empty()) step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0, t.cols);  // during the products
+  if (!p.terms.empty())  // the next key tile's, during this one
+    step::PrefetchTermTiles(p, walk, t.b, t.h, t.i0, t.rows, t.j0 + static_cast<int64_t>(t.cols), t.cols);
   const ForwardProducts products;
   products.Scores<V>(p, false, kv, trim, t, w);
   step::Softcap(p, w.scores, t.cols * br);
-  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod);
+  step::TileLogits(p, walk, mask, t.b, t.h, t.i0, t.rows, t.j0, t.cols, br, w.scores, w.score_mod, nullptr,
+                   w.term_t);
   summary_steps::TopLogits<V>(w.scores, t.cols, t.j0, s);
   summary_steps::EntropyTerms<V> entropy(s);
   const bool max_grew =
@@ -141,7 +143,6 @@ HWY_AFTER_NAMESPACE();
 #include <limits>
 #include <string>
 
-#include "attention/flash/key_major_terms.hpp"
 #include "attention/launch.hpp"
 #include "qkv/error.hpp"
 #include "simd/query_tiles.hpp"
@@ -154,10 +155,7 @@ HWY_EXPORT(SummaryQueryTile);
 // Items (b, h, query tile) over the workers, as flash_attention deals them; each worker's block
 // is the flash scratch and the summary scratch, and the shared floats one received-mass partial
 // per worker, summed into out.received at the end.
-void flash_summary_attention(const AttentionProblem& given, const SummaryOutputs& out) {
-  // Tensor mask terms with query rows are read key-major, as flash_attention reads them.
-  AttentionProblem problem = given;
-  const KeyMajorTerms key_major(problem);
+void flash_summary_attention(const AttentionProblem& problem, const SummaryOutputs& out) {
   const int64_t heads = problem.batch * problem.q_heads, nk = problem.kv_len;
   if (nk > std::numeric_limits<int32_t>::max())
     throw Error("attention summaries: at most " + std::to_string(std::numeric_limits<int32_t>::max()) +
