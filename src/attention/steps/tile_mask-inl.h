@@ -213,7 +213,8 @@ HWY_INLINE void PrefetchTileRows(const AttentionProblem& p, const float* data, i
 HWY_INLINE void PrefetchTermTiles(const AttentionProblem& p, const Walk& walk, int64_t b, int64_t h, int64_t i0,
                                   size_t rows, int64_t j0, size_t cols) {
   for (const MaskTermView& m : p.terms)
-    if (TermByRows(m, walk)) PrefetchTileRows(p, m.data, m.stride_b, m.stride_h, m.stride_q, b, h, i0, rows, j0, cols, false);
+    if (TermByRows(m, walk))
+      PrefetchTileRows(p, m.data, m.stride_b, m.stride_h, m.stride_q, b, h, i0, rows, j0, cols, false);
 }
 
 // Step "diagonal trim": the lines (keys) of a tile each query vector's products need, on the
