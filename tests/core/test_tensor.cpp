@@ -139,6 +139,17 @@ TEST(Tensor, UniformIsSeededAndInRange) {
   }
 }
 
+// A range one float wide: about half the draws, computed in double, round to high; every one
+// must be low, the only float in [low, high).
+TEST(Tensor, UniformNeverRoundsUpToHigh) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  for (const float low : {1.0f, -3.0f, 0.75f}) {
+    const float high = std::nextafter(low, 10.0f);
+    for (float x : Tensor::uniform({1000}, low, high, rng.next_u64()).to_vector()) ASSERT_EQ(x, low) << "x is low + " << double(x) - low;
+  }
+}
+
 // Every factory returns 64-byte aligned storage, whatever the size.
 TEST(Tensor, DataIs64ByteAligned) {
   for (int64_t n : {1, 3, 17, 113, 1000}) {
