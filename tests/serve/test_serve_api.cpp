@@ -350,7 +350,13 @@ TEST(ExplorerLongModel, StartsAtOnceAndRunsOnlyShortTexts) {
   const ExplorerApi api({path}, ServeLimits{});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::filesystem::remove(path);
-  EXPECT_LT(seconds, 5.0);  // ~ milliseconds; the evaluation it no longer runs took minutes
+  // ~ milliseconds; the evaluation it no longer runs took minutes, which the looser bound of the
+  // sanitizer build (run beside other tests, several times slower) still catches.
+#if defined(__SANITIZE_ADDRESS__)
+  EXPECT_LT(seconds, 30.0);
+#else
+  EXPECT_LT(seconds, 5.0);
+#endif
   const json model = json::parse(api.models().body)["models"][0];
   EXPECT_EQ(model["task"], "copy or reverse");
   EXPECT_NE(model["task_how"].get<std::string>().find("not evaluated: its sequences of 65536 tokens"), std::string::npos);
