@@ -14,8 +14,8 @@
 //         A group of n elements is n / 2 bytes: byte j holds element j in its low 4 bits and
 //         element j + n / 2 in its high 4 bits, each stored as q + 8 (ggml's q4_0 layout, with a
 //         symmetric scale: q4_0 maps the signed largest value to -8).
-// (Bounds in exact arithmetic; float rounding of q scale adds at most an ulp of x'.) A scale of 0
-// (an all-zero row or group) dequantises to zeros.
+// (Bounds in exact arithmetic; float32 adds half an ulp of x / scale times scale, an ulp of x'.)
+// A scale of 0 (an all-zero row or group) dequantises to zeros.
 #pragma once
 
 #include <cstdint>

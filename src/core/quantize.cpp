@@ -50,7 +50,8 @@ Shape with_last(const Shape& shape, int64_t last) {
   return Shape(std::move(dims));
 }
 
-// One group of n floats to integers in [-limit, limit] and its scale max|x| / limit.
+// One group of n floats to integers in [-limit, limit] and its scale max|x| / limit. The quotient
+// x / scale is a float32 division, rounded to the nearest integer (ties to even).
 float quantize_group(const float* x, int64_t n, float limit, int* q) {
   float amax = 0;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));

@@ -3,6 +3,7 @@
 #include "qkv/tensor.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
@@ -164,8 +165,11 @@ Tensor Tensor::uniform(const Shape& shape, float low, float high, uint64_t seed)
   if (!(low <= high)) throw Error("Tensor::uniform: low (" + std::to_string(low) + ") > high (" + std::to_string(high) + ")");
   Tensor t = empty(shape);
   detail::SplitMix64 rng(seed);
+  // Drawn in double, rounded to float: a draw within half a float ulp of high rounds up to high,
+  // which [low, high) excludes, so it becomes the float below high (low itself when low == high).
+  const float below_high = std::nextafter(high, low);
   for (int64_t i = 0; i < t.numel(); ++i)
-    t.storage_->data[i] = static_cast<float>(low + (double(high) - low) * rng.uniform());
+    t.storage_->data[i] = std::min(static_cast<float>(low + (double(high) - low) * rng.uniform()), below_high);
   return t;
 }
 

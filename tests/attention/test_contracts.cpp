@@ -273,7 +273,8 @@ TEST(Pipeline, ModifierOptionsAreChecked) {
 
 // for_each_item (simd/item_shares.hpp) runs every item exactly once for any count of workers and
 // items, and a thread that runs out of its own share takes the others' items: with thread 0
-// slowed down, the other threads run most of thread 0's share.
+// held in its first item until the other thread has run 7/8 of all items (which it can only by
+// taking most of thread 0's share; the wait gives up after 20 s), thread 0 runs few of its own.
 TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {
   for (int workers : {2, 3, 4, 8, 70}) {
     for (int64_t items : {1, 2, 7, 64, 1001}) {
@@ -284,11 +285,16 @@ TEST(Pipeline, ForEachItemRunsEveryItemOnceAndBalances) {
     }
   }
   const int64_t items = 64;
-  std::atomic<int64_t> by_thread_0{0}, total{0};
+  std::atomic<int64_t> by_thread_0{0}, by_others{0}, total{0};
   qkv::detail::for_each_item(2, items, [&](int64_t) {
     if (omp_get_thread_num() == 0) {
-      by_thread_0++;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (by_thread_0++ == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (by_others.load() < items - items / 8 && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    } else {
+      by_others++;
     }
     total++;
   });

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "numbers.hpp"
 #include "plot.hpp"
 #include "qkv/qkv.hpp"
@@ -24,8 +26,10 @@ using qkv::cli::plot::HeatmapFigure;
 using qkv::cli::plot::HeatmapLayout;
 using qkv::cli::plot::HeatmapPanel;
 
+// A scratch file of this process (its pid in the name: two suites at once must not share one).
 std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("qkv_test_cli_tools_" + name)).string();
+  return (std::filesystem::temp_directory_path() /
+          ("qkv_test_cli_tools_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
 std::string read_file(const std::string& path) {

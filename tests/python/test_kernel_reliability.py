@@ -12,14 +12,19 @@ import qkv
 def test_backward_from_lse_alone_under_a_huge_bias_on_every_key(rng, bias):
     # PyTorch's and FlashAttention's signature: (out, lse), no row statistics. A row whose keys all
     # carry the bias: lse loses log(4), and weights recomputed from it alone would each be 1.
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 8), (4, 8), (4, 8)))
+    # q and k in {-1, 0, 1} and D = 16 (scale 1/4): every product, sum and s = q.k / 4 is exact in
+    # float32 however the kernel orders them, so fl(s + bias) is one rounding of an exact value,
+    # the same here as in the kernel (with random floats, s itself could differ by an ulp and
+    # round s + bias to the other neighbour at |bias| 1e4: default_rng(1855) did).
+    q, k = (rng.integers(-1, 2, size=s).astype(np.float32) for s in ((1, 16), (4, 16)))
+    v = rng.standard_normal((4, 16)).astype(np.float32)
     mask = np.full((1, 4), bias, dtype=np.float32)
     out, lse = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
-    grad = np.zeros((1, 8), dtype=np.float32)
+    grad = np.zeros((1, 16), dtype=np.float32)
     grad[0, 0] = 1
     _, _, dv, _ = qkv.scaled_dot_product_attention_backward(grad, q, k, v, out, lse, attn_mask=mask)
     # The weights float32 autograd differentiates: softmax of the float32 scores fl(s + bias), in float64.
-    scores = ((q.astype(np.float64) @ k.T.astype(np.float64)) / np.sqrt(8)).astype(np.float32) + np.float32(bias)
+    scores = ((q.astype(np.float64) @ k.T.astype(np.float64)) / 4 + bias).astype(np.float32)
     weights = np.exp(scores.astype(np.float64) - scores.max())
     weights /= weights.sum()
     np.testing.assert_allclose(dv[:, 0], weights[0], atol=1e-6)

@@ -7,6 +7,7 @@ and time; the figures measured are printed.
 """
 import http.client
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -18,6 +19,15 @@ import pytest
 from conftest import QKV_BIN, Server
 
 REQUEST = json.dumps({"text": "The cat sat on the mat", "heads": 2, "embed": 16}).encode()
+
+# The server's limits (ConnectionLimits, tools/qkv/serve_connections.hpp), which the time bounds
+# below are written against, and the margin they allow over a timeout: more under ASan + UBSan
+# (QKV_SANITIZED=1, the sanitizer build, run beside other tests), yet less than the 3 s by which
+# the earlier 5 s timeouts went over these, so that both builds still catch their return.
+READ_TIMEOUT = 2.0  # the longest pause within a request
+KEEP_ALIVE = 2.0  # the longest idle time between two requests
+SANITIZED = os.environ.get("QKV_SANITIZED") == "1"
+MARGIN = 2.9 if SANITIZED else 2.0
 
 
 def port_of(server):
@@ -93,7 +103,10 @@ def test_slow_and_idle_clients_leave_room_for_a_new_one(server):
     seconds = [s for s, _ in figures]
     print(f"\n16 slow + 16 idle clients: a new client's request took {[round(s * 1000, 1) for s in seconds]} ms")
     assert all(status == 200 for _, status in figures), figures
-    assert max(seconds) < 1.0, seconds
+    # A client locked out behind the others waits for one of them to time out: the idle ones'
+    # keep-alive runs out 1.7 s after the 0.3 s above (1.68 s measured with 24 workers), the slow
+    # ones never.
+    assert max(seconds) < (KEEP_ALIVE - 0.3) * (0.75 if SANITIZED else 0.6), seconds
 
 
 def test_idle_keep_alive_connections_are_closed_after_a_short_time(server):
@@ -104,7 +117,7 @@ def test_idle_keep_alive_connections_are_closed_after_a_short_time(server):
     seconds = time.monotonic() - start
     connection.close()
     print(f"\nan idle keep-alive connection was closed after {seconds:.2f} s")
-    assert seconds < 4.0, seconds
+    assert seconds < KEEP_ALIVE + MARGIN, seconds
 
 
 def test_a_request_that_pauses_too_long_is_dropped(server):
@@ -122,25 +135,33 @@ def test_a_request_that_pauses_too_long_is_dropped(server):
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and "error" in json.loads(body), data
     print(f"\na stalled request was answered and closed after {seconds:.2f} s")
-    assert seconds < 6.0, seconds
+    assert seconds < 2 * READ_TIMEOUT + MARGIN, seconds
 
 
 def test_keep_alive_answers_do_not_wait_for_delayed_acks(server):
     """With Nagle's algorithm on, each answer on a kept-alive connection waited ~40 ms for the
-    client's delayed ACK (44 ms measured, against 1.8 ms on fresh connections)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port_of(server), timeout=10)
-    seconds = []
+    client's delayed ACK (44 ms measured, against 1.8 ms on fresh connections). The same request
+    is timed on the kept-alive connection and on fresh ones, interleaved so that both see the same
+    load and build (ASan runs this too): a kept-alive answer may not be 20 ms slower in the median,
+    half the smallest delayed-ACK stall, however slow the computation itself."""
+    port = port_of(server)
+    timed_request(port)  # the server's first computation warms the library up, not measured
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    kept, fresh = [], []
     for _ in range(20):
         start = time.monotonic()
         connection.request("POST", "/api/attention", REQUEST, {"Content-Type": "application/json"})
         reply = connection.getresponse()
         reply.read()
-        seconds.append(time.monotonic() - start)
+        kept.append(time.monotonic() - start)
         assert reply.status == 200
+        seconds, status = timed_request(port)
+        fresh.append(seconds)
+        assert status == 200
     connection.close()
-    median = statistics.median(seconds)
-    print(f"\nkeep-alive requests: median {median * 1000:.1f} ms")
-    assert median < 0.025, seconds
+    kept_median, fresh_median = statistics.median(kept), statistics.median(fresh)
+    print(f"\nmedian of 20: keep-alive {kept_median * 1000:.1f} ms, fresh connections {fresh_median * 1000:.1f} ms")
+    assert kept_median < fresh_median + 0.020, (kept, fresh)
 
 
 def burst(port, count):
