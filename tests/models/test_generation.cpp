@@ -79,7 +79,13 @@ TEST(Generate, GreedyEqualsArgmaxOfTheFullForwardTokenByToken) {
     const Tensor logits = model.forward(sequence).logits;
     const int64_t n = static_cast<int64_t>(sequence.size());
     const std::vector<float> last(logits.data() + (n - 1) * c.vocab_size, logits.data() + n * c.vocab_size);
-    EXPECT_EQ(token, std::max_element(last.begin(), last.end()) - last.begin()) << "after " << n << " tokens";
+    // The largest logit of the full forward, or one within its rounding of it: the cached step and
+    // the full forward sum in different orders (kernels chosen per CPU), so a near tie may go
+    // either way; a greedy step that took any other token is far below.
+    const float best = *std::max_element(last.begin(), last.end());
+    EXPECT_GE(last[static_cast<size_t>(token)], best - 1e-4f * std::max(1.0f, std::abs(best)))
+        << "after " << n << " tokens: token " << token << " where the argmax is "
+        << std::max_element(last.begin(), last.end()) - last.begin();
     sequence.push_back(token);
   }
   EXPECT_GT(result.prefill_seconds, 0);

@@ -303,7 +303,12 @@ def check_greedy(model):
     assert len(gen.tokens) == 8 and not gen.stopped_at_eos
     ids = list(gen.prompt_ids)
     for token in gen.tokens:
-        assert token == int(np.argmax(model(ids).logits[0, -1]))
+        # The argmax of the recomputation, or a token within its rounding of it: the cached step
+        # and the full forward sum in different orders (kernels chosen per CPU), so a near tie may
+        # go either way; any other token is far below.
+        row = model(ids).logits[0, -1]
+        best = float(row.max())
+        assert float(row[token]) >= best - 1e-4 * max(1.0, abs(best)), (token, int(np.argmax(row)))
         ids.append(token)
     assert gen.text == model.detokenize(gen.tokens, skip_special_tokens=True)
     assert gen.prefill_tokens_per_second > 0 and gen.decode_tokens_per_second > 0
