@@ -269,6 +269,7 @@ TEST(BiasGradient, FlashMatchesTheOracleEverywhere) {
       {{2, 2, 1, 70, 90, 16, 16}, 2, Structure::CausalAndLengths, 0},  // (Nq, 1): across key chunks
       {{1, 2, 1, 400, 420, 16, 16}, 9, Structure::Strided, 0},      // strided: no residues with dbias
       {{2, 6, 3, 1, 200, 32, 32}, 11, Structure::None, 0},          // one query (decode's shape)
+      {{2, 4, 2, 9, 140, 16, 16}, 8, Structure::Causal, 1},         // (B, 1, Nq, Nk), rows under a vector
   };
   std::vector<BiasCase> cases;
   std::vector<std::vector<double>> want;
@@ -308,11 +309,11 @@ TEST(BiasGradient, FlashIsBitIdenticalOnRepeat) {
   omp_set_num_threads(threads_before);
 }
 
-// Mask terms given as strided views (a key stride other than 1: a transposed tensor) are copied
-// key-major one float at a time where contiguous ones go through register transposes
-// (flash/key_major_terms.cpp): the same values, so the same bits, forward (output, lse) and
-// backward (dQ, dK, dV, dbias), for a keep and an additive term of each query-row layout, on every
-// SIMD target and thread count.
+// Mask terms given as strided views (a key stride other than 1: a transposed tensor) are read
+// line by line, where terms laid out by query rows are read by a tile's rows and transposed in
+// registers (steps/tile_mask-inl.h, TileTerms): the same values, so the same bits, forward
+// (output, lse) and backward (dQ, dK, dV, dbias), for a keep and an additive term of each
+// query-row layout, on every SIMD target and thread count.
 TEST(BiasGradient, FlashReadsTermsGivenAsStridedViews) {
   Random rng;
   SCOPED_TRACE(rng.note());

@@ -33,8 +33,8 @@ void Pack(const qkv::detail::Rows<const float>& a, int64_t i0, size_t rows, size
 }
 
 void Unpack(const float* a_t, size_t br, size_t rows, size_t d, const float* factor,
-            const qkv::detail::Rows<float>& out, int64_t i0) {
-  step::UnpackTransposed(a_t, br, rows, d, factor, out, 0, 0, i0);
+            const qkv::detail::Rows<float>& out, int64_t i0, bool add) {
+  step::UnpackTransposed(a_t, br, rows, d, factor, out, 0, 0, i0, add);
 }
 
 // C (m x kTileVectors vectors) = c_scale * C + A B, A read with strides (a_row, a_depth).
@@ -347,7 +347,7 @@ TEST(Steps, PackAndUnpackTransposedAgainstScalarLoops) {
       const bool scaled = rng.chance(0.5);
       std::vector<float> out(a.size(), kNaN);
       HWY_DYNAMIC_DISPATCH(Unpack)(a_t.data(), br, rows, d, scaled ? row_factor.data() : nullptr,
-                                   {out.data(), 0, 0, stride}, i0);
+                                   {out.data(), 0, 0, stride}, i0, false);
       for (size_t r = 0; r < out.size() / static_cast<size_t>(stride); ++r)
         for (size_t c = 0; c < static_cast<size_t>(stride); ++c) {
           const float got = out[r * static_cast<size_t>(stride) + c];
@@ -357,6 +357,20 @@ TEST(Steps, PackAndUnpackTransposedAgainstScalarLoops) {
           } else {
             const float value = a_t[c * br + static_cast<size_t>(i)];
             ASSERT_EQ(got, scaled ? value * row_factor[static_cast<size_t>(i)] : value) << "row " << i << ", column " << c;
+          }
+        }
+      // Added back (the backward's dbias by rows): each element of the rows plus its column's
+      // value, one rounding; the padding left as it was.
+      std::vector<float> sum = out;
+      HWY_DYNAMIC_DISPATCH(Unpack)(a_t.data(), br, rows, d, nullptr, {sum.data(), 0, 0, stride}, i0, true);
+      for (size_t r = 0; r < sum.size() / static_cast<size_t>(stride); ++r)
+        for (size_t c = 0; c < static_cast<size_t>(stride); ++c) {
+          const size_t at = r * static_cast<size_t>(stride) + c;
+          const int64_t i = static_cast<int64_t>(r) - i0;
+          if (i < 0 || c >= d) {
+            ASSERT_TRUE(std::isnan(sum[at])) << "added outside the rows: row " << r << ", column " << c;
+          } else {
+            ASSERT_EQ(sum[at], out[at] + a_t[c * br + static_cast<size_t>(i)]) << "add: row " << i << ", column " << c;
           }
         }
     }
