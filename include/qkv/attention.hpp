@@ -108,6 +108,22 @@ struct AttentionOptions {
   // Nq, Dv). Forward only, K/V f32, bf16 or f16; not with need_weights, summaries, tensor masks,
   // key_lengths, score/mask functions, cu_seqlens or backend Flash / Reference. docs/inference.md.
   std::vector<int64_t> block_table, cache_seqlens;
+
+  // Rotary positions from tables (FlashAttention's rotary_cos / rotary_sin / rotary_interleaved;
+  // qkv::nn::RotaryTable's rotation, include/qkv/inference.hpp); undefined: off. Given (both,
+  // (seqlen_ro, rotary_dim / 2), f32, bf16 or f16, finite, rotary_dim <= Dk), the first rotary_dim
+  // features of q, and of k when rotary_keys, are rotated before the scores: batch element b's
+  // query i at position n_b - Nq_b + i, its key j at j, where n_b is its keys (Nk; key_lengths[b]
+  // with a key-lengths mask; its sequence's keys with cu_seqlens; cache_seqlens[b] with pages): the
+  // queries are the last tokens of their sequence, as ALiBi and the bottom-right band place them.
+  // rotary_keys = false: k is a cache whose keys were rotated when appended (paged pools, 16-bit
+  // or quantized K require it). The backward returns dq and dk of the unrotated q and k. Paged
+  // calls with Nq > 1 need a band (causal or window: FlashAttention then places its queries as
+  // here; without one it puts them all at one position). Positions past the tables, or negative
+  // (a sequence with fewer keys than queries), are a qkv::Error. docs/inference.md.
+  Tensor rotary_cos, rotary_sin;
+  bool rotary_interleaved = false;
+  bool rotary_keys = true;
 };
 
 // Shapes, with L = q's leading dims ((), (B) or (B, Hq) for rank 2, 3 or 4):

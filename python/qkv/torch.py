@@ -86,6 +86,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     temperature: softmax(q.k * scale / T), as qkv.scaled_dot_product_attention's (None: T = 1).
     cu_seqlens_q, cu_seqlens_k: a packed batch of variable-length sequences ((total, H, D) tensors,
     int32 offsets), as qkv.scaled_dot_product_attention's; the output is then (total_q, Hq, Dv).
+    rotary_cos, rotary_sin, rotary_interleaved, rotary_keys: rotary positions from tables, as
+    qkv.scaled_dot_product_attention's; query and key get the gradients of their unrotated values.
     Returns the (B, Hq, Nq, Dv) output; backward gives query, key, value and sinks their gradients.
     """
     scale = _tempered_scale(scale, temperature, query, "qkv.torch.scaled_dot_product_attention")

@@ -203,6 +203,19 @@ qkv::Tensor per_head(const py::object& value, const char* name) {
   return copy;
 }
 
+// rotary_cos / rotary_sin: None (off) or a (seqlen_ro, rotary_dim / 2) float array of any float
+// dtype (numpy, or a torch tensor), copied as float32; the core checks shapes and values.
+qkv::Tensor table_from(const py::object& value, const char* name) {
+  if (value.is_none()) return {};
+  const py::array a = py::array::ensure(value);
+  if (!a || a.dtype().kind() != 'f' || a.ndim() != 2)
+    throw qkv::Error(std::string(name) + " must be None or a (seqlen_ro, rotary_dim / 2) float array, got " +
+                     brief(value));
+  qkv::Tensor copy = qkv::Tensor::empty(shape_of(a));
+  py::module_::import("numpy").attr("copyto")(to_numpy(copy), a, py::arg("casting") = "unsafe");
+  return copy;
+}
+
 // cu_seqlens_q / cu_seqlens_k: None (off) or a (B + 1,) int32 array of offsets (FlashAttention's
 // varlen dtype, numpy or torch); the core checks the values.
 std::vector<int64_t> offsets_from(const py::object& value, const char* name) {
@@ -301,7 +314,19 @@ void bind_attention_options(py::module_& m) {
       .def_property(
           "cache_seqlens", [](const O& o) { return o.cache_seqlens; },
           [](O& o, const py::object& value) { o.cache_seqlens = indices_from(value, "cache_seqlens", 1, "(B,)"); },
-          "None or a (B,) int32 array: the keys each paged sequence holds");
+          "None or a (B,) int32 array: the keys each paged sequence holds")
+      .def_property(
+          "rotary_cos", [](const O& o) { return to_numpy(o.rotary_cos); },
+          [](O& o, const py::object& value) { o.rotary_cos = table_from(value, "rotary_cos"); },
+          "None or a (seqlen_ro, rotary_dim / 2) float array: the cosines of each position's angles")
+      .def_property(
+          "rotary_sin", [](const O& o) { return to_numpy(o.rotary_sin); },
+          [](O& o, const py::object& value) { o.rotary_sin = table_from(value, "rotary_sin"); },
+          "None or a (seqlen_ro, rotary_dim / 2) float array: the sines of each position's angles")
+      .def_readwrite("rotary_interleaved", &O::rotary_interleaved,
+                     "True (pairs x[2i], x[2i+1], GPT-J) or False (pairs x[i], x[i + rotary_dim / 2], GPT-NeoX)")
+      .def_readwrite("rotary_keys", &O::rotary_keys,
+                     "True (rotate k too) or False (k is a cache whose keys were rotated when appended)");
 }
 
 // scaled_dot_product_attention: returns (output, weights, lse, row_max, row_sum); weights is

@@ -13,6 +13,7 @@
 
 #include "attention/paged.hpp"
 #include "attention/ring_block.hpp"
+#include "attention/rotary.hpp"
 #include "attention/varlen.hpp"
 #include "attention/kernels.hpp"
 #include "attention/summary/summary.hpp"
@@ -129,6 +130,10 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options) {
+  if (detail::has_rotary(options)) {
+    const detail::RotatedInputs r = detail::rotated_inputs("scaled_dot_product_attention: ", q, k, v, options);
+    return scaled_dot_product_attention_into(r.q, r.k, v, result, r.options);
+  }
   if (detail::is_varlen(options)) return detail::varlen_attention_into(q, k, v, result, options);
   if (detail::is_paged(options)) return detail::paged_attention_into(q, k, v, result, options);
   detail::block_attention_into(q, k, v, result, options, 0);
@@ -216,6 +221,13 @@ void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const
                                                 AttentionGrads& grads, const AttentionOptions& options) {
   if (detail::is_paged(options))
     throw Error("scaled_dot_product_attention_backward: block_table / cache_seqlens (paged K/V) are forward only");
+  if (detail::has_rotary(options)) {
+    const char* who = "scaled_dot_product_attention_backward: ";
+    const detail::RotatedInputs r = detail::rotated_inputs(who, q, k, v, options);
+    scaled_dot_product_attention_backward_into(grad_output, r.q, r.k, v, forward, grads, r.options);
+    detail::unrotate_gradients(who, q, k, v, options, grads);
+    return;
+  }
   if (detail::is_varlen(options))
     return detail::varlen_attention_backward_into(grad_output, q, k, v, forward, grads, options);
   detail::backward_into(grad_output, q, k, v, forward, grads, options, 0, true);

@@ -104,6 +104,16 @@ Sequences check_varlen(const char* who, const Tensor& q, const Tensor& k, const 
   return {cq, ck};
 }
 
+}  // namespace
+
+PackedSequences checked_sequences(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const AttentionOptions& options) {
+  const Sequences seqs = check_varlen(who, q, k, v, options);
+  return {seqs.q_starts, seqs.k_starts};
+}
+
+namespace {
+
 // Rows [start, start + length) of a (total, H, D) tensor as the (1, H, length, D) view a sequence's call takes.
 Tensor sequence_rows(const Tensor& t, int64_t start, int64_t length) {
   return t.narrow(0, start, length).transpose(0, 1).unsqueeze(0);

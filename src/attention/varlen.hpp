@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "qkv/attention.hpp"
 #include "qkv/mask.hpp"
@@ -26,6 +27,14 @@ void varlen_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, At
 void varlen_attention_backward_into(const Tensor& grad_output, const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionResult& forward, AttentionGrads& grads,
                                     const AttentionOptions& options);
+
+// The packed batch's offsets after every check of the varlen entry (operands, offsets, options):
+// sequence b holds query rows [q_starts[b], q_starts[b + 1]) and key rows likewise.
+struct PackedSequences {
+  std::vector<int64_t> q_starts, k_starts;
+};
+PackedSequences checked_sequences(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const AttentionOptions& options);
 
 // What a call made of per-sequence calls (a packed batch, paged K/V) does not take, each refusal
 // naming the option and `by` (the options that made it per-sequence): need_weights, summaries,

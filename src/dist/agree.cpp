@@ -89,6 +89,13 @@ std::string local_problem(const Tensor& q, const Tensor& k, const Tensor& v, con
            "and tensor masks (global positions)";
   if (!options.score_mod.empty() || !options.mask_mod.empty() || options.score_function)
     return "score_mod and mask_mod are not supported (each pair would read its block's positions)";
+  if (!options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty() || !options.block_table.empty() ||
+      !options.cache_seqlens.empty())
+    return "cu_seqlens, block_table and cache_seqlens are not supported (the shards are one sequence each)";
+  if (options.rotary_cos.defined() || options.rotary_sin.defined())
+    return "rotary tables are not supported: rotate q and k first (nn::RotaryTable)";
+  if (options.k_scales.defined() || options.v_scales.defined())
+    return "quantized K/V (k_scales, v_scales) are not supported";
   if (options.backend == Backend::Decode) return "backend Decode has no backward and is not offered; use Auto, Flash or Reference";
   return "";
 }

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "core/allocator.hpp"
-#include "nn/rotary_rows.hpp"
+#include "core/rotary_rows.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
 

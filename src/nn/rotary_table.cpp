@@ -1,12 +1,12 @@
 // qkv::nn::RotaryTable (include/qkv/inference.hpp): rotary positions from cos / sin tables the
 // caller supplies (FlashAttention's rotary_cos / rotary_sin), over a partial rotary_dim. The
-// rotation itself is RotaryEmbedding's (nn/rotary_rows.hpp); only where c and s come from differs.
+// rotation itself is RotaryEmbedding's (core/rotary_rows.hpp); only where c and s come from differs.
 #include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "core/allocator.hpp"
-#include "nn/rotary_rows.hpp"
+#include "core/rotary_rows.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
 
@@ -17,8 +17,6 @@ constexpr const char* kWho = "RotaryTable: ";
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-std::string shape_of(const Tensor& t) { return t.defined() ? t.shape().str() : std::string("undefined"); }
-
 // The tables' bytes as doubles, counted against the memory limit before they are allocated.
 void check_table_bytes(int64_t length, int64_t half) {
   const int64_t elements = half > 0 && length > INT64_MAX / 16 / half ? INT64_MAX / 16 : length * half;
@@ -26,41 +24,18 @@ void check_table_bytes(int64_t length, int64_t half) {
                         "cos and sin in double", "");
 }
 
-// A table's values in double, row-major (f32, bf16 and f16 widen exactly), each finite.
-std::vector<double> widened(const Tensor& table, const char* name) {
-  const std::vector<float> values = table.to(DType::F32).to_vector();
-  std::vector<double> out(values.begin(), values.end());
-  for (size_t k = 0; k < out.size(); ++k)
-    if (!std::isfinite(out[k]))
-      throw Error(std::string(kWho) + name + "[" + str(static_cast<int64_t>(k) / table.size(1)) + ", " +
-                  str(static_cast<int64_t>(k) % table.size(1)) + "] is " + std::to_string(out[k]) +
-                  ": the tables must be finite");
-  return out;
-}
-
 }  // namespace
 
 RotaryTable::RotaryTable(int64_t head_dim, const RotaryTableOptions& options) {
   const Tensor& cos = options.cos;
-  const Tensor& sin = options.sin;
-  if (!cos.defined() || !sin.defined() || cos.dim() != 2 || sin.dim() != 2)
-    throw Error(std::string(kWho) + "cos is " + shape_of(cos) + " and sin is " + shape_of(sin) +
-                ": each should be (seqlen_ro, rotary_dim / 2)");
-  if (cos.shape() != sin.shape())
-    throw Error(std::string(kWho) + "cos is " + cos.shape().str() + " but sin is " + sin.shape().str() +
-                ": the tables must have the same shape (seqlen_ro, rotary_dim / 2)");
-  const int64_t half = cos.size(1);
-  if (half < 1) throw Error(std::string(kWho) + "the tables " + cos.shape().str() + " have no column: rotary_dim is 0");
-  if (head_dim < 2 || 2 * half > head_dim)
-    throw Error(std::string(kWho) + "the tables " + cos.shape().str() + " rotate rotary_dim " + str(2 * half) +
-                " features, more than head_dim " + str(head_dim));
+  const int64_t half = qkv::detail::rotary_table_half(kWho, cos, options.sin, head_dim);
   check_table_bytes(cos.size(0), half);
   head_dim_ = head_dim;
   rotary_dim_ = 2 * half;
   length_ = cos.size(0);
   interleaved_ = options.interleaved;
-  cos_ = widened(cos, "cos");
-  sin_ = widened(sin, "sin");
+  cos_ = qkv::detail::widened_table_rows(kWho, cos, "cos", 0, length_);
+  sin_ = qkv::detail::widened_table_rows(kWho, options.sin, "sin", 0, length_);
 }
 
 RotaryTable RotaryTable::from_base(int64_t head_dim, int64_t length, const RotaryEmbeddingOptions& options,

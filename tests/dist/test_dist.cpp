@@ -482,6 +482,20 @@ TEST(RingAttentionErrors, SummariesAreRefused) {
   expect_error_everywhere(4, options, "summary_top_k is not supported");
 }
 
+// Options of calls the ring cannot split (packed batches, pages, rotary tables, quantized K/V)
+// would be dropped by its per-pair calls: refused on every rank instead.
+TEST(RingAttentionErrors, PerSequenceAndRotaryOptionsAreRefused) {
+  AttentionOptions packed;
+  packed.cu_seqlens_q = packed.cu_seqlens_k = {0, 4};
+  expect_error_everywhere(4, packed, "cu_seqlens, block_table and cache_seqlens are not supported");
+  AttentionOptions rotary;
+  rotary.rotary_cos = rotary.rotary_sin = Tensor::zeros(Shape{64, 2});
+  expect_error_everywhere(4, rotary, "rotary tables are not supported");
+  AttentionOptions quantized;
+  quantized.k_scales = Tensor::zeros(Shape{1});
+  expect_error_everywhere(4, quantized, "quantized K/V");
+}
+
 TEST(RingAttentionErrors, NegativeSoftcap) {
   AttentionOptions options;
   options.softcap = -1.0f;

@@ -1,9 +1,11 @@
-// The rotation both rotary forms share (include/qkv/inference.hpp): RotaryEmbedding computes each
-// angle's cos and sin from its base, RotaryTable looks them up in its tables; the pairs, the loop
-// order and the arithmetic (double, rounded once to float) are this one function, so a table
-// holding the base form's values rotates to the same bits.
+// The rotation every rotary form shares (include/qkv/inference.hpp): RotaryEmbedding computes each
+// angle's cos and sin from its base, RotaryTable and attention's rotary tables
+// (AttentionOptions::rotary_cos / rotary_sin) look them up in tables; the pairs, the loop order and
+// the arithmetic (double, rounded once to float) are this one function, so a table holding the
+// base form's values rotates to the same bits. Also the tables' checks, shared by both table users.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -74,6 +76,40 @@ void rotate_pairs(const Tensor& x, const std::vector<int64_t>& offsets, int64_t 
       }
     }
   }
+}
+
+// Checks cos and sin as rotary tables for heads of head_dim features: both 2-D (seqlen_ro,
+// rotary_dim / 2), the same shape, at least one column, rotary_dim <= head_dim. Returns
+// rotary_dim / 2. The messages start with `who` and name the shapes.
+inline int64_t rotary_table_half(const std::string& who, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  const auto shape_of = [](const Tensor& t) { return t.defined() ? t.shape().str() : std::string("undefined"); };
+  if (!cos.defined() || !sin.defined() || cos.dim() != 2 || sin.dim() != 2)
+    throw Error(who + "cos is " + shape_of(cos) + " and sin is " + shape_of(sin) +
+                ": each should be (seqlen_ro, rotary_dim / 2)");
+  if (cos.shape() != sin.shape())
+    throw Error(who + "cos is " + cos.shape().str() + " but sin is " + sin.shape().str() +
+                ": the tables must have the same shape (seqlen_ro, rotary_dim / 2)");
+  const int64_t half = cos.size(1);
+  if (half < 1) throw Error(who + "the tables " + cos.shape().str() + " have no column: rotary_dim is 0");
+  if (head_dim < 2 || 2 * half > head_dim)
+    throw Error(who + "the tables " + cos.shape().str() + " rotate rotary_dim " + std::to_string(2 * half) +
+                " features, more than head_dim " + std::to_string(head_dim));
+  return half;
+}
+
+// Rows [first, first + count) of a table (f32, bf16 or f16: each widens exactly) in double,
+// row-major, each finite; a non-finite entry is an Error naming its row and column in the table.
+inline std::vector<double> widened_table_rows(const std::string& who, const Tensor& table, const char* name,
+                                              int64_t first, int64_t count) {
+  const std::vector<float> values = table.narrow(0, first, count).to(DType::F32).to_vector();
+  std::vector<double> out(values.begin(), values.end());
+  const int64_t columns = table.size(1);
+  for (size_t k = 0; k < out.size(); ++k)
+    if (!std::isfinite(out[k]))
+      throw Error(who + name + "[" + std::to_string(first + static_cast<int64_t>(k) / columns) + ", " +
+                  std::to_string(static_cast<int64_t>(k) % columns) + "] is " + std::to_string(out[k]) +
+                  ": the tables must be finite");
+  return out;
 }
 
 }  // namespace qkv::detail
