@@ -876,7 +876,7 @@ class MultiHeadAttention:
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
                 average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None,
-                cu_seqlens=None):
+                cu_seqlens=None, sequences=None):
         """Attention of query over key/value, as torch.nn.MultiheadAttention.forward.
 
         query (B, Nq, embed_dim), key (B, Nk, kdim), value (B, Nk, vdim) with batch_first
@@ -900,6 +900,10 @@ class MultiHeadAttention:
           positions after those in the cache; their keys and values are appended and the output
           is what the full causal forward over the whole sequence gives them. counts: tokens of
           each batch element (right padding; default all). No masks or weights with a cache.
+          A qkv.PagedKVCache serves the same way with sequences: batch element b continues the
+          cache's sequence sequences[b] (add_sequence / fork ids), its new keys and values
+          appended to that sequence's pages (a shared last page copied first) and attended where
+          they lie (docs/inference.md).
 
         cu_seqlens: a packed batch (self-attention, inference; FlashAttention's varlen convention):
           query (total_tokens, embed_dim) holds the sequences end to end, sequence b its rows
@@ -921,10 +925,23 @@ class MultiHeadAttention:
             output = self._core.forward_packed(np.ascontiguousarray(query), offsets,
                                                Mask.causal() if is_causal else Mask())
             return output, None
+        if sequences is not None and not isinstance(cache, PagedKVCache):
+            raise Error(f"MultiHeadAttention.forward: sequences go with a qkv.PagedKVCache cache, got cache="
+                        f"{_brief(cache)}")
         if cache is not None:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:
                 raise Error("forward with a cache is causal self-attention: no key, value, masks or weights")
+            if isinstance(cache, PagedKVCache):
+                if sequences is None or counts is not None:
+                    raise Error("MultiHeadAttention.forward: a qkv.PagedKVCache takes sequences= (one cache sequence "
+                                "id per batch element) and no counts")
+                x = np.swapaxes(query, 0, 1) if query.ndim == 3 and not self.batch_first else query
+                output = self._core.forward_paged(np.ascontiguousarray(x), cache,
+                                                  _int_list(sequences, "sequences"))
+                if query.ndim == 3 and not self.batch_first:
+                    output = np.swapaxes(output, 0, 1)
+                return output, None
             if not isinstance(cache, KVCache):
                 raise Error(f"MultiHeadAttention.forward: cache must be a qkv.KVCache (make_cache), got "
                             f"{_brief(cache)}")

@@ -766,7 +766,12 @@ does; `&` binds tighter). A union with an additive array is an error.
              }
              return to_numpy(out);
            },
-           py::arg("x"), py::arg("cu_seqlens"), py::arg("mask"));
+           py::arg("x"), py::arg("cu_seqlens"), py::arg("mask"))
+      .def("forward_paged",
+           // The GIL stays held: a PagedKVCache has no lock of its own (its doc: one thread at a time).
+           [](const qkv::nn::MultiHeadAttention& m, const FloatArray& x, qkv::nn::PagedKVCache& cache,
+              const std::vector<int64_t>& sequences) { return to_numpy(m.forward(to_tensor(x), cache, sequences).output); },
+           py::arg("x"), py::arg("cache"), py::arg("sequences"));
 
   // ---- inference (include/qkv/inference.hpp)
   py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(
@@ -803,17 +808,22 @@ window > 0 makes it a ring buffer of window slots.
 
   using Paged = qkv::nn::PagedKVCache;
   py::class_<Paged>(m, "PagedKVCache", R"doc(
-Keys and values of many sequences in one pool of float32 pages (num_pages, page_size, kv_heads,
-head_dim), each sequence a list of pages (include/qkv/paged_cache.hpp): append takes free pages as
-a sequence grows, fork shares a sequence's pages (reference counts), and an append into a shared
-page copies it first. key_pool / value_pool are views of the pools, and paged_options(sequences)
-the (block_table, cache_seqlens) int32 arrays scaled_dot_product_attention takes with them.
+Keys and values of many sequences in one pool of pages (num_pages, page_size, kv_heads, head_dim)
+stored in dtype "f32", "bf16" or "f16", each sequence a list of pages
+(include/qkv/paged_cache.hpp): append takes free pages as a sequence grows, fork shares a
+sequence's pages (reference counts), and an append into a shared page copies it first.
+key_pool / value_pool are the pools (views when f32, float32 copies of 16-bit pools), and
+paged_options(sequences) the (block_table, cache_seqlens) int32 arrays scaled_dot_product_attention
+takes with them; MultiHeadAttention.forward(x, cache=, sequences=) appends and attends in place.
 Not safe to call from several threads at once.
 )doc")
-      .def(py::init([](int64_t num_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim) {
-             return Paged(num_pages, page_size, kv_heads, head_dim);
+      .def(py::init([](int64_t num_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim,
+                       const std::string& dtype) {
+             return Paged(num_pages, page_size, kv_heads, head_dim, qkv::dtype_from_string(dtype));
            }),
-           py::arg("num_pages"), py::arg("page_size"), py::arg("kv_heads"), py::arg("head_dim"))
+           py::arg("num_pages"), py::arg("page_size"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("dtype") = "f32")
+      .def_property_readonly("dtype", [](const Paged& c) { return std::string(qkv::to_string(c.key_pool().dtype())); })
       .def("add_sequence", &Paged::add_sequence, "A new empty sequence; returns its id.")
       .def("fork", &Paged::fork, py::arg("parent"), "A new sequence sharing parent's pages; returns its id.")
       .def("release", &Paged::release, py::arg("sequence"), "Ends a sequence; pages no sequence holds are freed.")
@@ -827,8 +837,8 @@ Not safe to call from several threads at once.
       .def("references", &Paged::references, py::arg("page"))
       .def_property_readonly("free_pages", &Paged::free_pages)
       .def_property_readonly("page_size", &Paged::page_size)
-      .def_property_readonly("key_pool", [](const Paged& c) { return to_numpy(c.key_pool()); })
-      .def_property_readonly("value_pool", [](const Paged& c) { return to_numpy(c.value_pool()); })
+      .def_property_readonly("key_pool", [](const Paged& c) { return to_numpy(c.key_pool().to(qkv::DType::F32)); })
+      .def_property_readonly("value_pool", [](const Paged& c) { return to_numpy(c.value_pool().to(qkv::DType::F32)); })
       .def("paged_options",
            [](const Paged& c, const std::vector<int64_t>& sequences) {
              qkv::AttentionOptions o;

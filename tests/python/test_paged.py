@@ -168,3 +168,37 @@ def test_paged_kv_cache_fork_and_attention():
     cache.release(a)
     cache.release(b)
     assert cache.free_pages == 20
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_multi_head_attention_on_a_paged_cache(dtype):
+    """MultiHeadAttention.forward(x, cache=PagedKVCache, sequences=): a prompt forked into two
+    continuations, each step's output the one a contiguous qkv.KVCache of the same dtype gives the
+    same tokens (the same keys and values, attended in the same order: equal to rounding), the
+    prompt's pages shared; and the refusals."""
+    rng = np.random.default_rng(5)
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=2, rotary=True).eval()
+    paged = qkv.PagedKVCache(num_pages=16, page_size=4, kv_heads=2, head_dim=8, dtype=dtype)
+    assert paged.dtype == dtype
+    prompt = rng.standard_normal((1, 6, 32)).astype(np.float32)
+    root = paged.add_sequence()
+    mha(prompt, cache=paged, sequences=[root])
+    branches = [paged.fork(root), paged.fork(root)]
+    contiguous = [mha.make_cache(1, 32, dtype) for _ in branches]
+    for c in contiguous:
+        mha(prompt, cache=c)
+    for step in range(3):
+        x = rng.standard_normal((2, 1 + step, 32)).astype(np.float32)
+        got, _ = mha(x, cache=paged, sequences=branches)
+        for b, c in enumerate(contiguous):
+            want, _ = mha(x[b:b + 1], cache=c)
+            np.testing.assert_allclose(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
+    assert [paged.length(s) for s in branches] == [12, 12]
+    assert paged.pages(branches[0])[0] == paged.pages(branches[1])[0] == paged.pages(root)[0]  # the prompt's page
+    assert paged.key_pool.dtype == np.float32 and paged.key_pool.shape == (16, 4, 2, 8)
+    with pytest.raises(qkv.Error, match="sequences go with a qkv.PagedKVCache"):
+        mha(x, sequences=branches)
+    with pytest.raises(qkv.Error, match="takes sequences="):
+        mha(x, cache=paged)
+    with pytest.raises(qkv.Error, match="int8"):
+        qkv.PagedKVCache(num_pages=2, page_size=4, kv_heads=2, head_dim=8, dtype="int8")
