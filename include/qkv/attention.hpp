@@ -112,15 +112,16 @@ struct AttentionOptions {
   // Rotary positions from tables (FlashAttention's rotary_cos / rotary_sin / rotary_interleaved;
   // qkv::nn::RotaryTable's rotation, include/qkv/inference.hpp); undefined: off. Given (both,
   // (seqlen_ro, rotary_dim / 2), f32, bf16 or f16, finite, rotary_dim <= Dk), the first rotary_dim
-  // features of q, and of k when rotary_keys, are rotated before the scores: batch element b's
-  // query i at position n_b - Nq_b + i, its key j at j, where n_b is its keys (Nk; key_lengths[b]
-  // with a key-lengths mask; its sequence's keys with cu_seqlens; cache_seqlens[b] with pages): the
-  // queries are the last tokens of their sequence, as ALiBi and the bottom-right band place them.
-  // rotary_keys = false: k is a cache whose keys were rotated when appended (paged pools, 16-bit
-  // or quantized K require it). The backward returns dq and dk of the unrotated q and k. Paged
-  // calls with Nq > 1 need a band (causal or window: FlashAttention then places its queries as
-  // here; without one it puts them all at one position). Positions past the tables, or negative
-  // (a sequence with fewer keys than queries), are a qkv::Error. docs/inference.md.
+  // features of q, and of k when rotary_keys, are rotated before the scores: query i at position
+  // n - Nq + i, key j at j, where n is the keys (Nk; its sequence's keys with cu_seqlens;
+  // cache_seqlens[b] with pages): the queries are the last tokens of their sequence, where ALiBi
+  // measures from. rotary_keys = false: k is a cache whose keys were rotated when appended (paged
+  // pools, 16-bit or quantized K require it). The backward returns dq and dk of the unrotated q
+  // and k. Refused (qkv::Error) where the mask would place the queries elsewhere: with Nq != Nk, a
+  // band not ending at the query's position (Mask::causal() is top-left; use causal(Nk - Nq)) or
+  // key_lengths (a padded cache: give it as pages); a paged call with Nq > 1 and no band
+  // (FlashAttention puts all such queries at one position); positions past the tables or before 0
+  // (a sequence with keys, but fewer than its queries). docs/inference.md.
   Tensor rotary_cos, rotary_sin;
   bool rotary_interleaved = false;
   bool rotary_keys = true;

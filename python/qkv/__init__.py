@@ -386,10 +386,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       (seqlen_ro, rotary_dim / 2) float arrays, rotary_dim <= Dk; rotary_interleaved=False pairs
       x[i] with x[i + rotary_dim / 2] (GPT-NeoX), True x[2i] with x[2i + 1] (GPT-J). The first
       rotary_dim features of query, and of key unless rotary_keys=False, are rotated before the
-      scores: query i at position n - Nq + i (its sequence's keys n: Nk, key_lengths[b], its packed
-      sequence's, cache_seqlens[b]), key j at j. rotary_keys=False: key is a cache whose keys were
-      rotated when appended (paged pools and 16-bit or quantized keys need it). The backward takes
-      the same keywords and returns the gradients of the unrotated query and key (docs/inference.md).
+      scores: query i at position n - Nq + i (its sequence's keys n: Nk, its packed sequence's,
+      cache_seqlens[b]), key j at j. With Nq != Nk, is_causal (top-left) and key_lengths are
+      refused: give attn_mask=qkv.Mask.causal(Nk - Nq), or the cache as pages. rotary_keys=False:
+      key is a cache whose keys were rotated when appended (paged pools and 16-bit or quantized
+      keys need it). The backward takes the same keywords and returns the gradients of the
+      unrotated query and key (docs/inference.md).
     backend: "auto" (flash, or reference when the weights are wanted), "reference" or "flash".
 
     Score modifiers, applied to each scaled score s in this order, before the mask:

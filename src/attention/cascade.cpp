@@ -66,6 +66,8 @@ void check_options(const AttentionOptions& o) {
   refuse(o.k_scales.defined() || o.v_scales.defined(), "quantized K/V (k_scales, v_scales)");
   refuse(!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty(), "cu_seqlens_q / cu_seqlens_k");
   refuse(!o.block_table.empty() || !o.cache_seqlens.empty(), "block_table / cache_seqlens (paged K/V)");
+  refuse(o.rotary_cos.defined() || o.rotary_sin.defined(),
+         "rotary_cos / rotary_sin (the levels are caches of rotated keys: rotate the queries first)");
   const Mask& m = o.mask;
   const bool causal_only = m.band_lo() == -Mask::kUnbounded && (m.band_hi() == 0 || m.band_hi() == Mask::kUnbounded);
   if (!m.terms().empty() || m.rule() || !causal_only)

@@ -131,7 +131,11 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
 void scaled_dot_product_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                                        const AttentionOptions& options) {
   if (detail::has_rotary(options)) {
-    const detail::RotatedInputs r = detail::rotated_inputs("scaled_dot_product_attention: ", q, k, v, options);
+    const char* who = "scaled_dot_product_attention: ";
+    detail::check_outputs_apart(who, {{&result.output, "result.output"}, {&result.weights, "result.weights"},
+                                      {&result.lse, "result.lse"}, {&result.row_max, "result.row_max"},
+                                      {&result.row_sum, "result.row_sum"}}, q, k);
+    const detail::RotatedInputs r = detail::rotated_inputs(who, q, k, v, options);
     return scaled_dot_product_attention_into(r.q, r.k, v, result, r.options);
   }
   if (detail::is_varlen(options)) return detail::varlen_attention_into(q, k, v, result, options);
@@ -223,6 +227,8 @@ void scaled_dot_product_attention_backward_into(const Tensor& grad_output, const
     throw Error("scaled_dot_product_attention_backward: block_table / cache_seqlens (paged K/V) are forward only");
   if (detail::has_rotary(options)) {
     const char* who = "scaled_dot_product_attention_backward: ";
+    detail::check_outputs_apart(who, {{&grads.dq, "grads.dq"}, {&grads.dk, "grads.dk"}, {&grads.dv, "grads.dv"},
+                                      {&grads.dsinks, "grads.dsinks"}, {&grads.dbias, "grads.dbias"}}, q, k);
     const detail::RotatedInputs r = detail::rotated_inputs(who, q, k, v, options);
     scaled_dot_product_attention_backward_into(grad_output, r.q, r.k, v, forward, grads, r.options);
     detail::unrotate_gradients(who, q, k, v, options, grads);

@@ -308,6 +308,9 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   // Paged K/V likewise reaches here a sequence at a time (attention/paged.cpp), its table cleared.
   if (!options.block_table.empty() || !options.cache_seqlens.empty())
     fail(who, "block_table / cache_seqlens (paged K/V) are taken by scaled_dot_product_attention's forward only");
+  // Rotary tables are applied by the entry points (attention/rotary.cpp), which clear them.
+  if (options.rotary_cos.defined() || options.rotary_sin.defined())
+    fail(who, "rotary_cos / rotary_sin are taken by scaled_dot_product_attention and its backward only");
   // ---- shapes
   const Dims qd = read_dims(who, q, "q");
   Dims kd = read_dims(who, k, "k");

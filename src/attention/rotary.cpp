@@ -51,7 +51,10 @@ Tensor as_four(const Tensor& x) {
 
 std::string shape_of(const Tensor& t) { return t.defined() ? t.shape().str() : std::string("undefined"); }
 
-// Plain (B, H, N, D) operands: batch element b's queries are the last Nq of its n_b keys.
+// Plain (B, H, N, D) operands: the queries are the last Nq of the Nk keys, query i at Nk - Nq + i
+// (where ALiBi measures from). Refused where the mask would place them elsewhere: a band whose
+// last visible key is not the query's own position, or per-batch key lengths with Nq != Nk (a
+// padded cache, whose rows end at different positions: a paged call gives each its own).
 Placements unpacked(const std::string& who, const Tensor& q, const Tensor& k, const AttentionOptions& options) {
   if (q.dim() < 2 || q.dim() > 4 || k.dim() != q.dim())
     fail(who, "q is " + q.shape().str() + " and k " + k.shape().str() +
@@ -59,14 +62,20 @@ Placements unpacked(const std::string& who, const Tensor& q, const Tensor& k, co
   const Tensor q4 = as_four(q), k4 = as_four(k);
   const int64_t batch = q4.size(0), nq = q4.size(2), nk = k4.size(2);
   if (k4.size(0) != batch) fail(who, "q is " + q.shape().str() + " but k is " + k.shape().str() + ": batches differ");
-  const bool lengths = options.mask.has_key_lengths();
-  if (lengths && static_cast<int64_t>(options.mask.lengths().size()) != batch)
-    fail(who, "the mask has " + str(static_cast<int64_t>(options.mask.lengths().size())) +
-                  " key lengths for a batch of " + str(batch) + ": one per batch element");
+  const Mask& mask = options.mask;
+  if (nq != nk && mask.band_hi() < Mask::kUnbounded && mask.band_hi() != nk - nq)
+    fail(who, "the mask " + mask.str() + " lets query i see keys up to i + " + str(mask.band_hi()) +
+                  ", but rotary tables put it at position Nk - Nq + i = i + " + str(nk - nq) + " (Nq " + str(nq) +
+                  ", Nk " + str(nk) + "): align the band to the end of the keys (Mask::causal(" + str(nk - nq) +
+                  "), window(left, 0, " + str(nk - nq) + "))");
+  if (nq != nk && mask.has_key_lengths())
+    fail(who, "key_lengths with " + str(nq) + " queries over " + str(nk) +
+                  " keys: each batch element's queries would sit at its own length, which the mask's positions "
+                  "do not follow; give the cache as pages (block_table, cache_seqlens), or rotate q with "
+                  "nn::RotaryTable::apply_inplace(q, lengths) and pass rotary_keys = false");
   Placements p;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t keys = lengths ? std::min(options.mask.lengths()[static_cast<size_t>(b)], nk) : nk;
-    p.q.add(keys - nq, keys == 0);
+    p.q.add(nk - nq, nk == 0);
     if (options.rotary_keys) p.k.add(0, false);
   }
   return p;
@@ -196,6 +205,14 @@ Placements placements(const std::string& who, const Tensor& q, const Tensor& k, 
 }
 
 }  // namespace
+
+void check_outputs_apart(const char* who, std::initializer_list<std::pair<const Tensor*, const char*>> outputs,
+                         const Tensor& q, const Tensor& k) {
+  for (const auto& [t, name] : outputs)
+    for (const auto& [input, input_name] : {std::pair{&q, "q"}, {&k, "k"}})
+      if (t->defined() && input->defined() && t->shares_storage_with(*input))
+        fail(who, std::string(name) + " shares storage with " + input_name + ": outputs must not overwrite inputs");
+}
 
 RotatedInputs rotated_inputs(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options) {

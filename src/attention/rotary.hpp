@@ -5,6 +5,9 @@
 // packed, paged) serves rotary calls unchanged.
 #pragma once
 
+#include <initializer_list>
+#include <utility>
+
 #include "qkv/attention.hpp"
 
 namespace qkv::detail {
@@ -22,6 +25,11 @@ struct RotatedInputs {
 };
 RotatedInputs rotated_inputs(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options);
+
+// The caller's outputs must not share storage with its q and k: the kernels check their outputs
+// against the tensors they are given, which are the rotated copies.
+void check_outputs_apart(const char* who, std::initializer_list<std::pair<const Tensor*, const char*>> outputs,
+                         const Tensor& q, const Tensor& k);
 
 // The backward's last step: grads.dq (and grads.dk when rotary_keys), the gradients of the rotated
 // q and k, turned back in place into those of the caller's q and k.

@@ -80,8 +80,7 @@ struct Case {
 qkv_test::OracleResult oracle(const Case& c, const std::vector<double>& q, const std::vector<double>& k,
                               const Tensor& v, const Tables& t, bool interleaved, bool rotate_keys = true) {
   std::vector<int64_t> q_offsets, k_offsets(static_cast<size_t>(c.batch), 0);
-  for (int64_t b = 0; b < c.batch; ++b)
-    q_offsets.push_back((c.lengths.empty() ? c.nk : c.lengths[static_cast<size_t>(b)]) - c.nq);
+  for (int64_t b = 0; b < c.batch; ++b) q_offsets.push_back(c.nk - c.nq);
   qkv_test::AttentionDims d{c.batch, kQHeads, kKvHeads, c.nq, c.nk, kDk, kDv};
   std::vector<qkv_test::Bias> parts;
   if (c.causal) parts.push_back(qkv_test::causal_bias(c.nk - c.nq));
@@ -103,7 +102,7 @@ Mask mask_of(const Case& c) {
 const std::vector<Case> kCases = {
     {2, 5, 13, {}, false},      // decode-like: the queries are the last 5 of 13 positions
     {2, 9, 9, {}, true},        // a whole sequence, causal
-    {3, 4, 11, {11, 6, 4}, true},  // padded keys: each batch element's queries end at its own length
+    {3, 9, 9, {9, 6, 4}, true},  // a right-padded batch: query i at position i, its padding keys hidden
     {1, 1, 17, {}, false},
 };
 
@@ -301,6 +300,22 @@ TEST(RotaryOptions, RefusesWhatItCannotPlace) {
   AttentionOptions cached = rotary(t, false);
   cached.rotary_keys = false;
   EXPECT_NO_THROW(qkv::scaled_dot_product_attention(q, k.to(DType::BF16), v_bf16, cached));
+
+  // Masks that place the queries elsewhere than the tables would: a top-left band with Nq < Nk,
+  // and per-batch key lengths over a longer cache.
+  AttentionOptions top_left = rotary(t, false, Mask::causal());
+  qkv_test::expect_error(call(q, k, top_left), {"keys up to i + 0", "i + 5", "Mask::causal(5)"});
+  AttentionOptions padded_cache = rotary(t, false, Mask::key_lengths({7}));
+  qkv_test::expect_error(call(q, k, padded_cache), {"key_lengths with 4 queries over 9 keys", "block_table"});
+  // Outputs over the caller's q: refused as without tables (the kernels see only the copies).
+  const Tensor v_wide = rng.randn(Shape{1, 2, 9, kDk});
+  qkv::AttentionResult over_q;
+  over_q.output = q;
+  qkv_test::expect_error([&] { qkv::scaled_dot_product_attention_into(q, k, v_wide, over_q, rotary(t, false)); },
+                         {"result.output shares storage with q"});
+  // Cascade's levels are caches of rotated keys: the tables are refused, not dropped.
+  qkv_test::expect_error(
+      [&] { qkv::cascade_attention(q.narrow(2, 0, 1), k, v, k, v, rotary(t, false)); }, {"rotary_cos / rotary_sin"});
 
   const Tensor pool = rng.randn(Shape{3, 4, 2, kDk}), v_pool = rng.randn(Shape{3, 4, 2, kDv});
   AttentionOptions paged = rotary(random_tables(rng, 16), false);

@@ -140,7 +140,8 @@ def test_options_are_one_object():
     options = qkv._core.AttentionOptions()
     assert qkv._OPTION_KEYWORDS == {"seed", "backend", "softcap", "alibi_slopes", "sinks", "precision", "score_mod",
                                     "mask_mod", "mod_inputs", "cu_seqlens_q", "cu_seqlens_k", "block_table",
-                                    "cache_seqlens"}
+                                    "cache_seqlens", "rotary_cos", "rotary_sin", "rotary_interleaved",
+                                    "rotary_keys"}
     made = qkv._options("f", {"softcap": 2, "backend": "FLASH", "precision": "High"}, scale=0.5, dropout_p=0.25)
     assert (made.softcap, made.backend, made.precision, made.scale, made.dropout_p) == (
         2.0, qkv.Backend.Flash, "high", 0.5, 0.25)
