@@ -105,7 +105,8 @@ struct AttentionOptions {
   // likewise, (B, Hq) slopes' row b, dropout drawn with seed + b). Pages may be shared between
   // sequences and lie in any order; only the entries a sequence's keys reach are read (and must
   // lie in [0, num_pages)). Runs the decode kernel on the pages in place, any Nq; output (B, Hq,
-  // Nq, Dv). Forward only, K/V f32, bf16 or f16; not with need_weights, summaries, tensor masks,
+  // Nq, Dv). K/V f32, bf16, f16, or int8 / int4 pools with k_scales / v_scales their scale pools
+  // (num_pages, page_size, Hkv, groups). Forward only; not with need_weights, summaries, tensor masks,
   // key_lengths, score/mask functions, cu_seqlens or backend Flash / Reference. docs/inference.md.
   std::vector<int64_t> block_table, cache_seqlens;
 

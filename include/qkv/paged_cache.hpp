@@ -19,7 +19,9 @@ namespace qkv::nn {
 class PagedKVCache {
  public:
   // A pool of num_pages pages of page_size positions, K/V (num_pages, page_size, kv_heads,
-  // head_dim) in dtype (F32, BF16 or F16), every page free.
+  // head_dim) in dtype (F32, BF16 or F16), every page free. I8 / I4 store each row quantized
+  // (qkv/quantize.hpp; I4 rows head_dim / 2 bytes, head_dim even) with its scales in scale pools
+  // (num_pages, page_size, kv_heads, groups) that pages share and copy with their rows.
   PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim, DType dtype = DType::F32);
 
   // A new empty sequence; returns its id (ids are never reused).
@@ -29,9 +31,10 @@ class PagedKVCache {
   // Ends a sequence: its pages' counts - 1, a page whose count reaches 0 freed.
   void release(int64_t sequence);
 
-  // Appends k (kv_heads, N, head_dim) and v (the same), f32 or the pool's dtype, any strides, to
-  // `sequence`'s positions [length, length + N): free pages taken as needed, a shared last page
-  // copied first. Throws qkv::Error, leaving the cache unchanged, when the pool has too few pages.
+  // Appends k (kv_heads, N, head_dim) and v (the same), f32 or the pool's dtype (f32 only for a
+  // quantized pool, each element finite), any strides, to `sequence`'s positions [length,
+  // length + N): free pages taken as needed, a shared last page copied first. Throws qkv::Error,
+  // leaving the cache unchanged, when the pool has too few pages or an input is bad.
   void append(int64_t sequence, const Tensor& k, const Tensor& v);
 
   int64_t length(int64_t sequence) const;
@@ -43,9 +46,12 @@ class PagedKVCache {
   int64_t page_size() const { return page_size_; }
   const Tensor& key_pool() const { return keys_; }    // (num_pages, page_size, kv_heads, head_dim)
   const Tensor& value_pool() const { return values_; }
+  const Tensor& key_scale_pool() const { return key_scales_; }  // quantized pools only (else undefined)
+  const Tensor& value_scale_pool() const { return value_scales_; }
 
   // options.block_table (B x the longest page list, -1 past a sequence's pages) and
-  // options.cache_seqlens for attention over `sequences` (batch element b = sequences[b]).
+  // options.cache_seqlens for attention over `sequences` (batch element b = sequences[b]); for a
+  // quantized pool also options.k_scales / v_scales, the scale pools.
   void set_paged_options(const std::vector<int64_t>& sequences, AttentionOptions& options) const;
 
  private:
@@ -56,6 +62,7 @@ class PagedKVCache {
   };
   int64_t page_size_, kv_heads_, head_dim_;
   Tensor keys_, values_;
+  Tensor key_scales_, value_scales_;  // quantized pools only
   std::vector<int64_t> counts_;  // per page: the sequences holding it
   std::vector<int64_t> free_;    // free pages, taken from the back
   std::vector<Sequence> sequences_;
@@ -63,7 +70,8 @@ class PagedKVCache {
   Sequence& live(int64_t sequence, const char* what);
   const Sequence& live(int64_t sequence, const char* what) const;
   int64_t take_page();
-  void write_rows(const Tensor& from, const Tensor& pool, int64_t page, int64_t slot, int64_t n, int64_t first) const;
+  void write_rows(const Tensor& from, const Tensor& pool, const Tensor& scales, int64_t page, int64_t slot, int64_t n,
+                  int64_t first) const;
 };
 
 }  // namespace qkv::nn

@@ -376,7 +376,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       the same keywords (docs/inference.md).
     block_table, cache_seqlens: paged K/V, as FlashAttention's flash_attn_with_kvcache takes them
       (its layout, not the (B, H, N, D) above): query (B, Nq, Hq, Dk), key (num_pages, page_size,
-      Hkv, Dk) and value (num_pages, page_size, Hkv, Dv) page pools (float32, or 16-bit),
+      Hkv, Dk) and value (num_pages, page_size, Hkv, Dv) page pools (float32, 16-bit, or
+      qkv.quantize_kv of the pools: int8 / int4 rows with their scales paged alike),
       block_table (B, max_pages) int32 pool page indices, cache_seqlens (B,) int32 the keys each
       sequence holds; sequence b's key j is row j % page_size of page block_table[b, j // page_size],
       its query i at key position cache_seqlens[b] - Nq + i (is_causal and window bottom-right
@@ -522,7 +523,16 @@ def _paged_attention(query, key, value, mask_arguments, need_weights, dropout_p,
     mask = _mask_from(query, *mask_arguments)
     arguments = dict(mask=mask, scale=scale, dropout_p=dropout_p, need_weights=bool(need_weights))
     key_half, value_half = _half_bits(key), _half_bits(value)
-    if key_half is not None or value_half is not None:
+    if isinstance(key, QuantizedKV) or isinstance(value, QuantizedKV):  # quantized page pools and their scales
+        if not (isinstance(key, QuantizedKV) and isinstance(value, QuantizedKV) and key.dtype == value.dtype):
+            raise Error(f"key is {_brief(key)} but value is {_brief(value)}: quantized pools must both be "
+                        "qkv.QuantizedKV of one dtype")
+        if return_row_stats:
+            raise Error("quantized key/value are for inference: no return_row_stats")
+        output, lse = _core.attention_quantized_kv(query, key.values, key.scales, value.values, value.scales,
+                                                   key.dtype, _options(who, options, **arguments))
+        row_max = row_sum = None
+    elif key_half is not None or value_half is not None:
         if key_half is None or value_half is None or key_half[1] != value_half[1]:
             raise Error(f"key is {getattr(key, 'dtype', '?')} but value is {getattr(value, 'dtype', '?')}: "
                         "16-bit keys and values must share a dtype")

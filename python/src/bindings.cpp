@@ -203,6 +203,12 @@ qkv::Tensor per_head(const py::object& value, const char* name) {
   return copy;
 }
 
+// A page pool as float32: a view when it is f32, a converted copy of 16-bit pools, the dequantised
+// values of quantized ones (their scale pool beside them).
+qkv::Tensor pool_as_f32(const qkv::Tensor& pool, const qkv::Tensor& scales) {
+  return is_quantized(pool.dtype()) ? qkv::dequantize_kv({pool, scales}) : pool.to(qkv::DType::F32);
+}
+
 // rotary_cos / rotary_sin: None (off) or a (seqlen_ro, rotary_dim / 2) float array of any float
 // dtype (numpy, or a torch tensor), copied as float32; the core checks shapes and values.
 qkv::Tensor table_from(const py::object& value, const char* name) {
@@ -809,10 +815,11 @@ window > 0 makes it a ring buffer of window slots.
   using Paged = qkv::nn::PagedKVCache;
   py::class_<Paged>(m, "PagedKVCache", R"doc(
 Keys and values of many sequences in one pool of pages (num_pages, page_size, kv_heads, head_dim)
-stored in dtype "f32", "bf16" or "f16", each sequence a list of pages
+stored in dtype "f32", "bf16", "f16", "int8" or "int4", each sequence a list of pages
 (include/qkv/paged_cache.hpp): append takes free pages as a sequence grows, fork shares a
 sequence's pages (reference counts), and an append into a shared page copies it first.
-key_pool / value_pool are the pools (views when f32, float32 copies of 16-bit pools), and
+key_pool / value_pool are the pools (views when f32; float32 copies of 16-bit pools, dequantised
+copies of "int8" / "int4" pools, whose rows are quantized on append), and
 paged_options(sequences) the (block_table, cache_seqlens) int32 arrays scaled_dot_product_attention
 takes with them; MultiHeadAttention.forward(x, cache=, sequences=) appends and attends in place.
 Not safe to call from several threads at once.
@@ -837,8 +844,9 @@ Not safe to call from several threads at once.
       .def("references", &Paged::references, py::arg("page"))
       .def_property_readonly("free_pages", &Paged::free_pages)
       .def_property_readonly("page_size", &Paged::page_size)
-      .def_property_readonly("key_pool", [](const Paged& c) { return to_numpy(c.key_pool().to(qkv::DType::F32)); })
-      .def_property_readonly("value_pool", [](const Paged& c) { return to_numpy(c.value_pool().to(qkv::DType::F32)); })
+      .def_property_readonly("key_pool", [](const Paged& c) { return to_numpy(pool_as_f32(c.key_pool(), c.key_scale_pool())); })
+      .def_property_readonly("value_pool",
+                             [](const Paged& c) { return to_numpy(pool_as_f32(c.value_pool(), c.value_scale_pool())); })
       .def("paged_options",
            [](const Paged& c, const std::vector<int64_t>& sequences) {
              qkv::AttentionOptions o;

@@ -15,6 +15,7 @@
 #include "attention/problem.hpp"
 #include "attention/summary/summary.hpp"  // clear_summary_outputs
 #include "attention/varlen.hpp"           // check_sequence_options, sequence_options
+#include "core/quantize.hpp"               // check_quantized
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
@@ -27,9 +28,11 @@ std::string entry(const char* name, int64_t b, int64_t at, int64_t value) {
          "] = " + std::to_string(value);
 }
 
-// The pool shapes: k (num_pages, page_size, Hkv, Dk) and v (num_pages, page_size, Hkv, Dv), float
-// or 16-bit, last dims contiguous; q (B, Hq, Nq, Dk).
-void check_pools(const char* who, const Tensor& q, const Tensor& k, const Tensor& v) {
+// The pool shapes: k (num_pages, page_size, Hkv, Dk) and v (num_pages, page_size, Hkv, Dv), float,
+// 16-bit or quantized (int4 pools hold Dk / 2 bytes a row; options.k_scales / v_scales are then
+// their scale pools, (num_pages, page_size, Hkv, groups), checked here once), last dims contiguous;
+// q (B, Hq, Nq, Dk).
+void check_pools(const char* who, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o) {
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
     if (!t->defined()) fail(who, std::string(name) + " is undefined");
   if (q.dim() != 4) fail(who, "q is " + q.shape().str() + ": with block_table it must be (B, Hq, Nq, Dk)");
@@ -42,12 +45,18 @@ void check_pools(const char* who, const Tensor& q, const Tensor& k, const Tensor
   }
   if (k.size(0) != v.size(0) || k.size(1) != v.size(1) || k.size(2) != v.size(2))
     fail(who, "k is " + k.shape().str() + " but v is " + v.shape().str() + ": they need the same (num_pages, page_size, Hkv)");
-  if (k.size(3) != q.size(3))
-    fail(who, "q is " + q.shape().str() + " but k is " + k.shape().str() + ": head dims differ");
+  const int64_t per_byte = k.dtype() == DType::I4 ? 2 : 1;  // int4: two values a byte
+  if (k.size(3) * per_byte != q.size(3))
+    fail(who, "q is " + q.shape().str() + " but k is " + k.shape().str() + " " + std::string(to_string(k.dtype())) +
+                  ": head dims differ");
   if (k.size(1) < 1) fail(who, "k is " + k.shape().str() + ": page_size must be at least 1");
-  if (is_quantized(k.dtype()))
-    fail(who, "k and v are " + std::string(to_string(k.dtype())) +
-                  ": paged K/V are f32, bf16 or f16 (quantized pages are not supported yet)");
+  if (is_quantized(k.dtype()) || is_quantized(v.dtype())) {
+    if (v.dtype() != k.dtype())
+      fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
+                    ": quantized pools share one dtype");
+    check_quantized(who, "k", k, o.k_scales, q.size(3));
+    check_quantized(who, "v", v, o.v_scales, v.size(3) * per_byte);
+  }
 }
 
 // cache_seqlens (B) in [0, max_pages x page_size]; block_table B x max_pages, the entries each
@@ -87,12 +96,16 @@ void check_paged_options(const char* who, const AttentionOptions& o, int64_t bat
   if (o.backend == Backend::Flash || o.backend == Backend::Reference)
     fail(who, "backend " + std::string(to_string(o.backend)) +
                   " does not read paged K/V: block_table runs the decode kernel (backend Auto or Decode)");
-  check_sequence_options(who, o, batch, "block_table / cache_seqlens");
+  AttentionOptions others = o;  // quantized pools are this file's to check (check_pools)
+  others.k_scales = others.v_scales = Tensor();
+  check_sequence_options(who, others, batch, "block_table / cache_seqlens");
 }
 
 // A (1, Hkv, n, D) tensor over the pool's first element, of its dtype: the shape build_problem
-// checks and normalises a sequence's problem with. Never read: its rows are rebound to the pages.
+// checks and normalises a sequence's problem with. Never read: its rows are rebound to the pages
+// (a scale pool's stand-in likewise: build_problem is told the scales were checked).
 Tensor stand_in(const Tensor& pool, int64_t n) {
+  if (!pool.defined()) return pool;
   return Tensor::from_blob(pool.raw_view_data(), Shape{1, pool.size(2), n, pool.size(3)}, pool.dtype(),
                            std::make_shared<Tensor>(pool));
 }
@@ -103,14 +116,23 @@ Rows<const T> pool_rows(const Tensor& pool) {
   return {static_cast<const T*>(pool.raw_view_data()), 0, pool.strides()[2], pool.strides()[1]};
 }
 
-// Points a sequence's problem at its pages: b's block-table row, the pools' rows.
-void bind_pages(AttentionProblem& p, const Tensor& k, const Tensor& v, const int64_t* pages) {
+// Points a sequence's problem at its pages: b's block-table row, the pools' rows (and the scale
+// pools' of quantized pools).
+void bind_pages(AttentionProblem& p, const Tensor& k, const Tensor& v, const AttentionOptions& o,
+                const int64_t* pages) {
   const int64_t page_size = k.size(1);
   int shift = -1;
   for (int s = 0; s < 63 && shift < 0; ++s)
     if ((int64_t{1} << s) == page_size) shift = s;
-  p.paged = PagedKv{pages, page_size, shift, k.strides()[0], v.strides()[0]};
-  if (k.dtype() == DType::F32) {
+  p.paged = PagedKv{pages, page_size, shift, k.strides()[0], v.strides()[0], 0, 0};
+  if (is_quantized(k.dtype())) {
+    p.k_quant = pool_rows<uint8_t>(k);
+    p.v_quant = pool_rows<uint8_t>(v);
+    p.k_scales = pool_rows<float>(o.k_scales);
+    p.v_scales = pool_rows<float>(o.v_scales);
+    p.paged.k_scale_page_stride = o.k_scales.strides()[0];
+    p.paged.v_scale_page_stride = o.v_scales.strides()[0];
+  } else if (k.dtype() == DType::F32) {
     p.k = pool_rows<float>(k);
     p.v = pool_rows<float>(v);
   } else {
@@ -123,12 +145,13 @@ void bind_pages(AttentionProblem& p, const Tensor& k, const Tensor& v, const int
 void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                           const AttentionOptions& options) {
   const char* who = "scaled_dot_product_attention: ";
-  check_pools(who, q, k, v);
+  check_pools(who, q, k, v, options);
   const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2);
   check_paged_options(who, options, batch);
   const int64_t max_pages = check_table(who, options, batch, k.size(0), k.size(1));
   const auto inputs = {&q, &k, &v};
-  prepare_result(who, result.output, "result.output", Shape{batch, heads, nq, v.size(3)}, inputs, false);
+  const int64_t dv = v.size(3) * (v.dtype() == DType::I4 ? 2 : 1);  // int4: two values a byte
+  prepare_result(who, result.output, "result.output", Shape{batch, heads, nq, dv}, inputs, false);
   for (auto [t, name] : {std::pair{&result.lse, "result.lse"}, {&result.row_max, "result.row_max"},
                          {&result.row_sum, "result.row_sum"}})
     prepare_result(who, *t, name, Shape{batch, heads, nq}, inputs, true);
@@ -137,7 +160,10 @@ void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Att
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = options.cache_seqlens[static_cast<size_t>(b)];
     const Tensor qb = q.narrow(0, b, 1);
-    BuiltProblem built = build_problem(who, qb, stand_in(k, n), stand_in(v, n), sequence_options(options, b));
+    AttentionOptions own = sequence_options(options, b);
+    own.k_scales = stand_in(options.k_scales, n);
+    own.v_scales = stand_in(options.v_scales, n);
+    BuiltProblem built = build_problem(who, qb, stand_in(k, n), stand_in(v, n), own, /*quantized_checked=*/true);
     align_band_to_end(built.problem);  // query i at key position n - Nq + i
     AttentionResult part;
     part.output = result.output.narrow(0, b, 1);
@@ -145,7 +171,7 @@ void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Att
     part.row_max = result.row_max.narrow(0, b, 1);
     part.row_sum = result.row_sum.narrow(0, b, 1);
     bind_forward_outputs(built, part, false, qb, k, v);
-    bind_pages(built.problem, k, v, options.block_table.data() + b * max_pages);
+    bind_pages(built.problem, k, v, options, options.block_table.data() + b * max_pages);
     decode_attention(built.problem);
   }
 }

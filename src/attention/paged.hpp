@@ -23,7 +23,9 @@ struct PagedKv {
   const int64_t* pages = nullptr;  // the sequence's block-table row; null: K/V are not paged
   int64_t page_size = 0;
   int page_shift = -1;             // log2(page_size) when it is a power of two, else -1
-  int64_t k_page_stride = 0, v_page_stride = 0;  // elements (of the K/V dtype) between pool pages
+  int64_t k_page_stride = 0, v_page_stride = 0;  // elements (of the K/V dtype; bytes when quantized)
+                                                  // between pool pages
+  int64_t k_scale_page_stride = 0, v_scale_page_stride = 0;  // floats between the scale pools' pages
 
   bool on() const { return pages != nullptr; }
   int64_t page_of(int64_t j) const { return page_shift >= 0 ? j >> page_shift : j / page_size; }
@@ -31,6 +33,12 @@ struct PagedKv {
   int64_t offset(int64_t j, int64_t page_stride, int64_t row_stride) const {
     const int64_t page = page_of(j);
     return pages[page] * page_stride + (j - page * page_size) * row_stride;
+  }
+  // Key j's row of `rows`, a view of the pool's page 0 (paged) or of the whole cache (not paged).
+  template <class T, class RowsT>
+  const T* row(const RowsT& rows, int64_t page_stride, int64_t b, int64_t g, int64_t j) const {
+    if (!on()) return rows.row(b, g, j);
+    return rows.row(0, g, 0) + offset(j, page_stride, rows.row_stride);
   }
   // The first key past j's page: a run of keys [j, page_end(j)) is rows of one page, a strided view.
   int64_t page_end(int64_t j) const { return (page_of(j) + 1) * page_size; }

@@ -300,7 +300,7 @@ std::shared_ptr<const ScoreFunction> score_function_of(const char* who, const At
 }  // namespace
 
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionOptions& options) {
+                           const AttentionOptions& options, bool quantized_checked) {
   // A packed batch reaches here one sequence at a time (attention/varlen.cpp), its offsets cleared.
   if (!options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty())
     fail(who, "cu_seqlens_q / cu_seqlens_k (a packed batch) are taken by scaled_dot_product_attention and its "
@@ -318,10 +318,10 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   check_dtypes(who, q, k, v);
   if (k.dtype() == DType::I4) kd.dim *= 2, vd.dim *= 2;  // two 4-bit values a byte
   check_shapes(who, q, k, v, qd, kd, vd);
-  if (is_quantized(k.dtype())) {
+  if (is_quantized(k.dtype()) && !quantized_checked) {
     check_quantized(who, "k", k, options.k_scales, kd.dim);
     check_quantized(who, "v", v, options.v_scales, vd.dim);
-  } else if (options.k_scales.defined() || options.v_scales.defined()) {
+  } else if (!is_quantized(k.dtype()) && (options.k_scales.defined() || options.v_scales.defined())) {
     fail(who, "k_scales / v_scales are for int8 or int4 k and v, but k is " + std::string(to_string(k.dtype())));
   }
 

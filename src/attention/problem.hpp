@@ -154,8 +154,10 @@ struct BuiltProblem {
 };
 
 // Checks q, k, v and the options (`who` prefixes every error message) and normalises them.
+// quantized_checked: quantized k and v and their scales were checked by the caller (paged K/V
+// checks the pools once; its per-sequence k / v are stand-ins whose scales must not be read).
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionOptions& options);
+                           const AttentionOptions& options, bool quantized_checked = false);
 
 // Prepares result's tensors (allocated when undefined, else checked: shape, a contiguous last
 // dim, no storage shared with q, k, v) and points the problem's outputs at them.

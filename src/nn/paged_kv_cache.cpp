@@ -4,10 +4,12 @@
 #include "qkv/paged_cache.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
 #include "core/huge_pages.hpp"
+#include "core/quantize.hpp"  // quantize_row
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -22,11 +24,16 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
   if (num_pages < 1 || page_size < 1 || kv_heads < 1 || head_dim < 1)
     fail("num_pages (" + str(num_pages) + "), page_size (" + str(page_size) + "), kv_heads (" + str(kv_heads) +
          ") and head_dim (" + str(head_dim) + ") must be at least 1");
-  if (is_quantized(dtype)) fail("pages are f32, bf16 or f16, got " + std::string(to_string(dtype)));
+  if (dtype == DType::I4 && head_dim % 2 != 0)
+    fail("an int4 pool packs two values a byte: head_dim " + str(head_dim) + " must be even");
+  const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
+  if (is_quantized(dtype))
+    for (Tensor* scales : {&key_scales_, &value_scales_})
+      *scales = Tensor::zeros(Shape{num_pages, page_size, kv_heads, quantized_groups(dtype, head_dim)});
   // Huge pages for the pools, asked for before the zeros first touch them: attention reads a
   // head's rows Hkv x head_dim elements apart, a new 4 KB page per key (docs/inference.md).
   for (Tensor* pool : {&keys_, &values_}) {
-    *pool = Tensor::empty(Shape{num_pages, page_size, kv_heads, head_dim}, dtype);
+    *pool = Tensor::empty(Shape{num_pages, page_size, kv_heads, row}, dtype);
     const size_t bytes = static_cast<size_t>(pool->numel()) * element_size(dtype);
     detail::advise_huge_pages(pool->raw_data(), bytes);
     std::memset(pool->raw_data(), 0, bytes);  // +0 in every dtype
@@ -71,17 +78,24 @@ int64_t PagedKVCache::take_page() {
   return page;
 }
 
-// Rows [first, first + n) of from (kv_heads, N, head_dim) into slots [slot, slot + n) of `page`.
-void PagedKVCache::write_rows(const Tensor& from, const Tensor& pool, int64_t page, int64_t slot, int64_t n,
-                              int64_t first) const {
-  const size_t size = element_size(pool.dtype());
+// Rows [first, first + n) of from (kv_heads, N, head_dim) into slots [slot, slot + n) of `page`:
+// converted to the pool's dtype, or quantized with their scales into `scales` (quantized pools).
+void PagedKVCache::write_rows(const Tensor& from, const Tensor& pool, const Tensor& scales, int64_t page, int64_t slot,
+                              int64_t n, int64_t first) const {
+  const int64_t row_elements = pool.size(3);  // head_dim, or its bytes for int4
   auto* base = static_cast<std::byte*>(pool.raw_data());
   const auto* source = static_cast<const std::byte*>(from.raw_data());
   for (int64_t r = 0; r < n; ++r)
     for (int64_t h = 0; h < kv_heads_; ++h) {
       const std::byte* row = source + ((h * from.size(1) + first + r) * head_dim_) * element_size(from.dtype());
-      std::byte* to = base + (((page * page_size_ + slot + r) * kv_heads_ + h) * head_dim_) * size;
-      convert(row, from.dtype(), to, pool.dtype(), static_cast<size_t>(head_dim_));
+      const int64_t at = (page * page_size_ + slot + r) * kv_heads_ + h;
+      if (is_quantized(pool.dtype())) {
+        detail::quantize_row(pool.dtype(), reinterpret_cast<const float*>(row), head_dim_,
+                             reinterpret_cast<uint8_t*>(base) + at * row_elements, scales.data() + at * scales.size(3));
+      } else {
+        std::byte* to = base + at * row_elements * static_cast<int64_t>(element_size(pool.dtype()));
+        convert(row, from.dtype(), to, pool.dtype(), static_cast<size_t>(head_dim_));
+      }
     }
 }
 
@@ -99,9 +113,9 @@ void PagedKVCache::append(int64_t sequence, const Tensor& k, const Tensor& v) {
     if (!t->defined() || t->dim() != 3 || t->size(0) != kv_heads_ || t->size(2) != head_dim_)
       fail(std::string(name) + " is " + (t->defined() ? t->shape().str() : std::string("undefined")) +
            " but should be (" + str(kv_heads_) + ", N, " + str(head_dim_) + ")");
-    if (t->dtype() != DType::F32 && t->dtype() != keys_.dtype())
+    if (t->dtype() != DType::F32 && (t->dtype() != keys_.dtype() || is_quantized(t->dtype())))
       fail(std::string(name) + " is " + std::string(to_string(t->dtype())) + ": append takes f32 or the pool's " +
-           std::string(to_string(keys_.dtype())));
+           std::string(to_string(keys_.dtype())) + (is_quantized(keys_.dtype()) ? " (quantized here: f32 only)" : ""));
   }
   if (v.size(1) != k.size(1)) fail("k is " + k.shape().str() + " but v is " + v.shape().str());
   const int64_t n = k.size(1), room = static_cast<int64_t>(s.pages.size()) * page_size_ - s.length;
@@ -110,22 +124,31 @@ void PagedKVCache::append(int64_t sequence, const Tensor& k, const Tensor& v) {
   if (needed > free_pages())
     fail("appending " + str(n) + " positions to sequence " + str(sequence) + " (length " + str(s.length) +
          ") needs " + str(needed) + " free pages but the pool has " + str(free_pages()));
-  if (shared_last) {  // copy on write: the sequence gets its own copy of the last page
+  const Tensor kc = k.contiguous(), vc = v.contiguous();
+  if (is_quantized(keys_.dtype()))  // checked before anything is written: the cache stays as it was
+    for (auto [t, name] : {std::pair{&kc, "k"}, {&vc, "v"}}) {
+      const float* x = t->data();
+      for (int64_t e = 0; e < t->numel(); ++e)
+        if (!std::isfinite(x[e]))
+          fail(std::string("append: ") + name + " " + t->shape().str() + " has " + std::to_string(x[e]) +
+               " at flat index " + str(e) + ": a quantized pool needs finite keys and values");
+    }
+  if (shared_last) {  // copy on write: the sequence gets its own copy of the last page (and its scales)
     const int64_t old = s.pages.back(), copy = take_page();
     --counts_[static_cast<size_t>(old)];
-    for (const Tensor* pool : {&keys_, &values_}) {
-      const size_t bytes = static_cast<size_t>(page_size_ * kv_heads_ * head_dim_) * element_size(pool->dtype());
+    for (const Tensor* pool : {&keys_, &values_, &key_scales_, &value_scales_}) {
+      if (!pool->defined()) continue;
+      const size_t bytes = static_cast<size_t>(pool->numel() / pool->size(0)) * element_size(pool->dtype());
       auto* base = static_cast<std::byte*>(pool->raw_data());
       std::memcpy(base + copy * bytes, base + old * bytes, bytes);
     }
     s.pages.back() = copy;
   }
-  const Tensor kc = k.contiguous(), vc = v.contiguous();
   for (int64_t done = 0; done < n;) {
     if (s.length == static_cast<int64_t>(s.pages.size()) * page_size_) s.pages.push_back(take_page());
     const int64_t slot = s.length % page_size_, rows = std::min(n - done, page_size_ - slot);
-    write_rows(kc, keys_, s.pages.back(), slot, rows, done);
-    write_rows(vc, values_, s.pages.back(), slot, rows, done);
+    write_rows(kc, keys_, key_scales_, s.pages.back(), slot, rows, done);
+    write_rows(vc, values_, value_scales_, s.pages.back(), slot, rows, done);
     s.length += rows;
     done += rows;
   }
@@ -151,6 +174,8 @@ void PagedKVCache::set_paged_options(const std::vector<int64_t>& sequences, Atte
     std::copy(s.pages.begin(), s.pages.end(), options.block_table.begin() + static_cast<std::ptrdiff_t>(b * width));
     options.cache_seqlens.push_back(s.length);
   }
+  options.k_scales = key_scales_;
+  options.v_scales = value_scales_;
 }
 
 }  // namespace qkv::nn

@@ -49,7 +49,8 @@ int64_t pages_for(int64_t n, int64_t page_size) { return (n + page_size - 1) / p
 
 // Sequences of `lengths` keys; sequence 1 shares sequence 0's whole first pages (a common prefix);
 // every other page is its own, all dealt to shuffled pool slots, two spare slots left NaN.
-Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& lengths, int64_t nq) {
+Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& lengths, int64_t nq,
+                   int64_t dk = kDk, int64_t dv = kDv) {
   Paged p;
   p.page_size = page_size;
   p.lengths = lengths;
@@ -67,19 +68,19 @@ Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& l
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t page = 0; page < pages_for(lengths[b], page_size); ++page)
       p.table[b * p.max_pages + page] = b == 1 && page < shared ? p.table[page] : slots[next++];
-  p.k_pool = Tensor::full(Shape{num_pages, page_size, kKvHeads, kDk}, kNaN);
-  p.v_pool = Tensor::full(Shape{num_pages, page_size, kKvHeads, kDv}, kNaN);
+  p.k_pool = Tensor::full(Shape{num_pages, page_size, kKvHeads, dk}, kNaN);
+  p.v_pool = Tensor::full(Shape{num_pages, page_size, kKvHeads, dv}, kNaN);
   for (int64_t b = 0; b < batch; ++b) {
-    Tensor k = rng.randn(Shape{1, kKvHeads, lengths[b], kDk}), v = rng.randn(Shape{1, kKvHeads, lengths[b], kDv});
+    Tensor k = rng.randn(Shape{1, kKvHeads, lengths[b], dk}), v = rng.randn(Shape{1, kKvHeads, lengths[b], dv});
     for (int64_t j = 0; j < lengths[b]; ++j) {
       const int64_t page = p.table[b * p.max_pages + j / page_size], row = j % page_size;
       for (int64_t h = 0; h < kKvHeads; ++h) {
-        for (int64_t d = 0; d < kDk; ++d) {
+        for (int64_t d = 0; d < dk; ++d) {
           float& pooled = p.k_pool.at({page, row, h, d});
           if (b == 1 && j < shared * page_size) k.at({0, h, j, d}) = pooled;  // the shared prefix
           pooled = k.at({0, h, j, d});
         }
-        for (int64_t d = 0; d < kDv; ++d) {
+        for (int64_t d = 0; d < dv; ++d) {
           float& pooled = p.v_pool.at({page, row, h, d});
           if (b == 1 && j < shared * page_size) v.at({0, h, j, d}) = pooled;
           pooled = v.at({0, h, j, d});
@@ -89,7 +90,7 @@ Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& l
     p.k_seq.push_back(k);
     p.v_seq.push_back(v);
   }
-  p.q = rng.randn(Shape{batch, kQHeads, nq, kDk});
+  p.q = rng.randn(Shape{batch, kQHeads, nq, dk});
   return p;
 }
 
@@ -193,6 +194,61 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
   }
 }
 
+// int8 and int4 pools (qkv::quantize_kv of the pools, scales paged with their rows) against each
+// sequence's own contiguous call on the same quantized rows (a row's bytes and scales do not
+// depend on where it lies): shared and shuffled pages, page sizes that cut decode's tiles, GQA,
+// int4 with a partial last group (Dk 48: 32 + 16) and whole groups (Dv 64).
+TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const MaskCase causal = mask_cases()[1];
+  for (int64_t page_size : {16, 5}) {
+    for (DType dtype : {DType::I8, DType::I4}) {
+      SCOPED_TRACE("page_size " + std::to_string(page_size) + ", " + std::string(qkv::to_string(dtype)));
+      const Paged p = random_paged(rng, page_size, kLengths, 2, 48, 64);
+      // NaN pool pages no sequence uses are not quantizable: zero them (a read of them would then
+      // add weight to zeros; the test of stray reads is Paged.EveryMaskAgainstContiguousKeys').
+      const auto finite = [](const Tensor& pool) {
+        std::vector<float> x = pool.to_vector();
+        for (float& e : x) e = std::isnan(e) ? 0.0f : e;
+        return Tensor::from(std::move(x), pool.shape());
+      };
+      const qkv::QuantizedTensor kq = qkv::quantize_kv(finite(p.k_pool), dtype),
+                                 vq = qkv::quantize_kv(finite(p.v_pool), dtype);
+      qkv_test::on_every_target_and_thread_count([&] {
+        for (bool modifiers : {false, true}) {
+          AttentionOptions o;
+          o.mask = causal.whole;
+          if (modifiers) set_modifiers(o, p.batch(), rng);
+          o.block_table = p.table;
+          o.cache_seqlens = p.lengths;
+          o.k_scales = kq.scales;
+          o.v_scales = vq.scales;
+          qkv::AttentionResult r;
+          r.output = Tensor::full(Shape{p.batch(), kQHeads, 2, 64}, kNaN);
+          qkv::scaled_dot_product_attention_into(p.q, kq.values, vq.values, r, o);
+          for (int64_t b = 0; b < p.batch(); ++b) {
+            const int64_t n = p.lengths[b];
+            SCOPED_TRACE("sequence " + std::to_string(b) + ": Nk=" + std::to_string(n));
+            const qkv::QuantizedTensor ks = qkv::quantize_kv(p.k_seq[b], dtype), vs = qkv::quantize_kv(p.v_seq[b], dtype);
+            AttentionOptions alone = o;
+            alone.block_table.clear();
+            alone.cache_seqlens.clear();
+            alone.backend = Backend::Decode;
+            alone.mask = causal.alone(n - 2);
+            alone.k_scales = ks.scales;
+            alone.v_scales = vs.scales;
+            if (o.alibi_slopes.defined()) alone.alibi_slopes = o.alibi_slopes.narrow(0, b, 1).squeeze(0).contiguous();
+            const qkv::AttentionResult want =
+                qkv::scaled_dot_product_attention(p.q.narrow(0, b, 1).contiguous(), ks.values, vs.values, alone);
+            expect_close(r.output.narrow(0, b, 1).contiguous().to_vector(), want.output.to_vector(), "output");
+          }
+        }
+      });
+    }
+  }
+}
+
 // Prefill with a cache: more queries than a sequence's keys (the first queries see nothing and
 // get zeros and lse -inf, as the contiguous call's), and rows (Hq x Nq) past decode's row block.
 TEST(Paged, PrefillWithACache) {
@@ -246,7 +302,14 @@ TEST(Paged, BadTablesAndOptionsAreNamed) {
   expect_error(forward(good, p.q, p.k_pool, p.v_pool.narrow(1, 0, 4)), {"same (num_pages, page_size, Hkv)"});
   const qkv::QuantizedTensor kq = qkv::quantize_kv(Tensor::zeros(p.k_pool.shape()), DType::I8),
                              vq = qkv::quantize_kv(Tensor::zeros(p.v_pool.shape()), DType::I8);
-  expect_error(forward(good, p.q, kq.values, vq.values), {"int8", "not supported"});
+  expect_error(forward(good, p.q, kq.values, vq.values), {"k (6, 8, 2, 19) int8 needs k_scales"});
+  AttentionOptions scaled = good;
+  scaled.k_scales = kq.scales;
+  scaled.v_scales = vq.scales.narrow(0, 0, 5);  // a scale pool of fewer pages than its values
+  const auto forward_scaled = [&] { qkv::scaled_dot_product_attention(p.q, kq.values, vq.values, scaled); };
+  expect_error(forward_scaled, {"v_scales is (5, 8, 2, 1) but should be (6, 8, 2, 1)"});
+  scaled.v_scales = vq.scales;
+  expect_error([&] { qkv::scaled_dot_product_attention(p.q, kq.values, p.v_pool, scaled); }, {"int8 but v is f32"});
   expect_error([&] {
     const qkv::AttentionResult r = qkv::scaled_dot_product_attention(p.q, p.k_pool, p.v_pool, good);
     qkv::scaled_dot_product_attention_backward(r.output, p.q, p.k_pool, p.v_pool, r, good);

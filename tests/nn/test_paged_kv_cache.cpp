@@ -187,7 +187,16 @@ TEST(PagedKVCache, RefusalsLeaveTheCacheUnchanged) {
   cache.release(b);
   qkv_test::expect_error([&] { cache.length(b); }, {"not a live sequence"});
   qkv_test::expect_error([] { PagedKVCache(0, 4, 1, 1); }, {"at least 1"});
-  qkv_test::expect_error([] { PagedKVCache(2, 4, 1, 2, DType::I8); }, {"f32, bf16 or f16"});
+  qkv_test::expect_error([] { PagedKVCache(2, 4, 1, 3, DType::I4); }, {"head_dim 3 must be even"});
+  PagedKVCache quantized(2, 4, 1, 2, DType::I8);
+  const int64_t q_seq = quantized.add_sequence();
+  qkv_test::expect_error([&] { quantized.append(q_seq, Tensor::full(Shape{1, 1, 2}, NAN), Tensor::zeros(Shape{1, 1, 2})); },
+                         {"needs finite keys and values"});
+  qkv_test::expect_error(
+      [&] { quantized.append(q_seq, Tensor::zeros(Shape{1, 1, 2}).to(DType::BF16), Tensor::zeros(Shape{1, 1, 2})); },
+      {"quantized here: f32 only"});
+  EXPECT_EQ(quantized.length(q_seq), 0);
+  EXPECT_EQ(quantized.free_pages(), 2);
 }
 
 // MultiHeadAttention's paged forward checks the whole batch before it appends anything: a batch

@@ -170,7 +170,7 @@ def test_paged_kv_cache_fork_and_attention():
     assert cache.free_pages == 20
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "int8", "int4"])
 def test_multi_head_attention_on_a_paged_cache(dtype):
     """MultiHeadAttention.forward(x, cache=PagedKVCache, sequences=): a prompt forked into two
     continuations, each step's output the one a contiguous qkv.KVCache of the same dtype gives the
@@ -200,5 +200,28 @@ def test_multi_head_attention_on_a_paged_cache(dtype):
         mha(x, sequences=branches)
     with pytest.raises(qkv.Error, match="takes sequences="):
         mha(x, cache=paged)
-    with pytest.raises(qkv.Error, match="int8"):
-        qkv.PagedKVCache(num_pages=2, page_size=4, kv_heads=2, head_dim=8, dtype="int8")
+    with pytest.raises(qkv.Error, match="head_dim 7 must be even"):
+        qkv.PagedKVCache(num_pages=2, page_size=4, kv_heads=2, head_dim=7, dtype="int4")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_page_pools(dtype):
+    """qkv.quantize_kv of page pools attends as the dequantised float32 pools do (the same values,
+    read in another order: equal to rounding), and a non-finite append leaves the cache as it was."""
+    q, k_pool, v_pool, table, lengths = paged(9, 16, 1)
+    k_pool, v_pool = np.nan_to_num(k_pool), np.nan_to_num(v_pool)
+    k_pool, v_pool = k_pool[..., :12], v_pool[..., :12]  # int4 needs an even D
+    kq, vq = qkv.quantize_kv(k_pool, dtype), qkv.quantize_kv(v_pool, dtype)
+    got = qkv.scaled_dot_product_attention(q[..., :12], kq, vq, block_table=table, cache_seqlens=lengths)
+    want = qkv.scaled_dot_product_attention(q[..., :12], kq.dequantize(), vq.dequantize(), block_table=table,
+                                            cache_seqlens=lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    cache = qkv.PagedKVCache(num_pages=4, page_size=4, kv_heads=1, head_dim=8, dtype=dtype)
+    s = cache.add_sequence()
+    cache.append(s, np.ones((1, 3, 8), np.float32), np.ones((1, 3, 8), np.float32))
+    bad = np.ones((1, 2, 8), np.float32)
+    bad[0, 1, 5] = np.inf
+    with pytest.raises(qkv.Error, match="needs finite keys and values"):
+        cache.append(s, bad, np.ones((1, 2, 8), np.float32))
+    assert cache.length(s) == 3 and cache.free_pages == 3
+    np.testing.assert_array_equal(cache.key_pool[cache.pages(s)[0], :3], np.ones((3, 1, 8), np.float32))

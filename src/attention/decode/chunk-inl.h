@@ -83,7 +83,7 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   } else {
     DecodeScores<T>(p, plan, b, g, rows, run, w);
   }
-  if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(p.k_scales, b, g, run.j0, run.step, cols, rows, w.scores);
+  if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(KeyScales, p, b, g, run.j0, run.step, cols, rows, w.scores);
   step::Softcap(p, w.scores, rows * kKeyTile);
   const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
@@ -104,7 +104,7 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   if constexpr (std::is_same_v<T, Int4>) {
     Int4Accumulate(p, plan, b, g, rows, run, w);
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    ScaleColumns(p.v_scales, b, g, run.j0, run.step, cols, rows, w.scores);
+    ScaleColumns(ValueScales, p, b, g, run.j0, run.step, cols, rows, w.scores);
     DecodeAccumulate<T>(p, plan, rows, cols, ValueRow<T>(p, b, g, run.j0),
                         ValueRowStride(p) * static_cast<size_t>(run.step), w);
   } else {

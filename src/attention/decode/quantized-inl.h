@@ -48,11 +48,13 @@ constexpr size_t kInt4TileGroups = std::max<size_t>(1, kValueVectors / kInt4Grou
 // The stored nibble n is the integer plus 8: entry n of the lookup table is n - 8.
 alignas(64) constexpr float kInt4Integers[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 
-// int8: tile[r * kKeyTile + j] *= the scale of key j0 + j step, for `rows` rows and `cols` keys.
-HWY_INLINE void ScaleColumns(const Rows<const float>& scales, int64_t b, int64_t g, int64_t j0, int64_t step,
-                             size_t cols, size_t rows, float* HWY_RESTRICT tile) {
+// int8: tile[r * kKeyTile + j] *= the scale of key j0 + j step (KeyScales or ValueScales, from
+// tiles-inl.h: paged or not), for `rows` rows and `cols` keys.
+template <class ScalesOf>
+HWY_INLINE void ScaleColumns(ScalesOf scales_of, const AttentionProblem& p, int64_t b, int64_t g, int64_t j0,
+                             int64_t step, size_t cols, size_t rows, float* HWY_RESTRICT tile) {
   float column[kKeyTile];
-  for (size_t j = 0; j < cols; ++j) column[j] = *scales.row(b, g, j0 + static_cast<int64_t>(j) * step);
+  for (size_t j = 0; j < cols; ++j) column[j] = *scales_of(p, b, g, j0 + static_cast<int64_t>(j) * step);
   for (size_t r = 0; r < rows; ++r)
     for (size_t j = 0; j < cols; ++j) tile[r * kKeyTile + j] *= column[j];
 }
@@ -165,7 +167,7 @@ inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int6
     for (size_t x = 0; x < kScoreKeys; ++x) {
       const int64_t key = run.j0 + static_cast<int64_t>(std::min(j + x, run.cols - 1)) * run.step;
       keys[x] = KeyRow<Int4>(p, b, g, key);
-      scales[x] = p.k_scales.row(b, g, key);
+      scales[x] = KeyScales(p, b, g, key);
     }
     for (size_t r = 0; r < rows; r += dot_scores::kRows)
       tile_gemm::WithConstant<dot_scores::kRows>(std::min(dot_scores::kRows, rows - r), [&](auto tile_rows) {
@@ -206,8 +208,8 @@ inline void Int4Accumulate(const AttentionProblem& p, const decode::Plan& plan, 
   const float* scales[kKeyTile];
   for (size_t j = 0; j < run.cols; ++j) {
     const int64_t key = run.j0 + static_cast<int64_t>(j) * run.step;
-    values[j] = p.v_quant.row(b, g, key);
-    scales[j] = p.v_scales.row(b, g, key);
+    values[j] = ValueBytes(p, b, g, key);
+    scales[j] = ValueScales(p, b, g, key);
   }
   for (size_t group = 0; group < whole; group += kInt4TileGroups)
     for (size_t r = 0; r < rows; r += kValueRows)

@@ -104,9 +104,22 @@ HWY_INLINE size_t ValueRowStride(const AttentionProblem& p) {
 // lies in its page (PagedKv::offset) past the pool's row 0; the keys [j, paged.page_end(j)) are
 // rows of one page, KeyRowStride apart, so a tile that stays in a page is a strided view as a
 // contiguous cache's tile is (RowBlockOverChunk cuts tiles at page ends).
+// Quantized rows and their scales (paged or not) through these four: key j's bytes and scales.
+HWY_INLINE const uint8_t* KeyBytes(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  return p.paged.row<uint8_t>(p.k_quant, p.paged.k_page_stride, b, g, j);
+}
+HWY_INLINE const uint8_t* ValueBytes(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  return p.paged.row<uint8_t>(p.v_quant, p.paged.v_page_stride, b, g, j);
+}
+HWY_INLINE const float* KeyScales(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  return p.paged.row<float>(p.k_scales, p.paged.k_scale_page_stride, b, g, j);
+}
+HWY_INLINE const float* ValueScales(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
+  return p.paged.row<float>(p.v_scales, p.paged.v_scale_page_stride, b, g, j);
+}
 template <class T>
 HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.k_quant.row(b, g, j));
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(KeyBytes(p, b, g, j));
   if (p.paged.on())
     return RowIn<T>(p.k, p.k_bits, 0, g, 0) +
            p.paged.offset(j, p.paged.k_page_stride, static_cast<int64_t>(KeyRowStride(p)));
@@ -114,7 +127,7 @@ HWY_INLINE const T* KeyRow(const AttentionProblem& p, int64_t b, int64_t g, int6
 }
 template <class T>
 HWY_INLINE const T* ValueRow(const AttentionProblem& p, int64_t b, int64_t g, int64_t j) {
-  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(p.v_quant.row(b, g, j));
+  if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(ValueBytes(p, b, g, j));
   if (p.paged.on())
     return RowIn<T>(p.v, p.v_bits, 0, g, 0) +
            p.paged.offset(j, p.paged.v_page_stride, static_cast<int64_t>(ValueRowStride(p)));
@@ -153,22 +166,21 @@ template <class T>
 HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
                              int64_t step) {
   if (first >= last) return;
-  if (is_quantized(p.kv_dtype)) {
-    const int64_t keys = (last - first + step - 1) / step;  // the packed rows (bytes) and their scales
-    const int64_t k_bytes = p.kv_dtype == DType::I4 ? p.head_dim / 2 : p.head_dim;
-    const int64_t v_bytes = p.kv_dtype == DType::I4 ? p.value_dim / 2 : p.value_dim;
-    PrefetchRows(p.k_quant.row(b, g, first), keys, p.k_quant.row_stride * step, k_bytes);
-    PrefetchRows(p.v_quant.row(b, g, first), keys, p.v_quant.row_stride * step, v_bytes);
-    PrefetchRows(p.k_scales.row(b, g, first), keys, p.k_scales.row_stride * step, p.k_scales.row_stride);
-    PrefetchRows(p.v_scales.row(b, g, first), keys, p.v_scales.row_stride * step, p.v_scales.row_stride);
-    return;
-  }
   // Paged: a run at a time within one page (the whole range at once otherwise).
   for (int64_t j = first; j < last;) {
     const int64_t stop = p.paged.on() ? std::min(last, p.paged.page_end(j)) : last;
     const int64_t run = (stop - j + step - 1) / step;
-    PrefetchRows(KeyRow<T>(p, b, g, j), run, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
-    PrefetchRows(ValueRow<T>(p, b, g, j), run, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
+    if (is_quantized(p.kv_dtype)) {  // the packed rows (bytes) and their scales
+      const int64_t k_bytes = p.kv_dtype == DType::I4 ? p.head_dim / 2 : p.head_dim;
+      const int64_t v_bytes = p.kv_dtype == DType::I4 ? p.value_dim / 2 : p.value_dim;
+      PrefetchRows(KeyBytes(p, b, g, j), run, p.k_quant.row_stride * step, k_bytes);
+      PrefetchRows(ValueBytes(p, b, g, j), run, p.v_quant.row_stride * step, v_bytes);
+      PrefetchRows(KeyScales(p, b, g, j), run, p.k_scales.row_stride * step, p.k_scales.row_stride);
+      PrefetchRows(ValueScales(p, b, g, j), run, p.v_scales.row_stride * step, p.v_scales.row_stride);
+    } else {
+      PrefetchRows(KeyRow<T>(p, b, g, j), run, static_cast<int64_t>(KeyRowStride(p)) * step, p.head_dim);
+      PrefetchRows(ValueRow<T>(p, b, g, j), run, static_cast<int64_t>(ValueRowStride(p)) * step, p.value_dim);
+    }
     j += run * step;
   }
 }
