@@ -29,6 +29,7 @@
 //   W4-int4  W4 with K and V 4-bit, a scale per 32 values      (issue 41's target: <= 0.22 x W4's time)
 //   W4-paged W4 with K and V in a pool of 64-key pages in shuffled order, read through a block
 //            table (issue 41's target: within 10% of W4's time)
+//   W4-paged-int8  W4-int8's K and V (and scales) in W4-paged's pages: within 10% of W4-int8's
 //   decode-<N>k[-bf16]  W4's heads, 1 query vs N = 1, 4, 16, 32 thousand keys, K/V f32 or bf16:
 //            the decode sweep in GB/s, only on request (`--workload decode-sweep`: 1 GB of K/V)
 //   W5       MultiHeadAttention: batch 2, seq 10, embed 512, 8 heads, no mask (module forward)
@@ -149,7 +150,7 @@ struct Workload {
 // W2-full and W2-docs follow W2: `--workload W2` runs all three, since the targets compare them;
 // the W1-<modifier> rows follow W1 for the same reason.
 // W7-flash follows W7 for the same reason.
-inline constexpr std::array<Workload, 35> kWorkloads = {{
+inline constexpr std::array<Workload, 36> kWorkloads = {{
     {"W0", "course CPU benchmark", WorkloadKind::Attention, 1, 8, 8, 256, 256, 64, true, false},
     {"W1", "BERT-base", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, true},
     {"W1-softcap", "W1, softcap 30", WorkloadKind::Attention, 4, 12, 12, 512, 512, 64, false, false, false,
@@ -180,6 +181,8 @@ inline constexpr std::array<Workload, 35> kWorkloads = {{
      Modifier::None, true, 0, 0, DType::I4},
     {"W4-paged", "W4, 64-key pages shuffled", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true, false,
      Modifier::Paged, false},
+    {"W4-paged-int8", "W4-int8, 64-key pages shuffled", WorkloadKind::Attention, 1, 32, 32, 1, 8192, 128, false, true,
+     false, Modifier::Paged, false, 0, 0, DType::I8},
     {"W5", "MultiHeadAttention", WorkloadKind::Module, 2, 8, 8, 10, 10, 64, false, false},
     {"V1", "16 sequences, packed", WorkloadKind::Attention, 16, 12, 12, 2048, 2048, 64, true, false, true,
      Modifier::Packed, false},
@@ -316,6 +319,14 @@ inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tens
   return {q, pool_of(k), pool_of(v), Tensor(), Tensor(), std::move(table)};
 }
 
+// The same pools quantized (quantize_kv of each pool: the rows' bytes and scales paged alike).
+inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tensor& v, DType dtype) {
+  AttentionInputs in = paged_inputs(q, k, v);
+  if (!is_quantized(dtype)) return in;
+  const QuantizedTensor kq = quantize_kv(in.k, dtype), vq = quantize_kv(in.v, dtype);
+  return {q, kq.values, vq.values, kq.scales, vq.scales, std::move(in.block_table)};
+}
+
 inline AttentionInputs make_attention_inputs(const Workload& w) {
   if (w.modifier == Modifier::Packed) {
     int64_t total = 0;
@@ -326,7 +337,7 @@ inline AttentionInputs make_attention_inputs(const Workload& w) {
   const Tensor k = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/2);
   const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
   const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
-  if (w.modifier == Modifier::Paged) return paged_inputs(q, k, v);
+  if (w.modifier == Modifier::Paged) return paged_inputs(q, k, v, w.kv_dtype);
   if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor(), {}};
   const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
   return {q, kq.values, vq.values, kq.scales, vq.scales, {}};

@@ -606,6 +606,10 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
         out.push_back({fmt::format("{} vs W4", id), fmt::format("{} ms / W4 ms", id), row->median_ms / w4->median_ms,
                        target, false});
   }
+  if (const Row* int8 = find_row(rows, "W4-int8", "Auto"))  // int8 pages against the contiguous int8 cache
+    if (const Row* row = find_row(rows, "W4-paged-int8", "Auto"))
+      out.push_back({"W4-paged-int8 vs W4-int8", "W4-paged-int8 ms / W4-int8 ms", row->median_ms / int8->median_ms,
+                     1.10, false});
   if (const Row* plain = find_row(rows, "W1", "Auto")) {
     for (std::string_view id : {"W1-softcap", "W1-alibi", "W1-sinks"})
       if (const Row* row = find_row(rows, id, "Auto"))
