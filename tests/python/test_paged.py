@@ -225,3 +225,23 @@ def test_quantized_page_pools(dtype):
         cache.append(s, bad, np.ones((1, 2, 8), np.float32))
     assert cache.length(s) == 3 and cache.free_pages == 3
     np.testing.assert_array_equal(cache.key_pool[cache.pages(s)[0], :3], np.ones((3, 1, 8), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_make_cache_with_page_size(dtype):
+    """make_cache(batch, capacity, dtype, page_size=): the same outputs as the contiguous cache of
+    that dtype, token by token, its rows' lengths, and reset returning the pages."""
+    rng = np.random.default_rng(9)
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=2, rotary=True).eval()
+    paged, plain = mha.make_cache(2, 20, dtype, page_size=8), mha.make_cache(2, 20, dtype)
+    assert paged.page_size == 8 and plain.page_size is None and paged.paged.free_pages == 6
+    for n in (5, 1, 1, 4):
+        x = rng.standard_normal((2, n, 32)).astype(np.float32)
+        np.testing.assert_allclose(mha(x, cache=paged)[0], mha(x, cache=plain)[0], rtol=1e-5, atol=1e-5)
+    assert paged.lengths == plain.lengths == [11, 11] and paged.length == 11 and paged.dtype == dtype
+    paged.reset()
+    assert paged.lengths == [0, 0] and paged.paged.free_pages == 6
+    with pytest.raises(qkv.Error, match="ring buffer"):
+        mha.make_cache(2, 20, page_size=8, window=4)
+    with pytest.raises(qkv.Error, match="no sequences or counts"):
+        mha(x, cache=paged, counts=[1, 2])
