@@ -54,9 +54,23 @@ void check_pools(const char* who, const Tensor& q, const Tensor& k, const Tensor
     if (v.dtype() != k.dtype())
       fail(who, "k is " + std::string(to_string(k.dtype())) + " but v is " + std::string(to_string(v.dtype())) +
                     ": quantized pools share one dtype");
-    check_quantized(who, "k", k, o.k_scales, q.size(3));
-    check_quantized(who, "v", v, o.v_scales, v.size(3) * per_byte);
+    // The layout here; the scales' values page by page as a sequence reaches them (check_scales).
+    check_quantized(who, "k", k, o.k_scales, q.size(3), /*scale_values=*/false);
+    check_quantized(who, "v", v, o.v_scales, v.size(3) * per_byte, /*scale_values=*/false);
+  } else if (o.k_scales.defined() || o.v_scales.defined()) {
+    fail(who, "k_scales / v_scales are for int8 or int4 pools, but k is " + std::string(to_string(k.dtype())));
   }
+}
+
+// The scales of the pages sequence b's n keys reach (only those are read, as only their table
+// entries are), each as check_quantized checks a contiguous cache's.
+void check_scales(const char* who, const AttentionOptions& o, DType dtype, const int64_t* pages, int64_t n,
+                  int64_t page_size) {
+  if (!o.k_scales.defined()) return;
+  for (int64_t page = 0; page < (n + page_size - 1) / page_size; ++page)
+    for (auto [scales, name] : {std::pair{&o.k_scales, "k"}, {&o.v_scales, "v"}})
+      check_scale_values(std::string(who) + name + " page " + std::to_string(pages[page]),
+                         std::string(name) + "_scales", dtype, scales->narrow(0, pages[page], 1));
 }
 
 // cache_seqlens (B) in [0, max_pages x page_size]; block_table B x max_pages, the entries each
@@ -149,6 +163,10 @@ void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Att
   const int64_t batch = q.size(0), heads = q.size(1), nq = q.size(2);
   check_paged_options(who, options, batch);
   const int64_t max_pages = check_table(who, options, batch, k.size(0), k.size(1));
+  if (is_quantized(k.dtype()))  // every sequence's scale pages, before any output is written
+    for (int64_t b = 0; b < batch; ++b)
+      check_scales(who, options, k.dtype(), options.block_table.data() + b * max_pages,
+                   options.cache_seqlens[static_cast<size_t>(b)], k.size(1));
   const auto inputs = {&q, &k, &v};
   const int64_t dv = v.size(3) * (v.dtype() == DType::I4 ? 2 : 1);  // int4: two values a byte
   prepare_result(who, result.output, "result.output", Shape{batch, heads, nq, dv}, inputs, false);

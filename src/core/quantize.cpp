@@ -162,7 +162,8 @@ bool any_above(const uint32_t* bits, int64_t count, uint32_t limit) {
 
 }  // namespace
 
-void check_quantized(const char* who, const char* name, const Tensor& values, const Tensor& scales, int64_t dim) {
+void check_quantized(const char* who, const char* name, const Tensor& values, const Tensor& scales, int64_t dim,
+                     bool scale_values) {
   const std::string what = std::string(who) + name + " " + values.shape().str() + " " +
                            std::string(to_string(values.dtype()));
   const std::string scales_name = std::string(name) + "_scales";
@@ -179,6 +180,10 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
     throw Error(what + ": the last dim must be contiguous (a row of packed values)");
   if (scales.dim() > 0 && scales.strides().back() != 1 && scales.size(-1) > 1)
     throw Error(what + ": " + scales_name + "'s last dim must be contiguous");
+  if (scale_values) check_scale_values(what, scales_name, values.dtype(), scales);
+}
+
+void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales) {
   // Every scale read in place (a decode step reads them once more here: no copy, no allocation).
   // Finite and >= 0: the sign bit clear and the exponent not all ones, tested as integers so
   // the loop vectorises.
@@ -187,7 +192,7 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
   const int64_t count = packed.numel();
   // The largest scale whose every dequantised value (|q| <= 128 for int8, 8 for int4) is finite:
   // a hidden key's weight 0 times an infinite value would be NaN.
-  const float largest = std::numeric_limits<float>::max() / (values.dtype() == DType::I8 ? 128.0f : 8.0f);
+  const float largest = std::numeric_limits<float>::max() / (dtype == DType::I8 ? 128.0f : 8.0f);
   uint32_t limit = 0;
   std::memcpy(&limit, &largest, sizeof limit);
   char largest_text[32];
@@ -197,7 +202,7 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
       if (bits[e] > limit && bits[e] != 0x80000000u)  // -0 is a zero scale
         throw Error(what + ": " + scales_name + " has " + std::to_string(packed.data()[e]) + " at flat index " +
                     std::to_string(e) + ": scales must be finite and >= 0, and at most " + std::string(largest_text) +
-                    " (max float / " + (values.dtype() == DType::I8 ? "128" : "8") + ")");
+                    " (max float / " + (dtype == DType::I8 ? "128" : "8") + ")");
 }
 
 HWY_EXPORT(DequantizeRowSimd);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "qkv/quantize.hpp"
 
@@ -12,7 +13,13 @@ namespace qkv::detail {
 // Throws qkv::Error unless `scales` (f32) belong to `values` (I8 or I4) whose logical last dim is
 // `dim`: the same leading dims, quantized_groups(dtype, dim) scales a row, a contiguous last dim,
 // every scale finite and >= 0. `who` and `name` ("k", "v") start the message.
-void check_quantized(const char* who, const char* name, const Tensor& values, const Tensor& scales, int64_t dim);
+// scale_values = false checks the layout only (paged K/V then checks the scale pages a call
+// reaches, check_scale_values, rather than the whole pool).
+void check_quantized(const char* who, const char* name, const Tensor& values, const Tensor& scales, int64_t dim,
+                     bool scale_values = true);
+// The scan of check_quantized: every scale finite, >= 0 and small enough that each dequantised
+// value is finite; `what` and `scales_name` start the message.
+void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales);
 
 // The row x[0, dim) (finite) quantized into `values` (I8: dim bytes, I4: dim / 2 bytes, dim even)
 // and `scales` (quantized_groups(dtype, dim) floats). False, writing nothing defined, when an

@@ -2,6 +2,7 @@
 // the new tokens, rotate them to their sequences' positions, append each element's keys and values
 // to its sequence's pages, attend over the pages in place (block_table / cache_seqlens: query i of
 // sequence b at position length_b - N + i, where causal aligns it), then project out.
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,12 @@ MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, PagedKVCac
   // ---- 1. project, 2. split into heads, 2b. rotate to the tokens' positions
   const CachedHeads heads = project_cached_heads(*this, x, before);
   const Tensor &q = heads.q, &k = heads.k, &v = heads.v;
+  if (is_quantized(cache.key_pool().dtype()))  // the cache refuses non-finite rows: before any append
+    for (auto [t, name] : {std::pair{&k, "keys"}, {&v, "values"}})
+      for (float e : t->contiguous().to_vector())
+        if (!std::isfinite(e))
+          throw Error(std::string(who) + "the projected " + name + " hold " + std::to_string(e) +
+                      ": a quantized cache needs finite keys and values");
   // ---- 3. append each element's rows to its sequence, attend over the pages
   for (int64_t b = 0; b < batch; ++b)
     cache.append(sequences[static_cast<size_t>(b)], k.narrow(0, b, 1).squeeze(0), v.narrow(0, b, 1).squeeze(0));

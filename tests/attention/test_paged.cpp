@@ -196,8 +196,10 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
 
 // int8 and int4 pools (qkv::quantize_kv of the pools, scales paged with their rows) against each
 // sequence's own contiguous call on the same quantized rows (a row's bytes and scales do not
-// depend on where it lies): shared and shuffled pages, page sizes that cut decode's tiles, GQA,
-// int4 with a partial last group (Dk 48: 32 + 16) and whole groups (Dv 64).
+// depend on where it lies): shared and shuffled pages, page sizes that cut decode's tiles, a
+// sequence over several of decode's chunks (2048 quantized keys), GQA, int4 with a partial last
+// group (Dk 48: 32 + 16) and whole groups (Dv 64). The pool pages no sequence uses get NaN scales:
+// only the pages a sequence reaches are checked and read, so a stray read shows as NaN.
 TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
   Random rng;
   SCOPED_TRACE(rng.note());
@@ -205,16 +207,20 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
   for (int64_t page_size : {16, 5}) {
     for (DType dtype : {DType::I8, DType::I4}) {
       SCOPED_TRACE("page_size " + std::to_string(page_size) + ", " + std::string(qkv::to_string(dtype)));
-      const Paged p = random_paged(rng, page_size, kLengths, 2, 48, 64);
-      // NaN pool pages no sequence uses are not quantizable: zero them (a read of them would then
-      // add weight to zeros; the test of stray reads is Paged.EveryMaskAgainstContiguousKeys').
-      const auto finite = [](const Tensor& pool) {
+      const Paged p = random_paged(rng, page_size, {70, 150, 0, 1, 37, 2500}, 2, 48, 64);
+      const auto finite = [](const Tensor& pool) {  // the spare pages' NaN rows cannot be quantized
         std::vector<float> x = pool.to_vector();
         for (float& e : x) e = std::isnan(e) ? 0.0f : e;
         return Tensor::from(std::move(x), pool.shape());
       };
       const qkv::QuantizedTensor kq = qkv::quantize_kv(finite(p.k_pool), dtype),
                                  vq = qkv::quantize_kv(finite(p.v_pool), dtype);
+      for (int64_t page = 0; page < kq.scales.size(0); ++page)
+        if (std::find(p.table.begin(), p.table.end(), page) == p.table.end())
+          for (const Tensor& scales : {kq.scales, vq.scales}) {
+            const Tensor spare = scales.narrow(0, page, 1);
+            std::fill_n(spare.data(), spare.numel(), kNaN);
+          }
       qkv_test::on_every_target_and_thread_count([&] {
         for (bool modifiers : {false, true}) {
           AttentionOptions o;
@@ -226,6 +232,7 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
           o.v_scales = vq.scales;
           qkv::AttentionResult r;
           r.output = Tensor::full(Shape{p.batch(), kQHeads, 2, 64}, kNaN);
+          r.lse = Tensor::full(Shape{p.batch(), kQHeads, 2}, kNaN);
           qkv::scaled_dot_product_attention_into(p.q, kq.values, vq.values, r, o);
           for (int64_t b = 0; b < p.batch(); ++b) {
             const int64_t n = p.lengths[b];
@@ -242,9 +249,22 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
             const qkv::AttentionResult want =
                 qkv::scaled_dot_product_attention(p.q.narrow(0, b, 1).contiguous(), ks.values, vs.values, alone);
             expect_close(r.output.narrow(0, b, 1).contiguous().to_vector(), want.output.to_vector(), "output");
+            expect_close(r.lse.narrow(0, b, 1).contiguous().to_vector(), want.lse.to_vector(), "lse");
           }
         }
       });
+      // A bad scale on a page a sequence reaches is named, before any output is written.
+      const int64_t reached = p.table[0];
+      const float saved = kq.scales.narrow(0, reached, 1).data()[3];
+      kq.scales.narrow(0, reached, 1).data()[3] = -1.0f;
+      AttentionOptions o;
+      o.block_table = p.table;
+      o.cache_seqlens = p.lengths;
+      o.k_scales = kq.scales;
+      o.v_scales = vq.scales;
+      expect_error([&] { qkv::scaled_dot_product_attention(p.q, kq.values, vq.values, o); },
+                   {("k page " + std::to_string(reached)).c_str(), "k_scales has -1"});
+      kq.scales.narrow(0, reached, 1).data()[3] = saved;
     }
   }
 }

@@ -219,6 +219,16 @@ TEST(PagedKVCache, MultiHeadAttentionRefusesABatchWholeBeforeAppending) {
   EXPECT_EQ(m.forward(Tensor::empty(Shape{0, 3, 8}), cache, {}).output.shape(), (Shape{0, 3, 8}));
   EXPECT_EQ(m.forward(rng.randn(Shape{1, 1, 8}), cache, {s0}).output.shape(), (Shape{1, 1, 8}));
   EXPECT_EQ(cache.length(s0), 5);
+
+  // A quantized cache refuses non-finite rows: a batch whose second element has one is refused
+  // before the first element's rows are appended.
+  PagedKVCache quantized(4, 4, 2, m.head_dim(), DType::I8);
+  const int64_t q0 = quantized.add_sequence(), q1 = quantized.add_sequence();
+  Tensor x = rng.randn(Shape{2, 1, 8});
+  x.at({1, 0, 3}) = NAN;
+  qkv_test::expect_error([&] { (void)m.forward(x, quantized, {q0, q1}); }, {"needs finite keys and values"});
+  EXPECT_EQ(quantized.length(q0), 0);
+  EXPECT_EQ(quantized.free_pages(), 4);
 }
 
 }  // namespace
