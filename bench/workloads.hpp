@@ -67,12 +67,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 #include <string_view>
 
+#include "core/huge_pages.hpp"  // the paged rows' pools, advised as nn::PagedKVCache advises its own
 #include "qkv/qkv.hpp"
 
 namespace qkv::bench {
@@ -299,7 +301,9 @@ struct AttentionInputs {
 };
 
 // Paged inputs: k and v (B, Hkv, Nk, d) moved into pools (B Nk / kPageSize, kPageSize, Hkv, d) whose
-// pages lie in a shuffled order (a fixed seed), and the block table that finds them.
+// pages lie in a shuffled order (a fixed seed), and the block table that finds them. The pools are
+// advised for huge pages before they are written, as nn::PagedKVCache advises its own (a head's
+// rows lie Hkv d elements apart: with 4 KB pages each key costs a TLB entry).
 inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   const int64_t batch = k.size(0), heads = k.size(1), keys = k.size(2), dim = k.size(3);
   const int64_t pages = keys / kPageSize;  // Nk a multiple of the page size
@@ -308,6 +312,7 @@ inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tens
   std::shuffle(table.begin(), table.end(), std::mt19937_64(7));
   const auto pool_of = [&](const Tensor& t) {
     Tensor pool = Tensor::empty({batch * pages, kPageSize, heads, dim});
+    detail::advise_huge_pages(pool.raw_data(), static_cast<size_t>(pool.numel()) * sizeof(float));
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < keys; ++j)
@@ -324,7 +329,14 @@ inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tens
   AttentionInputs in = paged_inputs(q, k, v);
   if (!is_quantized(dtype)) return in;
   const QuantizedTensor kq = quantize_kv(in.k, dtype), vq = quantize_kv(in.v, dtype);
-  return {q, kq.values, vq.values, kq.scales, vq.scales, std::move(in.block_table)};
+  const auto advised = [](const Tensor& t) {
+    Tensor out = Tensor::empty(t.shape(), t.dtype());
+    const size_t bytes = static_cast<size_t>(t.numel()) * element_size(t.dtype());
+    detail::advise_huge_pages(out.raw_data(), bytes);
+    std::memcpy(out.raw_data(), t.raw_data(), bytes);
+    return out;
+  };
+  return {q, advised(kq.values), advised(vq.values), advised(kq.scales), advised(vq.scales), std::move(in.block_table)};
 }
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {

@@ -183,6 +183,28 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
   if (scale_values) check_scale_values(what, scales_name, values.dtype(), scales);
 }
 
+namespace {
+// The bits of the largest scale whose every dequantised value (|q| <= 128 for int8, 8 for int4)
+// is finite: a hidden key's weight 0 times an infinite value would be NaN.
+float largest_scale(DType dtype) { return std::numeric_limits<float>::max() / (dtype == DType::I8 ? 128.0f : 8.0f); }
+uint32_t bits_of(float x) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+}  // namespace
+
+bool scales_valid(const float* scales, int64_t count, DType dtype) {
+  const uint32_t limit = bits_of(largest_scale(dtype));
+  bool bad = false;
+  for (int64_t e = 0; e < count; ++e) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, scales + e, sizeof bits);
+    bad |= bits > limit && bits != 0x80000000u;  // -0 is a zero scale
+  }
+  return !bad;
+}
+
 void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales) {
   // Every scale read in place (a decode step reads them once more here: no copy, no allocation).
   // Finite and >= 0: the sign bit clear and the exponent not all ones, tested as integers so
@@ -190,11 +212,8 @@ void check_scale_values(const std::string& what, const std::string& scales_name,
   const Tensor packed = scales.contiguous();
   const auto* bits = static_cast<const uint32_t*>(packed.raw_data());
   const int64_t count = packed.numel();
-  // The largest scale whose every dequantised value (|q| <= 128 for int8, 8 for int4) is finite:
-  // a hidden key's weight 0 times an infinite value would be NaN.
-  const float largest = std::numeric_limits<float>::max() / (dtype == DType::I8 ? 128.0f : 8.0f);
-  uint32_t limit = 0;
-  std::memcpy(&limit, &largest, sizeof limit);
+  const float largest = largest_scale(dtype);
+  const uint32_t limit = bits_of(largest);
   char largest_text[32];
   std::snprintf(largest_text, sizeof largest_text, "%.4g", static_cast<double>(largest));
   if (any_above(bits, count, limit))

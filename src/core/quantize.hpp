@@ -20,6 +20,9 @@ void check_quantized(const char* who, const char* name, const Tensor& values, co
 // The scan of check_quantized: every scale finite, >= 0 and small enough that each dequantised
 // value is finite; `what` and `scales_name` start the message.
 void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales);
+// The same test on `count` contiguous scales, without a message: true when all pass (a caller
+// scanning many small runs, a paged call's pages, calls check_scale_values on a failure).
+bool scales_valid(const float* scales, int64_t count, DType dtype);
 
 // The row x[0, dim) (finite) quantized into `values` (I8: dim bytes, I4: dim / 2 bytes, dim even)
 // and `scales` (quantized_groups(dtype, dim) floats). False, writing nothing defined, when an
