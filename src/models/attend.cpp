@@ -1,7 +1,8 @@
 // qkv::models::detail::attend (network.hpp): every architecture's attention, on qkv's
-// scaled_dot_product_attention over a qkv::nn::KVCache. The mask says what the architecture
-// means: causal from the cache's position (or a sliding window of the last `window` positions,
-// Mistral), or both ways (BERT), and-ed with the padding of a ragged batch.
+// scaled_dot_product_attention over a qkv::nn::KVCache (a packed pass's: attend_packed.cpp). The
+// mask says what the architecture means: causal from the cache's position (or a sliding window of
+// the last `window` positions, Mistral), or both ways (BERT), and-ed with the padding of a ragged
+// batch.
 #include <algorithm>
 #include <string>
 
@@ -14,8 +15,35 @@ bool Pass::ragged() const {
   return std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != length; });
 }
 
+int64_t Pass::rows() const { return packed ? offsets.back() : batch * length; }
+
+std::vector<int64_t> Pass::row_positions() const {
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(rows()));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t n = 0; n < (packed ? counts[static_cast<size_t>(b)] : length); ++n)
+      out.push_back((packed ? positions[static_cast<size_t>(b)] : position) + n);
+  return out;
+}
+
+Pass packed_pass(const std::vector<std::vector<int64_t>>& ids) {
+  Pass pass;
+  pass.packed = true;
+  pass.batch = static_cast<int64_t>(ids.size());
+  pass.offsets = {0};
+  for (const auto& sequence : ids) {
+    pass.counts.push_back(static_cast<int64_t>(sequence.size()));
+    pass.length = std::max(pass.length, pass.counts.back());
+    pass.offsets.push_back(pass.offsets.back() + pass.counts.back());
+    pass.ids.insert(pass.ids.end(), sequence.begin(), sequence.end());
+  }
+  pass.positions.assign(ids.size(), 0);
+  return pass;
+}
+
 Tensor heads_view(const Tensor& x, const Pass& pass, int64_t first, int64_t heads, int64_t head_dim) {
   const int64_t width = x.size(1);
+  if (pass.packed) return x.reshape({x.size(0), width / head_dim, head_dim}).narrow(1, first / head_dim, heads);
   return x.reshape({pass.batch, pass.length, width / head_dim, head_dim})
       .narrow(2, first / head_dim, heads)
       .transpose(1, 2);
@@ -49,8 +77,10 @@ void zero_padded_rows(const Tensor& weights, const Pass& pass) {
 
 }  // namespace
 
-void attend(const Tensor& q, const Tensor& k, const Tensor& v, nn::KVCache& cache, const Pass& pass,
+void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Pass& pass, int64_t layer,
             const AttentionSpec& spec, const Tensor& out) {
+  if (pass.packed) return attend_packed(q, k, v, pass, layer, spec, out);
+  nn::KVCache& cache = (*pass.caches)[static_cast<size_t>(layer)];
   if (spec.rotary != nullptr) {
     spec.rotary->apply_inplace(q, {pass.position});
     spec.rotary->apply_inplace(k, {pass.position});

@@ -70,18 +70,18 @@ class Bert final : public Network {
   }
 
   Tensor hidden_states(const Pass& pass) const override {
-    const int64_t rows = pass.batch * pass.length, d = c_.hidden_size, heads = c_.num_heads, hd = c_.head_dim;
+    const int64_t rows = pass.rows(), d = c_.hidden_size, heads = c_.num_heads, hd = c_.head_dim;
     Tensor x = embed(pass);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const BertLayer& layer = layers_[i];
       const Tensor q = linear(x, layer.query.weight, layer.query.bias);
       const Tensor k = linear(x, layer.key.weight, layer.key.bias);
       const Tensor v = linear(x, layer.value.weight, layer.value.bias);
-      const Tensor heads_out = Tensor::empty({pass.batch, pass.length, heads, hd});
+      const Tensor heads_out = Tensor::empty({rows, d});
       attend(heads_view(q, pass, 0, heads, hd), heads_view(k, pass, 0, heads, hd), heads_view(v, pass, 0, heads, hd),
-             (*pass.caches)[i], pass, AttentionSpec{.causal = false}, heads_out.transpose(1, 2));
+             pass, static_cast<int64_t>(i), AttentionSpec{.causal = false}, heads_view(heads_out, pass, 0, heads, hd));
       if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
-      Tensor a = linear(heads_out.reshape({rows, d}), layer.attention_output.weight, layer.attention_output.bias);
+      Tensor a = linear(heads_out, layer.attention_output.weight, layer.attention_output.bias);
       add_into(a.data(), x.data(), rows * d);
       layer_norm(a.data(), rows, d, layer.attention_norm.weight, layer.attention_norm.bias, c_.norm_eps, x.data());
       Tensor inner = linear(x, layer.intermediate.weight, layer.intermediate.bias);
@@ -90,7 +90,7 @@ class Bert final : public Network {
       add_into(m.data(), x.data(), rows * d);
       layer_norm(m.data(), rows, d, layer.output_norm.weight, layer.output_norm.bias, c_.norm_eps, x.data());
     }
-    return x.reshape({pass.batch, pass.length, d});
+    return x;
   }
 
   Tensor logits(const Tensor& hidden) const override {
@@ -102,15 +102,16 @@ class Bert final : public Network {
   }
 
  private:
-  // (B * N, d): LN(words[id] + positions[n] + types[type]).
+  // (rows, d): LN(words[id] + positions[position] + types[type]).
   Tensor embed(const Pass& pass) const {
-    const int64_t d = c_.hidden_size, rows = pass.batch * pass.length;
+    const int64_t d = c_.hidden_size, rows = pass.rows();
+    const std::vector<int64_t> row_positions = pass.row_positions();
     Tensor x = Tensor::empty({rows, d});
     std::vector<float> term(static_cast<size_t>(d));
     for (int64_t r = 0; r < rows; ++r) {
       float* row = x.data() + r * d;
       gather_row(words_, pass.ids[static_cast<size_t>(r)], row);
-      gather_row(positions_, pass.position + r % pass.length, term.data());
+      gather_row(positions_, row_positions[static_cast<size_t>(r)], term.data());
       add_into(row, term.data(), d);
       gather_row(types_, pass.token_types.empty() ? 0 : pass.token_types[static_cast<size_t>(r)], term.data());
       add_into(row, term.data(), d);

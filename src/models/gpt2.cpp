@@ -50,7 +50,7 @@ class Gpt2 final : public Network {
   }
 
   Tensor hidden_states(const Pass& pass) const override {
-    const int64_t rows = pass.batch * pass.length, d = c_.hidden_size;
+    const int64_t rows = pass.rows(), d = c_.hidden_size;
     Tensor x = embed(pass);
     Tensor h = Tensor::empty({rows, d});
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -58,12 +58,12 @@ class Gpt2 final : public Network {
       layer_norm(x.data(), rows, d, layer.ln_1_weight, layer.ln_1_bias, c_.norm_eps, h.data());
       const Tensor qkv = linear(h, layer.c_attn, layer.c_attn_bias);  // (rows, 3d): q | k | v
       const int64_t heads = c_.num_heads, hd = c_.head_dim;
-      const Tensor heads_out = Tensor::empty({pass.batch, pass.length, heads, hd});
+      const Tensor heads_out = Tensor::empty({rows, d});
       attend(heads_view(qkv, pass, 0, heads, hd), heads_view(qkv, pass, d, heads, hd),
-             heads_view(qkv, pass, 2 * d, heads, hd), (*pass.caches)[i], pass, AttentionSpec{.causal = true},
-             heads_out.transpose(1, 2));
+             heads_view(qkv, pass, 2 * d, heads, hd), pass, static_cast<int64_t>(i), AttentionSpec{.causal = true},
+             heads_view(heads_out, pass, 0, heads, hd));
       if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
-      add_into(x.data(), linear(heads_out.reshape({rows, d}), layer.attn_c_proj, layer.attn_c_proj_bias).data(),
+      add_into(x.data(), linear(heads_out, layer.attn_c_proj, layer.attn_c_proj_bias).data(),
                rows * d);
       layer_norm(x.data(), rows, d, layer.ln_2_weight, layer.ln_2_bias, c_.norm_eps, h.data());
       Tensor inner = linear(h, layer.c_fc, layer.c_fc_bias);
@@ -71,21 +71,22 @@ class Gpt2 final : public Network {
       add_into(x.data(), linear(inner, layer.mlp_c_proj, layer.mlp_c_proj_bias).data(), rows * d);
     }
     layer_norm(x.data(), rows, d, ln_f_weight_, ln_f_bias_, c_.norm_eps, h.data());
-    return h.reshape({pass.batch, pass.length, d});
+    return h;
   }
 
   Tensor logits(const Tensor& hidden) const override { return linear(hidden, lm_head_, {}); }
 
  private:
-  // (B * N, d): wte[id] + wpe[position], token n of a pass at position pass.position + n.
+  // (rows, d): wte[id] + wpe[position], each row at its position in its sequence.
   Tensor embed(const Pass& pass) const {
     const int64_t d = c_.hidden_size;
-    Tensor x = Tensor::empty({pass.batch * pass.length, d});
+    Tensor x = Tensor::empty({pass.rows(), d});
     std::vector<float> position(static_cast<size_t>(d));
-    for (int64_t r = 0; r < pass.batch * pass.length; ++r) {
+    const std::vector<int64_t> positions = pass.row_positions();
+    for (int64_t r = 0; r < pass.rows(); ++r) {
       float* row = x.data() + r * d;
       gather_row(wte_, pass.ids[static_cast<size_t>(r)], row);
-      gather_row(wpe_, pass.position + r % pass.length, position.data());
+      gather_row(wpe_, positions[static_cast<size_t>(r)], position.data());
       add_into(row, position.data(), d);
     }
     return x;

@@ -63,7 +63,7 @@ class Llama final : public Network {
   }
 
   Tensor hidden_states(const Pass& pass) const override {
-    const int64_t rows = pass.batch * pass.length, d = c_.hidden_size, hd = c_.head_dim;
+    const int64_t rows = pass.rows(), d = c_.hidden_size, hd = c_.head_dim;
     Tensor x = Tensor::empty({rows, d});
     for (int64_t r = 0; r < rows; ++r) gather_row(embed_tokens_, pass.ids[static_cast<size_t>(r)], x.data() + r * d);
     Tensor h = Tensor::empty({rows, d});
@@ -73,13 +73,14 @@ class Llama final : public Network {
       const Tensor q = linear(h, layer.q_proj, layer.q_bias);
       const Tensor k = linear(h, layer.k_proj, layer.k_bias);
       const Tensor v = linear(h, layer.v_proj, layer.v_bias);
-      const Tensor heads_out = Tensor::empty({pass.batch, pass.length, c_.num_heads, hd});
+      const Tensor heads_out = Tensor::empty({rows, c_.num_heads * hd});
       const AttentionSpec spec{
           .causal = true, .window = c_.window_of_layer(static_cast<int64_t>(i)), .rotary = &rotary_};
       attend(heads_view(q, pass, 0, c_.num_heads, hd), heads_view(k, pass, 0, c_.num_kv_heads, hd),
-             heads_view(v, pass, 0, c_.num_kv_heads, hd), (*pass.caches)[i], pass, spec, heads_out.transpose(1, 2));
+             heads_view(v, pass, 0, c_.num_kv_heads, hd), pass, static_cast<int64_t>(i), spec,
+             heads_view(heads_out, pass, 0, c_.num_heads, hd));
       if (static_cast<int64_t>(i) == pass.stop_layer) return {};  // Model::query_keys has its q and k
-      add_into(x.data(), linear(heads_out.reshape({rows, c_.num_heads * hd}), layer.o_proj, layer.o_bias).data(),
+      add_into(x.data(), linear(heads_out, layer.o_proj, layer.o_bias).data(),
                rows * d);
       rms_norm(x.data(), rows, d, layer.post_attention_norm, c_.norm_eps, h.data());
       Tensor gate = linear(h, layer.gate_proj, layer.gate_bias);
@@ -88,7 +89,7 @@ class Llama final : public Network {
       add_into(x.data(), linear(gate, layer.down_proj, layer.down_bias).data(), rows * d);
     }
     rms_norm(x.data(), rows, d, norm_, c_.norm_eps, h.data());
-    return h.reshape({pass.batch, pass.length, d});
+    return h;
   }
 
   Tensor logits(const Tensor& hidden) const override { return linear(hidden, lm_head_, {}); }

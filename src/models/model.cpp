@@ -6,9 +6,8 @@
 #include <cmath>
 #include <string>
 
-#include "models/network.hpp"
+#include "models/model_impl.hpp"
 #include "qkv/error.hpp"
-#include "qkv/models/model.hpp"
 
 namespace qkv::models {
 
@@ -19,54 +18,18 @@ std::string model_name(const ModelConfig& c) {
 }
 }  // namespace detail
 
-struct Model::Impl {
-  ModelConfig config;
-  ModelOptions options;
-  std::shared_ptr<const WeightSource> weights;
-  std::unique_ptr<detail::Network> network;
-
-  // `count` tokens starting at `position` fit the model's positions; ids are in the vocabulary.
-  void check_tokens(const std::string& who, const std::vector<int64_t>& ids, int64_t position) const {
-    if (ids.empty()) throw Error(who + ": a sequence is empty: give at least one token");
-    const auto end = position + static_cast<int64_t>(ids.size());
-    if (end > config.max_positions)
-      throw Error(who + ": " + std::to_string(end) + " positions exceed the model's max_position_embeddings " +
-                  std::to_string(config.max_positions));
-    for (int64_t id : ids)
-      if (id < 0 || id >= config.vocab_size)
-        throw Error(who + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                    std::to_string(config.vocab_size) + ")");
-  }
-
-  std::vector<nn::KVCache> make_caches(int64_t batch, int64_t capacity, DType dtype) const {
-    std::vector<nn::KVCache> caches;
-    for (int64_t l = 0; l < config.num_layers; ++l)
-      caches.emplace_back(batch, config.num_kv_heads, capacity, config.head_dim, dtype);
-    return caches;
-  }
-
-  // The logits (vocab) of the last of `tokens`, which follow `position` cached ones (batch 1).
-  std::vector<float> step(const std::vector<int64_t>& tokens, int64_t position,
-                          std::vector<nn::KVCache>& caches) const {
-    detail::Pass pass;
-    pass.batch = 1;
-    pass.length = static_cast<int64_t>(tokens.size());
-    pass.counts = {pass.length};
-    pass.ids = tokens;
-    pass.position = position;
-    pass.caches = &caches;
-    const Tensor hidden = network->hidden_states(pass);
-    const Tensor last = hidden.narrow(1, pass.length - 1, 1).reshape({1, config.hidden_size}).contiguous();
-    return network->logits(last).to_vector();
-  }
-};
-
 Model::Model(const ModelConfig& config, std::shared_ptr<const WeightSource> weights, const ModelOptions& options)
     : impl_(std::make_unique<Impl>()) {
   check_config(config);
   if (!weights) throw Error("Model: no weight source given");
-  if (options.kv_dtype != DType::F32 && options.kv_dtype != DType::BF16 && options.kv_dtype != DType::F16)
-    throw Error("Model: kv_dtype must be f32, bf16 or f16");
+  const DType kv = options.kv_dtype;
+  if (kv != DType::F32 && kv != DType::BF16 && kv != DType::F16 && kv != DType::I8 && kv != DType::I4)
+    throw Error("Model: kv_dtype " + std::string(to_string(kv)) + " is not one of f32, bf16, f16, i8 or i4");
+  if (kv == DType::I4 && config.head_dim % 2 != 0)
+    throw Error("Model: kv_dtype i4 packs two values a byte, but " + detail::model_name(config) + " has head_dim " +
+                std::to_string(config.head_dim));
+  if (options.page_size < 1)
+    throw Error("Model: page_size " + std::to_string(options.page_size) + " must be at least 1");
   impl_->config = config;
   impl_->options = options;
   impl_->weights = std::move(weights);
@@ -108,15 +71,11 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
     pass.counts.push_back(static_cast<int64_t>(sequence.size()));
     pass.length = std::max(pass.length, pass.counts.back());
   }
-  // The widest activation (logits, or the MLP's inner rows) of the whole batch must stay allocatable.
-  const int64_t widest = std::max({c.has_lm_head() ? c.vocab_size : 0, c.intermediate_size, 3 * c.hidden_size});
-  constexpr int64_t kMaxActivationFloats = int64_t{1} << 31;
-  if (pass.batch * pass.length > kMaxActivationFloats / widest)
-    throw Error(who + ": " + std::to_string(pass.batch) + " sequences of up to " + std::to_string(pass.length) +
-                " tokens need " + std::to_string(pass.batch * pass.length) + " x " + std::to_string(widest) +
-                " floats of activations, more than 2^31: split the batch");
+  impl_->check_activation_rows(who, pass.batch * pass.length,
+                               std::to_string(pass.batch) + " sequences of up to " + std::to_string(pass.length) +
+                                   " tokens");
   // need_attention keeps (B, H, N, N) weights for every layer.
-  if (need_attention && pass.batch * c.num_heads * c.num_layers > kMaxActivationFloats / (pass.length * pass.length))
+  if (need_attention && pass.batch * c.num_heads * c.num_layers > Impl::kMaxActivationFloats / (pass.length * pass.length))
     throw Error(who + ": need_attention on " + std::to_string(pass.batch) + " sequences of up to " +
                 std::to_string(pass.length) + " tokens keeps " + std::to_string(c.num_layers) + " layers x " +
                 std::to_string(c.num_heads) + " heads of (N, N) weights, more than 2^31 floats: ask for fewer tokens");
@@ -135,14 +94,37 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
                     std::to_string(c.type_vocab_size) + ")");
     std::copy(t.begin(), t.end(), pass.token_types.begin() + static_cast<int64_t>(b) * pass.length);
   }
+  if (pass.ragged() && !need_attention) return impl_->forward_packed(input, pass);
   std::vector<nn::KVCache> caches = impl_->make_caches(pass.batch, pass.length, DType::F32);
   pass.caches = &caches;
   ModelOutput out;
   if (need_attention) pass.attention = &out.attention;
-  out.hidden = impl_->network->hidden_states(pass);
-  if (c.has_lm_head())
-    out.logits = impl_->network->logits(out.hidden.reshape({pass.batch * pass.length, c.hidden_size}))
-                     .reshape({pass.batch, pass.length, c.vocab_size});
+  const Tensor hidden = impl_->network->hidden_states(pass);
+  out.hidden = hidden.reshape({pass.batch, pass.length, c.hidden_size});
+  if (c.has_lm_head()) out.logits = impl_->network->logits(hidden).reshape({pass.batch, pass.length, c.vocab_size});
+  return out;
+}
+
+// A ragged batch without weights runs packed: no padding row is projected or attended. The
+// outputs are then laid out as the padded forward's, padding rows zero.
+ModelOutput Model::Impl::forward_packed(const ModelInput& input, const detail::Pass& padded) const {
+  detail::Pass pass = detail::packed_pass(input.ids);
+  if (!padded.token_types.empty())
+    for (size_t b = 0; b < input.token_type_ids.size(); ++b)
+      pass.token_types.insert(pass.token_types.end(), input.token_type_ids[b].begin(), input.token_type_ids[b].end());
+  const Tensor hidden = network->hidden_states(pass);
+  const Tensor logits = config.has_lm_head() ? network->logits(hidden) : Tensor();
+  const auto unpack = [&](const Tensor& rows) {
+    const int64_t width = rows.size(1);
+    Tensor out = Tensor::zeros({padded.batch, padded.length, width});
+    for (int64_t b = 0; b < pass.batch; ++b)
+      std::copy_n(rows.data() + pass.offsets[static_cast<size_t>(b)] * width,
+                  pass.counts[static_cast<size_t>(b)] * width, out.data() + b * padded.length * width);
+    return out;
+  };
+  ModelOutput out;
+  out.hidden = unpack(hidden);
+  if (logits.defined()) out.logits = unpack(logits);
   return out;
 }
 
@@ -173,8 +155,7 @@ QueryKeys Model::query_keys(const std::vector<int64_t>& ids, int64_t layer) cons
 
 std::vector<std::vector<float>> Model::cached_logits(const std::vector<int64_t>& ids, int64_t prefill) const {
   const std::string who = "Model::cached_logits";
-  if (!impl_->config.is_causal())
-    throw Error(who + ": " + std::string(to_string(impl_->config.architecture)) + " is not a causal language model");
+  impl_->check_causal(who);
   impl_->check_tokens(who, ids, 0);
   if (prefill < 1 || prefill > static_cast<int64_t>(ids.size()))
     throw Error(who + ": prefill " + std::to_string(prefill) + " is outside [1, " + std::to_string(ids.size()) + "]");
@@ -190,16 +171,11 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
                                  const TokenCallback& on_token) const {
   const ModelConfig& c = impl_->config;
   const std::string who = "Model::generate";
-  if (!c.is_causal())
-    throw Error(who + ": " + std::string(to_string(c.architecture)) + " is not a causal language model");
+  impl_->check_causal(who);
   impl_->check_tokens(who, prompt, 0);
   check_generation_options(options);
   const auto prompt_length = static_cast<int64_t>(prompt.size());
-  if (options.max_new_tokens < 0 || options.max_new_tokens > c.max_positions - prompt_length + 1)
-    throw Error(who + ": max_new_tokens " + std::to_string(options.max_new_tokens) + " is outside [0, " +
-                std::to_string(c.max_positions - prompt_length + 1) + "] for a prompt of " +
-                std::to_string(prompt_length) + " tokens (max_position_embeddings " + std::to_string(c.max_positions) +
-                ")");
+  impl_->check_new_tokens(who, prompt_length, options);
   uint64_t state = options.seed;
   GenerationResult result;
   result.prompt_tokens = prompt_length;
@@ -216,7 +192,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
     result.tokens.push_back(token);
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     (t == 0 ? result.prefill_seconds : result.decode_seconds) += elapsed;
-    const bool eos = std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) != c.eos_token_ids.end();
+    const bool eos = impl_->is_eos(token);
     const bool go_on = !on_token || on_token(token);
     start = Clock::now();
     if (eos && options.stop_at_eos) {

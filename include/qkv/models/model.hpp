@@ -17,7 +17,10 @@
 namespace qkv::models {
 
 struct ModelOptions {
-  DType kv_dtype = DType::BF16;  // the dtype of generate()'s KV caches (F32, BF16 or F16)
+  // The dtype of generate()'s KV caches: F32, BF16, F16, or I8 / I4 (quantized as appended,
+  // qkv/quantize.hpp; I4 needs an even head_dim).
+  DType kv_dtype = DType::BF16;
+  int64_t page_size = 64;  // the pages of generate_batch()'s paged caches, >= 1
 };
 
 // A batch of sequences, right-padded to the longest: sequence b has ids[b].size() tokens.
@@ -27,7 +30,8 @@ struct ModelInput {
 };
 
 struct ModelOutput {
-  // Rows of padding (n >= ids[b].size()) are finite but meaningless.
+  // Rows of padding (n >= ids[b].size()) are finite but meaningless. (A ragged batch without
+  // need_attention runs packed, no padding row computed, and leaves them zero.)
   Tensor hidden;  // (B, N, hidden_size): the last hidden state (after the final norm, if any)
   Tensor logits;  // (B, N, vocab_size); undefined for BertModel
   // need_attention: layer l's attention weights (B, num_heads, N, N); a padded query's row and a
@@ -66,6 +70,8 @@ struct QueryKeys {
 
 // Called with each new token as it is chosen; return false to stop.
 using TokenCallback = std::function<bool(int64_t token)>;
+// generate_batch's: called with each new token of prompt `index`; return false to stop that one.
+using BatchTokenCallback = std::function<bool(int64_t index, int64_t token)>;
 
 class Model {
  public:
@@ -94,6 +100,25 @@ class Model {
   // token per step from the caches. on_token may stop it early.
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationOptions& options = {},
                             const TokenCallback& on_token = {}) const;
+
+  // Causal models only: several prompts at once, with no padding. The prompts are prefilled
+  // together as one packed batch (cu_seqlens: each attends to its own keys), then every unfinished
+  // sequence advances a token per step in one batched call, each reading its own pages of
+  // per-layer paged KV caches (qkv::nn::PagedKVCache, options.kv_dtype, page_size), released as
+  // it stops. Each sequence draws from its own sampler seeded with options.seed, so result b is
+  // generate(prompts[b], options)'s up to the order of float sums (the same tokens in f32, unless
+  // two logits tie to the last bits). Timings are the batch's: result b's prefill_seconds the
+  // whole prefill, its decode_seconds the steps it took part in. Every prompt is checked first.
+  std::vector<GenerationResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                               const GenerationOptions& options = {},
+                                               const BatchTokenCallback& on_token = {}) const;
+
+  // cached_logits for a batch, on generate_batch's paged path: sequence b prefills its first
+  // prefill[b] tokens (all prefilled together), then every sequence with tokens left takes its
+  // next one, a step at a time; out[b] holds the last position's logits after each of its
+  // prefixes from prefill[b] tokens on. For tests of the paged, packed path against forward().
+  std::vector<std::vector<std::vector<float>>> cached_logits_batch(const std::vector<std::vector<int64_t>>& ids,
+                                                                   const std::vector<int64_t>& prefill) const;
 
   // The last position's logits (vocab_size) after each prefix of `ids`, computed with the KV cache
   // as generate() does (prefill of the first `prefill` tokens, then one token per step): for
