@@ -8,6 +8,9 @@
 //   decode    a prompt of each --contexts length, then --steps single-token steps (generate()'s
 //             decode_seconds): tokens/s, and the bytes of weights and K/V each step reads / time
 //             against the memcpy bandwidth (bytes read + written per second, as `qkv bench`)
+//   batch     --batch prompts of lengths spread over [--prefill / 4, --prefill], each then taking
+//             --steps + 1 tokens: generate_batch (one packed prefill, one paged step for all) against
+//             generate() on each prompt in turn, wall time; tokens/s counts the new tokens
 // Each row is the median of --runs. The ceilings (FMA peak on every OpenMP thread, memcpy of
 // 256 MiB) are measured before and after the models; the higher is kept.
 //   OMP_NUM_THREADS=2 qkv_model_benchmark [--json] [--dir DIR] [--models llama,gpt2] [--dtypes bf16,f32]
@@ -193,7 +196,7 @@ struct Options {
   std::vector<std::string> models{"smollm2-135m", "gpt2"};
   std::vector<std::string> dtypes{"bf16", "f32"};
   std::vector<int64_t> contexts{512, 4096};
-  int64_t prefill = 512, steps = 32;
+  int64_t prefill = 512, steps = 32, batch = 8;
   int runs = 3;
 };
 
@@ -230,9 +233,10 @@ int main(int argc, char** argv) {
     } else if (a == "--prefill") o.prefill = std::stoll(value());
     else if (a == "--steps") o.steps = std::stoll(value());
     else if (a == "--runs") o.runs = std::stoi(value());
+    else if (a == "--batch") o.batch = std::stoll(value());
     else {
       std::fprintf(stderr, "usage: %s [--json] [--dir DIR] [--models smollm2-135m,gpt2] [--dtypes bf16,f32] "
-                           "[--contexts 512,4096] [--prefill 512] [--steps 32] [--runs 3]\n", argv[0]);
+                           "[--contexts 512,4096] [--prefill 512] [--steps 32] [--batch 8] [--runs 3]\n", argv[0]);
       return a == "--help" ? 0 : 2;
     }
   }
@@ -317,6 +321,39 @@ int main(int argc, char** argv) {
         std::snprintf(line, sizeof line, "%-14s %-6s decode@%-7lld %9.1f %7.2f %22.1f %6.2f\n", s.name.c_str(),
                       dtype_name.c_str(), static_cast<long long>(context), 1 / row.seconds, row.seconds * 1e3,
                       row.gbs, row.gbs / memcpy_gbs);
+        say(line);
+      }
+      if (o.batch > 0) {
+        std::vector<std::vector<int64_t>> prompts;
+        for (int64_t i = 0; i < o.batch; ++i)
+          prompts.push_back(prompt_of(o.prefill / 4 + i * (o.prefill - o.prefill / 4) / std::max<int64_t>(1, o.batch - 1),
+                                      s.vocab));
+        g.max_new_tokens = o.steps + 1;
+        // Wall times, and the decode steps' alone (a batched step serves every prompt at once).
+        std::vector<double> batched, sequential, batched_decode, sequential_decode;
+        for (int r = 0; r < o.runs; ++r) {
+          auto start = Clock::now();
+          double decode = 0;
+          for (const auto& result : p.model.generate_batch(prompts, g)) decode = std::max(decode, result.decode_seconds);
+          batched.push_back(seconds_since(start));
+          batched_decode.push_back(decode);
+          start = Clock::now();
+          decode = 0;
+          for (const auto& prompt : prompts) decode += p.model.generate(prompt, g).decode_seconds;
+          sequential.push_back(seconds_since(start));
+          sequential_decode.push_back(decode);
+        }
+        const int64_t tokens = o.batch * g.max_new_tokens;
+        Row row{s.name, dtype_name, "batch", tokens, o.prefill, median(batched)};
+        rows.push_back(row);
+        Row one_at_a_time{s.name, dtype_name, "sequential", tokens, o.prefill, median(sequential)};
+        rows.push_back(one_at_a_time);
+        std::snprintf(line, sizeof line, "%-14s %-6s batch%-10lld %9.1f %7.0f   %.2f x one prompt at a time (%.0f ms); "
+                      "decode steps %.2f x (%.0f vs %.0f ms)\n",
+                      s.name.c_str(), dtype_name.c_str(), static_cast<long long>(o.batch), tokens / row.seconds,
+                      row.seconds * 1e3, one_at_a_time.seconds / row.seconds, one_at_a_time.seconds * 1e3,
+                      median(sequential_decode) / median(batched_decode), median(batched_decode) * 1e3,
+                      median(sequential_decode) * 1e3);
         say(line);
       }
       if (!keep) fs::remove_all(folder);

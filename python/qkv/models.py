@@ -5,6 +5,7 @@
     out = model(ids, need_attention=True)            # out.logits (B, N, V), out.attention[l] (B, H, N, N)
     gen = model.generate("The cat", max_new_tokens=16)
     print(gen.text, gen.decode_tokens_per_second)
+    gens = model.generate_batch(["The cat", "Once upon a time"], max_new_tokens=16)  # no padding, paged
 
     qkv.write_safetensors("model.safetensors", {"wte.weight": array, ...})
 
@@ -27,7 +28,8 @@ from ._core import Error
 
 __all__ = ["Generation", "Model", "ModelOutput", "load_model", "write_safetensors"]
 
-_KV_DTYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16"}
+_KV_DTYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16",
+              "int8": "int8", "i8": "int8", "int4": "int4", "i4": "int4"}
 _INT64_MAX = 2**63 - 1
 
 
@@ -239,14 +241,41 @@ class Model:
         same tokens. on_token(id) is called with each new token; returning False stops.
         Returns a Generation (tokens, text, tokens per second of prefill and decode)."""
         who = "Model.generate"
+        prompt_ids = self._prompt_ids(prompt, "prompt", who)
+        options = self._generation_options(who, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
+                                           on_token)
+        return self._generation(self._core.generate(prompt_ids, *options), prompt_ids)
+
+    def generate_batch(self, prompts, max_new_tokens=32, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                       stop_at_eos=True, on_token: Optional[Callable[[int, int], Optional[bool]]] = None):
+        """generate on several prompts at once, without padding: one packed prefill of every prompt,
+        then one step for all unfinished sequences, each on its own pages of a paged KV cache
+        (load_model's kv_dtype and page_size). Each prompt gets its own sampler seeded with seed, so
+        prompt b gets generate(prompts[b], ...)'s tokens (in f32 up to ties in the last bits).
+        on_token(index, id) is called with each new token of prompt `index`; returning False stops
+        that prompt. Returns a list of Generation, one per prompt."""
+        who = "Model.generate_batch"
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise Error(f"{who}: prompts must be a list of prompts (each a str or a list of ids), got "
+                        f"{type(prompts).__name__}")
+        prompt_ids = [self._prompt_ids(p, f"prompts[{b}]", who) for b, p in enumerate(prompts)]
+        options = self._generation_options(who, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
+                                           on_token)
+        results = self._core.generate_batch(prompt_ids, *options)
+        return [self._generation(r, ids) for r, ids in zip(results, prompt_ids)]
+
+    def _prompt_ids(self, prompt, name, who):
         if not self.config["is_causal"]:
             raise Error(f"{who}: {self.config['architecture']} is not a causal language model")
         if isinstance(prompt, str):
             prompt_ids = self.tokenize(prompt)
             if not prompt_ids:
-                raise Error(f"{who}: prompt {prompt!r} has no tokens")
-        else:
-            prompt_ids = _sequence(prompt, "prompt", who, self.vocab_size)
+                raise Error(f"{who}: {name} {prompt!r} has no tokens")
+            return prompt_ids
+        return _sequence(prompt, name, who, self.vocab_size)
+
+    @staticmethod
+    def _generation_options(who, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token):
         max_new_tokens = _integer(max_new_tokens, "max_new_tokens", who, 0, _INT64_MAX)
         temperature = _real(temperature, "temperature", who)
         if temperature < 0:
@@ -259,7 +288,9 @@ class Model:
         stop_at_eos = _boolean(stop_at_eos, "stop_at_eos", who)
         if on_token is not None and not callable(on_token):
             raise Error(f"{who}: on_token must be callable or None, got {type(on_token).__name__}")
-        r = self._core.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token)
+        return max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token
+
+    def _generation(self, r, prompt_ids):
         text = None
         if self._core.has_tokenizer:
             text = self._core.decode(r["tokens"], True).decode("utf-8", errors="replace")
@@ -295,22 +326,24 @@ class Model:
         return self._core.head_roles(ids, prefix, self._core.ordinary_ids(), repeat_length, seed)
 
 
-def load_model(path, kv_dtype="bf16", tokenizer=True):
+def load_model(path, kv_dtype="bf16", tokenizer=True, page_size=64):
     """Loads a Hugging Face model folder: config.json, model.safetensors (or its shards and
     model.safetensors.index.json) and tokenizer.json or tokenizer.model (tokenizer=False: none,
     pass ids). The weights are memory-mapped and used in place. kv_dtype: the dtype of
-    generate()'s KV cache ("bf16", "f16" or "f32"). Returns a qkv.Model."""
+    generate()'s KV cache ("bf16", "f16", "f32", or quantized "int8" / "int4"); page_size: the
+    pages of generate_batch()'s paged cache. Returns a qkv.Model."""
     who = "load_model"
     path = _path(path, who)
     if not isinstance(kv_dtype, str) or kv_dtype.lower() not in _KV_DTYPES:
-        raise Error(f"{who}: kv_dtype must be \"bf16\", \"f16\" or \"f32\", got {kv_dtype!r}")
+        raise Error(f"{who}: kv_dtype must be \"bf16\", \"f16\", \"f32\", \"int8\" or \"int4\", got {kv_dtype!r}")
     tokenizer = _boolean(tokenizer, "tokenizer", who)
+    page_size = _integer(page_size, "page_size", who, 1, 2**31 - 1)
     if not os.path.isdir(path):
         raise Error(f"{who}: {path!r} is not a directory: give a Hugging Face model folder (config.json, "
                     f"model.safetensors, tokenizer.json)")
     if not _core.is_model_folder(path):
         raise Error(f"{who}: {path!r} is not a model folder: it has no config.json")
-    return Model(_core.ModelCore(path, _KV_DTYPES[kv_dtype.lower()], tokenizer))
+    return Model(_core.ModelCore(path, _KV_DTYPES[kv_dtype.lower()], tokenizer, page_size))
 
 
 # numpy dtype -> safetensors dtype, for arrays written as they are.

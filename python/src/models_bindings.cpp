@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -95,9 +96,10 @@ struct LoadedModel {
   }
 };
 
-LoadedModel load(const std::string& path, const std::string& kv_dtype, bool tokenizer) {
+LoadedModel load(const std::string& path, const std::string& kv_dtype, bool tokenizer, int64_t page_size) {
   qkv::models::PretrainedOptions options;
   options.model.kv_dtype = qkv::dtype_from_string(kv_dtype);
+  options.model.page_size = page_size;
   options.require_tokenizer = tokenizer;
   py::gil_scoped_release release;
   return LoadedModel{std::make_unique<qkv::models::Pretrained>(qkv::models::load_pretrained(path, options))};
@@ -128,10 +130,8 @@ py::tuple forward(const LoadedModel& m, std::vector<std::vector<int64_t>> ids,
   return py::make_tuple(tensor_to_numpy(output.logits), tensor_to_numpy(output.hidden), attention);
 }
 
-// generate with on_token (a Python callable or None) called with the GIL held; an exception it
-// raises stops the generation and is raised again here.
-py::dict generate(const LoadedModel& m, const std::vector<int64_t>& prompt, int64_t max_new_tokens, float temperature,
-                  int64_t top_k, float top_p, uint64_t seed, bool stop_at_eos, const py::object& on_token) {
+qkv::models::GenerationOptions generation_options(int64_t max_new_tokens, float temperature, int64_t top_k,
+                                                  float top_p, uint64_t seed, bool stop_at_eos) {
   qkv::models::GenerationOptions options;
   options.max_new_tokens = max_new_tokens;
   options.temperature = temperature;
@@ -139,26 +139,10 @@ py::dict generate(const LoadedModel& m, const std::vector<int64_t>& prompt, int6
   options.top_p = top_p;
   options.seed = seed;
   options.stop_at_eos = stop_at_eos;
-  std::exception_ptr raised;
-  qkv::models::TokenCallback callback;
-  if (!on_token.is_none()) {
-    callback = [&](int64_t token) {
-      py::gil_scoped_acquire gil;
-      try {
-        const py::object answer = on_token(token);
-        return answer.is_none() || answer.cast<bool>();
-      } catch (...) {
-        raised = std::current_exception();
-        return false;
-      }
-    };
-  }
-  qkv::models::GenerationResult result;
-  {
-    py::gil_scoped_release release;
-    result = m.pretrained->model.generate(prompt, options, callback);
-  }
-  if (raised) std::rethrow_exception(raised);
+  return options;
+}
+
+py::dict result_dict(const qkv::models::GenerationResult& result) {
   py::dict d;
   d["tokens"] = result.tokens;
   d["stopped_at_eos"] = result.stopped_at_eos;
@@ -168,6 +152,59 @@ py::dict generate(const LoadedModel& m, const std::vector<int64_t>& prompt, int6
   d["prefill_tokens_per_second"] = result.prefill_tokens_per_second();
   d["decode_tokens_per_second"] = result.decode_tokens_per_second();
   return d;
+}
+
+// A C++ token callback calling on_token (a Python callable or None) with the GIL held; an
+// exception it raises is kept in `raised` and stops the generation. None and true go on.
+template <typename... Args>
+std::function<bool(Args...)> python_callback(const py::object& on_token, std::exception_ptr& raised) {
+  if (on_token.is_none()) return {};
+  return [&on_token, &raised](Args... args) {
+    py::gil_scoped_acquire gil;
+    try {
+      const py::object answer = on_token(args...);
+      return answer.is_none() || answer.cast<bool>();
+    } catch (...) {
+      raised = std::current_exception();
+      return false;
+    }
+  };
+}
+
+// generate with on_token(token), the GIL released meanwhile; on_token's exception raised again here.
+py::dict generate(const LoadedModel& m, const std::vector<int64_t>& prompt, int64_t max_new_tokens, float temperature,
+                  int64_t top_k, float top_p, uint64_t seed, bool stop_at_eos, const py::object& on_token) {
+  const auto options = generation_options(max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos);
+  std::exception_ptr raised;
+  const qkv::models::TokenCallback callback = python_callback<int64_t>(on_token, raised);
+  qkv::models::GenerationResult result;
+  {
+    py::gil_scoped_release release;
+    result = m.pretrained->model.generate(prompt, options, callback);
+  }
+  if (raised) std::rethrow_exception(raised);
+  return result_dict(result);
+}
+
+// generate_batch with on_token(index, token): an exception stops every sequence.
+py::list generate_batch(const LoadedModel& m, const std::vector<std::vector<int64_t>>& prompts,
+                        int64_t max_new_tokens, float temperature, int64_t top_k, float top_p, uint64_t seed,
+                        bool stop_at_eos, const py::object& on_token) {
+  const auto options = generation_options(max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos);
+  std::exception_ptr raised;
+  const auto python = python_callback<int64_t, int64_t>(on_token, raised);
+  qkv::models::BatchTokenCallback callback;
+  if (python)
+    callback = [&](int64_t index, int64_t token) { return !raised && python(index, token); };
+  std::vector<qkv::models::GenerationResult> results;
+  {
+    py::gil_scoped_release release;
+    results = m.pretrained->model.generate_batch(prompts, options, callback);
+  }
+  if (raised) std::rethrow_exception(raised);
+  py::list out;
+  for (const auto& result : results) out.append(result_dict(result));
+  return out;
 }
 
 py::list head_roles(const LoadedModel& m, const std::vector<int64_t>& text_ids, const std::vector<int64_t>& prefix_ids,
@@ -224,7 +261,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorEntry>& 
 
 void bind_models(py::module_& m) {
   py::class_<LoadedModel>(m, "ModelCore", "A Hugging Face model folder loaded by qkv::models::load_pretrained.")
-      .def(py::init(&load), py::arg("path"), py::arg("kv_dtype") = "bf16", py::arg("tokenizer") = true)
+      .def(py::init(&load), py::arg("path"), py::arg("kv_dtype") = "bf16", py::arg("tokenizer") = true,
+           py::arg("page_size") = 64)
       .def_property_readonly("path", [](const LoadedModel& self) { return self.pretrained->path.string(); })
       .def_property_readonly("config", [](const LoadedModel& self) { return config_dict(self.pretrained->config); })
       .def_property_readonly("has_tokenizer", [](const LoadedModel& self) { return !!self.pretrained->tokenizer; })
@@ -273,6 +311,8 @@ void bind_models(py::module_& m) {
       .def("forward", &forward, py::arg("ids"), py::arg("token_type_ids"), py::arg("need_attention"),
            "(logits or None, hidden, [attention per layer]) of a batch of sequences.")
       .def("generate", &generate, py::arg("prompt"), py::arg("max_new_tokens"), py::arg("temperature"),
+           py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_at_eos"), py::arg("on_token"))
+      .def("generate_batch", &generate_batch, py::arg("prompts"), py::arg("max_new_tokens"), py::arg("temperature"),
            py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_at_eos"), py::arg("on_token"))
       .def("head_roles", &head_roles, py::arg("text_ids"), py::arg("prefix_ids"), py::arg("candidate_ids"),
            py::arg("repeat_length"), py::arg("seed"))

@@ -25,6 +25,10 @@ model_cli_test(models_generate_gpt2 tiny_gpt2 ARGS "generate|--model|${tiny}/gpt
 model_cli_test(models_generate_llama_sampled tiny_llama_bf16
   ARGS "generate|--model|${tiny}/llama-bf16|hello|--tokens|5|--temperature|0.8|--top-k|20|--top-p|0.9|--seed|3|--ignore-eos"
   EXPECT "5 new tokens: decode")
+# Several prompts: generated together on int8 pages, each printed with its continuation.
+model_cli_test(models_generate_batch_int8 tiny_llama
+  ARGS "generate|--model|${tiny}/llama|the cat|hello there friend|--tokens|4|--ignore-eos|--kv-dtype|int8"
+  EXPECT "\\[0\\] the cat.*\\[1\\] hello there friend.*2 prompts together, [0-9]+ prompt tokens: prefill [0-9.]+ tokens/s; 8 new tokens: decode [0-9.]+ tokens/s")
 model_cli_test(models_generate_bert_refused tiny_bert ARGS "generate|--model|${tiny}/bert|the cat" FAIL
   EXPECT "BertForMaskedLM, an encoder")
 model_cli_test(models_generate_qkv_options_refused tiny_gpt2 ARGS "generate|--model|${tiny}/gpt2|the|--plot|x.png" FAIL

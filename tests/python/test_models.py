@@ -334,6 +334,35 @@ def test_sampling_and_on_token(gpt2):
         model.generate("the", max_new_tokens=4, on_token=fail)
 
 
+def test_generate_batch_gives_each_prompt_its_own_generation(gpt2, llama, tmp_path):
+    """Prompts of different lengths at once, on pages: each gets generate()'s tokens (greedy and
+    sampled), on_token sees (index, token) and stops one prompt alone."""
+    for model in (gpt2[0], llama[0]):
+        prompts = ["the cat sat on the mat", "a", model.tokenize("the dog")]
+        for kwargs in ({}, {"temperature": 1.2, "top_k": 20, "seed": 3}):
+            gens = model.generate_batch(prompts, max_new_tokens=6, stop_at_eos=False, **kwargs)
+            assert len(gens) == 3
+            for prompt, gen in zip(prompts, gens):
+                alone = model.generate(prompt, max_new_tokens=6, stop_at_eos=False, **kwargs)
+                assert gen.tokens == alone.tokens and gen.prompt_ids == alone.prompt_ids
+                assert gen.text == alone.text
+        seen = []
+        gens = model.generate_batch(prompts, max_new_tokens=6, stop_at_eos=False,
+                                    on_token=lambda b, t: seen.append((b, t)) or b != 1)
+        assert [len(g.tokens) for g in gens] == [6, 1, 6]
+        assert [t for b, t in seen if b == 0] == gens[0].tokens
+
+    def fail(index, token):
+        raise KeyError("stop the batch")
+
+    with pytest.raises(KeyError, match="stop the batch"):
+        gpt2[0].generate_batch(["the", "a cat"], max_new_tokens=4, on_token=fail)
+    # int8 pages of 3 positions: the same machinery on a quantized pool
+    quantized = qkv.load_model(gpt2[0].path, kv_dtype="int8", page_size=3)
+    gens = quantized.generate_batch(["the cat", "a"], max_new_tokens=5, stop_at_eos=False)
+    assert [len(g.tokens) for g in gens] == [5, 5]
+
+
 def test_calls_from_threads(gpt2):
     """The GIL is released around the C++ work: threads run models (and callbacks) side by side."""
     model = gpt2[0]
@@ -477,7 +506,14 @@ def test_bad_arguments(gpt2, bert, tmp_path):
     raises("path must be a str", qkv.load_model, 3)
     raises("is not a directory", qkv.load_model, tmp_path / "missing")
     raises("it has no config.json", qkv.load_model, tmp_path)
-    raises("kv_dtype must be", qkv.load_model, tmp_path, kv_dtype="int8")
+    raises("kv_dtype must be", qkv.load_model, tmp_path, kv_dtype="int2")
+    raises("page_size is 0", qkv.load_model, tmp_path, page_size=0)
+    # generate_batch
+    raises("prompts must be a list", model.generate_batch, "the")
+    raises(r"prompts\[1\] is empty", model.generate_batch, ["the", []])
+    raises(f"token id {v}", model.generate_batch, [[1], [1, v]])
+    raises("not a causal language model", bert_model.generate_batch, ["the"])
+    raises("max_new_tokens 40 is outside", model.generate_batch, ["the", "the cat"], max_new_tokens=40)
     raises("tokenizer must be True or False", qkv.load_model, tmp_path, tokenizer="yes")
     # write_safetensors
     raises("tensors must be a dict", qkv.write_safetensors, tmp_path / "x.safetensors", [np.zeros(2)])

@@ -37,7 +37,9 @@ constexpr int64_t kMaxSweep = 16384;
 
 struct GenerateCommandOptions {
   std::string model;
-  std::string prompt;   // ids ("3 1 4") or the task's letters ("a b c |"); empty: one example
+  // A .qkv model: one, ids ("3 1 4") or the task's letters ("a b c |"); none: one example. A
+  // model folder: texts, several generated together.
+  std::vector<std::string> prompts;
   int64_t tokens = -1;  // -1: the task's answer length
   std::string kv_dtype;  // empty: f32 for a .qkv model, bf16 for a model folder
   // A Hugging Face model folder's sampling (pretrained.hpp); the prompt is text.
@@ -57,7 +59,7 @@ DType parse_dtype(const std::string& name) {
   if (name == "f32") return DType::F32;
   if (name == "bf16") return DType::BF16;
   if (name == "f16") return DType::F16;
-  throw Error("unknown --kv-dtype '" + name + "': choose f32, bf16 or f16");
+  throw Error("--kv-dtype " + name + " goes with a model folder: a .qkv model caches f32, bf16 or f16");
 }
 
 // The prompt's ids: whitespace-separated integers, or tokens of the task's text (letters, '|').
@@ -216,7 +218,7 @@ void run_folder_generate(const GenerateCommandOptions& o) {
   if (o.no_cache || !o.plot.empty() || o.sweep > 0)
     throw Error("--no-cache, --plot and --sweep go with a .qkv model; a model folder always generates from its cache");
   run_pretrained_generate({.folder = o.model,
-                           .prompt = o.prompt,
+                           .prompts = o.prompts,
                            .max_tokens = o.tokens >= 0 ? o.tokens : 32,
                            .kv_dtype = o.kv_dtype.empty() ? "bf16" : o.kv_dtype,
                            .temperature = o.temperature,
@@ -237,6 +239,8 @@ void run_generate(const GenerateCommandOptions& o) {
   if (o.temperature != 0 || o.top_k != 0 || o.top_p != 1 || o.ignore_eos)
     throw Error("--temperature, --top-k, --top-p and --ignore-eos go with a model folder (config.json, "
                 "model.safetensors); a .qkv model generates greedily");
+  if (o.prompts.size() > 1)
+    throw Error("several prompts go with a model folder (generated together); a .qkv model takes one");
   if (!o.plot.empty()) plot::format_from_path(o.plot);  // a bad extension fails before the work
   check_range("--repeats", o.repeats, 1, 1000);
   if (o.tokens >= 0) check_range("--tokens", o.tokens, 0, train::kMaxLen);
@@ -247,8 +251,8 @@ void run_generate(const GenerateCommandOptions& o) {
   const ModelTask task = model_task(model, "", o.seed);
   // The prompt: --prompt, or one example of the model's task up to where its answer starts.
   std::vector<int64_t> prompt, expected;
-  if (!o.prompt.empty()) {
-    prompt = prompt_ids(o.prompt, task.options, c.vocab_size);
+  if (!o.prompts.empty()) {
+    prompt = prompt_ids(o.prompts[0], task.options, c.vocab_size);
   } else {
     const train::Batch example = train::make_batch(task.options, 1, train::held_out_seed(o.seed));
     std::vector<int64_t> tokens = example.ids;
@@ -308,14 +312,16 @@ void add_generate_command(CLI::App& app) {
                   "A Hugging Face model folder (config.json, model.safetensors, tokenizer.json) or a .qkv file "
                   "(qkv train --save)")
       ->required();
-  cmd->add_option("prompt,--prompt", options->prompt,
-                  "A model folder: the text to continue. A .qkv model: token ids (\"3 1 4\") or the task's letters "
-                  "(\"a b c |\"); default: one example of the model's task");
+  cmd->add_option("prompt,--prompt", options->prompts,
+                  "A model folder: the text to continue; several are generated together, without padding. A .qkv "
+                  "model: token ids (\"3 1 4\") or the task's letters (\"a b c |\"); default: one example of the "
+                  "model's task");
   cmd->add_option("--tokens", options->tokens, "New tokens at most (default: 32, a .qkv model's task: its answer)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--kv-dtype", options->kv_dtype,
-                  "The cache's keys and values: f32, bf16 or f16 (default: bf16 for a model folder, f32 for .qkv)")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+                  "The cache's keys and values: f32, bf16 or f16, or for a model folder int8 or int4 (default: bf16 "
+                  "for a model folder, f32 for .qkv)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "int4"}));
   cmd->add_option("--temperature", options->temperature, "A model folder: sampling temperature, 0 for greedy")
       ->capture_default_str();
   cmd->add_option("--top-k", options->top_k, "A model folder: sample among the k most likely tokens (0: all)")

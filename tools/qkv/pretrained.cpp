@@ -19,7 +19,9 @@ DType kv_dtype_of(const std::string& name) {
   if (name == "f32") return DType::F32;
   if (name == "bf16") return DType::BF16;
   if (name == "f16") return DType::F16;
-  throw Error("unknown --kv-dtype '" + name + "': choose f32, bf16 or f16");
+  if (name == "int8") return DType::I8;
+  if (name == "int4") return DType::I4;
+  throw Error("unknown --kv-dtype '" + name + "': choose f32, bf16, f16, int8 or int4");
 }
 
 void describe(const models::Pretrained& model) {
@@ -31,35 +33,24 @@ void describe(const models::Pretrained& model) {
 
 }  // namespace
 
-void run_pretrained_generate(const PretrainedGenerateOptions& o) {
-  if (o.prompt.empty()) throw Error("qkv generate --model DIR needs a prompt: qkv generate --model DIR \"Once upon\"");
-  if (o.max_tokens < 1 || o.max_tokens > (int64_t{1} << 20))
-    throw Error(fmt::format("--tokens must be between 1 and {}, got {}", int64_t{1} << 20, o.max_tokens));
-  const models::Pretrained model = models::load_pretrained(o.folder, {.model = {.kv_dtype = kv_dtype_of(o.kv_dtype)}});
-  if (!model.config.is_causal())
-    throw Error(fmt::format("{} is {}, an encoder: it fills masks, it does not generate; try qkv viz --model",
-                            o.folder, models::to_string(model.config.architecture)));
-  describe(model);
-  const std::vector<int64_t> prompt = encode_text(model, o.prompt);
-  models::GenerationOptions options{.max_new_tokens = o.max_tokens,
-                                    .temperature = o.temperature,
-                                    .top_k = o.top_k,
-                                    .top_p = o.top_p,
-                                    .seed = o.seed,
-                                    .stop_at_eos = !o.ignore_eos};
-  models::check_generation_options(options);
-  // Streams: after each token, the new part of the decoded text (a token may end mid-character).
+namespace {
+
+// One prompt, streamed: after each token, the new part of the decoded text (a token may end
+// mid-character).
+void generate_streamed(const models::Pretrained& model, const std::string& text,
+                       const models::GenerationOptions& options) {
+  const std::vector<int64_t> prompt = encode_text(model, text);
   std::vector<int64_t> generated;
   std::string shown;
-  fmt::print("{}", o.prompt);
+  fmt::print("{}", text);
   std::fflush(stdout);
   const models::GenerationResult result = model.model.generate(prompt, options, [&](int64_t token) {
     generated.push_back(token);
-    const std::string text = model.tokenizer->decode(generated, /*skip_special_tokens=*/true);
-    if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
-      fmt::print("{}", text.substr(shown.size()));
+    const std::string decoded = model.tokenizer->decode(generated, /*skip_special_tokens=*/true);
+    if (decoded.size() > shown.size() && decoded.compare(0, shown.size(), shown) == 0) {
+      fmt::print("{}", decoded.substr(shown.size()));
       std::fflush(stdout);
-      shown = text;
+      shown = decoded;
     }
     return true;
   });
@@ -67,6 +58,52 @@ void run_pretrained_generate(const PretrainedGenerateOptions& o) {
   fmt::print("{} prompt tokens: prefill {:.1f} tokens/s; {} new tokens: decode {:.1f} tokens/s{}\n",
              result.prompt_tokens, result.prefill_tokens_per_second(), result.tokens.size(),
              result.decode_tokens_per_second(), result.stopped_at_eos ? " (stopped at end of sequence)" : "");
+}
+
+// Several prompts generated together (Model::generate_batch), each printed once done.
+void generate_together(const models::Pretrained& model, const std::vector<std::string>& texts,
+                       const models::GenerationOptions& options) {
+  std::vector<std::vector<int64_t>> prompts;
+  for (const std::string& text : texts) prompts.push_back(encode_text(model, text));
+  const std::vector<models::GenerationResult> results = model.model.generate_batch(prompts, options);
+  int64_t prompt_tokens = 0, new_tokens = 0, steps = 0;
+  double prefill = 0, decode = 0;
+  for (size_t b = 0; b < results.size(); ++b) {
+    const models::GenerationResult& r = results[b];
+    fmt::print("[{}] {}{}{}\n", b, texts[b], model.tokenizer->decode(r.tokens, /*skip_special_tokens=*/true),
+               r.stopped_at_eos ? " (stopped at end of sequence)" : "");
+    prompt_tokens += r.prompt_tokens;
+    new_tokens += static_cast<int64_t>(r.tokens.size());
+    steps += static_cast<int64_t>(r.tokens.size()) - 1;
+    prefill = r.prefill_seconds;  // the batch's, the same for every prompt
+    decode = std::max(decode, r.decode_seconds);
+  }
+  fmt::print("{} prompts together, {} prompt tokens: prefill {:.1f} tokens/s; {} new tokens: decode {:.1f} tokens/s\n",
+             results.size(), prompt_tokens, prefill > 0 ? static_cast<double>(prompt_tokens) / prefill : 0.0,
+             new_tokens, decode > 0 ? static_cast<double>(steps) / decode : 0.0);
+}
+
+}  // namespace
+
+void run_pretrained_generate(const PretrainedGenerateOptions& o) {
+  if (o.prompts.empty())
+    throw Error("qkv generate --model DIR needs a prompt: qkv generate --model DIR \"Once upon\"");
+  if (o.max_tokens < 1 || o.max_tokens > (int64_t{1} << 20))
+    throw Error(fmt::format("--tokens must be between 1 and {}, got {}", int64_t{1} << 20, o.max_tokens));
+  const models::Pretrained model = models::load_pretrained(o.folder, {.model = {.kv_dtype = kv_dtype_of(o.kv_dtype)}});
+  if (!model.config.is_causal())
+    throw Error(fmt::format("{} is {}, an encoder: it fills masks, it does not generate; try qkv viz --model",
+                            o.folder, models::to_string(model.config.architecture)));
+  describe(model);
+  models::GenerationOptions options{.max_new_tokens = o.max_tokens,
+                                    .temperature = o.temperature,
+                                    .top_k = o.top_k,
+                                    .top_p = o.top_p,
+                                    .seed = o.seed,
+                                    .stop_at_eos = !o.ignore_eos};
+  models::check_generation_options(options);
+  if (o.prompts.size() == 1) generate_streamed(model, o.prompts[0], options);
+  else generate_together(model, o.prompts, options);
 }
 
 void run_pretrained_viz(const PretrainedVizOptions& o) {

@@ -15,7 +15,7 @@ namespace qkv::cli {
 // and decode tokens/s.
 struct PretrainedGenerateOptions {
   std::string folder;
-  std::string prompt;
+  std::vector<std::string> prompts;  // several: generated together (Model::generate_batch)
   int64_t max_tokens = 32;
   std::string kv_dtype = "bf16";
   float temperature = 0;  // 0: greedy
