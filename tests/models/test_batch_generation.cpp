@@ -123,8 +123,8 @@ TEST(GenerateBatch, EachPromptGetsGeneratesTokens) {
   }
 }
 
-// A sequence that stops (eos, or its callback) releases its pages; the others go on unchanged,
-// which a pool sized for the batch only allows if the pages really come back in order.
+// A sequence that stops (eos, or its callback) releases its pages and leaves the batch; the
+// others go on unchanged, on int8 pages of two positions.
 TEST(GenerateBatch, StoppedSequencesLeaveTheOthersUnchanged) {
   const ModelConfig c = parse_config(llama_json());
   const Checkpoint k = checkpoint_for(c, 33);
