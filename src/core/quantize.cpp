@@ -14,6 +14,27 @@ namespace HWY_NAMESPACE {
 void DequantizeRowSimd(bool int4, const uint8_t* values, const float* scales, size_t dim, float* out) {
   kv::DequantizeRow(hwy::HWY_NAMESPACE::ScalableTag<float>(), int4, values, scales, dim, out);
 }
+
+// The largest of `count` 32-bit words (0 for none): a scale's bits read as an unsigned integer,
+// so a negative or non-finite scale is a large one. A decode step scans every scale it reads
+// once more, so this runs at the memory's rate rather than a compare and a branch a word.
+uint32_t LargestBitsSimd(const uint32_t* HWY_RESTRICT bits, size_t count) {
+  namespace hn = hwy::HWY_NAMESPACE;
+  const hn::ScalableTag<uint32_t> d;
+  const size_t lanes = hn::Lanes(d);
+  auto m0 = hn::Zero(d), m1 = hn::Zero(d), m2 = hn::Zero(d), m3 = hn::Zero(d);
+  size_t e = 0;
+  for (; e + 4 * lanes <= count; e += 4 * lanes) {
+    m0 = hn::Max(m0, hn::LoadU(d, bits + e));
+    m1 = hn::Max(m1, hn::LoadU(d, bits + e + lanes));
+    m2 = hn::Max(m2, hn::LoadU(d, bits + e + 2 * lanes));
+    m3 = hn::Max(m3, hn::LoadU(d, bits + e + 3 * lanes));
+  }
+  for (; e + lanes <= count; e += lanes) m0 = hn::Max(m0, hn::LoadU(d, bits + e));
+  uint32_t largest = hn::GetLane(hn::MaxOfLanes(d, hn::Max(hn::Max(m0, m1), hn::Max(m2, m3))));
+  for (; e < count; ++e) largest = std::max(largest, bits[e]);
+  return largest;
+}
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv::detail
@@ -141,21 +162,22 @@ Tensor dequantize_kv(const QuantizedTensor& q) {
 
 namespace detail {
 
+uint32_t largest_bits(const uint32_t* bits, int64_t count);  // LargestBitsSimd on the best target
+
 namespace {
 
 // Whether any of `count` float bit patterns is above `limit`'s (a non-negative finite float's):
 // negative (sign set, -0 included), inf, NaN or larger than limit, compared as integers. A decode
 // step reads its scales here once before the kernel reads them again (W4-int4: 8 MB, a quarter of
-// the kernel's own time on one thread), so a large set is split into runs over the threads; each
-// run's loop vectorises.
+// the kernel's own time on one thread), so a large set is split into runs over the threads, each
+// scanned by LargestBitsSimd.
 bool any_above(const uint32_t* bits, int64_t count, uint32_t limit) {
   constexpr int64_t kRun = int64_t{1} << 16, kMinToThread = int64_t{1} << 18;
   const int64_t runs = (count + kRun - 1) / kRun;
   std::atomic<bool> any{false};
   for_each_item(count >= kMinToThread ? omp_get_max_threads() : 1, runs, [&](int64_t run) {
-    bool bad = false;
-    for (int64_t e = run * kRun; e < std::min(count, (run + 1) * kRun); ++e) bad |= bits[e] > limit;
-    if (bad) any.store(true, std::memory_order_relaxed);
+    const int64_t first = run * kRun, n = std::min(count, first + kRun) - first;
+    if (largest_bits(bits + first, n) > limit) any.store(true, std::memory_order_relaxed);
   });
   return any.load(std::memory_order_relaxed);
 }
@@ -196,13 +218,11 @@ uint32_t bits_of(float x) {
 
 bool scales_valid(const float* scales, int64_t count, DType dtype) {
   const uint32_t limit = bits_of(largest_scale(dtype));
-  bool bad = false;
-  for (int64_t e = 0; e < count; ++e) {
-    uint32_t bits = 0;
-    std::memcpy(&bits, scales + e, sizeof bits);
-    bad |= bits > limit && bits != 0x80000000u;  // -0 is a zero scale
-  }
-  return !bad;
+  const auto* bits = reinterpret_cast<const uint32_t*>(scales);
+  if (largest_bits(bits, count) <= limit) return true;
+  for (int64_t e = 0; e < count; ++e)
+    if (bits[e] > limit && bits[e] != 0x80000000u) return false;  // -0 is a zero scale
+  return true;
 }
 
 void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales) {
@@ -225,6 +245,11 @@ void check_scale_values(const std::string& what, const std::string& scales_name,
 }
 
 HWY_EXPORT(DequantizeRowSimd);
+HWY_EXPORT(LargestBitsSimd);
+
+uint32_t largest_bits(const uint32_t* bits, int64_t count) {
+  return HWY_DYNAMIC_DISPATCH(LargestBitsSimd)(bits, static_cast<size_t>(count));
+}
 
 void dequantize_row(DType dtype, const uint8_t* values, const float* scales, int64_t dim, float* out) {
   HWY_DYNAMIC_DISPATCH(DequantizeRowSimd)(dtype == DType::I4, values, scales, static_cast<size_t>(dim), out);

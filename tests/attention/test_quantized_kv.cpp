@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "attention/kernels.hpp"
+#include "core/quantize.hpp"  // scales_valid
 #include "harness/kernel_cases.hpp"
 #include "harness/oracle.hpp"
 #include "qkv/inference.hpp"
@@ -330,5 +332,28 @@ TEST(QuantizedKv, ManyScalesAreCheckedInEveryRun) {
   }
 }
 
+// The scale scan (scales_valid, core/quantize.cpp's vector scan) on every target: one bad scale
+// (NaN, inf, negative, past the int4 limit) anywhere in runs of odd and vector-sized lengths is
+// found; -0 and a clean run pass.
+TEST(QuantizedKv, ScaleScanFindsEveryBadScaleOnEveryTarget) {
+  const float bads[] = {std::nanf(""), INFINITY, -1.0f, std::numeric_limits<float>::max()};
+  for (int64_t target : qkv_test::runnable_targets()) {
+    qkv_test::ForcedTarget forced(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    for (int64_t count : {1, 7, 16, 17, 63, 64, 65, 131}) {
+      std::vector<float> scales(static_cast<size_t>(count), 0.5f);
+      EXPECT_TRUE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count;
+      for (int64_t at = 0; at < count; ++at) {
+        for (float bad : bads) {
+          scales[static_cast<size_t>(at)] = bad;
+          EXPECT_FALSE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count << " at " << at;
+        }
+        scales[static_cast<size_t>(at)] = -0.0f;
+        EXPECT_TRUE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count << " -0 at " << at;
+        scales[static_cast<size_t>(at)] = 0.5f;
+      }
+    }
+  }
+}
 
 }  // namespace
