@@ -323,7 +323,7 @@ int main(int argc, char** argv) {
                       row.gbs, row.gbs / memcpy_gbs);
         say(line);
       }
-      if (o.batch > 0) {
+      if (o.batch > 0 && o.prefill >= 4 && o.prefill + o.steps + 1 <= s.positions) {
         std::vector<std::vector<int64_t>> prompts;
         for (int64_t i = 0; i < o.batch; ++i)
           prompts.push_back(prompt_of(o.prefill / 4 + i * (o.prefill - o.prefill / 4) / std::max<int64_t>(1, o.batch - 1),

@@ -212,8 +212,9 @@ class Model:
     def __call__(self, ids, need_attention=False, token_type_ids=None):
         """The full forward of a batch: causal models mask causally, BERT attends both ways.
 
-        ids: a list of ints (one sequence), a list of lists (a batch; ragged lists are right-padded
-          and the padding masked out), an int array (N) or (B, N), or a str (tokenized first).
+        ids: a list of ints (one sequence), a list of lists (a batch; ragged lists run packed, no
+          padding computed, or with need_attention right-padded and the padding masked out; the
+          outputs are laid out padded either way), an int array (N) or (B, N), or a str.
         need_attention: also return each layer's attention weights (B, num_heads, N, N).
         token_type_ids: BERT's segment ids, shaped as ids (default all 0).
         Returns a ModelOutput (logits, hidden, attention, lengths), always batched (B, ...).

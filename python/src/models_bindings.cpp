@@ -186,7 +186,8 @@ py::dict generate(const LoadedModel& m, const std::vector<int64_t>& prompt, int6
   return result_dict(result);
 }
 
-// generate_batch with on_token(index, token): an exception stops every sequence.
+// generate_batch with on_token(index, token): after an exception every sequence stops at its next
+// token (those before it in that step have already gone on), and it is raised again here.
 py::list generate_batch(const LoadedModel& m, const std::vector<std::vector<int64_t>>& prompts,
                         int64_t max_new_tokens, float temperature, int64_t top_k, float top_p, uint64_t seed,
                         bool stop_at_eos, const py::object& on_token) {

@@ -2,7 +2,9 @@
 // anywhere. Each element's rows are rotated to its own positions and appended to its sequence's
 // pages; then
 //  - when every element is a whole sequence (a forward, or the prefill of fresh sequences), all
-//    attend to their own new keys in one varlen call (cu_seqlens): the flash kernel on each;
+//    attend to their own new keys in one varlen call (cu_seqlens): the flash kernel on each. With
+//    a cache, to the keys and values as the cache holds them (rounded to 16 bits, or quantized and
+//    back), so a prompt sees what its later tokens will read, as generate()'s prefill does;
 //  - else each element's queries attend over its sequence's pages in place (block_table): one
 //    paged call for the whole batch when each element brings one token (a decode step), else one
 //    paged call per element.
@@ -14,6 +16,7 @@
 #include "models/network.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
+#include "qkv/quantize.hpp"
 
 namespace qkv::models::detail {
 
@@ -22,6 +25,14 @@ namespace {
 Mask band_of(const AttentionSpec& spec) {
   if (!spec.causal) return Mask();
   return spec.window > 0 ? Mask::window(spec.window - 1, 0) : Mask::causal();
+}
+
+// x (rows, H, hd) f32 as a pool of `dtype` holds it, in f32: rounded to 16 bits, or quantized and
+// dequantised with the pool's own rows (qkv::quantize_kv), exactly as attention then reads them.
+Tensor as_stored(const Tensor& x, DType dtype) {
+  if (dtype == DType::F32) return x;
+  if (is_quantized(dtype)) return dequantize_kv(quantize_kv(x, dtype));
+  return x.to(dtype).to(DType::F32);
 }
 
 // Rows [start, start + n) of a (rows, H, hd) view, as the (1, H, n, hd) view of one element.
@@ -54,7 +65,8 @@ void attend_packed(const Tensor& q, const Tensor& k, const Tensor& v, const Pass
   if (whole) {
     options.cu_seqlens_q = options.cu_seqlens_k = pass.offsets;
     result.output = out;
-    scaled_dot_product_attention_into(q, k, v, result, options);
+    const DType stored = cache != nullptr ? cache->key_pool().dtype() : DType::F32;
+    scaled_dot_product_attention_into(q, as_stored(k, stored), as_stored(v, stored), result, options);
     return;
   }
   if (cache == nullptr) throw Error("attend_packed: elements past position 0 need the pass's paged caches");

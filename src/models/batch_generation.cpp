@@ -6,8 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.hpp"  // check_request
 #include "models/model_impl.hpp"
 #include "qkv/paged_cache.hpp"
+#include "qkv/quantize.hpp"
 
 namespace qkv::models {
 
@@ -17,13 +19,29 @@ namespace {
 // pool, with room for capacities[b] positions (the pools hold exactly the pages they need).
 class PagedRun {
  public:
-  PagedRun(const ModelConfig& config, const ModelOptions& options, const detail::Network& network,
+  // Refuses (qkv::Error naming the bytes, before allocating) pools larger than the memory qkv
+  // may still use: the prompts' positions, not just one, decide their size.
+  PagedRun(const char* who, const ModelConfig& config, const ModelOptions& options, const detail::Network& network,
            const std::vector<int64_t>& capacities)
       : config_(config), network_(network), lengths_(capacities.size(), 0) {
     const ModelConfig& c = config;
-    const int64_t page = options.page_size;
+    // No sequence holds more than max_positions: a longer page would only be unused memory.
+    const int64_t page = std::min(options.page_size, c.max_positions);
     int64_t pages = 0;
     for (int64_t n : capacities) pages += (n + page - 1) / page;
+    pages = std::max<int64_t>(pages, 1);
+    // A position's K and V in every layer, with the scales of a quantized pool.
+    const DType dtype = options.kv_dtype;
+    const int64_t row_bytes = is_quantized(dtype) ? (dtype == DType::I4 ? c.head_dim / 2 : c.head_dim) +
+                                                        4 * quantized_groups(dtype, c.head_dim)
+                                                  : c.head_dim * static_cast<int64_t>(element_size(dtype));
+    const double bytes = 2.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.num_kv_heads) *
+                         static_cast<double>(row_bytes) * static_cast<double>(pages) * static_cast<double>(page);
+    const int64_t needed = bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62;
+    qkv::detail::check_request(who, std::to_string(capacities.size()) + " sequences", needed,
+                               std::to_string(c.num_layers) + " layers' K/V pools of " + std::to_string(pages) +
+                                   " pages of " + std::to_string(page) + " positions",
+                               "generate fewer prompts, or fewer new tokens, at once");
     for (int64_t l = 0; l < c.num_layers; ++l) {
       pools_.emplace_back(std::max<int64_t>(pages, 1), page, c.num_kv_heads, c.head_dim, options.kv_dtype);
       for (size_t b = 0; b < capacities.size(); ++b) pools_.back().add_sequence();
@@ -89,7 +107,7 @@ std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vecto
   if (batch == 0 || options.max_new_tokens == 0) return results;
   m.check_activation_rows(who, total_tokens(prompts), std::to_string(batch) + " prompts of " +
                                                           std::to_string(total_tokens(prompts)) + " tokens");
-  PagedRun run(m.config, m.options, *m.network, capacities);
+  PagedRun run(who.c_str(), m.config, m.options, *m.network, capacities);
   std::vector<uint64_t> states(prompts.size(), options.seed);
   std::vector<int64_t> live;
   for (int64_t b = 0; b < batch; ++b) live.push_back(b);
@@ -125,13 +143,15 @@ std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vecto
 }
 
 std::vector<std::vector<std::vector<float>>> Model::cached_logits_batch(const std::vector<std::vector<int64_t>>& ids,
-                                                                        const std::vector<int64_t>& prefill) const {
+                                                                        const std::vector<int64_t>& prefill,
+                                                                        int64_t chunk) const {
   const Impl& m = *impl_;
   const std::string who = "Model::cached_logits_batch";
   m.check_causal(who);
   if (prefill.size() != ids.size())
     throw Error(who + ": " + std::to_string(prefill.size()) + " prefill lengths for " + std::to_string(ids.size()) +
                 " sequences");
+  if (chunk < 1) throw Error(who + ": chunk " + std::to_string(chunk) + " must be at least 1");
   std::vector<int64_t> capacities;
   for (size_t b = 0; b < ids.size(); ++b) {
     const auto n = static_cast<int64_t>(ids[b].size());
@@ -144,7 +164,7 @@ std::vector<std::vector<std::vector<float>>> Model::cached_logits_batch(const st
   std::vector<std::vector<std::vector<float>>> out(ids.size());
   if (ids.empty()) return out;
   m.check_activation_rows(who, total_tokens(ids), std::to_string(ids.size()) + " sequences");
-  PagedRun run(m.config, m.options, *m.network, capacities);
+  PagedRun run(who.c_str(), m.config, m.options, *m.network, capacities);
   std::vector<int64_t> live;
   std::vector<std::vector<int64_t>> inputs;
   for (size_t b = 0; b < ids.size(); ++b) {
@@ -160,9 +180,12 @@ std::vector<std::vector<std::vector<float>>> Model::cached_logits_batch(const st
       const auto b = static_cast<size_t>(live[i]);
       const float* row = logits.data() + static_cast<int64_t>(i) * m.config.vocab_size;
       out[b].emplace_back(row, row + m.config.vocab_size);
-      if (fed[b] == static_cast<int64_t>(ids[b].size())) continue;
+      const auto n = static_cast<int64_t>(ids[b].size());
+      if (fed[b] == n) continue;
       next.push_back(live[i]);
-      inputs.push_back({ids[b][static_cast<size_t>(fed[b]++)]});
+      const int64_t take = std::min(chunk, n - fed[b]);
+      inputs.emplace_back(ids[b].begin() + fed[b], ids[b].begin() + fed[b] + take);
+      fed[b] += take;
     }
     live = std::move(next);
   }

@@ -14,6 +14,7 @@
 #include "configs.hpp"
 #include "oracles.hpp"
 #include "qkv/error.hpp"
+#include "qkv/memory.hpp"
 #include "qkv/models/model.hpp"
 
 namespace qkv::models::testing {
@@ -45,25 +46,28 @@ struct BatchCase {
   DType kv_dtype;
   int64_t page_size;
   double tolerance;  // relative to the largest logit
+  int64_t chunk = 1;  // tokens a step after the prefill (> 1: a chunked prefill over the pages)
 };
 
 void PrintTo(const BatchCase& c, std::ostream* os) { *os << c.name; }
 
 class CachedLogitsBatch : public ::testing::TestWithParam<BatchCase> {};
 
-// Every step's last logits of every sequence, on pages, equal that sequence's own full forward.
+// Every step's last logits of every sequence, on pages, equal that sequence's own full forward:
+// steps of one token (one paged call for the batch), or chunks of several (a paged call each).
 TEST_P(CachedLogitsBatch, EqualEachSequencesFullForward) {
   const BatchCase& p = GetParam();
   const ModelConfig c = parse_config(p.json);
   const Checkpoint k = checkpoint_for(c, 31);
   const Model model(c, k.weights, ModelOptions{.kv_dtype = p.kv_dtype, .page_size = p.page_size});
-  const auto cached = model.cached_logits_batch(kIds, kPrefill);
+  const auto cached = model.cached_logits_batch(kIds, kPrefill, p.chunk);
   ASSERT_EQ(cached.size(), kIds.size());
   for (size_t b = 0; b < kIds.size(); ++b) {
     const Tensor full = model.forward(kIds[b]).logits;
-    ASSERT_EQ(cached[b].size(), kIds[b].size() - static_cast<size_t>(kPrefill[b]) + 1) << "sequence " << b;
+    const auto n = static_cast<int64_t>(kIds[b].size());
+    ASSERT_EQ(static_cast<int64_t>(cached[b].size()), 1 + (n - kPrefill[b] + p.chunk - 1) / p.chunk) << "sequence " << b;
     for (size_t s = 0; s < cached[b].size(); ++s) {
-      const int64_t position = kPrefill[b] - 1 + static_cast<int64_t>(s);
+      const int64_t position = std::min(n, kPrefill[b] + static_cast<int64_t>(s) * p.chunk) - 1;
       double scale = 1, worst = 0;
       for (int64_t v = 0; v < c.vocab_size; ++v) {
         const double want = full.at({0, position, v});
@@ -90,16 +94,25 @@ INSTANTIATE_TEST_SUITE_P(
                                 1e-4},
                       BatchCase{"Qwen2F16Page5", llama_json("Qwen2ForCausalLM", true), DType::F16, 5, 1e-2},
                       BatchCase{"LlamaI8Page4", llama_json(), DType::I8, 4, 2e-2},
-                      BatchCase{"Gpt2I4Page8", gpt2_json(), DType::I4, 8, 0.4}),
+                      BatchCase{"Gpt2I4Page8", gpt2_json(), DType::I4, 8, 0.4},
+                      BatchCase{"Gpt2F32Page4Chunk3", gpt2_json(), DType::F32, 4, 1e-4, 3},
+                      BatchCase{"MistralWindowF32Page2Chunk4",
+                                llama_json("MistralForCausalLM", true, R"(, "sliding_window": 3)"), DType::F32, 2,
+                                1e-4, 4},
+                      BatchCase{"LlamaI8Page4Chunk2", llama_json(), DType::I8, 4, 2e-2, 2}),
     [](const auto& info) { return info.param.name; });
 
 // generate_batch gives each prompt generate's tokens, greedy and sampled (each sequence its own
-// sampler, seeded alike), while sequences of different lengths share every step.
+// sampler, seeded alike), while sequences of different lengths share every step; with 16-bit and
+// int8 caches too (both prefills attend to the keys and values as the cache holds them).
 TEST(GenerateBatch, EachPromptGetsGeneratesTokens) {
-  for (const std::string& json : {gpt2_json(), llama_json("MistralForCausalLM", false, R"(, "sliding_window": 4)")}) {
+  for (const auto& [json, kv] : {std::pair{gpt2_json(), DType::F32},
+                                 {llama_json("MistralForCausalLM", false, R"(, "sliding_window": 4)"), DType::F32},
+                                 {gpt2_json(), DType::BF16},
+                                 {llama_json(), DType::I8}}) {
     const ModelConfig c = parse_config(json);
     const Checkpoint k = checkpoint_for(c, 32);
-    const Model model(c, k.weights, ModelOptions{.kv_dtype = DType::F32, .page_size = 4});
+    const Model model(c, k.weights, ModelOptions{.kv_dtype = kv, .page_size = 4});
     const std::vector<std::vector<int64_t>> prompts = {{3, 14, 15, 9}, {2}, {26, 5, 35, 8, 9, 7, 9}};
     for (const GenerationOptions& options :
          {GenerationOptions{.max_new_tokens = 9, .stop_at_eos = false},
@@ -112,8 +125,8 @@ TEST(GenerateBatch, EachPromptGetsGeneratesTokens) {
       ASSERT_EQ(results.size(), prompts.size());
       for (size_t b = 0; b < prompts.size(); ++b) {
         const GenerationResult alone = model.generate(prompts[b], options);
-        EXPECT_EQ(results[b].tokens, alone.tokens) << to_string(c.architecture) << " prompt " << b << " temperature "
-                                                   << options.temperature;
+        EXPECT_EQ(results[b].tokens, alone.tokens) << to_string(c.architecture) << " " << to_string(kv) << " prompt "
+                                                   << b << " temperature " << options.temperature;
         EXPECT_EQ(streamed[b], results[b].tokens);
         EXPECT_EQ(results[b].prompt_tokens, static_cast<int64_t>(prompts[b].size()));
         EXPECT_GT(results[b].prefill_seconds, 0);
@@ -201,6 +214,12 @@ TEST(GenerateBatch, RefusesBadInputByName) {
   EXPECT_THAT(error_of([&] { model.cached_logits_batch({{1, 2}}, {3}); }), HasSubstr("prefill[0] = 3 is outside [1, 2]"));
   EXPECT_THAT(error_of([&] { model.cached_logits_batch({{1, 2}}, {}); }), HasSubstr("0 prefill lengths for 1"));
   EXPECT_THAT(error_of([&] { Model(c, k.weights, ModelOptions{.page_size = 0}); }), HasSubstr("page_size 0"));
+  // The pools' size (every prompt's positions, every layer) is checked before they are allocated.
+  qkv::set_memory_limit(int64_t{1} << 16);
+  const std::string pools = error_of([&] { model.generate_batch(std::vector<std::vector<int64_t>>(40, {1, 2})); });
+  qkv::set_memory_limit(0);
+  EXPECT_THAT(pools, HasSubstr("Model::generate_batch: 40 sequences need"));
+  EXPECT_THAT(pools, HasSubstr("3 layers' K/V pools of 40 pages of 48 positions"));
   EXPECT_TRUE(model.generate_batch({}).empty());
   EXPECT_EQ(model.generate_batch({{1}, {2, 3}}, {.max_new_tokens = 0}).size(), 2u);
   const ModelConfig bc = parse_config(bert_json(true));

@@ -20,7 +20,8 @@ struct ModelOptions {
   // The dtype of generate()'s KV caches: F32, BF16, F16, or I8 / I4 (quantized as appended,
   // qkv/quantize.hpp; I4 needs an even head_dim).
   DType kv_dtype = DType::BF16;
-  int64_t page_size = 64;  // the pages of generate_batch()'s paged caches, >= 1
+  // The pages of generate_batch()'s paged caches, >= 1 (at most max_position_embeddings are used).
+  int64_t page_size = 64;
 };
 
 // A batch of sequences, right-padded to the longest: sequence b has ids[b].size() tokens.
@@ -105,9 +106,10 @@ class Model {
   // together as one packed batch (cu_seqlens: each attends to its own keys), then every unfinished
   // sequence advances a token per step in one batched call, each reading its own pages of
   // per-layer paged KV caches (qkv::nn::PagedKVCache, options.kv_dtype, page_size), released as
-  // it stops. Each sequence draws from its own sampler seeded with options.seed, so result b is
-  // generate(prompts[b], options)'s up to the order of float sums (the same tokens in f32, unless
-  // two logits tie to the last bits). Timings are the batch's: result b's prefill_seconds the
+  // it stops. Each sequence draws from its own sampler seeded with options.seed, and its prefill
+  // attends to its keys and values as the cache holds them (as generate()'s does), so result b is
+  // generate(prompts[b], options)'s up to the order of float sums (the same tokens, unless two
+  // logits tie to the last bits). Timings are the batch's: result b's prefill_seconds the
   // whole prefill, its decode_seconds the steps it took part in. Every prompt is checked first.
   std::vector<GenerationResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
                                                const GenerationOptions& options = {},
@@ -115,10 +117,13 @@ class Model {
 
   // cached_logits for a batch, on generate_batch's paged path: sequence b prefills its first
   // prefill[b] tokens (all prefilled together), then every sequence with tokens left takes its
-  // next one, a step at a time; out[b] holds the last position's logits after each of its
-  // prefixes from prefill[b] tokens on. For tests of the paged, packed path against forward().
+  // next `chunk` (or fewer, at its end) in one step (chunk > 1: a chunked prefill, attending over
+  // its pages); out[b] holds the last position's logits after each step: of its prefixes of
+  // prefill[b], prefill[b] + chunk, ... tokens, and all of them. For tests of the paged, packed
+  // path against forward().
   std::vector<std::vector<std::vector<float>>> cached_logits_batch(const std::vector<std::vector<int64_t>>& ids,
-                                                                   const std::vector<int64_t>& prefill) const;
+                                                                   const std::vector<int64_t>& prefill,
+                                                                   int64_t chunk = 1) const;
 
   // The last position's logits (vocab_size) after each prefix of `ids`, computed with the KV cache
   // as generate() does (prefill of the first `prefill` tokens, then one token per step): for
