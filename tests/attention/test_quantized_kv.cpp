@@ -67,14 +67,70 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
     // values read scalar), 301 keys (a last tile of 45, a last score tile of one key).
     cases.push_back(quantized(qkv_test::make_case(rng, {1, 10, 2, 3, 301, 112, 112}, qkv_test::MaskKind::None, 1.0, 0.0f),
                               dtype));
+    // int4 scores in integers (AVX-512): two chunks of four groups, a group in floats, a last 16.
+    cases.push_back(quantized(
+        qkv_test::make_case(rng, {1, 10, 2, 3, 301, 304, 112}, qkv_test::MaskKind::Causal, 1.0, 0.0f), dtype));
+    // The same with scale * q on the int8 grid of each group (scale 1/16 at D = 256; q = m / 8, m
+    // an integer in [-127, 127], +-127 first in every group): quantising q is then exact, nothing is
+    // added to the float tolerance, and any error of the integer sums shows.
+    Case exact = qkv_test::make_case(rng, {1, 4, 2, 2, 203, 256, 96}, qkv_test::MaskKind::Causal, 1.0, 0.0f);
+    float* q = exact.q.data();
+    for (int64_t e = 0; e < exact.q.numel(); ++e) {
+      const bool largest = e % qkv::kInt4Group == 0;  // the first of every group
+      const auto m = largest ? 127 : static_cast<int64_t>(rng.next_u64() % 255) - 127;
+      q[e] = static_cast<float>((rng.next_u64() % 2 == 0 ? m : -m)) / 8.0f;
+    }
+    cases.push_back(quantized(std::move(exact), dtype));
   }
   return cases;
+}
+
+// Decode's int4 scores take q quantised to int8 per group of 32 (docs/inference.md): scale * q
+// rounded in float32 as the kernel does it (qs = max|group| / 127, q8 = round(q * (127 / max))),
+// so each score moves by exactly ds = sum_d (qs q8_d - scale q_d) k'_d. With E the largest |ds|
+// over rows and keys (evaluated in float64 on the dequantised keys), softmax weights move by a
+// factor within [e^-2E, e^2E], the output by at most (e^2E - 1) max|v'| / (1 - dropout) and lse by
+// E, which are added to the float tolerance. (The kernel's float roundings of these products stay
+// in the float tolerance.) Any other error of the integer path, a wrong lane, group or correction,
+// is then outside it.
+void int4_query_quantisation(const Case& c, qkv_test::Expected& e) {
+  if (!c.k_scales.defined() || c.k.size(3) * 2 != c.q.size(3)) return;  // int4 keys only (D / 2 bytes)
+  const int64_t batch = c.q.size(0), hq = c.q.size(1), hkv = c.k.size(1), nq = c.q.size(2), nk = c.k.size(2);
+  const int64_t dk = c.q.size(3), group = qkv::kInt4Group;
+  const std::vector<float> q = c.q.to_vector(), k = c.oracle_k().to_vector(), v = c.oracle_v().to_vector();
+  double largest = 0;
+  std::vector<double> dq(static_cast<size_t>(dk));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t i = 0; i < nq; ++i) {
+        const float* q_row = q.data() + ((b * hq + h) * nq + i) * dk;
+        for (int64_t g0 = 0; g0 < dk; g0 += group) {
+          const int64_t n = std::min(group, dk - g0);
+          float amax = 0;
+          for (int64_t d = g0; d < g0 + n; ++d) amax = std::max(amax, std::abs(c.scale * q_row[d]));
+          const float inv = amax > 0 ? 127.0f / amax : 0.0f, qs = amax / 127.0f;
+          for (int64_t d = g0; d < g0 + n; ++d) {
+            const float sq = c.scale * q_row[d];
+            dq[static_cast<size_t>(d)] = double{qs} * std::nearbyint(sq * inv) - sq;
+          }
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const float* k_row = k.data() + ((b * hkv + h / (hq / hkv)) * nk + j) * dk;
+          double ds = 0;
+          for (int64_t d = 0; d < dk; ++d) ds += dq[static_cast<size_t>(d)] * k_row[d];
+          largest = std::max(largest, std::abs(ds));
+        }
+      }
+  double v_max = 0;
+  for (float x : v) v_max = std::max(v_max, std::abs(static_cast<double>(x)));
+  e.added_lse_error = largest;
+  e.added_output_error = std::expm1(2 * largest) * v_max / (1 - c.dropout_p);
 }
 
 TEST(QuantizedKv, DecodeMatchesTheOracleOnDequantisedValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes));
+  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes), int4_query_quantisation);
 }
 
 TEST(QuantizedKv, FlashMatchesTheOracleOnDequantisedValues) {

@@ -1,9 +1,13 @@
 // Decode's steps for quantized K/V (qkv/quantize.hpp), read in place and widened in registers
-// (Highway -inl.h, included by chunk-inl.h once per SIMD target). q stays float32: the products
-// are those of the dequantised values, x' = q * scale rounded once, as the oracle's.
+// (Highway -inl.h, included by chunk-inl.h once per SIMD target). q stays float32 (the products
+// are those of the dequantised values, x' = q * scale rounded once, as the oracle's) except in
+// int4's integer scores on AVX-512 (IntChunkDots), which quantise q to int8 per group of 32:
+// each element of scale * q then moves by at most max|its group| / 254 (docs/inference.md).
 //   Scores: int8 through tiles-inl.h's score tile on the integers (kv::LoadWide sign-extends and
 //     converts), the keys' scales then on the score columns, q . (s k) = s (q . k)
-//     (ScaleColumns). int4 (Int4Scores): a register tile of rows x kScoreKeys keys as
+//     (ScaleColumns). int4 (Int4Scores): on AVX-512 (AVX3, AVX3_DL) and D <= 512, chunks of four
+//     groups as integer dot products (IntChunkDots), the rest of the row as below; elsewhere
+//     all of it in floats: a register tile of rows x kScoreKeys keys as
 //     dot_scores' (each key unpacked once for every row of the tile), each group's 16 bytes
 //     zero-extended once and both nibbles looked up in a 16-entry table (n - 8) * scale of the
 //     group (Int4Values: vpermps on 16-lane targets, no conversion; elsewhere a subtract and
@@ -124,17 +128,110 @@ HWY_INLINE void SumFour(const VF (&acc)[4], float* HWY_RESTRICT out) {
 }
 static_assert(kScoreKeys == 4, "SumFour adds the dot products of four keys");
 
+
+// ---- int4 scores in integers (AVX-512BW): q quantised once per key tile to int8 per group of 32,
+// qs = max|q group| / 127 (|q - qs round(q / qs)| <= max|q group| / 254, docs/inference.md), then
+// per key and four groups (64 bytes, 128 values): the nibbles n = k + 8 (unsigned) times q
+// (signed) summed in pairs (vpmaddubsw: |n q + n' q'| <= 2 x 15 x 127, never saturates), the pairs
+// summed in fours (vpmaddwd), sum(8 q) subtracted, converted once and scaled by kscale x qscale
+// lane by lane. Exact integer sums: the products are those of q's and k's dequantised values.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr bool kInt4Integer = true;
+#else
+constexpr bool kInt4Integer = false;
+#endif
+constexpr size_t kIntChunkGroups = 4;       // groups per 64-byte chunk
+constexpr size_t kIntMaxGroups = 16;        // D <= 512 in integers; wider rows stay float
+// Quantised q of one row, laid out as a chunk of keys is read: low[16 g + j] = q[32 g + j] (the
+// low nibbles' partners), high[16 g + j] = q[32 g + 16 + j]; per int32 lane of a chunk (4 bytes
+// of low and of high) the correction 8 sum(q) of its 8 values and the scale of its group.
+struct IntQuery {
+  alignas(64) int8_t low[kIntMaxGroups * 16];
+  alignas(64) int8_t high[kIntMaxGroups * 16];
+  alignas(64) int32_t correction[kIntMaxGroups * 4];
+  alignas(64) float scale[kIntMaxGroups * 4];
+};
+
+// Chunks of four whole groups a row of `dim` values runs in integers (0: all float).
+HWY_INLINE size_t IntChunks(size_t dim) {
+  return kInt4Integer && dim <= kIntMaxGroups * kInt4Group ? dim / (kInt4Group * kIntChunkGroups) : 0;
+}
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+using VU8 = hn::Vec512<uint8_t>;
+using VI32 = hn::Vec512<int32_t>;
+
+// sum over each int32 lane's 4 byte pairs of n * q for the low and the high nibbles' bytes.
+HWY_INLINE VI32 NibbleDots(VU8 low, VU8 high, const int8_t* HWY_RESTRICT q_low, const int8_t* HWY_RESTRICT q_high) {
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(low.raw, _mm512_load_si512(q_low)),
+                                         _mm512_maddubs_epi16(high.raw, _mm512_load_si512(q_high)));
+  return VI32{_mm512_madd_epi16(pairs, _mm512_set1_epi16(1))};
+}
+
+// q (dim values, `chunks` x 128 of them) quantised into `out` as IntQuery lays it out.
+HWY_INLINE void QuantizeQuery(const float* HWY_RESTRICT q, size_t chunks, IntQuery& out) {
+  const DF df;
+  const hn::Full128<int8_t> d8;
+  for (size_t g = 0; g < chunks * kIntChunkGroups; ++g) {
+    const VF v0 = hn::LoadU(df, q + g * kInt4Group), v1 = hn::LoadU(df, q + g * kInt4Group + 16);
+    const float amax = hn::GetLane(hn::MaxOfLanes(df, hn::Max(hn::Abs(v0), hn::Abs(v1))));
+    const VF inv = hn::Set(df, amax > 0 ? 127.0f / amax : 0.0f);
+    hn::Store(hn::DemoteTo(d8, hn::NearestInt(hn::Mul(v0, inv))), d8, out.low + g * 16);
+    hn::Store(hn::DemoteTo(d8, hn::NearestInt(hn::Mul(v1, inv))), d8, out.high + g * 16);
+    std::fill_n(out.scale + g * 4, 4, amax / 127.0f);
+  }
+  const VU8 eight = hn::Set(hn::Full512<uint8_t>(), uint8_t{8});
+  for (size_t c = 0; c < chunks; ++c)
+    hn::Store(NibbleDots(eight, eight, out.low + c * 64, out.high + c * 64), hn::Full512<int32_t>(),
+              out.correction + c * 16);
+}
+
+// acc[r][x] += lane partial sums of q_r . k'_x over the first `chunks` chunks (IntQuery rows).
+template <size_t Rows>
+HWY_INLINE void IntChunkDots(size_t chunks, const IntQuery* queries, const uint8_t* const* bytes,
+                             const float* const* scales, VF (&acc)[Rows][kScoreKeys]) {
+  const hn::Full512<uint8_t> du8;
+  const VU8 nibble = hn::Set(du8, uint8_t{0x0f});
+  const __m512i group_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (size_t c = 0; c < chunks; ++c) {
+    VU8 low[kScoreKeys], high[kScoreKeys];
+    VF kscale[kScoreKeys];
+    for (size_t x = 0; x < kScoreKeys; ++x) {
+      const VU8 raw = hn::LoadU(du8, bytes[x] + c * 64);
+      low[x] = hn::And(raw, nibble);
+      high[x] = hn::And(VU8{_mm512_srli_epi16(raw.raw, 4)}, nibble);
+      kscale[x] = VF{_mm512_permutexvar_ps(group_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(scales[x] + c * 4)))};
+    }
+    for (size_t r = 0; r < Rows; ++r) {
+      const IntQuery& qr = queries[r];
+      const VI32 correction = hn::Load(hn::Full512<int32_t>(), qr.correction + c * 16);
+      const VF qscale = hn::Load(DF(), qr.scale + c * 16);
+      for (size_t x = 0; x < kScoreKeys; ++x) {
+        const VI32 dots = hn::Sub(NibbleDots(low[x], high[x], qr.low + c * 64, qr.high + c * 64), correction);
+        acc[r][x] = hn::MulAdd(hn::ConvertTo(DF(), dots), hn::Mul(kscale[x], qscale), acc[r][x]);
+      }
+    }
+  }
+}
+#else
+HWY_INLINE void QuantizeQuery(const float*, size_t, IntQuery&) {}
+template <size_t Rows>
+HWY_INLINE void IntChunkDots(size_t, const IntQuery*, const uint8_t* const*, const float* const*,
+                             VF (&)[Rows][kScoreKeys]) {}
+#endif
+
 // s[r * kKeyTile + x] = qs_r . k'_x for Rows rows (q_stride apart) and kScoreKeys int4 keys: each
 // group's values dequantised once (Int4Values) for every row, the last partial group scalar.
 template <size_t Rows>
-HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const Int4* const* keys,
-                              const float* const* scales, float* HWY_RESTRICT s) {
-  const size_t lanes = hn::Lanes(DF()), whole = WholeInt4Groups(dk);
+HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const IntQuery* queries,
+                              const Int4* const* keys, const float* const* scales, float* HWY_RESTRICT s) {
+  const size_t lanes = hn::Lanes(DF()), whole = WholeInt4Groups(dk), chunks = IntChunks(dk);
   const uint8_t* bytes[kScoreKeys];
   for (size_t x = 0; x < kScoreKeys; ++x) bytes[x] = &keys[x]->byte;
   VF acc[Rows][kScoreKeys];
   tile_gemm::ZeroTile(acc);
-  for (size_t group = 0; group < whole; ++group) {
+  IntChunkDots(chunks, queries, bytes, scales, acc);
+  for (size_t group = chunks * kIntChunkGroups; group < whole; ++group) {
     for (size_t c = 0; c < kInt4Group / 2; c += lanes) {
       VF low[kScoreKeys], high[kScoreKeys];
       for (size_t x = 0; x < kScoreKeys; ++x)
@@ -156,7 +253,9 @@ HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_s
 // last key the pointers repeat that key (hidden later).
 inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
                        const KeyRun& run, const Scratch& w) {
-  const size_t dk = static_cast<size_t>(p.head_dim);
+  const size_t dk = static_cast<size_t>(p.head_dim), chunks = IntChunks(dk);
+  IntQuery queries[kRowBlock];  // the block's rows of q in integers (used when chunks > 0)
+  for (size_t r = 0; r < rows && chunks > 0; ++r) QuantizeQuery(w.q + r * plan.q_stride, chunks, queries[r]);
   for (size_t j = 0; j < run.cols; j += kScoreKeys) {
     const int64_t ahead = run.j0 + (static_cast<int64_t>(j) + PrefetchAhead<Int4>()) * run.step;
     if (ahead < run.end)
@@ -171,8 +270,8 @@ inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int6
     }
     for (size_t r = 0; r < rows; r += dot_scores::kRows)
       tile_gemm::WithConstant<dot_scores::kRows>(std::min(dot_scores::kRows, rows - r), [&](auto tile_rows) {
-        Int4ScoreTile<decltype(tile_rows)::value>(dk, w.q + r * plan.q_stride, plan.q_stride, keys, scales,
-                                                  w.scores + r * kKeyTile + j);
+        Int4ScoreTile<decltype(tile_rows)::value>(dk, w.q + r * plan.q_stride, plan.q_stride, queries + r, keys,
+                                                  scales, w.scores + r * kKeyTile + j);
       });
   }
 }
