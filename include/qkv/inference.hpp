@@ -4,12 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "qkv/dtype.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::nn {
+
+class PagedKVCache;  // qkv/paged_cache.hpp
 
 struct RotaryEmbeddingOptions {
   double base = 10000;       // theta_i = base^(-2 i / head_dim)
@@ -108,11 +111,17 @@ class RotaryTable {
 // slot p % window, and a sliding-window model (each query sees its last `window` positions) never
 // needs more. Attention over a ring sees the slots in rotated order, which softmax does not mind
 // (ALiBi, whose bias depends on the key's index, is therefore refused on a ring).
+//
+// page_size > 0 makes it paged instead (not with a window): the batch's keys and values live in
+// a pool of page_size-position pages (a qkv::nn::PagedKVCache of batch x ceil(capacity /
+// page_size) pages, paged()), batch element b being the pool's sequence sequences()[b], and
+// MultiHeadAttention attends over the pages in place. A paged cache has no contiguous storage:
+// keys(), values() and their scales throw (read paged()); append, lengths and reset work alike.
 class KVCache {
  public:
   KVCache() = default;
   KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, DType dtype = DType::F32,
-          int64_t window = 0);
+          int64_t window = 0, int64_t page_size = 0);
 
   int64_t batch() const { return batch_; }
   int64_t kv_heads() const { return kv_heads_; }
@@ -120,10 +129,13 @@ class KVCache {
   int64_t head_dim() const { return head_dim_; }
   DType dtype() const { return dtype_; }
   int64_t window() const { return window_; }  // 0: not a ring
-  bool defined() const { return keys_.defined(); }
+  bool defined() const { return keys_.defined() || paged_ != nullptr; }
+  int64_t page_size() const;                                     // 0: contiguous
+  PagedKVCache* paged() const { return paged_.get(); }           // the page pool, or null
+  const std::vector<int64_t>& sequences() const { return sequences_; }  // paged: element b's sequence
 
   // Positions appended so far: per batch element, and the largest.
-  const std::vector<int64_t>& lengths() const { return lengths_; }
+  const std::vector<int64_t>& lengths() const;
   int64_t length() const;
   int64_t length(int64_t b) const;
   void reset();  // length 0 everywhere; the storage stays
@@ -140,7 +152,7 @@ class KVCache {
   // Their scales when the cache is quantized, (B, Hkv, len, groups) views; undefined otherwise.
   Tensor key_scales(int64_t len) const;
   Tensor value_scales(int64_t len) const;
-  // The whole storage.
+  // The whole storage (undefined when paged).
   const Tensor& key_storage() const { return keys_; }
   const Tensor& value_storage() const { return values_; }
 
@@ -149,8 +161,12 @@ class KVCache {
   DType dtype_ = DType::F32;
   Tensor keys_, values_;
   Tensor key_scales_, value_scales_;  // quantized dtypes only
-  std::vector<int64_t> lengths_;
+  mutable std::vector<int64_t> lengths_;  // paged: read from the pool by lengths()
+  std::shared_ptr<PagedKVCache> paged_;    // paged mode only
+  std::vector<int64_t> sequences_;
 
+  void check_contiguous(const char* what) const;
+  void check_finite(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count) const;
   void append_quantized(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count);  // checked by append
 };
 

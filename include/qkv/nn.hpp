@@ -207,14 +207,18 @@ class MultiHeadAttention {
 
   // Inference with a KV cache (include/qkv/inference.hpp). make_cache: one for this layer, for
   // `batch` sequences of up to `capacity` positions, K/V stored in `dtype`; window > 0 makes it
-  // a ring buffer of `window` slots (capacity must equal window) for a sliding-window model.
-  KVCache make_cache(int64_t batch, int64_t capacity, DType dtype = DType::F32, int64_t window = 0) const;
+  // a ring buffer of `window` slots (capacity must equal window) for a sliding-window model;
+  // page_size > 0 keeps them in a pool of pages instead (KVCache's paged mode).
+  KVCache make_cache(int64_t batch, int64_t capacity, DType dtype = DType::F32, int64_t window = 0,
+                     int64_t page_size = 0) const;
   // x (B, N, embed_dim) (or (N, embed_dim)): tokens at the positions after those in the cache;
   // their keys and values are appended, and the result is what the full causal forward over
   // the whole sequence returns for them (with a ring buffer: the full forward under
   // Mask::window(window - 1)). counts (one per batch element, default N): element b has only its
   // first counts[b] tokens (right padding, for prompts of different lengths); the output rows of
   // its padding are finite but meaningless. Keeps nothing for backward and applies no dropout.
+  // A paged cache (make_cache(..., page_size)) runs the paged forward below on its sequences and
+  // takes whole rows only (no counts).
   MultiHeadAttentionOutput forward(const Tensor& x, KVCache& cache, const std::vector<int64_t>& counts = {}) const;
   // The same on a paged cache (include/qkv/paged_cache.hpp): batch element b of x (B, N,
   // embed_dim) continues sequence sequences[b], whose N new keys and values are appended (pages

@@ -7,6 +7,7 @@
 #include "core/quantize.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
+#include "qkv/paged_cache.hpp"
 
 namespace qkv::nn {
 
@@ -16,7 +17,8 @@ constexpr const char* kWho = "KVCache: ";
 std::string str(int64_t n) { return std::to_string(n); }
 }  // namespace
 
-KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, DType dtype, int64_t window)
+KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, DType dtype, int64_t window,
+                 int64_t page_size)
     : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), window_(window), dtype_(dtype) {
   if (batch < 1 || kv_heads < 1 || head_dim < 1 || capacity < 1)
     throw Error(std::string(kWho) + "batch (" + str(batch) + "), kv_heads (" + str(kv_heads) + "), capacity (" +
@@ -27,6 +29,19 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
                 " but window " + str(window));
   if (dtype == DType::I4 && head_dim % 2 != 0)
     throw Error(std::string(kWho) + "an int4 cache packs two values a byte: head_dim " + str(head_dim) + " must be even");
+  lengths_.assign(static_cast<size_t>(batch), 0);
+  if (page_size < 0) throw Error(std::string(kWho) + "page_size must be >= 0 (0: contiguous), got " + str(page_size));
+  if (page_size > 0) {
+    if (window > 0)
+      throw Error(std::string(kWho) + "window " + str(window) + " is a ring buffer; a paged cache (page_size " +
+                  str(page_size) + ") has none");
+    const int64_t pages_each = (capacity + page_size - 1) / page_size;
+    if (pages_each > INT64_MAX / batch)
+      throw Error(std::string(kWho) + str(batch) + " x " + str(pages_each) + " pages overflow");
+    paged_ = std::make_shared<PagedKVCache>(batch * pages_each, page_size, kv_heads, head_dim, dtype);
+    for (int64_t b = 0; b < batch; ++b) sequences_.push_back(paged_->add_sequence());
+    return;
+  }
   const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
   keys_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
   values_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
@@ -34,34 +49,60 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
     key_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
     value_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
   }
-  lengths_.assign(static_cast<size_t>(batch), 0);
+}
+
+int64_t KVCache::page_size() const { return paged_ ? paged_->page_size() : 0; }
+
+const std::vector<int64_t>& KVCache::lengths() const {
+  if (paged_)  // MultiHeadAttention appends to the pool directly
+    for (size_t b = 0; b < sequences_.size(); ++b) lengths_[b] = paged_->length(sequences_[b]);
+  return lengths_;
+}
+
+void KVCache::check_contiguous(const char* what) const {
+  if (paged_)
+    throw Error(std::string(kWho) + what + ": a paged cache (page_size " + str(page_size()) +
+                ") keeps its keys and values in pages, not contiguous storage: read paged()");
 }
 
 int64_t KVCache::length() const {
-  return lengths_.empty() ? 0 : *std::max_element(lengths_.begin(), lengths_.end());
+  const std::vector<int64_t>& all = lengths();
+  return all.empty() ? 0 : *std::max_element(all.begin(), all.end());
 }
 
 int64_t KVCache::length(int64_t b) const {
   if (b < 0 || b >= batch_) throw Error(std::string(kWho) + "batch element " + str(b) + " of " + str(batch_));
-  return lengths_[static_cast<size_t>(b)];
+  return lengths()[static_cast<size_t>(b)];
 }
 
-void KVCache::reset() { std::fill(lengths_.begin(), lengths_.end(), 0); }
+void KVCache::reset() {
+  std::fill(lengths_.begin(), lengths_.end(), 0);
+  if (!paged_) return;
+  for (int64_t& s : sequences_) {  // the pages back to the pool, a fresh sequence in their place
+    paged_->release(s);
+    s = paged_->add_sequence();
+  }
+}
 
 Tensor KVCache::keys(int64_t len) const {
+  check_contiguous("keys()");
   if (len < 0 || len > capacity_)
     throw Error(std::string(kWho) + "keys(" + str(len) + ") of a cache with capacity " + str(capacity_));
   return keys_.narrow(2, 0, len);
 }
 
 Tensor KVCache::values(int64_t len) const {
+  check_contiguous("values()");
   if (len < 0 || len > capacity_)
     throw Error(std::string(kWho) + "values(" + str(len) + ") of a cache with capacity " + str(capacity_));
   return values_.narrow(2, 0, len);
 }
 
-Tensor KVCache::key_scales(int64_t len) const { return key_scales_.defined() ? key_scales_.narrow(2, 0, keys(len).size(2)) : Tensor(); }
+Tensor KVCache::key_scales(int64_t len) const {
+  check_contiguous("key_scales()");
+  return key_scales_.defined() ? key_scales_.narrow(2, 0, keys(len).size(2)) : Tensor(); }
 Tensor KVCache::value_scales(int64_t len) const {
+  check_contiguous("value_scales()");
   return value_scales_.defined() ? value_scales_.narrow(2, 0, values(len).size(2)) : Tensor();
 }
 
@@ -89,10 +130,23 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
     const int64_t c = count[static_cast<size_t>(b)];
     if (c < 0 || c > n)
       throw Error(std::string(kWho) + "append: count[" + str(b) + "] = " + str(c) + " is outside [0, " + str(n) + "]");
-    if (window_ == 0 && lengths_[static_cast<size_t>(b)] + c > capacity_)
+    if (window_ == 0 && lengths()[static_cast<size_t>(b)] + c > capacity_)
       throw Error(std::string(kWho) + "append: batch element " + str(b) + " holds " + str(lengths_[static_cast<size_t>(b)]) +
                   " positions; " + str(c) + " more exceed the capacity " + str(capacity_) +
                   " (make a larger cache, or a ring buffer with a window)");
+  }
+  if (paged_) {
+    // Each element's rows to its sequence (pages taken as needed: the pool holds each sequence's
+    // capacity, checked above); a quantized pool's rows all checked finite first, so that a throw
+    // leaves every sequence as it was.
+    if (is_quantized(dtype_)) check_finite(k, v, count);
+    for (int64_t b = 0; b < batch_; ++b) {
+      const int64_t c = count[static_cast<size_t>(b)];
+      if (c > 0)
+        paged_->append(sequences_[static_cast<size_t>(b)], k.narrow(0, b, 1).squeeze(0).narrow(1, 0, c),
+                       v.narrow(0, b, 1).squeeze(0).narrow(1, 0, c));
+    }
+    return;
   }
   // Row by row: source rows through their strides (last dim contiguous), converted to the
   // cache's dtype (or quantized, every row checked finite first) as they are written.
@@ -117,10 +171,10 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
   for (int64_t b = 0; b < batch_; ++b) lengths_[static_cast<size_t>(b)] += count[static_cast<size_t>(b)];
 }
 
-void KVCache::append_quantized(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count) {
+void KVCache::check_finite(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count) const {
   const Tensor sources[2] = {k.contiguous(), v.contiguous()};
   const int64_t n = k.size(2);
-  for (const Tensor& source : sources) {  // all finite before any row is written: a throw leaves the cache as it was
+  for (const Tensor& source : sources) {
     const float* data = source.data();
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t h = 0; h < kv_heads_; ++h)
@@ -131,6 +185,12 @@ void KVCache::append_quantized(const Tensor& k, const Tensor& v, const std::vect
                           str(h) + ", " + str(t) + ", " + str(d) + "] is not finite: a quantized cache needs finite keys "
                           "and values");
   }
+}
+
+void KVCache::append_quantized(const Tensor& k, const Tensor& v, const std::vector<int64_t>& count) {
+  check_finite(k, v, count);  // all finite before any row is written: a throw leaves the cache as it was
+  const Tensor sources[2] = {k.contiguous(), v.contiguous()};
+  const int64_t n = k.size(2);
   const int64_t row = keys_.size(3), groups = key_scales_.size(3);
   const Tensor* storage[2][2] = {{&keys_, &key_scales_}, {&values_, &value_scales_}};
   for (int which = 0; which < 2; ++which) {

@@ -8,7 +8,9 @@
 
 #include "nn/cached_heads.hpp"
 #include "nn/module_lock.hpp"
+#include "qkv/error.hpp"
 #include "qkv/nn.hpp"
+#include "qkv/paged_cache.hpp"
 
 namespace qkv::nn {
 
@@ -91,12 +93,38 @@ Tensor cached_relative_bias(const RelativePositionBias& bias, const CachedCall& 
 }
 }  // namespace
 
-KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dtype, int64_t window) const {
-  return KVCache(batch, num_kv_heads_, capacity, head_dim(), dtype, window);
+KVCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dtype, int64_t window,
+                                       int64_t page_size) const {
+  return KVCache(batch, num_kv_heads_, capacity, head_dim(), dtype, window, page_size);
 }
 
 MultiHeadAttentionOutput MultiHeadAttention::forward(const Tensor& x, KVCache& cache,
                                                      const std::vector<int64_t>& counts) const {
+  if (PagedKVCache* pool = cache.paged()) {
+    // A paged KVCache: element b continues the pool's sequence sequences()[b] (mha_paged.cpp),
+    // whole rows only, within the cache's capacity (the pool holds exactly that many pages).
+    const Tensor x3 = x.defined() && x.dim() == 2 ? x.unsqueeze(0) : x;
+    if (x3.defined() && x3.dim() == 3) {
+      const int64_t len = x3.size(1);
+      if (x3.size(0) != cache.batch())
+        throw Error(std::string(kWho) + "x is " + x.shape().str() + " but the cache holds a batch of " +
+                    std::to_string(cache.batch()) + ": use make_cache");
+      if (std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != len; }))
+        throw Error(std::string(kWho) + "a paged cache takes every element's " + std::to_string(len) +
+                    " tokens (no counts): its sequences grow by whole rows");
+      if (!counts.empty() && static_cast<int64_t>(counts.size()) != cache.batch())
+        throw Error(std::string(kWho) + std::to_string(counts.size()) + " counts for a batch of " +
+                    std::to_string(cache.batch()));
+      for (int64_t b = 0; b < cache.batch(); ++b)
+        if (cache.length(b) + len > cache.capacity())
+          throw Error(std::string(kWho) + "batch element " + std::to_string(b) + " holds " +
+                      std::to_string(cache.length(b)) + " positions; " + std::to_string(len) +
+                      " more exceed the capacity " + std::to_string(cache.capacity()));
+    }
+    MultiHeadAttentionOutput out = forward(x3, *pool, cache.sequences());
+    if (x.dim() == 2) out.output = out.output.squeeze(0);
+    return out;
+  }
   const std::shared_lock lock(lock_.mutex().mutex);  // reads the module only (include/qkv/nn.hpp)
   const int64_t hd = head_dim();
   const CachedCall call = check_cached_call(x, cache, counts, embed_dim_, num_kv_heads_, hd,

@@ -231,4 +231,69 @@ TEST(PagedKVCache, MultiHeadAttentionRefusesABatchWholeBeforeAppending) {
   EXPECT_EQ(quantized.free_pages(), 4);
 }
 
+// KVCache's paged mode (make_cache(..., page_size)): MultiHeadAttention on it, a prompt and then
+// steps of one and two tokens, equals the contiguous cache of the same dtype (f32 and int8, page
+// sizes 1 and 4 against a capacity of 11); lengths follow, reset returns the pages, keys() and
+// counts are refused by name, and a call past the capacity leaves the cache unchanged.
+TEST(PagedKVCache, KVCachePagedModeMatchesTheContiguousCache) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  qkv::nn::MultiHeadAttentionOptions options;
+  options.num_kv_heads = 2;
+  options.rotary = qkv::nn::RotaryEmbeddingOptions{};
+  options.seed = rng.next_u64();
+  qkv::nn::MultiHeadAttention m(24, 4, options);
+  m.eval();
+  const int64_t capacity = 11;
+  const Tensor tokens = rng.randn(Shape{2, capacity, 24});
+  for (DType dtype : {DType::F32, DType::I8})
+    for (int64_t page_size : {1, 4}) {
+      const std::string what = std::string(qkv::to_string(dtype)) + " page_size " + std::to_string(page_size);
+      qkv::nn::KVCache contiguous = m.make_cache(2, capacity, dtype);
+      qkv::nn::KVCache paged = m.make_cache(2, capacity, dtype, 0, page_size);
+      ASSERT_NE(paged.paged(), nullptr) << what;
+      EXPECT_EQ(paged.page_size(), page_size);
+      EXPECT_EQ(paged.paged()->free_pages(), 2 * ((capacity + page_size - 1) / page_size)) << what;
+      for (int64_t reset = 0; reset < 2; ++reset) {
+        for (auto [start, n] : {std::pair<int64_t, int64_t>{0, 6}, {6, 1}, {7, 2}, {9, 1}}) {
+          const Tensor x = tokens.narrow(1, start, n).contiguous();
+          const std::vector<float> want = m.forward(x, contiguous).output.to_vector();
+          const std::vector<float> got = m.forward(x, paged).output.to_vector();
+          ASSERT_EQ(got.size(), want.size());
+          for (size_t e = 0; e < want.size(); ++e)
+            ASSERT_NEAR(got[e], want[e], 1e-5) << what << " tokens " << start << "+" << n << " at " << e;
+          EXPECT_EQ(paged.lengths(), contiguous.lengths()) << what;
+        }
+        EXPECT_EQ(paged.length(), 10);
+        // Past the capacity: refused, nothing appended.
+        EXPECT_THROW((void)m.forward(tokens.narrow(1, 0, 2).contiguous(), paged), qkv::Error);
+        EXPECT_EQ(paged.length(), 10);
+        paged.reset();
+        contiguous.reset();
+        EXPECT_EQ(paged.length(), 0);
+        EXPECT_EQ(paged.paged()->free_pages(), 2 * ((capacity + page_size - 1) / page_size)) << what;
+      }
+      try {
+        (void)paged.keys(1);
+        ADD_FAILURE() << "keys() of a paged cache";
+      } catch (const qkv::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("read paged()"), std::string::npos) << e.what();
+      }
+      try {
+        (void)m.forward(tokens.narrow(1, 0, 3).contiguous(), paged, {3, 1});
+        ADD_FAILURE() << "counts on a paged cache";
+      } catch (const qkv::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("no counts"), std::string::npos) << e.what();
+      }
+    }
+  EXPECT_THROW(qkv::nn::KVCache(1, 2, 8, 6, DType::F32, 8, 4), qkv::Error);  // a ring is not paged
+  // append on a paged KVCache directly, as on a contiguous one.
+  qkv::nn::KVCache direct(2, kHeads, 9, kDim, DType::F32, 0, kPageSize);
+  const Tensor k = rng.randn(Shape{2, kHeads, 3, kDim}), v = rng.randn(Shape{2, kHeads, 3, kDim});
+  direct.append(k, v, {3, 2});
+  EXPECT_EQ(direct.lengths(), (std::vector<int64_t>{3, 2}));
+  expect_same(read_back(*direct.paged(), direct.sequences()[1], direct.paged()->key_pool()),
+              k.narrow(0, 1, 1).squeeze(0).narrow(1, 0, 2).contiguous(), "element 1's keys");
+}
+
 }  // namespace
