@@ -59,6 +59,17 @@ Tensor read_back(const PagedKVCache& cache, int64_t id, const Tensor& pool) {
   return out;
 }
 
+// A grouped-query layer (24 wide, 4 heads, 2 for keys and values) with rotary positions, in eval.
+qkv::nn::MultiHeadAttention rotary_module(Random& rng) {
+  qkv::nn::MultiHeadAttentionOptions options;
+  options.num_kv_heads = 2;
+  options.rotary = qkv::nn::RotaryEmbeddingOptions{};
+  options.seed = rng.next_u64();
+  qkv::nn::MultiHeadAttention m(24, 4, options);
+  m.eval();
+  return m;
+}
+
 void expect_same(const Tensor& got, const Tensor& want, const std::string& what) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   const std::vector<float> a = got.to_vector(), b = want.to_vector();
@@ -136,12 +147,7 @@ TEST(PagedKVCache, AttentionOverThePoolMatchesContiguousKeys) {
 TEST(PagedKVCache, MultiHeadAttentionContinuesForkedSequences) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv::nn::MultiHeadAttentionOptions options;
-  options.num_kv_heads = 2;
-  options.rotary = qkv::nn::RotaryEmbeddingOptions{};
-  options.seed = rng.next_u64();
-  qkv::nn::MultiHeadAttention m(24, 4, options);
-  m.eval();
+  const qkv::nn::MultiHeadAttention m = rotary_module(rng);
   const int64_t prompt_len = 7, steps = 5;
   const Tensor prompt = rng.randn(Shape{1, prompt_len, 24});
   std::vector<Tensor> full = {Tensor(), Tensor()};  // each continuation's whole sequence (1, T, 24)
@@ -238,12 +244,7 @@ TEST(PagedKVCache, MultiHeadAttentionRefusesABatchWholeBeforeAppending) {
 TEST(PagedKVCache, KVCachePagedModeMatchesTheContiguousCache) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv::nn::MultiHeadAttentionOptions options;
-  options.num_kv_heads = 2;
-  options.rotary = qkv::nn::RotaryEmbeddingOptions{};
-  options.seed = rng.next_u64();
-  qkv::nn::MultiHeadAttention m(24, 4, options);
-  m.eval();
+  const qkv::nn::MultiHeadAttention m = rotary_module(rng);
   const int64_t capacity = 11;
   const Tensor tokens = rng.randn(Shape{2, capacity, 24});
   for (DType dtype : {DType::F32, DType::I8})

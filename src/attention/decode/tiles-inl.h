@@ -163,8 +163,8 @@ HWY_INLINE void PrefetchRows(const T* row, int64_t rows, int64_t jump, int64_t w
 // Step "load a tile": prefetch the K and V rows of keys first, first + step, ... < last of head
 // (b, g) into L2. Not for int8 / int4 K/V in one piece: a byte a value is consumed slowly enough
 // for the hardware's stream prefetcher, and the prefetch loop's own stalls then cost more than it
-// saves (Zen 4, 1 thread, W4: int4 5.1-5.9 -> 4.4-4.8 ms, int8 5.3-5.5 -> 4.6-5.3 ms; f32 and
-// 16-bit K/V without it take twice as long). Pages, whose jumps no stream follows, keep it.
+// saves (docs/inference.md, the quantized bench rows; f32 and 16-bit K/V need it). Pages, whose
+// jumps no stream follows, keep it.
 template <class T>
 HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
                              int64_t step) {
