@@ -218,10 +218,12 @@ uint32_t bits_of(float x) {
 
 bool scales_valid(const float* scales, int64_t count, DType dtype) {
   const uint32_t limit = bits_of(largest_scale(dtype));
-  const auto* bits = reinterpret_cast<const uint32_t*>(scales);
-  if (largest_bits(bits, count) <= limit) return true;
-  for (int64_t e = 0; e < count; ++e)
-    if (bits[e] > limit && bits[e] != 0x80000000u) return false;  // -0 is a zero scale
+  if (largest_bits(reinterpret_cast<const uint32_t*>(scales), count) <= limit) return true;  // vector loads
+  for (int64_t e = 0; e < count; ++e) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, scales + e, sizeof bits);
+    if (bits > limit && bits != 0x80000000u) return false;  // -0 is a zero scale
+  }
   return true;
 }
 

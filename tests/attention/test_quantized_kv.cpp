@@ -70,13 +70,15 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
     // int4 scores in integers (AVX-512): two chunks of four groups, a group in floats, a last 16.
     cases.push_back(quantized(
         qkv_test::make_case(rng, {1, 10, 2, 3, 301, 304, 112}, qkv_test::MaskKind::Causal, 1.0, 0.0f), dtype));
-    // The same with scale * q on the int8 grid of each group (scale 1/16 at D = 256; q = m / 8, m
-    // an integer in [-127, 127], +-127 first in every group): quantising q is then exact, nothing is
-    // added to the float tolerance, and any error of the integer sums shows.
-    Case exact = qkv_test::make_case(rng, {1, 4, 2, 2, 203, 256, 96}, qkv_test::MaskKind::Causal, 1.0, 0.0f);
+    // The same with scale * q on the int8 grid of each group (scale 1/16; q = m / 8, m an integer
+    // in [-127, 127], +-127 first in every group): quantising q is then exact, nothing is added to
+    // the float tolerance, and any error of the integer sums shows; D = 304 also runs a group and
+    // a last 16 in floats after the two integer chunks.
+    Case exact = qkv_test::make_case(rng, {1, 4, 2, 2, 203, 304, 96}, qkv_test::MaskKind::Causal, 1.0, 0.0f);
+    exact.scale = 1.0f / 16;
     float* q = exact.q.data();
     for (int64_t e = 0; e < exact.q.numel(); ++e) {
-      const bool largest = e % qkv::kInt4Group == 0;  // the first of every group
+      const bool largest = e % exact.q.size(3) % qkv::kInt4Group == 0;  // the first of every group
       const auto m = largest ? 127 : static_cast<int64_t>(rng.next_u64() % 255) - 127;
       q[e] = static_cast<float>((rng.next_u64() % 2 == 0 ? m : -m)) / 8.0f;
     }
@@ -85,31 +87,35 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
   return cases;
 }
 
-// Decode's int4 scores take q quantised to int8 per group of 32 (docs/inference.md): scale * q
-// rounded in float32 as the kernel does it (qs = max|group| / 127, q8 = round(q * (127 / max))),
-// so each score moves by exactly ds = sum_d (qs q8_d - scale q_d) k'_d. With E the largest |ds|
-// over rows and keys (evaluated in float64 on the dequantised keys), softmax weights move by a
-// factor within [e^-2E, e^2E], the output by at most (e^2E - 1) max|v'| / (1 - dropout) and lse by
-// E, which are added to the float tolerance. (The kernel's float roundings of these products stay
-// in the float tolerance.) Any other error of the integer path, a wrong lane, group or correction,
-// is then outside it.
+// Decode's int4 scores take q quantised to int8 per group of 32 on the AVX-512 targets, for the
+// groups of the whole chunks of 128 values of a row of D <= 512 (docs/inference.md; the other
+// groups, and every other target, stay float): scale * q rounded in float32 as the kernel does it
+// (qs = max|group| / 127, q8 = round(q * (127 / max))), so each score moves by exactly ds =
+// sum_d (qs q8_d - scale q_d) k'_d over those groups. With E the largest |ds| over rows and keys
+// (in float64 on the dequantised keys), softmax weights move by a factor within [e^-2E, e^2E],
+// the output by at most (e^2E - 1) max|v'| / (1 - dropout) and lse by E, added to the float
+// tolerance on those targets only. (The kernel's float roundings of these products stay in the
+// float tolerance.)
 void int4_query_quantisation(const Case& c, qkv_test::Expected& e) {
   if (!c.k_scales.defined() || c.k.size(3) * 2 != c.q.size(3)) return;  // int4 keys only (D / 2 bytes)
+  const int64_t target = qkv::detail::flash_attention_target();
+  if (target != HWY_AVX3 && target != HWY_AVX3_DL) return;
   const int64_t batch = c.q.size(0), hq = c.q.size(1), hkv = c.k.size(1), nq = c.q.size(2), nk = c.k.size(2);
-  const int64_t dk = c.q.size(3), group = qkv::kInt4Group;
+  const int64_t dk = c.q.size(3), group = qkv::kInt4Group, chunk = 4 * group;
+  const int64_t quantised = dk <= 4 * chunk ? dk / chunk * chunk : 0;  // values of the whole chunks
+  if (quantised == 0) return;
   const std::vector<float> q = c.q.to_vector(), k = c.oracle_k().to_vector(), v = c.oracle_v().to_vector();
   double largest = 0;
-  std::vector<double> dq(static_cast<size_t>(dk));
+  std::vector<double> dq(static_cast<size_t>(quantised));
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < hq; ++h)
       for (int64_t i = 0; i < nq; ++i) {
         const float* q_row = q.data() + ((b * hq + h) * nq + i) * dk;
-        for (int64_t g0 = 0; g0 < dk; g0 += group) {
-          const int64_t n = std::min(group, dk - g0);
+        for (int64_t g0 = 0; g0 < quantised; g0 += group) {
           float amax = 0;
-          for (int64_t d = g0; d < g0 + n; ++d) amax = std::max(amax, std::abs(c.scale * q_row[d]));
+          for (int64_t d = g0; d < g0 + group; ++d) amax = std::max(amax, std::abs(c.scale * q_row[d]));
           const float inv = amax > 0 ? 127.0f / amax : 0.0f, qs = amax / 127.0f;
-          for (int64_t d = g0; d < g0 + n; ++d) {
+          for (int64_t d = g0; d < g0 + group; ++d) {
             const float sq = c.scale * q_row[d];
             dq[static_cast<size_t>(d)] = double{qs} * std::nearbyint(sq * inv) - sq;
           }
@@ -117,7 +123,7 @@ void int4_query_quantisation(const Case& c, qkv_test::Expected& e) {
         for (int64_t j = 0; j < nk; ++j) {
           const float* k_row = k.data() + ((b * hkv + h / (hq / hkv)) * nk + j) * dk;
           double ds = 0;
-          for (int64_t d = 0; d < dk; ++d) ds += dq[static_cast<size_t>(d)] * k_row[d];
+          for (int64_t d = 0; d < quantised; ++d) ds += dq[static_cast<size_t>(d)] * k_row[d];
           largest = std::max(largest, std::abs(ds));
         }
       }
@@ -389,13 +395,15 @@ TEST(QuantizedKv, ManyScalesAreCheckedInEveryRun) {
 }
 
 // The scale scan (scales_valid, core/quantize.cpp's vector scan) on every target: one bad scale
-// (NaN, inf, negative, past the int4 limit) anywhere in runs of odd and vector-sized lengths is
-// found; -0 and a clean run pass.
+// (NaN, inf, negative, just past the int4 limit) anywhere in runs of odd and vector-sized lengths
+// is found; -0, the limit itself, an empty run and a clean run pass.
 TEST(QuantizedKv, ScaleScanFindsEveryBadScaleOnEveryTarget) {
-  const float bads[] = {std::nanf(""), INFINITY, -1.0f, std::numeric_limits<float>::max()};
+  const float limit = std::numeric_limits<float>::max() / 8;  // int4's largest scale
+  const float bads[] = {std::nanf(""), INFINITY, -1.0f, std::nextafter(limit, INFINITY)};
   for (int64_t target : qkv_test::runnable_targets()) {
     qkv_test::ForcedTarget forced(target);
     SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    EXPECT_TRUE(qkv::detail::scales_valid(nullptr, 0, DType::I4));
     for (int64_t count : {1, 7, 16, 17, 63, 64, 65, 131}) {
       std::vector<float> scales(static_cast<size_t>(count), 0.5f);
       EXPECT_TRUE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count;
@@ -404,11 +412,39 @@ TEST(QuantizedKv, ScaleScanFindsEveryBadScaleOnEveryTarget) {
           scales[static_cast<size_t>(at)] = bad;
           EXPECT_FALSE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count << " at " << at;
         }
-        scales[static_cast<size_t>(at)] = -0.0f;
-        EXPECT_TRUE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count << " -0 at " << at;
+        for (float fine : {-0.0f, limit}) {
+          scales[static_cast<size_t>(at)] = fine;
+          EXPECT_TRUE(qkv::detail::scales_valid(scales.data(), count, DType::I4)) << count << " " << fine << " at " << at;
+        }
         scales[static_cast<size_t>(at)] = 0.5f;
       }
     }
+  }
+}
+
+// A NaN in q reaches its own output row and no other, on every target: the integer int4 scores
+// (AVX-512) would clamp it away when quantising q, so such a block keeps the float path.
+TEST(QuantizedKv, ANaNQueryReachesItsRowOnEveryTarget) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const qkv::QuantizedTensor k = qkv::quantize_kv(rng.randn(Shape{1, 2, 40, 128}), DType::I4),
+                             v = qkv::quantize_kv(rng.randn(Shape{1, 2, 40, 128}), DType::I4);
+  Tensor q = rng.randn(Shape{1, 2, 3, 128});
+  q.at({0, 1, 1, 5}) = std::nanf("");
+  qkv::AttentionOptions o;
+  o.k_scales = k.scales;
+  o.v_scales = v.scales;
+  o.backend = qkv::Backend::Decode;
+  for (int64_t target : qkv_test::runnable_targets()) {
+    qkv_test::ForcedTarget forced(target);
+    SCOPED_TRACE(std::string("SIMD target ") + hwy::TargetName(target));
+    const Tensor out = qkv::scaled_dot_product_attention(q, k.values, v.values, o).output;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < 3; ++i)
+        for (int64_t d = 0; d < 128; ++d) {
+          const bool nan_row = h == 1 && i == 1;
+          ASSERT_EQ(std::isnan(out.at({0, h, i, d})), nan_row) << "row " << h << ", " << i << " column " << d;
+        }
   }
 }
 

@@ -25,6 +25,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -135,7 +136,15 @@ static_assert(kScoreKeys == 4, "SumFour adds the dot products of four keys");
 // (signed) summed in pairs (vpmaddubsw: |n q + n' q'| <= 2 x 15 x 127, never saturates), the pairs
 // summed in fours (vpmaddwd), sum(8 q) subtracted, converted once and scaled by kscale x qscale
 // lane by lane. Exact integer sums: the products are those of q's and k's dequantised values.
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// The AVX-512 targets with 16-bit byte products (AVX-512BW); Highway 1.1 and later add Zen 4's and
+// Sapphire Rapids' own.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || (defined(HWY_AVX3_ZEN4) && HWY_TARGET == HWY_AVX3_ZEN4) || \
+    (defined(HWY_AVX3_SPR) && HWY_TARGET == HWY_AVX3_SPR)
+#define QKV_INT4_INTEGER_SCORES 1
+#else
+#define QKV_INT4_INTEGER_SCORES 0
+#endif
+#if QKV_INT4_INTEGER_SCORES
 constexpr bool kInt4Integer = true;
 #else
 constexpr bool kInt4Integer = false;
@@ -157,7 +166,7 @@ HWY_INLINE size_t IntChunks(size_t dim) {
   return kInt4Integer && dim <= kIntMaxGroups * kInt4Group ? dim / (kInt4Group * kIntChunkGroups) : 0;
 }
 
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if QKV_INT4_INTEGER_SCORES
 using VU8 = hn::Vec512<uint8_t>;
 using VI32 = hn::Vec512<int32_t>;
 
@@ -169,11 +178,15 @@ HWY_INLINE VI32 NibbleDots(VU8 low, VU8 high, const int8_t* HWY_RESTRICT q_low, 
 }
 
 // q (dim values, `chunks` x 128 of them) quantised into `out` as IntQuery lays it out.
-HWY_INLINE void QuantizeQuery(const float* HWY_RESTRICT q, size_t chunks, IntQuery& out) {
+// False, leaving `out` undefined, when a value is NaN or infinite: the int8 quantisation would clamp
+// it away, so such a row keeps the float path.
+HWY_INLINE bool QuantizeQuery(const float* HWY_RESTRICT q, size_t chunks, IntQuery& out) {
   const DF df;
   const hn::Full128<int8_t> d8;
+  bool finite = true;
   for (size_t g = 0; g < chunks * kIntChunkGroups; ++g) {
     const VF v0 = hn::LoadU(df, q + g * kInt4Group), v1 = hn::LoadU(df, q + g * kInt4Group + 16);
+    finite &= hn::AllTrue(df, hn::And(hn::IsFinite(v0), hn::IsFinite(v1)));
     const float amax = hn::GetLane(hn::MaxOfLanes(df, hn::Max(hn::Abs(v0), hn::Abs(v1))));
     const VF inv = hn::Set(df, amax > 0 ? 127.0f / amax : 0.0f);
     hn::Store(hn::DemoteTo(d8, hn::NearestInt(hn::Mul(v0, inv))), d8, out.low + g * 16);
@@ -184,6 +197,7 @@ HWY_INLINE void QuantizeQuery(const float* HWY_RESTRICT q, size_t chunks, IntQue
   for (size_t c = 0; c < chunks; ++c)
     hn::Store(NibbleDots(eight, eight, out.low + c * 64, out.high + c * 64), hn::Full512<int32_t>(),
               out.correction + c * 16);
+  return finite;
 }
 
 // acc[r][x] += lane partial sums of q_r . k'_x over the first `chunks` chunks (IntQuery rows).
@@ -214,7 +228,7 @@ HWY_INLINE void IntChunkDots(size_t chunks, const IntQuery* queries, const uint8
   }
 }
 #else
-HWY_INLINE void QuantizeQuery(const float*, size_t, IntQuery&) {}
+HWY_INLINE bool QuantizeQuery(const float*, size_t, IntQuery&) { return true; }
 template <size_t Rows>
 HWY_INLINE void IntChunkDots(size_t, const IntQuery*, const uint8_t* const*, const float* const*,
                              VF (&)[Rows][kScoreKeys]) {}
@@ -223,9 +237,10 @@ HWY_INLINE void IntChunkDots(size_t, const IntQuery*, const uint8_t* const*, con
 // s[r * kKeyTile + x] = qs_r . k'_x for Rows rows (q_stride apart) and kScoreKeys int4 keys: each
 // group's values dequantised once (Int4Values) for every row, the last partial group scalar.
 template <size_t Rows>
-HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_stride, const IntQuery* queries,
-                              const Int4* const* keys, const float* const* scales, float* HWY_RESTRICT s) {
-  const size_t lanes = hn::Lanes(DF()), whole = WholeInt4Groups(dk), chunks = IntChunks(dk);
+HWY_INLINE void Int4ScoreTile(size_t dk, size_t chunks, const float* HWY_RESTRICT q, size_t q_stride,
+                              const IntQuery* queries, const Int4* const* keys, const float* const* scales,
+                              float* HWY_RESTRICT s) {
+  const size_t lanes = hn::Lanes(DF()), whole = WholeInt4Groups(dk);
   const uint8_t* bytes[kScoreKeys];
   for (size_t x = 0; x < kScoreKeys; ++x) bytes[x] = &keys[x]->byte;
   VF acc[Rows][kScoreKeys];
@@ -253,9 +268,12 @@ HWY_INLINE void Int4ScoreTile(size_t dk, const float* HWY_RESTRICT q, size_t q_s
 // last key the pointers repeat that key (hidden later).
 inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
                        const KeyRun& run, const Scratch& w) {
-  const size_t dk = static_cast<size_t>(p.head_dim), chunks = IntChunks(dk);
+  const size_t dk = static_cast<size_t>(p.head_dim);
+  // A non-finite q keeps the float path for the block: its NaN or inf must reach the scores.
+  size_t chunks = IntChunks(dk);
   IntQuery queries[kRowBlock];  // the block's rows of q in integers (used when chunks > 0)
-  for (size_t r = 0; r < rows && chunks > 0; ++r) QuantizeQuery(w.q + r * plan.q_stride, chunks, queries[r]);
+  for (size_t r = 0; r < rows && chunks > 0; ++r)
+    if (!QuantizeQuery(w.q + r * plan.q_stride, chunks, queries[r])) chunks = 0;
   for (size_t j = 0; j < run.cols; j += kScoreKeys) {
     const int64_t ahead = run.j0 + (static_cast<int64_t>(j) + PrefetchAhead<Int4>()) * run.step;
     if (ahead < run.end)
@@ -270,8 +288,8 @@ inline void Int4Scores(const AttentionProblem& p, const decode::Plan& plan, int6
     }
     for (size_t r = 0; r < rows; r += dot_scores::kRows)
       tile_gemm::WithConstant<dot_scores::kRows>(std::min(dot_scores::kRows, rows - r), [&](auto tile_rows) {
-        Int4ScoreTile<decltype(tile_rows)::value>(dk, w.q + r * plan.q_stride, plan.q_stride, queries + r, keys,
-                                                  scales, w.scores + r * kKeyTile + j);
+        Int4ScoreTile<decltype(tile_rows)::value>(dk, chunks, w.q + r * plan.q_stride, plan.q_stride, queries + r,
+                                                  keys, scales, w.scores + r * kKeyTile + j);
       });
   }
 }

@@ -161,14 +161,19 @@ HWY_INLINE void PrefetchRows(const T* row, int64_t rows, int64_t jump, int64_t w
 }
 
 // Step "load a tile": prefetch the K and V rows of keys first, first + step, ... < last of head
-// (b, g) into L2. Not for int8 / int4 K/V in one piece: a byte a value is consumed slowly enough
-// for the hardware's stream prefetcher, and the prefetch loop's own stalls then cost more than it
-// saves (docs/inference.md, the quantized bench rows; f32 and 16-bit K/V need it). Pages, whose
-// jumps no stream follows, keep it.
+// (b, g) into L2. Not for int8 / int4 K/V read as one stream (rows back to back, key after key):
+// a byte a value is consumed slowly enough for the hardware's stream prefetcher, and the prefetch
+// loop's own stalls then cost more than it saves (docs/inference.md, the quantized bench rows;
+// f32 and 16-bit K/V need it). Pages, strided rows and gathered keys, which no stream follows,
+// keep it.
 template <class T>
 HWY_INLINE void PrefetchKeys(const AttentionProblem& p, int64_t b, int64_t g, int64_t first, int64_t last,
                              int64_t step) {
-  if (first >= last || (is_quantized(p.kv_dtype) && !p.paged.on())) return;
+  if (first >= last) return;
+  if (is_quantized(p.kv_dtype) && !p.paged.on() && step == 1) {
+    const int64_t per_byte = p.kv_dtype == DType::I4 ? 2 : 1;
+    if (p.k_quant.row_stride * per_byte == p.head_dim && p.v_quant.row_stride * per_byte == p.value_dim) return;
+  }
   // Paged: a run at a time within one page (the whole range at once otherwise).
   for (int64_t j = first; j < last;) {
     const int64_t stop = p.paged.on() ? std::min(last, p.paged.page_end(j)) : last;
