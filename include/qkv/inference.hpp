@@ -117,6 +117,9 @@ class RotaryTable {
 // page_size) pages, paged()), batch element b being the pool's sequence sequences()[b], and
 // MultiHeadAttention attends over the pages in place. A paged cache has no contiguous storage:
 // keys(), values() and their scales throw (read paged()); append, lengths and reset work alike.
+// Copies of a paged cache are the same cache (one pool, one set of sequences: an append through
+// one shows in the other), where copies of a contiguous one share storage but keep their own
+// lengths.
 class KVCache {
  public:
   KVCache() = default;
@@ -135,7 +138,7 @@ class KVCache {
   const std::vector<int64_t>& sequences() const { return sequences_; }  // paged: element b's sequence
 
   // Positions appended so far: per batch element, and the largest.
-  const std::vector<int64_t>& lengths() const;
+  std::vector<int64_t> lengths() const;  // paged: read from the pool
   int64_t length() const;
   int64_t length(int64_t b) const;
   void reset();  // length 0 everywhere; the storage stays
@@ -161,7 +164,7 @@ class KVCache {
   DType dtype_ = DType::F32;
   Tensor keys_, values_;
   Tensor key_scales_, value_scales_;  // quantized dtypes only
-  mutable std::vector<int64_t> lengths_;  // paged: read from the pool by lengths()
+  std::vector<int64_t> lengths_;           // contiguous only (a paged cache's are the pool's)
   std::shared_ptr<PagedKVCache> paged_;    // paged mode only
   std::vector<int64_t> sequences_;
 

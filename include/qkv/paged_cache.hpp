@@ -30,6 +30,8 @@ class PagedKVCache {
   int64_t fork(int64_t parent);
   // Ends a sequence: its pages' counts - 1, a page whose count reaches 0 freed.
   void release(int64_t sequence);
+  // Empties a sequence as release does, keeping it (and its id) live at length 0.
+  void clear(int64_t sequence);
 
   // Appends k (kv_heads, N, head_dim) and v (the same), f32 or the pool's dtype (f32 only for a
   // quantized pool, each element finite), any strides, to `sequence`'s positions [length,

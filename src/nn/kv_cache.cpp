@@ -53,10 +53,11 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
 
 int64_t KVCache::page_size() const { return paged_ ? paged_->page_size() : 0; }
 
-const std::vector<int64_t>& KVCache::lengths() const {
-  if (paged_)  // MultiHeadAttention appends to the pool directly
-    for (size_t b = 0; b < sequences_.size(); ++b) lengths_[b] = paged_->length(sequences_[b]);
-  return lengths_;
+std::vector<int64_t> KVCache::lengths() const {
+  if (!paged_) return lengths_;
+  std::vector<int64_t> out;  // MultiHeadAttention appends to the pool directly
+  for (int64_t s : sequences_) out.push_back(paged_->length(s));
+  return out;
 }
 
 void KVCache::check_contiguous(const char* what) const {
@@ -77,11 +78,8 @@ int64_t KVCache::length(int64_t b) const {
 
 void KVCache::reset() {
   std::fill(lengths_.begin(), lengths_.end(), 0);
-  if (!paged_) return;
-  for (int64_t& s : sequences_) {  // the pages back to the pool, a fresh sequence in their place
-    paged_->release(s);
-    s = paged_->add_sequence();
-  }
+  if (paged_)
+    for (int64_t s : sequences_) paged_->clear(s);  // the pages back to the pool, the ids kept
 }
 
 Tensor KVCache::keys(int64_t len) const {
@@ -126,12 +124,13 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
   if (static_cast<int64_t>(count.size()) != batch_)
     throw Error(std::string(kWho) + "append: " + str(static_cast<int64_t>(count.size())) + " counts for a batch of " +
                 str(batch_));
+  const std::vector<int64_t> held = lengths();
   for (int64_t b = 0; b < batch_; ++b) {
     const int64_t c = count[static_cast<size_t>(b)];
     if (c < 0 || c > n)
       throw Error(std::string(kWho) + "append: count[" + str(b) + "] = " + str(c) + " is outside [0, " + str(n) + "]");
-    if (window_ == 0 && lengths()[static_cast<size_t>(b)] + c > capacity_)
-      throw Error(std::string(kWho) + "append: batch element " + str(b) + " holds " + str(lengths_[static_cast<size_t>(b)]) +
+    if (window_ == 0 && held[static_cast<size_t>(b)] + c > capacity_)
+      throw Error(std::string(kWho) + "append: batch element " + str(b) + " holds " + str(held[static_cast<size_t>(b)]) +
                   " positions; " + str(c) + " more exceed the capacity " + str(capacity_) +
                   " (make a larger cache, or a ring buffer with a window)");
   }
@@ -140,6 +139,12 @@ void KVCache::append(const Tensor& k, const Tensor& v, const std::vector<int64_t
     // capacity, checked above); a quantized pool's rows all checked finite first, so that a throw
     // leaves every sequence as it was.
     if (is_quantized(dtype_)) check_finite(k, v, count);
+    int64_t needed = 0;  // more than the pool's own when forks of its sequences hold pages
+    for (int64_t b = 0; b < batch_; ++b)
+      needed += paged_->pages_needed(sequences_[static_cast<size_t>(b)], count[static_cast<size_t>(b)]);
+    if (needed > paged_->free_pages())
+      throw Error(std::string(kWho) + "append: the batch needs " + str(needed) + " free pages but the pool has " +
+                  str(paged_->free_pages()) + " (its sequences were forked)");
     for (int64_t b = 0; b < batch_; ++b) {
       const int64_t c = count[static_cast<size_t>(b)];
       if (c > 0)

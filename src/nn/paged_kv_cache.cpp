@@ -65,10 +65,16 @@ int64_t PagedKVCache::fork(int64_t parent) {
 }
 
 void PagedKVCache::release(int64_t sequence) {
-  Sequence& s = live(sequence, "release");
+  clear(sequence);
+  live(sequence, "release").live = false;
+}
+
+void PagedKVCache::clear(int64_t sequence) {
+  Sequence& s = live(sequence, "clear");
   for (int64_t page : s.pages)
     if (--counts_[static_cast<size_t>(page)] == 0) free_.push_back(page);
-  s = Sequence{};
+  s.pages.clear();
+  s.length = 0;
 }
 
 int64_t PagedKVCache::take_page() {

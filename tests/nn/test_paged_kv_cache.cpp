@@ -269,9 +269,11 @@ TEST(PagedKVCache, KVCachePagedModeMatchesTheContiguousCache) {
         // Past the capacity: refused, nothing appended.
         EXPECT_THROW((void)m.forward(tokens.narrow(1, 0, 2).contiguous(), paged), qkv::Error);
         EXPECT_EQ(paged.length(), 10);
+        const std::vector<int64_t> ids = paged.sequences();
         paged.reset();
         contiguous.reset();
         EXPECT_EQ(paged.length(), 0);
+        EXPECT_EQ(paged.sequences(), ids) << "reset keeps the pool's sequences";
         EXPECT_EQ(paged.paged()->free_pages(), 2 * ((capacity + page_size - 1) / page_size)) << what;
       }
       try {
