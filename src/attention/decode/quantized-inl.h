@@ -137,7 +137,8 @@ static_assert(kScoreKeys == 4, "SumFour adds the dot products of four keys");
 // summed in fours (vpmaddwd), sum(8 q) subtracted, converted once and scaled by kscale x qscale
 // lane by lane. Exact integer sums: the products are those of q's and k's dequantised values.
 // The AVX-512 targets with 16-bit byte products (AVX-512BW), including the ones later Highway
-// versions add (AVX3_ZEN4, AVX3_SPR).
+// versions add (AVX3_ZEN4, AVX3_SPR). Set anew for each target this file is compiled for.
+#undef QKV_INT4_INTEGER_SCORES
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || (defined(HWY_AVX3_ZEN4) && HWY_TARGET == HWY_AVX3_ZEN4) || \
     (defined(HWY_AVX3_SPR) && HWY_TARGET == HWY_AVX3_SPR)
 #define QKV_INT4_INTEGER_SCORES 1
