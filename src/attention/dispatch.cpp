@@ -82,13 +82,15 @@ Backend forward_kernel(const AttentionProblem& problem, const AttentionOptions& 
   return !problem.score_mod && decode_is_faster(problem) ? Backend::Decode : Backend::Flash;
 }
 
-void run_forward(Backend kernel, const AttentionProblem& problem) {
+// False when decode met a bad scale or left scales unread (problem.scales_unchecked: decode alone).
+bool run_forward(Backend kernel, const AttentionProblem& problem) {
   switch (kernel) {
     case Backend::Reference: reference_attention(problem); break;
     case Backend::Flash: flash_attention(problem); break;
-    case Backend::Decode: decode_attention(problem); break;
+    case Backend::Decode: return decode_attention(problem);
     case Backend::Auto: break;  // forward_kernel resolves it
   }
+  return true;
 }
 
 // A backward given lse alone (lse_lost_precision, problem.hpp): the listed rows get their max and
@@ -149,21 +151,26 @@ namespace {
 // band_from_end for a sequence of a packed batch (varlen.hpp).
 void forward_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionResult& result,
                   const AttentionOptions& options, int64_t alibi_shift, bool band_from_end) {
-  detail::BuiltProblem built = detail::build_problem("scaled_dot_product_attention: ", q, k, v, options);
+  const char* who = "scaled_dot_product_attention: ";
+  detail::BuiltProblem built = detail::build_problem(who, q, k, v, options, ScaleValues::Kernel);
   built.problem.alibi_shift = alibi_shift;
   if (band_from_end) align_band_to_end(built.problem);
   if ((options.backend == Backend::Flash || options.backend == Backend::Decode) && options.need_weights)
     throw Error("scaled_dot_product_attention: backend " + std::string(to_string(options.backend)) +
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
-  detail::bind_forward_outputs(built, result, options.need_weights, q, k, v);
   const Backend kernel = detail::forward_kernel(built.problem, options);
-  if (!detail::summaries_asked("scaled_dot_product_attention: ", options)) {
+  const bool with_summaries = detail::summaries_asked(who, options);
+  // Quantized K/V's scales: decode checks each as it reads it; any other kernel needs them first.
+  if (kernel != Backend::Decode || with_summaries) check_scales(who, built, k, v, options);
+  detail::bind_forward_outputs(built, result, options.need_weights, q, k, v);
+  if (!with_summaries) {
     detail::clear_summary_outputs(result);
-    detail::run_forward(kernel, built.problem);
+    // False: decode met a bad scale (the scan throws, naming it) or had none to read.
+    if (!detail::run_forward(kernel, built.problem)) check_scales(who, built, k, v, options);
     return;
   }
-  const detail::SummaryOutputs summaries = detail::bind_summary_outputs(
-      "scaled_dot_product_attention: ", built, result, options.summary_top_k, q, k, v);
+  const detail::SummaryOutputs summaries =
+      detail::bind_summary_outputs(who, built, result, options.summary_top_k, q, k, v);
   if (kernel == Backend::Reference) {
     detail::reference_summary_attention(built.problem, summaries);
   } else {

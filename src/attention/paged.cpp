@@ -191,7 +191,7 @@ void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Att
     AttentionOptions own = sequence_options(options, b);
     own.k_scales = stand_in(options.k_scales, n);
     own.v_scales = stand_in(options.v_scales, n);
-    BuiltProblem built = build_problem(who, qb, stand_in(k, n), stand_in(v, n), own, /*quantized_checked=*/true);
+    BuiltProblem built = build_problem(who, qb, stand_in(k, n), stand_in(v, n), own, ScaleValues::Checked);
     align_band_to_end(built.problem);  // query i at key position n - Nq + i
     AttentionResult part;
     part.output = result.output.narrow(0, b, 1);
@@ -200,7 +200,7 @@ void paged_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Att
     part.row_sum = result.row_sum.narrow(0, b, 1);
     bind_forward_outputs(built, part, false, qb, k, v);
     bind_pages(built.problem, k, v, options, options.block_table.data() + b * max_pages);
-    decode_attention(built.problem);
+    decode_attention(built.problem);  // the pages' scales are checked above (ScaleValues::Checked)
   }
 }
 

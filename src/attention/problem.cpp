@@ -300,7 +300,7 @@ std::shared_ptr<const ScoreFunction> score_function_of(const char* who, const At
 }  // namespace
 
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionOptions& options, bool quantized_checked) {
+                           const AttentionOptions& options, ScaleValues scale_values) {
   // A packed batch reaches here one sequence at a time (attention/varlen.cpp), its offsets cleared.
   if (!options.cu_seqlens_q.empty() || !options.cu_seqlens_k.empty())
     fail(who, "cu_seqlens_q / cu_seqlens_k (a packed batch) are taken by scaled_dot_product_attention and its "
@@ -318,9 +318,10 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
   check_dtypes(who, q, k, v);
   if (k.dtype() == DType::I4) kd.dim *= 2, vd.dim *= 2;  // two 4-bit values a byte
   check_shapes(who, q, k, v, qd, kd, vd);
-  if (is_quantized(k.dtype()) && !quantized_checked) {
-    check_quantized(who, "k", k, options.k_scales, kd.dim);
-    check_quantized(who, "v", v, options.v_scales, vd.dim);
+  const bool scales_unchecked = is_quantized(k.dtype()) && scale_values == ScaleValues::Kernel;
+  if (is_quantized(k.dtype()) && scale_values != ScaleValues::Checked) {
+    check_quantized(who, "k", k, options.k_scales, kd.dim, !scales_unchecked);
+    check_quantized(who, "v", v, options.v_scales, vd.dim, !scales_unchecked);
   } else if (!is_quantized(k.dtype()) && (options.k_scales.defined() || options.v_scales.defined())) {
     fail(who, "k_scales / v_scales are for int8 or int4 k and v, but k is " + std::string(to_string(k.dtype())));
   }
@@ -375,8 +376,18 @@ BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, co
       .kv_dtype = k.dtype(), .k_bits = operands.k_bits, .v_bits = operands.v_bits,
       .k_quant = operands.k_quant, .v_quant = operands.v_quant,
       .k_scales = operands.k_scales, .v_scales = operands.v_scales, .paged = {},
+      .scales_unchecked = scales_unchecked,
   };
   return built;
+}
+
+void check_scales(const char* who, BuiltProblem& built, const Tensor& k, const Tensor& v,
+                  const AttentionOptions& options) {
+  if (!built.problem.scales_unchecked) return;
+  const int64_t per_byte = k.dtype() == DType::I4 ? 2 : 1;
+  check_quantized(who, "k", k, options.k_scales, k.size(-1) * per_byte);
+  check_quantized(who, "v", v, options.v_scales, v.size(-1) * per_byte);
+  built.problem.scales_unchecked = false;
 }
 
 void bind_forward_outputs(BuiltProblem& built, AttentionResult& result, bool need_weights, const Tensor& q,

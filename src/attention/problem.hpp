@@ -82,6 +82,10 @@ struct AttentionProblem {
   // Paged K/V (attention/paged.hpp): when paged.on(), k / k_bits and v / v_bits view the pool's
   // page 0 and key j's row lies paged.offset(j, ...) past it; batch 1, read by decode alone.
   PagedKv paged;
+  // Quantized K/V whose scales' values build_problem left unchecked (ScaleValues::Kernel): only
+  // decode may run such a problem, and it checks each item's scales as it first reads them, so
+  // its tiles then find them in cache instead of DRAM serving them twice (decode/chunk-inl.h).
+  bool scales_unchecked = false;
 
   // Whether the backward scales dS by d(modified score)/d(raw score) (softcap, a score function).
   bool has_score_slope() const { return softcap > 0 || score_mod != nullptr; }
@@ -153,11 +157,23 @@ struct BuiltProblem {
   std::vector<Tensor> held;                     // keeps every tensor the problem points into alive
 };
 
+// What build_problem does with quantized k and v's scales (their layout it always checks, unless
+// Checked):
+//   Scan     every scale's value, here (check_quantized);
+//   Checked  nothing: the caller checked them (paged K/V checks the pages a call reaches; its
+//            per-sequence k / v are stand-ins whose scales must not be read);
+//   Kernel   the values are left to the forward's dispatch (problem.scales_unchecked): decode
+//            checks them as it reads them, any other kernel calls check_scales first.
+enum class ScaleValues { Scan, Checked, Kernel };
+
 // Checks q, k, v and the options (`who` prefixes every error message) and normalises them.
-// quantized_checked: quantized k and v and their scales were checked by the caller (paged K/V
-// checks the pools once; its per-sequence k / v are stand-ins whose scales must not be read).
 BuiltProblem build_problem(const char* who, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionOptions& options, bool quantized_checked = false);
+                           const AttentionOptions& options, ScaleValues scale_values = ScaleValues::Scan);
+
+// Scans the scales build_problem left to the kernel (ScaleValues::Kernel) and clears
+// problem.scales_unchecked; throws qkv::Error naming the first bad one, as Scan would have.
+void check_scales(const char* who, BuiltProblem& built, const Tensor& k, const Tensor& v,
+                  const AttentionOptions& options);
 
 // Prepares result's tensors (allocated when undefined, else checked: shape, a contiguous last
 // dim, no storage shared with q, k, v) and points the problem's outputs at them.

@@ -167,10 +167,9 @@ uint32_t largest_bits(const uint32_t* bits, int64_t count);  // LargestBitsSimd 
 namespace {
 
 // Whether any of `count` float bit patterns is above `limit`'s (a non-negative finite float's):
-// negative (sign set, -0 included), inf, NaN or larger than limit, compared as integers. A decode
-// step reads its scales here once before the kernel reads them again (W4-int4: 8 MB, a quarter of
-// the kernel's own time on one thread), so a large set is split into runs over the threads, each
-// scanned by LargestBitsSimd.
+// negative (sign set, -0 included), inf, NaN or larger than limit, compared as integers. A large
+// set (a long prefill's cache: decode checks its own chunks, ScaleValues::Kernel) is split into
+// runs over the threads, each scanned by LargestBitsSimd.
 bool any_above(const uint32_t* bits, int64_t count, uint32_t limit) {
   constexpr int64_t kRun = int64_t{1} << 16, kMinToThread = int64_t{1} << 18;
   const int64_t runs = (count + kRun - 1) / kRun;

@@ -50,7 +50,7 @@ std::vector<Case> cases_for(Random& rng, Sizes (*sizes)(Random&)) {
 TEST(KvDtype, DecodeReads16BitKeysAndValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes));
+  qkv_test::check_everywhere(qkv_test::decode_kernel, cases_for(rng, kv_decode_sizes));
 }
 
 TEST(KvDtype, FlashReads16BitKeysAndValues) {

@@ -136,7 +136,7 @@ void int4_query_quantisation(const Case& c, qkv_test::Expected& e) {
 TEST(QuantizedKv, DecodeMatchesTheOracleOnDequantisedValues) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  qkv_test::check_everywhere(qkv::detail::decode_attention, cases_for(rng, kv_decode_sizes), int4_query_quantisation);
+  qkv_test::check_everywhere(qkv_test::decode_kernel, cases_for(rng, kv_decode_sizes), int4_query_quantisation);
 }
 
 TEST(QuantizedKv, FlashMatchesTheOracleOnDequantisedValues) {
@@ -390,6 +390,65 @@ TEST(QuantizedKv, ManyScalesAreCheckedInEveryRun) {
       ADD_FAILURE() << "no error for a negative scale at flat index " << flat;
     } catch (const qkv::Error& e) {
       EXPECT_NE(std::string(e.what()).find("at flat index " + std::to_string(flat)), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Decode checks each work item's scales as it reads them (ScaleValues::Kernel, decode/chunk-inl.h)
+// rather than in a scan before the kernel: a bad scale of K or V in the first key, a middle chunk
+// or the last (partial) chunk of either batch element is still named by its flat index, hidden by
+// the key lengths or not, under Backend::Decode and Auto; -0 and good scales pass, with the
+// output of the scan-first flash path; an empty q still gets its scales checked.
+TEST(QuantizedKv, DecodeNamesABadScaleInAnyChunk) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int64_t keys = 2 * 2048 + 37, dim = 64;  // int8 and int4 chunks hold 2048 keys: three chunks
+  const Tensor q = rng.randn(Shape{2, 4, 1, dim});
+  for (DType dtype : {DType::I8, DType::I4}) {
+    SCOPED_TRACE(std::string(qkv::to_string(dtype)));
+    const qkv::QuantizedTensor k = qkv::quantize_kv(rng.randn(Shape{2, 2, keys, dim}), dtype),
+                               v = qkv::quantize_kv(rng.randn(Shape{2, 2, keys, dim}), dtype);
+    const int64_t groups = k.scales.size(-1), per_batch = 2 * keys * groups;
+    for (qkv::Backend backend : {qkv::Backend::Decode, qkv::Backend::Auto}) {
+      qkv::AttentionOptions o;
+      o.k_scales = k.scales;
+      o.v_scales = v.scales;
+      o.backend = backend;
+      o.mask = Mask::key_lengths({keys, 3000});  // batch 1's keys past 3000 are read by no row
+      Tensor signed_zero = k.scales.clone();
+      signed_zero.data()[5] = -0.0f;
+      o.k_scales = signed_zero;
+      const Tensor decoded = qkv::scaled_dot_product_attention(q, k.values, v.values, o).output;
+      qkv::AttentionOptions flash = o;
+      flash.backend = qkv::Backend::Flash;
+      const Tensor flashed = qkv::scaled_dot_product_attention(q, k.values, v.values, flash).output;
+      for (int64_t e = 0; e < decoded.numel(); ++e)
+        ASSERT_NEAR(decoded.data()[e], flashed.data()[e], 1e-4f) << "element " << e;
+      for (const bool on_k : {true, false}) {
+        for (const int64_t flat : {int64_t{0}, 2100 * groups + 1, keys * groups - 1, per_batch + keys * groups + 3500 * groups,
+                                   2 * per_batch - 1}) {
+          for (const float bad : {std::nanf(""), -1.0f, INFINITY}) {
+            Tensor scales = (on_k ? k.scales : v.scales).clone();
+            scales.data()[flat] = bad;
+            qkv::AttentionOptions with_bad = o;
+            (on_k ? with_bad.k_scales : with_bad.v_scales) = scales;
+            (on_k ? with_bad.v_scales : with_bad.k_scales) = on_k ? v.scales : k.scales;
+            try {
+              (void)qkv::scaled_dot_product_attention(q, k.values, v.values, with_bad);
+              ADD_FAILURE() << (on_k ? "k" : "v") << " scale " << bad << " at flat index " << flat << ": no error";
+            } catch (const qkv::Error& e) {
+              const std::string what = e.what();
+              EXPECT_NE(what.find(std::string(on_k ? "k_scales" : "v_scales") + " has"), std::string::npos) << what;
+              EXPECT_NE(what.find("at flat index " + std::to_string(flat)), std::string::npos) << what;
+            }
+          }
+        }
+      }
+      qkv::AttentionOptions empty_q = o;
+      Tensor nan_scale = v.scales.clone();
+      nan_scale.data()[7] = std::nanf("");
+      empty_q.v_scales = nan_scale;
+      EXPECT_THROW((void)qkv::scaled_dot_product_attention(q.narrow(2, 0, 0), k.values, v.values, empty_q), qkv::Error);
     }
   }
 }

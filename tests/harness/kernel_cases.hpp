@@ -655,8 +655,12 @@ inline Expected expect(const Case& c) {
   return e;
 }
 
-// A fast kernel under test: flash_attention, decode_attention.
+// A fast kernel under test: flash_attention, decode_kernel.
 using Kernel = void (*)(const AttentionProblem&);
+
+// decode_attention as a Kernel: the harness's problems have their scales checked (build_problem's
+// ScaleValues::Scan), so it must report them valid.
+inline void decode_kernel(const AttentionProblem& problem) { EXPECT_TRUE(qkv::detail::decode_attention(problem)); }
 
 // Runs `kernel` on `c` into NaN-poisoned outputs and compares with the oracle.
 inline void check_kernel(Kernel kernel, const Case& c, const Expected& e) {

@@ -20,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,7 @@
 #include "attention/kernels.hpp"
 #include "attention/problem.hpp"
 #include "attention/steps/pipeline-inl.h"
+#include "core/quantize.hpp"
 #include "mask/rule.hpp"
 #include "qkv/dtype.hpp"
 #include "hwy/highway.h"
@@ -203,16 +205,34 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   if (split) GatherStrided<T>(p, plan, *split, b, g, r0, rows, chunk_begin, chunk_end, w);
 }
 
+// Whether the scales of quantized K and V for keys [begin, end) of head (b, g) are valid
+// (scales_valid, core/quantize.hpp): a contiguous run when the rows' scales are back to back.
+inline bool ChunkScalesValid(const AttentionProblem& p, int64_t b, int64_t g, int64_t begin, int64_t end) {
+  const auto valid = [&](const Rows<const float>& scales, int64_t dim) {
+    const int64_t groups = quantized_groups(p.kv_dtype, dim);
+    if (scales.row_stride == groups) return scales_valid(scales.row(b, g, begin), (end - begin) * groups, p.kv_dtype);
+    for (int64_t j = begin; j < end; ++j)
+      if (!scales_valid(scales.row(b, g, j), groups, p.kv_dtype)) return false;
+    return true;
+  };
+  return valid(p.k_scales, p.head_dim) && valid(p.v_scales, p.value_dim);
+}
+
 // One work item: every row of group g of batch b against chunk `chunk`. With one chunk per
 // (b, g) it writes the final output, lse and row stats; with several it leaves its partials for
-// the merge. `scratch` is this worker's block, laid out by decode::ScratchLayout.
+// the merge. `scratch` is this worker's block, laid out by decode::ScratchLayout. `bad_scales`
+// (p.scales_unchecked): set when the chunk's scales are not all valid, checked first, whether or
+// not the mask lets a row read them, so that every scale of the call is checked once; the tiles
+// then find them in cache. The item still runs (its output is then discarded).
 void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b, int64_t g,
-                 int64_t chunk, const decode::Partials& partials, float* HWY_RESTRICT scratch) {
+                 int64_t chunk, const decode::Partials& partials, float* HWY_RESTRICT scratch,
+                 std::atomic<bool>* bad_scales) {
   const size_t dv = static_cast<size_t>(p.value_dim);
   const Scratch w(scratch, decode::ScratchLayout(plan));
   const int64_t chunk_begin = chunk * plan.chunk_keys;
   const int64_t chunk_end = std::min(p.kv_len, chunk_begin + plan.chunk_keys);
   const int64_t bg = b * p.kv_heads + g;
+  if (bad_scales && !ChunkScalesValid(p, b, g, chunk_begin, chunk_end)) bad_scales->store(true, std::memory_order_relaxed);
 
   for (int64_t r0 = 0; r0 < plan.rows; r0 += static_cast<int64_t>(kRowBlock)) {
     const size_t rows = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(kRowBlock), plan.rows - r0));

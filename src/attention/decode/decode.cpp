@@ -27,6 +27,7 @@
 #if HWY_ONCE
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 
@@ -73,8 +74,8 @@ void merge_rows(const AttentionProblem& p, const decode::Plan& plan, const decod
 
 }  // namespace
 
-void decode_attention(const AttentionProblem& problem) {
-  if (problem.batch == 0 || problem.q_heads == 0 || problem.q_len == 0) return;
+bool decode_attention(const AttentionProblem& problem) {
+  if (problem.batch == 0 || problem.q_heads == 0 || problem.q_len == 0) return !problem.scales_unchecked;
 
   const decode::Plan plan(problem);
   const int64_t groups = problem.batch * problem.kv_heads;
@@ -110,6 +111,8 @@ void decode_attention(const AttentionProblem& problem) {
   // key's heads side by side (row stride Hkv D), so consecutive items read neighbouring rows of
   // the same pages rather than one row per 4 KB page of a head far from the last.
   const bool chunk_major = problem.paged.on();
+  // Set by an item that met a bad scale (problem.scales_unchecked: every item checks its own).
+  std::atomic<bool> bad_scales{false};
   ItemShares shares(launch.workers(), items);
   const int64_t merged_rows = plan.chunks > 1 ? groups * plan.rows : 0;
   launch.parallel([&](int worker) {
@@ -118,7 +121,7 @@ void decode_attention(const AttentionProblem& problem) {
       const int64_t bg = chunk_major ? item % groups : item / plan.chunks;
       const int64_t chunk = chunk_major ? item / groups : item % plan.chunks;
       HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads, chunk,
-                                        partials, block);
+                                        partials, block, problem.scales_unchecked ? &bad_scales : nullptr);
     });
     if (merged_rows == 0) return;
     // One worker: no OpenMP construct at all (Launch::parallel's contract).
@@ -127,6 +130,7 @@ void decode_attention(const AttentionProblem& problem) {
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < merged_rows; ++row) merge_row(problem, plan, partials, row / plan.rows, row % plan.rows);
   });
+  return !bad_scales.load(std::memory_order_relaxed);
 }
 
 // Decode beats flash up to a few dozen queries (flash pads queries to its tile, decode's work
