@@ -15,7 +15,8 @@
 //     (SumFour: two interleaves and the blocks, not one reduction per key).
 //   Values: int8 through tiles-inl.h's value tile on the integers, the scale folded into the
 //     weight column, p (s v) = (p s) v (ScaleColumns); int4 through the same broadcast tile
-//     (tile_gemm::BroadcastSteps) with Int4Values as its loader, whole groups in registers.
+//     (tile_gemm::BroadcastSteps) with Int4Values as its loader, whole groups in registers, and
+//     twice the groups a tile for one or two rows (kInt4FewRows: more FMA chains in flight).
 //   A last group of fewer than 32 values (int4, D mod 32) runs scalar.
 #if defined(QKV_ATTENTION_DECODE_QUANTIZED_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_ATTENTION_DECODE_QUANTIZED_INL_H_
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/decode/plan.hpp"
 #include "attention/decode/tiles-inl.h"
@@ -50,6 +52,12 @@ constexpr bool kInt4Lookup = kMaxLanes == 16;
 // Vectors per int4 group, and groups per value tile (kValueVectors vectors, at least one group).
 constexpr size_t kInt4GroupVectors = kMaxLanes <= kInt4Group / 2 ? kInt4Group / kMaxLanes : 1;
 constexpr size_t kInt4TileGroups = std::max<size_t>(1, kValueVectors / kInt4GroupVectors);
+// A block of at most kInt4FewRows rows (one, in a decode step without grouped heads) takes
+// kInt4FewRowsGroups groups a tile: each accumulator is a chain of FMAs, one a key, and
+// kValueVectors chains a row left the step waiting on the FMA's latency; twice the vectors are
+// twice the chains in flight. Wide register files only (2 rows x 8 accumulators + 8 values).
+constexpr size_t kInt4FewRows = kValueRows / 2;
+constexpr size_t kInt4FewRowsGroups = tile_gemm::kWideRegisterFile ? 2 * kInt4TileGroups : kInt4TileGroups;
 // The stored nibble n is the integer plus 8: entry n of the lookup table is n - 8.
 alignas(64) constexpr float kInt4Integers[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 
@@ -329,14 +337,22 @@ inline void Int4Accumulate(const AttentionProblem& p, const decode::Plan& plan, 
     values[j] = ValueBytes(p, b, g, key);
     scales[j] = ValueScales(p, b, g, key);
   }
-  for (size_t group = 0; group < whole; group += kInt4TileGroups)
-    for (size_t r = 0; r < rows; r += kValueRows)
-      WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
-        WithConstant<kInt4TileGroups>(std::min(kInt4TileGroups, whole - group), [&](auto tile_groups) {
-          Int4ValueTile<decltype(tile_rows)::value, decltype(tile_groups)::value>(
-              run.cols, w.scores + r * kKeyTile, values, scales, group, w.out + r * plan.out_stride, plan.out_stride);
+  const auto tiles = [&](auto max_rows, auto max_groups) {
+    constexpr size_t kRows = decltype(max_rows)::value, kGroups = decltype(max_groups)::value;
+    for (size_t group = 0; group < whole; group += kGroups)
+      for (size_t r = 0; r < rows; r += kRows)
+        WithConstant<kRows>(std::min(kRows, rows - r), [&](auto tile_rows) {
+          WithConstant<kGroups>(std::min(kGroups, whole - group), [&](auto tile_groups) {
+            Int4ValueTile<decltype(tile_rows)::value, decltype(tile_groups)::value>(
+                run.cols, w.scores + r * kKeyTile, values, scales, group, w.out + r * plan.out_stride, plan.out_stride);
+          });
         });
-      });
+  };
+  if (rows <= kInt4FewRows) {
+    tiles(std::integral_constant<size_t, kInt4FewRows>(), std::integral_constant<size_t, kInt4FewRowsGroups>());
+  } else {
+    tiles(std::integral_constant<size_t, kValueRows>(), std::integral_constant<size_t, kInt4TileGroups>());
+  }
   for (size_t r = 0; r < rows; ++r)
     for (size_t c = whole * kInt4Group; c < dv; ++c) {
       float sum = w.out[r * plan.out_stride + c];
