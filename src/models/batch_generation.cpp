@@ -43,7 +43,7 @@ class PagedRun {
                                    " pages of " + std::to_string(page) + " positions",
                                "generate fewer prompts, or fewer new tokens, at once");
     for (int64_t l = 0; l < c.num_layers; ++l) {
-      pools_.emplace_back(std::max<int64_t>(pages, 1), page, c.num_kv_heads, c.head_dim, options.kv_dtype);
+      pools_.emplace_back(pages, page, c.num_kv_heads, c.head_dim, options.kv_dtype);
       for (size_t b = 0; b < capacities.size(); ++b) pools_.back().add_sequence();
     }
   }

@@ -79,10 +79,15 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
     throw Error(who + ": need_attention on " + std::to_string(pass.batch) + " sequences of up to " +
                 std::to_string(pass.length) + " tokens keeps " + std::to_string(c.num_layers) + " layers x " +
                 std::to_string(c.num_heads) + " heads of (N, N) weights, more than 2^31 floats: ask for fewer tokens");
-  pass.ids.assign(static_cast<size_t>(pass.batch * pass.length), 0);
-  if (types) pass.token_types.assign(pass.ids.size(), 0);
+  // A ragged batch without weights runs packed (forward_packed builds its own rows); the rest padded.
+  const bool packed = pass.ragged() && !need_attention;
+  if (!packed) {
+    pass.ids.assign(static_cast<size_t>(pass.batch * pass.length), 0);
+    if (types) pass.token_types.assign(pass.ids.size(), 0);
+  }
   for (size_t b = 0; b < input.ids.size(); ++b) {
-    std::copy(input.ids[b].begin(), input.ids[b].end(), pass.ids.begin() + static_cast<int64_t>(b) * pass.length);
+    if (!packed)
+      std::copy(input.ids[b].begin(), input.ids[b].end(), pass.ids.begin() + static_cast<int64_t>(b) * pass.length);
     if (!types) continue;
     const auto& t = input.token_type_ids[b];
     if (t.size() != input.ids[b].size())
@@ -92,9 +97,9 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
       if (type < 0 || type >= c.type_vocab_size)
         throw Error(who + ": token type " + std::to_string(type) + " is outside [0, " +
                     std::to_string(c.type_vocab_size) + ")");
-    std::copy(t.begin(), t.end(), pass.token_types.begin() + static_cast<int64_t>(b) * pass.length);
+    if (!packed) std::copy(t.begin(), t.end(), pass.token_types.begin() + static_cast<int64_t>(b) * pass.length);
   }
-  if (pass.ragged() && !need_attention) return impl_->forward_packed(input, pass);
+  if (packed) return impl_->forward_packed(input, pass);
   std::vector<nn::KVCache> caches = impl_->make_caches(pass.batch, pass.length, DType::F32);
   pass.caches = &caches;
   ModelOutput out;
@@ -109,8 +114,7 @@ ModelOutput Model::forward(const ModelInput& input, bool need_attention) const {
 // outputs are then laid out as the padded forward's, padding rows zero.
 ModelOutput Model::Impl::forward_packed(const ModelInput& input, const detail::Pass& padded) const {
   detail::Pass pass = detail::packed_pass(input.ids);
-  if (!padded.token_types.empty())
-    for (size_t b = 0; b < input.token_type_ids.size(); ++b)
+  for (size_t b = 0; b < input.token_type_ids.size(); ++b)
       pass.token_types.insert(pass.token_types.end(), input.token_type_ids[b].begin(), input.token_type_ids[b].end());
   const Tensor hidden = network->hidden_states(pass);
   const Tensor logits = config.has_lm_head() ? network->logits(hidden) : Tensor();

@@ -69,8 +69,8 @@ struct Model::Impl {
     return caches;
   }
 
-  // Model::forward of a ragged batch without weights (model.cpp); `padded` is the padded pass
-  // forward checked and built.
+  // Model::forward of a ragged batch without weights (model.cpp), its input checked; `padded`
+  // holds the padded layout's batch, length and counts (the outputs' shape), not its rows.
   ModelOutput forward_packed(const ModelInput& input, const detail::Pass& padded) const;
 
   // The logits (vocab) of the last of `tokens`, which follow `position` cached ones (batch 1).
