@@ -160,7 +160,8 @@ void forward_into(const Tensor& q, const Tensor& k, const Tensor& v, AttentionRe
                 " never materialises the weights; use Backend::Reference or Backend::Auto with need_weights");
   const Backend kernel = detail::forward_kernel(built.problem, options);
   const bool with_summaries = detail::summaries_asked(who, options);
-  // Quantized K/V's scales: decode checks each as it reads it; any other kernel needs them first.
+  // Quantized K/V's scales: decode checks each as it reads it (a bad one throws after the kernel,
+  // the result's buffers then hold garbage); any other kernel needs them checked first.
   if (kernel != Backend::Decode || with_summaries) check_scales(who, built, k, v, options);
   detail::bind_forward_outputs(built, result, options.need_weights, q, k, v);
   if (!with_summaries) {

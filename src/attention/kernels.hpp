@@ -22,8 +22,8 @@ void flash_attention(const AttentionProblem& problem);
 // Few queries against a long KV cache: keys split into chunks across threads, partials merged
 // (src/attention/decode/: decode.cpp launches, chunk-inl.h runs an item). Writes output and lse;
 // problem.weights must be nullptr. Returns false when problem.scales_unchecked and a scale of K or
-// V is not valid, or when it read none (nothing to compute): the caller then runs check_scales
-// (problem.hpp), which names the bad scale; the output is undefined after a bad one.
+// V is not valid, or when it returned before reading any (an empty q): the caller then runs
+// check_scales (problem.hpp), which names the bad scale; the outputs hold garbage after a bad one.
 bool decode_attention(const AttentionProblem& problem);
 // Auto's choice between the two fused kernels: true when decode is expected to beat flash
 // (few queries, and enough key chunks to keep every thread busy).

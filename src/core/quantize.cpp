@@ -227,7 +227,7 @@ bool scales_valid(const float* scales, int64_t count, DType dtype) {
 }
 
 void check_scale_values(const std::string& what, const std::string& scales_name, DType dtype, const Tensor& scales) {
-  // Every scale read in place (a decode step reads them once more here: no copy, no allocation).
+  // Every scale read in place (no copy, no allocation).
   // Finite and >= 0: the sign bit clear and the exponent not all ones, tested as integers so
   // the loop vectorises.
   const Tensor packed = scales.contiguous();

@@ -444,11 +444,31 @@ TEST(QuantizedKv, DecodeNamesABadScaleInAnyChunk) {
           }
         }
       }
+      // Scales in a wider buffer (rows groups + 1 apart): decode checks them row by row.
+      Tensor wide = Tensor::zeros(Shape{2, 2, keys, groups + 1});
+      Tensor view = wide.narrow(3, 0, groups);
+      for (int64_t row = 0; row < 2 * 2 * keys; ++row)
+        std::copy_n(v.scales.data() + row * groups, groups, wide.data() + row * (groups + 1));
+      const int64_t bad_at = per_batch + 4000 * groups + groups - 1;  // batch 1, head 0, key 4000
+      wide.data()[bad_at / groups * (groups + 1) + bad_at % groups] = INFINITY;
+      qkv::AttentionOptions strided = o;
+      strided.v_scales = view;
+      try {
+        (void)qkv::scaled_dot_product_attention(q, k.values, v.values, strided);
+        ADD_FAILURE() << "no error for an infinite scale in a strided view";
+      } catch (const qkv::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("at flat index " + std::to_string(bad_at)), std::string::npos) << e.what();
+      }
       qkv::AttentionOptions empty_q = o;
       Tensor nan_scale = v.scales.clone();
       nan_scale.data()[7] = std::nanf("");
       empty_q.v_scales = nan_scale;
-      EXPECT_THROW((void)qkv::scaled_dot_product_attention(q.narrow(2, 0, 0), k.values, v.values, empty_q), qkv::Error);
+      try {
+        (void)qkv::scaled_dot_product_attention(q.narrow(2, 0, 0), k.values, v.values, empty_q);
+        ADD_FAILURE() << "no error for a NaN scale under an empty q";
+      } catch (const qkv::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("v_scales has nan at flat index 7"), std::string::npos) << e.what();
+      }
     }
   }
 }

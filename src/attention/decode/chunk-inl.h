@@ -223,7 +223,8 @@ inline bool ChunkScalesValid(const AttentionProblem& p, int64_t b, int64_t g, in
 // the merge. `scratch` is this worker's block, laid out by decode::ScratchLayout. `bad_scales`
 // (p.scales_unchecked): set when the chunk's scales are not all valid, checked first, whether or
 // not the mask lets a row read them, so that every scale of the call is checked once; the tiles
-// then find them in cache. The item still runs (its output is then discarded).
+// then find them in cache. The item still runs: the call throws afterwards (dispatch.cpp), and
+// what it wrote to the outputs is garbage.
 void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b, int64_t g,
                  int64_t chunk, const decode::Partials& partials, float* HWY_RESTRICT scratch,
                  std::atomic<bool>* bad_scales) {
