@@ -886,17 +886,13 @@ class MultiHeadAttention:
             raise Error(f"make_cache: dtype must be \"f32\", \"bf16\", \"f16\", \"int8\" or \"int4\", "
                         f"got {_brief(dtype)}")
         batch, capacity = _int(batch, "make_cache: batch"), _int(capacity, "make_cache: capacity")
+        window = _int(window, "make_cache: window")
         if page_size is None:
-            return KVCache(self._core.make_cache(batch, capacity, dtype, _int(window, "make_cache: window")))
+            return KVCache(self._core.make_cache(batch, capacity, dtype, window))
         page_size = _int(page_size, "make_cache: page_size")
-        if window:
-            raise Error(f"make_cache: window={window} is a ring buffer; a paged cache (page_size={page_size}) has none")
-        if batch < 1 or capacity < 1 or page_size < 1:
-            raise Error(f"make_cache: batch ({batch}), capacity ({capacity}) and page_size ({page_size}) must be "
-                        "at least 1")
-        pages = batch * -(-capacity // page_size)
-        return KVCache(PagedKVCache(pages, page_size, self.num_kv_heads, self.head_dim, dtype), batch=batch,
-                       capacity=capacity)
+        if page_size < 1:
+            raise Error(f"make_cache: page_size must be at least 1 (None: contiguous), got {page_size}")
+        return KVCache(self._core.make_cache(batch, capacity, dtype, window, page_size))
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, attn_mask=None, need_weights=False,
                 average_attn_weights=True, is_causal=False, allow_cast=False, cache=None, counts=None,
@@ -956,12 +952,9 @@ class MultiHeadAttention:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:
                 raise Error("forward with a cache is causal self-attention: no key, value, masks or weights")
-            if isinstance(cache, KVCache) and cache.paged is not None:  # make_cache(page_size=...)
-                if sequences is not None or counts is not None:
-                    raise Error("MultiHeadAttention.forward: a paged qkv.KVCache has one sequence per batch row: no "
-                                "sequences or counts (give its .paged cache for those)")
-                with cache._lock:  # its calls take turns, as a contiguous cache's
-                    return self.forward(query, cache=cache.paged, sequences=cache.sequences, allow_cast=allow_cast)
+            if isinstance(cache, KVCache) and cache.paged is not None and counts is not None:
+                raise Error("MultiHeadAttention.forward: a paged qkv.KVCache has one sequence per batch row, each "
+                            "growing by whole rows: no sequences or counts (give its .paged cache for those)")
             if isinstance(cache, PagedKVCache):
                 if sequences is None or counts is not None:
                     raise Error("MultiHeadAttention.forward: a qkv.PagedKVCache takes sequences= (one cache sequence "
@@ -1132,33 +1125,25 @@ class KVCache:
     A forward with a cache writes it: calls on one cache from several threads take turns (its
     lock), so they never corrupt it; which thread's tokens come first is theirs to arrange."""
 
-    def __init__(self, core, batch=None, capacity=None):
-        if isinstance(core, _core.PagedKVCache) and batch is not None:  # make_cache(page_size=...)
-            self._core, self.paged, self._capacity = None, core, capacity
-            self.sequences = [core.add_sequence() for _ in range(batch)]
-        elif isinstance(core, _core.KVCache):
-            self._core, self.paged, self.sequences = core, None, None
-        else:
+    def __init__(self, core):
+        if not isinstance(core, _core.KVCache):
             raise Error(f"qkv.KVCache is made by MultiHeadAttention.make_cache, not from {_brief(core)}")
+        self._core = core
         self._lock = threading.Lock()
 
-    lengths = property(lambda self: [self.paged.length(s) for s in self.sequences] if self.paged is not None
-                       else list(self._core.lengths))
-    length = property(lambda self: max(self.lengths) if self.paged is not None else self._core.length)
-    capacity = property(lambda self: self._capacity if self.paged is not None else self._core.capacity)
-    window = property(lambda self: 0 if self.paged is not None else self._core.window)
-    dtype = property(lambda self: self.paged.dtype if self.paged is not None else self._core.dtype)
-    page_size = property(lambda self: self.paged.page_size if self.paged is not None else None)
+    lengths = property(lambda self: list(self._core.lengths))
+    length = property(lambda self: self._core.length)
+    capacity = property(lambda self: self._core.capacity)
+    window = property(lambda self: self._core.window)
+    dtype = property(lambda self: self._core.dtype)
+    page_size = property(lambda self: self._core.page_size or None)
+    paged = property(lambda self: self._core.paged)  # the qkv.PagedKVCache pool, or None
+    sequences = property(lambda self: list(self._core.sequences) if self._core.paged is not None else None)
 
     def reset(self):
         """Forget every position; the storage stays (a paged cache's pages return to its pool)."""
         with self._lock:
-            if self.paged is None:
-                self._core.reset()
-                return
-            for s in self.sequences:
-                self.paged.release(s)
-            self.sequences = [self.paged.add_sequence() for _ in self.sequences]
+            self._core.reset()
 
     def __repr__(self):
         paged = "" if self.paged is None else f", page_size={self.page_size}"

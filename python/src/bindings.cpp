@@ -747,12 +747,18 @@ does; `&` binds tighter). A union with an additive array is an error.
       })
       .def("make_cache",
            [](const qkv::nn::MultiHeadAttention& m, int64_t batch, int64_t capacity, const std::string& dtype,
-              int64_t window) { return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window); },
-           py::arg("batch"), py::arg("capacity"), py::arg("dtype") = "f32", py::arg("window") = 0)
+              int64_t window, int64_t page_size) {
+             return m.make_cache(batch, capacity, qkv::dtype_from_string(dtype), window, page_size);
+           },
+           py::arg("batch"), py::arg("capacity"), py::arg("dtype") = "f32", py::arg("window") = 0,
+           py::arg("page_size") = 0)
       .def("forward_cached",
            [](const qkv::nn::MultiHeadAttention& m, const FloatArray& x, qkv::nn::KVCache& cache,
               const std::vector<int64_t>& counts) {
              const qkv::Tensor xt = to_tensor(x);
+             // A paged cache keeps the GIL, as forward_paged does: its pool (cache.paged, reachable
+             // from Python) has no lock of its own.
+             if (cache.paged()) return to_numpy(m.forward(xt, cache, counts).output);
              qkv::Tensor out;
              {
                py::gil_scoped_release release;
@@ -783,14 +789,20 @@ does; `&` binds tighter). A union with an additive array is an error.
   py::class_<qkv::nn::KVCache>(m, "KVCache", R"doc(
 One attention layer's keys and values, (batch, kv_heads, capacity, head_dim) each, allocated once
 in dtype "f32", "bf16", "f16", "int8" or "int4" (quantized on append, qkv.quantize_kv's format);
-window > 0 makes it a ring buffer of window slots.
+window > 0 makes it a ring buffer of window slots; page_size > 0 keeps them in a PagedKVCache pool
+of batch x ceil(capacity / page_size) pages instead (paged, its sequences).
 )doc")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, const std::string& dtype,
-                       int64_t window) {
-             return qkv::nn::KVCache(batch, kv_heads, capacity, head_dim, qkv::dtype_from_string(dtype), window);
+                       int64_t window, int64_t page_size) {
+             return qkv::nn::KVCache(batch, kv_heads, capacity, head_dim, qkv::dtype_from_string(dtype), window,
+                                     page_size);
            }),
            py::arg("batch"), py::arg("kv_heads"), py::arg("capacity"), py::arg("head_dim"), py::arg("dtype") = "f32",
-           py::arg("window") = 0)
+           py::arg("window") = 0, py::arg("page_size") = 0)
+      .def_property_readonly("page_size", &qkv::nn::KVCache::page_size)
+      // The pool itself (None when contiguous), alive as long as this cache.
+      .def_property_readonly("paged", &qkv::nn::KVCache::paged, py::return_value_policy::reference_internal)
+      .def_property_readonly("sequences", &qkv::nn::KVCache::sequences)
       .def_property_readonly("length", [](const qkv::nn::KVCache& c) { return c.length(); })
       .def_property_readonly("lengths", &qkv::nn::KVCache::lengths)
       .def_property_readonly("capacity", &qkv::nn::KVCache::capacity)

@@ -239,6 +239,12 @@ def test_make_cache_with_page_size(dtype):
         x = rng.standard_normal((2, n, 32)).astype(np.float32)
         np.testing.assert_allclose(mha(x, cache=paged)[0], mha(x, cache=plain)[0], rtol=1e-5, atol=1e-5)
     assert paged.lengths == plain.lengths == [11, 11] and paged.length == 11 and paged.dtype == dtype
+    assert [paged.paged.length(s) for s in paged.sequences] == [11, 11]
+    # Each row keeps to the capacity, as a contiguous cache's, though the pool has a spare page.
+    assert paged.paged.free_pages == 2
+    with pytest.raises(qkv.Error, match="exceed the capacity 20"):
+        mha(rng.standard_normal((2, 10, 32)).astype(np.float32), cache=paged)
+    assert paged.lengths == [11, 11]
     paged.reset()
     assert paged.lengths == [0, 0] and paged.paged.free_pages == 6
     with pytest.raises(qkv.Error, match="ring buffer"):
