@@ -881,7 +881,8 @@ class MultiHeadAttention:
         values stored in dtype ("f32", "bf16", "f16", or quantized on append: "int8", "int4"); window
         > 0: a ring buffer of window slots. page_size: keep them in a pool of page_size-position
         pages instead (a qkv.PagedKVCache of batch * ceil(capacity / page_size) pages, one sequence
-        per batch row; its `paged` attribute forks and releases sequences); no window then."""
+        per batch row, `sequences[b]`; its `paged` pool forks them, and releases the forks: releasing
+        a row's own sequence breaks the cache); no window then."""
         if not isinstance(dtype, str):
             raise Error(f"make_cache: dtype must be \"f32\", \"bf16\", \"f16\", \"int8\" or \"int4\", "
                         f"got {_brief(dtype)}")
@@ -952,7 +953,7 @@ class MultiHeadAttention:
             if key is not None or value is not None or key_padding_mask is not None or attn_mask is not None \
                     or need_weights:
                 raise Error("forward with a cache is causal self-attention: no key, value, masks or weights")
-            if isinstance(cache, KVCache) and cache.paged is not None and counts is not None:
+            if isinstance(cache, KVCache) and cache.page_size is not None and counts is not None:
                 raise Error("MultiHeadAttention.forward: a paged qkv.KVCache has one sequence per batch row, each "
                             "growing by whole rows: no sequences or counts (give its .paged cache for those)")
             if isinstance(cache, PagedKVCache):
@@ -1138,7 +1139,7 @@ class KVCache:
     dtype = property(lambda self: self._core.dtype)
     page_size = property(lambda self: self._core.page_size or None)
     paged = property(lambda self: self._core.paged)  # the qkv.PagedKVCache pool, or None
-    sequences = property(lambda self: list(self._core.sequences) if self._core.paged is not None else None)
+    sequences = property(lambda self: list(self._core.sequences) if self._core.page_size else None)
 
     def reset(self):
         """Forget every position; the storage stays (a paged cache's pages return to its pool)."""
@@ -1146,7 +1147,7 @@ class KVCache:
             self._core.reset()
 
     def __repr__(self):
-        paged = "" if self.paged is None else f", page_size={self.page_size}"
+        paged = "" if self.page_size is None else f", page_size={self.page_size}"
         return f"qkv.KVCache(length={self.length}, capacity={self.capacity}, dtype={self.dtype!r}{paged})"
 
 

@@ -24,17 +24,17 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
     throw Error(std::string(kWho) + "batch (" + str(batch) + "), kv_heads (" + str(kv_heads) + "), capacity (" +
                 str(capacity) + ") and head_dim (" + str(head_dim) + ") must be at least 1");
   if (window < 0) throw Error(std::string(kWho) + "window must be >= 0 (0: no ring buffer), got " + str(window));
+  if (page_size < 0) throw Error(std::string(kWho) + "page_size must be >= 0 (0: contiguous), got " + str(page_size));
+  if (page_size > 0 && window > 0)
+    throw Error(std::string(kWho) + "window " + str(window) + " is a ring buffer; a paged cache (page_size " +
+                str(page_size) + ") has none");
   if (window > 0 && capacity != window)
     throw Error(std::string(kWho) + "a ring buffer holds exactly its window: capacity " + str(capacity) +
                 " but window " + str(window));
   if (dtype == DType::I4 && head_dim % 2 != 0)
     throw Error(std::string(kWho) + "an int4 cache packs two values a byte: head_dim " + str(head_dim) + " must be even");
   lengths_.assign(static_cast<size_t>(batch), 0);
-  if (page_size < 0) throw Error(std::string(kWho) + "page_size must be >= 0 (0: contiguous), got " + str(page_size));
   if (page_size > 0) {
-    if (window > 0)
-      throw Error(std::string(kWho) + "window " + str(window) + " is a ring buffer; a paged cache (page_size " +
-                  str(page_size) + ") has none");
     const int64_t pages_each = (capacity + page_size - 1) / page_size;
     if (pages_each > INT64_MAX / batch)
       throw Error(std::string(kWho) + str(batch) + " x " + str(pages_each) + " pages overflow");

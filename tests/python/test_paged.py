@@ -247,7 +247,7 @@ def test_make_cache_with_page_size(dtype):
     assert paged.lengths == [11, 11]
     paged.reset()
     assert paged.lengths == [0, 0] and paged.paged.free_pages == 6
-    with pytest.raises(qkv.Error, match="ring buffer"):
+    with pytest.raises(qkv.Error, match="a paged cache .page_size 8. has none"):
         mha.make_cache(2, 20, page_size=8, window=4)
     with pytest.raises(qkv.Error, match="no sequences or counts"):
         mha(x, cache=paged, counts=[1, 2])
