@@ -1130,6 +1130,9 @@ class KVCache:
         if not isinstance(core, _core.KVCache):
             raise Error(f"qkv.KVCache is made by MultiHeadAttention.make_cache, not from {_brief(core)}")
         self._core = core
+        # The pool, fetched once: each read of core.paged adds a keep-alive link (pybind11), and one
+        # object keeps its identity.
+        self._paged = core.paged
         self._lock = threading.Lock()
 
     lengths = property(lambda self: list(self._core.lengths))
@@ -1138,7 +1141,7 @@ class KVCache:
     window = property(lambda self: self._core.window)
     dtype = property(lambda self: self._core.dtype)
     page_size = property(lambda self: self._core.page_size or None)
-    paged = property(lambda self: self._core.paged)  # the qkv.PagedKVCache pool, or None
+    paged = property(lambda self: self._paged)  # the qkv.PagedKVCache pool, or None
     sequences = property(lambda self: list(self._core.sequences) if self._core.page_size else None)
 
     def reset(self):

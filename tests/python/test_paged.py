@@ -239,7 +239,7 @@ def test_make_cache_with_page_size(dtype):
         x = rng.standard_normal((2, n, 32)).astype(np.float32)
         np.testing.assert_allclose(mha(x, cache=paged)[0], mha(x, cache=plain)[0], rtol=1e-5, atol=1e-5)
     assert paged.lengths == plain.lengths == [11, 11] and paged.length == 11 and paged.dtype == dtype
-    assert [paged.paged.length(s) for s in paged.sequences] == [11, 11]
+    assert [paged.paged.length(s) for s in paged.sequences] == [11, 11] and paged.paged is paged.paged
     # Each row keeps to the capacity, as a contiguous cache's, though the pool has a spare page.
     assert paged.paged.free_pages == 2
     with pytest.raises(qkv.Error, match="exceed the capacity 20"):
