@@ -23,6 +23,8 @@
 //   sgemm     the best of the libraries qkv can call (src/gemm/gemm.hpp: OpenBLAS's cblas_sgemm and,
 //             when built in, oneDNN's dnnl_sgemm), 2048^3, median of 5
 //   memcpy    256 MiB into a pre-touched buffer, bytes read + written per second, median of 5
+//   read      256 MiB read by every thread at once, each its share, bytes read per second, the best
+//             of 5 with and without a software prefetch (read_peak.cpp): decode's bound
 // each measured before and after the workloads; ratios divide by the higher of the two.
 // Also timed: qkv's GEMM paths on the shape classes the library meets (Linear, the reference
 // kernel), each against the others, which is what choose_gemm_path's rule rests on; and the
@@ -55,6 +57,7 @@
 #include "bounds.hpp"
 #include "commands.hpp"
 #include "fma_peak.hpp"
+#include "read_peak.hpp"
 #include "gemm/gemm.hpp"
 #include "qkv/qkv.hpp"
 #include "workloads.hpp"
@@ -164,6 +167,7 @@ struct Baselines {
   double openblas_gflops = 0;
   double onednn_gflops = 0;  // 0: oneDNN not built in
   double memcpy_gbs = 0;     // bytes read + written per second
+  ReadPeak read;             // bytes read per second by every thread (read_peak.hpp)
   double sgemm_gflops() const { return std::max(openblas_gflops, onednn_gflops); }
 };
 
@@ -544,7 +548,7 @@ struct Environment {
   // a ratio smaller, never larger.
   Baselines best() const {
     return {std::max(start.openblas_gflops, end.openblas_gflops), std::max(start.onednn_gflops, end.onednn_gflops),
-            std::max(start.memcpy_gbs, end.memcpy_gbs)};
+            std::max(start.memcpy_gbs, end.memcpy_gbs), start.read.gbs >= end.read.gbs ? start.read : end.read};
   }
   double sgemm() const { return best().sgemm_gflops(); }
   std::string sgemm_library() const {
@@ -597,6 +601,9 @@ std::vector<Target> targets(const std::vector<Row>& rows, const Environment& env
                    0.85, true});
   if (const Row* row = find_row(rows, "W4", "Auto"))
     out.push_back({"W4 decode vs memcpy", "K,V GB/s / memcpy GB/s", kv_gbs(*row) / env.best().memcpy_gbs, 0.8, true});
+  // Issue 44: decode at the memory bound, K and V read at 0.85 x what the same threads read alone.
+  if (const Row* row = find_row(rows, "W4", "Auto"))
+    out.push_back({"W4 decode vs read", "K,V GB/s / read GB/s", kv_gbs(*row) / env.best().read.gbs, 0.85, true});
   if (const Row* w4 = find_row(rows, "W4", "Auto")) {
     // 16-bit K/V: half the bytes, so about half the time; int8 a quarter, int4 an eighth (plus
     // scales); paged K/V the same bytes through a block table, within 10%
@@ -698,7 +705,8 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
       "\"openblas_coretype\": {}, \"openblas_core\": {}, \"openblas_config\": {}, \"decode_built\": {}, "
       "\"fma_peak_gflops\": {}, \"fma_threads\": {}, \"fma_lanes\": {}, \"simd_target\": {}, "
       "\"sgemm_size\": {}, \"sgemm_gflops\": {}, \"sgemm_library\": {}, \"sgemm_openblas_gflops\": {}, "
-      "\"sgemm_onednn_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, "
+      "\"sgemm_onednn_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, \"read_gbs\": {}, "
+      "\"read_plain_gbs\": {}, \"read_prefetch_gbs\": {}, \"read_threads\": {}, "
       "\"sgemm_gflops_start\": {}, \"sgemm_gflops_end\": {}, \"memcpy_gbs_start\": {}, \"memcpy_gbs_end\": {}, "
       "\"warnings\": {}, \"matmul_precision\": {}}}\n",
       json_string(version()), env.omp_threads, env.openblas_threads,
@@ -706,7 +714,8 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
       env.decode.built ? "true" : "false", number(env.peak()), env.fma.threads, env.fma.lanes,
       json_string(env.fma.target), kSgemmSize, number(env.sgemm()), json_string(env.sgemm_library()),
       number(env.best().openblas_gflops), number(if_built(env.best().onednn_gflops)), kMemcpyBytes,
-      number(env.best().memcpy_gbs), number(env.start.sgemm_gflops()), number(env.end.sgemm_gflops()),
+      number(env.best().memcpy_gbs), number(env.best().read.gbs), number(env.best().read.plain_gbs),
+      number(env.best().read.prefetch_gbs), env.best().read.threads, number(env.start.sgemm_gflops()), number(env.end.sgemm_gflops()),
       number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), json_strings(env.warnings),
       json_string(std::string(to_string(env.precision))));
   for (const GemmRow& g : env.gemm) {
@@ -730,14 +739,16 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
         "\"shape\": {}, \"mask\": {}, \"batch\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"q_len\": {}, "
         "\"kv_len\": {}, \"head_dim\": {}, \"flops\": {}, \"kv_bytes\": {}, \"runs\": {}, \"first_ms\": {}, "
         "\"median_ms\": {}, \"min_ms\": {}, \"calls_per_s\": {}, \"gflops\": {}, \"gbs\": {}, "
-        "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_peak\": {}, \"vs_memcpy\": {}, \"peak_extra_mib\": {}}}\n",
+        "\"vs_reference\": {}, \"vs_sgemm\": {}, \"vs_peak\": {}, \"vs_memcpy\": {}, \"vs_read\": {}, "
+        "\"peak_extra_mib\": {}}}\n",
         json_string(row_id(row)), json_string(row.backward ? "backward" : "forward"), json_string(w.description), json_string(row.backend), json_string(row.kernel), json_string(bench::shape_string(w)),
         json_string(w.mask_expression()), w.batch, w.q_heads, w.kv_heads, w.q_len, w.kv_len, w.head_dim,
         number(row_flops(row)), number(bench::kv_bytes(w)), row.runs, number(row.first_ms),
         number(row.median_ms), number(row.min_ms), number(1e3 / row.median_ms), number(gflops(row)),
         decode ? number(kv_gbs(row)) : "null", number(row.vs_reference),
         number(gflops(row) / env.sgemm()), number(gflops(row) / env.peak()),
-        decode ? number(kv_gbs(row) / env.best().memcpy_gbs) : "null", number(row.peak_extra_mib));
+        decode ? number(kv_gbs(row) / env.best().memcpy_gbs) : "null",
+        decode ? number(kv_gbs(row) / env.best().read.gbs) : "null", number(row.peak_extra_mib));
   }
   for (const Target& target : targets(rows, env)) {
     fmt::print("{{\"kind\": \"target\", \"target\": {}, \"measure\": {}, \"value\": {}, \"limit\": {}, "
@@ -762,16 +773,17 @@ std::string short_number(double value) {
 
 void print_table(const std::vector<Row>& rows, const Environment& env) {
   fmt::print("workload    backend    kernel     runs  first ms  median ms   calls/s  GFLOP/s  x sgemm  x peak    GB/s  "
-             "x memcpy   x ref  peak MiB  shape\n");
+             "x memcpy  x read   x ref  peak MiB  shape\n");
   for (const Row& row : rows) {
     const Workload& w = *row.workload;
     const std::string gbs = w.decode ? short_number(kv_gbs(row)) : "";
     const std::string vs_memcpy = w.decode ? fixed(kv_gbs(row) / env.best().memcpy_gbs, 2) : "";
+    const std::string vs_read = w.decode ? fixed(kv_gbs(row) / env.best().read.gbs, 2) : "";
     const std::string vs_reference = row.vs_reference ? fixed(*row.vs_reference, 1) : "";
-    fmt::print("{:<10}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>6}  {:>8}  {:>6}  {:>8}  {}{}\n",
+    fmt::print("{:<10}  {:<9}  {:<9}  {:>4}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>6}  {:>6}  {:>8}  {:>6}  {:>6}  {:>8}  {}{}\n",
                row_id(row), row.backend, row.kernel, row.runs, short_number(row.first_ms), short_number(row.median_ms),
                short_number(1e3 / row.median_ms), short_number(gflops(row)),
-               fixed(gflops(row) / env.sgemm(), 2), fixed(gflops(row) / env.peak(), 2), gbs, vs_memcpy, vs_reference,
+               fixed(gflops(row) / env.sgemm(), 2), fixed(gflops(row) / env.peak(), 2), gbs, vs_memcpy, vs_read, vs_reference,
                fixed(row.peak_extra_mib, 1), bench::shape_string(w), w.is_sparse() ? " " + w.mask_expression() : (w.causal ? " causal" : ""));
   }
 }
@@ -788,9 +800,14 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
   fmt::print("  sgemm {}^3: {:.1f} GFLOP/s from {} (OpenBLAS {:.1f}, oneDNN {}) = {:.2f} x the FMA peak\n",
              kSgemmSize, env.sgemm(), env.sgemm_library(), env.best().openblas_gflops, onednn, env.sgemm() / env.peak());
   fmt::print("  memcpy {} MiB: {:.1f} GB/s (read + written)\n", kMemcpyBytes >> 20, env.best().memcpy_gbs);
-  fmt::print("  measured before and after the workloads: sgemm {:.1f} / {:.1f} GFLOP/s, memcpy {:.1f} / {:.1f} GB/s;\n"
+  fmt::print("  read {} MiB: {:.1f} GB/s ({} threads, each its share; loads alone {:.1f}, with a prefetch {:.1f})\n",
+             kMemcpyBytes >> 20, env.best().read.gbs, env.best().read.threads, env.best().read.plain_gbs,
+             env.best().read.prefetch_gbs);
+  fmt::print("  measured before and after the workloads: sgemm {:.1f} / {:.1f} GFLOP/s, memcpy {:.1f} / {:.1f} GB/s, "
+             "read {:.1f} / {:.1f} GB/s;\n"
              "  the ratios divide by the higher (a wide spread means a loaded machine)\n",
-             env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs);
+             env.start.sgemm_gflops(), env.end.sgemm_gflops(), env.start.memcpy_gbs, env.end.memcpy_gbs,
+             env.start.read.gbs, env.end.read.gbs);
   for (const std::string& warning : env.warnings) fmt::print("WARNING: {}\n", warning);
   if (env.precision != MatmulPrecision::Highest)
     fmt::print("Matmul precision of the attention workloads: {} ({}); Decode, Reference and the modules' "
@@ -823,13 +840,13 @@ void print_text(const std::vector<Row>& rows, const Environment& env) {
   }
   fmt::print("first = release_workspaces() + a fresh result; median = steady state, same result reused (_into)\n");
   fmt::print("x ref = Reference ms / this ms; x sgemm = GFLOP/s / best sgemm; x peak = GFLOP/s / FMA peak;\n"
-             "GB/s and x memcpy: K and V bytes read\n");
+             "GB/s, x memcpy and x read: K and V bytes read\n");
   fmt::print("-bwd = scaled_dot_product_attention_backward (steady state: into the same gradients), FLOPs = 2.5 x forward\n\n");
   print_table(rows, env);
 
   const std::vector<Target> measured = targets(rows, env);
   if (!measured.empty()) {
-    fmt::print("\nTargets (issues 3, 4, 9, 10, 11 and 15), from this run{}:\n",
+    fmt::print("\nTargets (issues 3, 4, 9, 10, 11, 15 and 44), from this run{}:\n",
                env.precision == MatmulPrecision::Highest
                    ? ""
                    : fmt::format(" at matmul precision {} (the issues set them at highest)", to_string(env.precision)));
@@ -891,6 +908,8 @@ void run_bench(const BenchOptions& options) {
       if (path == GemmPath::OpenBlas) let_openblas_threads_sleep();
     }
     out.memcpy_gbs = measure_memcpy(kMemcpyBytes, progress);
+    progress.show("baseline", "read", "runs");
+    out.read = measure_read_peak(kMemcpyBytes, kBaselineRuns);
     return out;
   };
   progress.show("baseline", "FMA peak", "runs");
