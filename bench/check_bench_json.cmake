@@ -11,7 +11,7 @@ endif()
 
 set(environment_keys qkv_version omp_threads openblas_threads openblas_coretype openblas_core decode_built
   fma_peak_gflops fma_lanes simd_target sgemm_gflops sgemm_library sgemm_openblas_gflops sgemm_onednn_gflops
-  memcpy_gbs read_gbs read_plain_gbs read_prefetch_gbs read_threads warnings)
+  memcpy_gbs read_gbs read_plain_gbs read_prefetch_gbs read_threads read_gbs_start read_gbs_end warnings)
 set(gemm_keys class trans_a trans_b m n k gflops chosen chosen_gflops vs_best_path vs_sgemm vs_peak)
 set(workload_keys workload backend kernel shape mask runs first_ms median_ms min_ms calls_per_s gflops gbs
   vs_reference vs_sgemm vs_peak vs_memcpy vs_read peak_extra_mib)

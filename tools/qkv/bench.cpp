@@ -708,6 +708,7 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
       "\"sgemm_onednn_gflops\": {}, \"memcpy_bytes\": {}, \"memcpy_gbs\": {}, \"read_gbs\": {}, "
       "\"read_plain_gbs\": {}, \"read_prefetch_gbs\": {}, \"read_threads\": {}, "
       "\"sgemm_gflops_start\": {}, \"sgemm_gflops_end\": {}, \"memcpy_gbs_start\": {}, \"memcpy_gbs_end\": {}, "
+      "\"read_gbs_start\": {}, \"read_gbs_end\": {}, "
       "\"warnings\": {}, \"matmul_precision\": {}}}\n",
       json_string(version()), env.omp_threads, env.openblas_threads,
       env.coretype.empty() ? "null" : json_string(env.coretype), json_string(env.openblas_core), json_string(env.openblas_config),
@@ -716,7 +717,8 @@ void print_json(const std::vector<Row>& rows, const Environment& env) {
       number(env.best().openblas_gflops), number(if_built(env.best().onednn_gflops)), kMemcpyBytes,
       number(env.best().memcpy_gbs), number(env.best().read.gbs), number(env.best().read.plain_gbs),
       number(env.best().read.prefetch_gbs), env.best().read.threads, number(env.start.sgemm_gflops()), number(env.end.sgemm_gflops()),
-      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), json_strings(env.warnings),
+      number(env.start.memcpy_gbs), number(env.end.memcpy_gbs), number(env.start.read.gbs), number(env.end.read.gbs),
+      json_strings(env.warnings),
       json_string(std::string(to_string(env.precision))));
   for (const GemmRow& g : env.gemm) {
     std::string rates;

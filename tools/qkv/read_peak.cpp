@@ -34,16 +34,21 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Sums floats [begin, begin + count), count a multiple of ReadBlock(), `begin` vector-aligned;
-// with `prefetch`, each block's line kReadPrefetchBytes ahead is requested into L2 first (past
-// the end too: a prefetch never faults). Returns the sum, which the caller keeps.
+// with `prefetch`, the lines kReadPrefetchBytes past each block are requested into L2 first
+// (past the end too: a prefetch never faults; the address is an integer, never a pointer past
+// the buffer). Returns the sum, which the caller keeps.
 float ReadSum(const float* HWY_RESTRICT begin, size_t count, bool prefetch) {
   const hn::ScalableTag<float> df;
   const size_t lanes = hn::Lanes(df);
   hn::Vec<decltype(df)> sum[kReadSums];
   for (size_t s = 0; s < kReadSums; ++s) sum[s] = hn::Zero(df);
-  constexpr size_t kAhead = kReadPrefetchBytes / sizeof(float);
+  const size_t block_bytes = kReadSums * lanes * sizeof(float);
   for (size_t i = 0; i < count; i += kReadSums * lanes) {
-    if (prefetch) __builtin_prefetch(begin + i + kAhead, 0, 2);
+    if (prefetch) {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(begin + i) + kReadPrefetchBytes;
+      for (uintptr_t line = ahead; line < ahead + block_bytes; line += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+    }
     for (size_t s = 0; s < kReadSums; ++s) sum[s] = hn::Add(sum[s], hn::Load(df, begin + i + s * lanes));
   }
   for (size_t s = 1; s < kReadSums; ++s) sum[0] = hn::Add(sum[0], sum[s]);

@@ -13,10 +13,10 @@ struct ReadPeak {
   int threads = 0;          // OpenMP threads that read
 };
 
-// Every OpenMP thread sums its contiguous share of a `bytes` buffer of floats (allocated as
-// qkv::Tensor, so in huge pages where K and V are, and written first, so every page is mapped)
-// with vector loads on the best SIMD target, in two forms: plain, and with a software prefetch
-// into L2 ahead of the loads, as decode prefetches K and V (src/attention/decode/tiles-inl.h).
+// Every OpenMP thread sums its contiguous share of a `bytes` buffer of floats (a qkv::Tensor, as
+// W4's K and V are, written first so that every page is mapped) with vector loads on the best
+// SIMD target, in two forms: plain, and with every line prefetched into L2 ahead of the loads,
+// as decode prefetches K and V (src/attention/decode/tiles-inl.h).
 // Each form's rate is the best of `repeats` passes, timed from before the threads start to after
 // the last ends; `gbs` is the better form's.
 ReadPeak measure_read_peak(size_t bytes, int repeats);
