@@ -375,6 +375,12 @@ def parent(args):
         print(f"probe_python: CRASH (exit {result.returncode}) in {last_line(log)} (seed {args.seed})\n"
               f"{result.stderr[-4000:]}")
         return 1
+    # The child's last line is its tally; without it the child stopped outside the calls (an
+    # uncaught exception, e.g. qkv failing to import): its stderr says why, and no call counts.
+    if " passed, " not in result.stdout:
+        print(f"probe_python: FAIL: the child stopped before its tally (exit {result.returncode}), "
+              f"last: {last_line(log)}\n{result.stderr[-4000:]}")
+        return 1
     print(f"probe_python: {args.calls} calls, seed {args.seed}, size {args.size}, "
           f"{time.monotonic() - start:.1f} s")
     if os.path.exists(log):
