@@ -108,6 +108,12 @@ bool quantize_row(DType dtype, const float* x, int64_t dim, uint8_t* values, flo
   }
   return true;
 }
+double kv_row_bytes(DType dtype, int64_t dim) {
+  const double d = static_cast<double>(dim);
+  if (!is_quantized(dtype)) return d * static_cast<double>(element_size(dtype));
+  return (dtype == DType::I4 ? d / 2 : d) + 4.0 * static_cast<double>(quantized_groups(dtype, dim));
+}
+
 }  // namespace detail
 
 int64_t quantized_groups(DType dtype, int64_t dim) {

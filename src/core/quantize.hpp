@@ -32,4 +32,8 @@ bool quantize_row(DType dtype, const float* x, int64_t dim, uint8_t* values, flo
 // out[0, dim) = the row `values` (I8: dim bytes, I4: dim / 2 bytes) times its `scales`.
 void dequantize_row(DType dtype, const uint8_t* values, const float* scales, int64_t dim, float* out);
 
+// The bytes a cache holds for one K (or V) row of `dim` values in `dtype`, its scales included,
+// in a double: what memory checks multiply by rows and heads without an overflow.
+double kv_row_bytes(DType dtype, int64_t dim);
+
 }  // namespace qkv::detail

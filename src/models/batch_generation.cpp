@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/allocator.hpp"  // check_request
+#include "core/quantize.hpp"  // kv_row_bytes
 #include "models/model_impl.hpp"
 #include "qkv/paged_cache.hpp"
 #include "qkv/quantize.hpp"
@@ -32,11 +33,9 @@ class PagedRun {
     pages = std::max<int64_t>(pages, 1);
     // A position's K and V in every layer, with the scales of a quantized pool.
     const DType dtype = options.kv_dtype;
-    const int64_t row_bytes = is_quantized(dtype) ? (dtype == DType::I4 ? c.head_dim / 2 : c.head_dim) +
-                                                        4 * quantized_groups(dtype, c.head_dim)
-                                                  : c.head_dim * static_cast<int64_t>(element_size(dtype));
     const double bytes = 2.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.num_kv_heads) *
-                         static_cast<double>(row_bytes) * static_cast<double>(pages) * static_cast<double>(page);
+                         qkv::detail::kv_row_bytes(dtype, c.head_dim) * static_cast<double>(pages) *
+                         static_cast<double>(page);
     const int64_t needed = bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62;
     qkv::detail::check_request(who, std::to_string(capacities.size()) + " sequences", needed,
                                std::to_string(c.num_layers) + " layers' K/V pools of " + std::to_string(pages) +

@@ -8,8 +8,9 @@
 #include <cstring>
 #include <string>
 
+#include "core/allocator.hpp"  // check_request
 #include "core/huge_pages.hpp"
-#include "core/quantize.hpp"  // quantize_row
+#include "core/quantize.hpp"  // quantize_row, kv_row_bytes
 #include "qkv/error.hpp"
 
 namespace qkv::nn {
@@ -26,6 +27,20 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
          ") and head_dim (" + str(head_dim) + ") must be at least 1");
   if (dtype == DType::I4 && head_dim % 2 != 0)
     fail("an int4 pool packs two values a byte: head_dim " + str(head_dim) + " must be even");
+  // The pools, their scales and a use count and free-list slot a page, against the memory there
+  // is, before any is allocated: each tensor's own check alone let 2^32 one-float pages through
+  // (16 GiB a pool) into the memset and the bookkeeping.
+  const double bytes = static_cast<double>(num_pages) *
+                       (2.0 * static_cast<double>(page_size) * static_cast<double>(kv_heads) *
+                            detail::kv_row_bytes(dtype, head_dim) +
+                        16.0);
+  detail::check_request(kWho,
+                        str(num_pages) + " pages of " + str(page_size) + " positions, kv_heads " + str(kv_heads) +
+                            ", head_dim " + str(head_dim) + " (" + std::string(to_string(dtype)) + ")",
+                        bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62,
+                        std::string("the K and V pools") + (is_quantized(dtype) ? " with their scales" : "") +
+                            " and a page's bookkeeping",
+                        "fewer or smaller pages");
   const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
   if (is_quantized(dtype))
     for (Tensor* scales : {&key_scales_, &value_scales_})
