@@ -63,6 +63,8 @@ std::string human_bytes(int64_t bytes) {
   return text;
 }
 
+int64_t physical_memory() { return physical_bytes(); }
+
 int64_t bytes_available() {
   const int64_t limit = limit_bytes.load();
   return limit > 0 ? std::max<int64_t>(0, limit - current_bytes.load()) : physical_bytes();

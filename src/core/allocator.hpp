@@ -18,6 +18,10 @@ float* allocate_floats(size_t count);
 // physical memory (one request can never use more).
 int64_t bytes_available();
 
+// The machine's physical memory: the bound for what the limit does not count (std::vectors of
+// ids and bookkeeping), which no request can exceed either.
+int64_t physical_memory();
+
 // Before a call allocates its results: `needed` bytes (the sum of the parts, described in
 // `parts`, e.g. "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB") against
 // bytes_available(); throws qkv::Error "<who>: <shapes> need <bytes> ...; <advice>" if over.

@@ -8,6 +8,7 @@
 #include "core/quantize.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
+#include "qkv/memory.hpp"  // memory_limit
 #include "qkv/paged_cache.hpp"
 
 namespace qkv::nn {
@@ -36,15 +37,18 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
     throw Error(std::string(kWho) + "an int4 cache packs two values a byte: head_dim " + str(head_dim) + " must be even");
   // The whole request against the memory there is, before anything is allocated: the lengths
   // (one per sequence) come first, and a batch of 2^31 made 16 GiB of them before the tensors'
-  // own check refused the terabytes of K/V. Counted in doubles: no product can overflow.
+  // own check refused the terabytes of K/V. Counted in doubles: no product can overflow. A
+  // memory limit counts tensor storage only (qkv/memory.hpp), so the bookkeeping is added only
+  // without one, against the machine's memory.
   const int64_t pages_each = page_size > 0 ? capacity / page_size + (capacity % page_size != 0 ? 1 : 0) : 0;
   const double positions = page_size > 0 ? static_cast<double>(pages_each) * static_cast<double>(page_size)
                                          : static_cast<double>(capacity);
   const double row_bytes = detail::kv_row_bytes(dtype, head_dim);
   // Per sequence: its length, or its id and page list; per page: a use count and a free-list slot.
-  const double bytes = 2.0 * static_cast<double>(batch) * static_cast<double>(kv_heads) * positions * row_bytes +
-                       64.0 * static_cast<double>(batch) +
-                       16.0 * static_cast<double>(batch) * static_cast<double>(pages_each);
+  const double bookkeeping = qkv::memory_limit() > 0 ? 0.0
+                                                    : 64.0 * static_cast<double>(batch) +
+                                                          16.0 * static_cast<double>(batch) * static_cast<double>(pages_each);
+  const double bytes = 2.0 * static_cast<double>(batch) * static_cast<double>(kv_heads) * positions * row_bytes + bookkeeping;
   detail::check_request(kWho,
                         "batch " + str(batch) + ", kv_heads " + str(kv_heads) + ", capacity " + str(capacity) +
                             ", head_dim " + str(head_dim) + " (" + std::string(to_string(dtype)) + ")",

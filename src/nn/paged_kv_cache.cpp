@@ -12,6 +12,7 @@
 #include "core/huge_pages.hpp"
 #include "core/quantize.hpp"  // quantize_row, kv_row_bytes
 #include "qkv/error.hpp"
+#include "qkv/memory.hpp"  // memory_limit
 
 namespace qkv::nn {
 namespace {
@@ -29,11 +30,12 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
     fail("an int4 pool packs two values a byte: head_dim " + str(head_dim) + " must be even");
   // The pools, their scales and a use count and free-list slot a page, against the memory there
   // is, before any is allocated: each tensor's own check alone let 2^32 one-float pages through
-  // (16 GiB a pool) into the memset and the bookkeeping.
+  // (16 GiB a pool) into the memset and the bookkeeping. A memory limit counts tensor storage
+  // only (qkv/memory.hpp), so the bookkeeping is added only without one.
   const double bytes = static_cast<double>(num_pages) *
                        (2.0 * static_cast<double>(page_size) * static_cast<double>(kv_heads) *
                             detail::kv_row_bytes(dtype, head_dim) +
-                        16.0);
+                        (qkv::memory_limit() > 0 ? 0.0 : 16.0));
   detail::check_request(kWho,
                         str(num_pages) + " pages of " + str(page_size) + " positions, kv_heads " + str(kv_heads) +
                             ", head_dim " + str(head_dim) + " (" + std::string(to_string(dtype)) + ")",

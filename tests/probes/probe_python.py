@@ -16,6 +16,7 @@ linear_attention with no keys are drawn too: each was a defect this probe's firs
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -377,7 +378,8 @@ def parent(args):
         return 1
     # The child's last line is its tally; without it the child stopped outside the calls (an
     # uncaught exception, e.g. qkv failing to import): its stderr says why, and no call counts.
-    if " passed, " not in result.stdout:
+    lines = result.stdout.rstrip().splitlines()
+    if not lines or not re.fullmatch(r"\d+ passed, \d+ failed", lines[-1]):
         print(f"probe_python: FAIL: the child stopped before its tally (exit {result.returncode}), "
               f"last: {last_line(log)}\n{result.stderr[-4000:]}")
         return 1

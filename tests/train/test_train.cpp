@@ -635,6 +635,14 @@ TEST(Tasks, SequencesAreWhatTheyClaim) {
   // Deterministic in the seed.
   EXPECT_EQ(qkv::train::make_batch(recall, 20, 5).ids, b.ids);
   EXPECT_NE(qkv::train::make_batch(recall, 20, 6).ids, b.ids);
+  // A batch it cannot hold is a qkv::Error before any vector grows (it was std::length_error
+  // for a negative one and bad_alloc, or an overflowed size, for a huge one).
+  EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, 0, 5); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("make_batch: batch must be at least 1, got 0")));
+  EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, -3, 5); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("got -3")));
+  EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, int64_t{1} << 60, 5); },
+              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("make_batch: batch 1152921504606846976 of length 17 needs")));
 
   const qkv::train::TaskOptions reverse{.task = Task::Reverse, .symbols = 5, .length = 4};
   const qkv::train::Batch r = qkv::train::make_batch(reverse, 1, 1);
