@@ -18,8 +18,8 @@ add_test(NAME probe_cli COMMAND ${QKV_PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/probe
   --qkv $<TARGET_FILE:qkv_cli> --work ${probe_dir}/cli --runs 150 --seed 1 --timeout 60)
 set_tests_properties(probe_model_files probe_cli PROPERTIES LABELS probe TIMEOUT 600
   PASS_REGULAR_EXPRESSION " 0 failures" FAIL_REGULAR_EXPRESSION "FAIL ")
-# COST: the two longest tests of the ASan + UBSan lane (about 160 and 100 s in CI on two cores)
-# start first under `ctest -j` rather than last, when a clean checkout has no timing history.
+# COST (seconds, roughly, under ASan + UBSan): the ASan lane's two longest tests start first under
+# `ctest -j` rather than in declaration order, since a clean checkout has no timing history.
 set_tests_properties(probe_model_files PROPERTIES COST 160)
 set_tests_properties(probe_cli PROPERTIES COST 100)
 

@@ -72,8 +72,7 @@ set_tests_properties(serve_probe PROPERTIES ENVIRONMENT "${serve_env}" TIMEOUT 1
 # The load test measures memory and speed, and the connection tests time requests: alone, not
 # beside the rest of the suite.
 set_tests_properties(serve_load serve_connections PROPERTIES RUN_SERIAL TRUE)
-# COST: `ctest -j` starts the costliest tests first. A clean checkout has no timing history, so
-# without it these would start in the order they are declared and finish after the rest (in
-# seconds under ASan + UBSan, the slower lane, in CI on two cores).
+# COST (seconds, roughly, under ASan + UBSan): `ctest -j` starts the costliest tests first; a
+# clean checkout has no timing history, so without it these start in declaration order.
 set_tests_properties(serve_http PROPERTIES COST 75)
 set_tests_properties(serve_browser PROPERTIES COST 70)
