@@ -63,27 +63,47 @@ std::string human_bytes(int64_t bytes) {
   return text;
 }
 
-int64_t physical_memory() { return physical_bytes(); }
-
 int64_t bytes_available() {
   const int64_t limit = limit_bytes.load();
   return limit > 0 ? std::max<int64_t>(0, limit - current_bytes.load()) : physical_bytes();
 }
 
-void check_request(const char* who, const std::string& shapes, int64_t needed, const std::string& parts,
+namespace {
+// A need as bytes: exact below 2^62, where every caller's sizes are exact, and in floating
+// point above it, so that a refusal never prints a cap in place of the need.
+std::string bytes_text(double bytes) {
+  if (bytes < 0x1p62) return std::to_string(static_cast<int64_t>(bytes)) + " bytes (" +
+                             human_bytes(static_cast<int64_t>(bytes));
+  char text[64];
+  std::snprintf(text, sizeof text, "%.3e bytes (%.3e GiB", bytes, bytes / 0x1p30);
+  return text;
+}
+}  // namespace
+
+void check_request(const char* who, const std::string& shapes, RequestBytes bytes, const std::string& parts,
                    const std::string& advice) {
-  const int64_t available = bytes_available();
-  if (needed <= available) return;
   const int64_t limit = limit_bytes.load();
+  const int64_t available = bytes_available();
+  const bool over_limit = limit > 0 && bytes.counted > static_cast<double>(available);
+  const double whole = bytes.counted + bytes.uncounted;
+  if (!over_limit && whole <= static_cast<double>(physical_bytes())) return;
   std::string prefix(who);  // "scaled_dot_product_attention: " or a bare name
   if (prefix.size() < 2 || prefix.compare(prefix.size() - 2, 2, ": ") != 0) prefix += ": ";
-  throw Error(prefix + shapes + " need " + std::to_string(needed) + " bytes (" +
-              human_bytes(needed) + ": " + parts + ") but " +
-              (limit > 0 ? "the memory limit leaves " + std::to_string(available) + " bytes (limit " +
-                               std::to_string(limit) + ", qkv holds " + std::to_string(current_bytes.load()) + ")"
-                         : "the machine has " + std::to_string(available) + " bytes (" + human_bytes(available) +
-                               ") of physical memory") +
+  // The limit counts tensors only: its refusal names their bytes; the machine's names the whole.
+  const std::string need = over_limit ? bytes_text(bytes.counted) + ": " + parts +
+                                            (bytes.uncounted > 0 ? ", the tensors alone" : "") + ")"
+                                      : bytes_text(whole) + ": " + parts + ")";
+  throw Error(prefix + shapes + " need " + need + " but " +
+              (over_limit ? "the memory limit leaves " + std::to_string(available) + " bytes (limit " +
+                                std::to_string(limit) + ", qkv holds " + std::to_string(current_bytes.load()) + ")"
+                          : "the machine has " + std::to_string(physical_bytes()) + " bytes (" +
+                                human_bytes(physical_bytes()) + ") of physical memory") +
               (advice.empty() ? "" : "; " + advice));
+}
+
+void check_request(const char* who, const std::string& shapes, int64_t needed, const std::string& parts,
+                   const std::string& advice) {
+  check_request(who, shapes, RequestBytes{static_cast<double>(needed), 0.0}, parts, advice);
 }
 
 float* allocate_floats(size_t count) {

@@ -18,13 +18,21 @@ float* allocate_floats(size_t count);
 // physical memory (one request can never use more).
 int64_t bytes_available();
 
-// The machine's physical memory: the bound for what the limit does not count (std::vectors of
-// ids and bookkeeping), which no request can exceed either.
-int64_t physical_memory();
+// A request's bytes, in doubles so that no product of sizes can overflow. `counted` is tensor
+// storage, which the memory limit counts; `uncounted` is what it does not (std::vectors of
+// lengths, ids, page lists), which with the tensors must still fit in physical memory.
+struct RequestBytes {
+  double counted = 0;
+  double uncounted = 0;
+};
 
-// Before a call allocates its results: `needed` bytes (the sum of the parts, described in
-// `parts`, e.g. "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB") against
-// bytes_available(); throws qkv::Error "<who>: <shapes> need <bytes> ...; <advice>" if over.
+// Before a call allocates anything: `bytes` (the sum of the parts, described in `parts`, e.g.
+// "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB") against
+// bytes_available() for the counted part and physical memory for the whole; throws qkv::Error
+// "<who>: <shapes> need <bytes> ...; <advice>" naming whichever bound refused.
+void check_request(const char* who, const std::string& shapes, RequestBytes bytes, const std::string& parts,
+                   const std::string& advice);
+// The same for tensors alone.
 void check_request(const char* who, const std::string& shapes, int64_t needed, const std::string& parts,
                    const std::string& advice);
 

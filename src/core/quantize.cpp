@@ -108,6 +108,7 @@ bool quantize_row(DType dtype, const float* x, int64_t dim, uint8_t* values, flo
   }
   return true;
 }
+
 double kv_row_bytes(DType dtype, int64_t dim) {
   const double d = static_cast<double>(dim);
   if (!is_quantized(dtype)) return d * static_cast<double>(element_size(dtype));

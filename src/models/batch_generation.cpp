@@ -36,8 +36,7 @@ class PagedRun {
     const double bytes = 2.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.num_kv_heads) *
                          qkv::detail::kv_row_bytes(dtype, c.head_dim) * static_cast<double>(pages) *
                          static_cast<double>(page);
-    const int64_t needed = bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62;
-    qkv::detail::check_request(who, std::to_string(capacities.size()) + " sequences", needed,
+    qkv::detail::check_request(who, std::to_string(capacities.size()) + " sequences", {bytes, 0.0},
                                std::to_string(c.num_layers) + " layers' K/V pools of " + std::to_string(pages) +
                                    " pages of " + std::to_string(page) + " positions",
                                "generate fewer prompts, or fewer new tokens, at once");

@@ -37,27 +37,24 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
     throw Error(std::string(kWho) + "an int4 cache packs two values a byte: head_dim " + str(head_dim) + " must be even");
   // The whole request against the memory there is, before anything is allocated: the lengths
   // (one per sequence) come first, and a batch of 2^31 made 16 GiB of them before the tensors'
-  // own check refused the terabytes of K/V. Counted in doubles: no product can overflow. A
-  // memory limit counts tensor storage only (qkv/memory.hpp), so the bookkeeping is added only
-  // without one, against the machine's memory.
+  // own check refused the terabytes of K/V.
   const int64_t pages_each = page_size > 0 ? capacity / page_size + (capacity % page_size != 0 ? 1 : 0) : 0;
   const double positions = page_size > 0 ? static_cast<double>(pages_each) * static_cast<double>(page_size)
                                          : static_cast<double>(capacity);
   const double row_bytes = detail::kv_row_bytes(dtype, head_dim);
   // Per sequence: its length, or its id and page list; per page: a use count and a free-list slot.
-  const double bookkeeping = qkv::memory_limit() > 0 ? 0.0
-                                                    : 64.0 * static_cast<double>(batch) +
-                                                          16.0 * static_cast<double>(batch) * static_cast<double>(pages_each);
-  const double bytes = 2.0 * static_cast<double>(batch) * static_cast<double>(kv_heads) * positions * row_bytes + bookkeeping;
+  const double bookkeeping = 64.0 * static_cast<double>(batch) +
+                             16.0 * static_cast<double>(batch) * static_cast<double>(pages_each);
   detail::check_request(kWho,
                         "batch " + str(batch) + ", kv_heads " + str(kv_heads) + ", capacity " + str(capacity) +
                             ", head_dim " + str(head_dim) + " (" + std::string(to_string(dtype)) + ")",
-                        bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62,
+                        {2.0 * static_cast<double>(batch) * static_cast<double>(kv_heads) * positions * row_bytes,
+                         bookkeeping},
                         std::string("K and V") + (is_quantized(dtype) ? " with their scales" : "") +
                             (page_size > 0 ? " in " + str(pages_each) + " pages of " + str(page_size) + " a sequence" : "") +
                             ", and the bookkeeping",
                         "a smaller batch or capacity");
-  lengths_.assign(static_cast<size_t>(batch), 0);
+  if (page_size == 0) lengths_.assign(static_cast<size_t>(batch), 0);
   if (page_size > 0) {
     if (pages_each > INT64_MAX / batch)
       throw Error(std::string(kWho) + str(batch) + " x " + str(pages_each) + " pages overflow");

@@ -30,16 +30,14 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
     fail("an int4 pool packs two values a byte: head_dim " + str(head_dim) + " must be even");
   // The pools, their scales and a use count and free-list slot a page, against the memory there
   // is, before any is allocated: each tensor's own check alone let 2^32 one-float pages through
-  // (16 GiB a pool) into the memset and the bookkeeping. A memory limit counts tensor storage
-  // only (qkv/memory.hpp), so the bookkeeping is added only without one.
-  const double bytes = static_cast<double>(num_pages) *
-                       (2.0 * static_cast<double>(page_size) * static_cast<double>(kv_heads) *
-                            detail::kv_row_bytes(dtype, head_dim) +
-                        (qkv::memory_limit() > 0 ? 0.0 : 16.0));
+  // (16 GiB a pool) into the memset and the bookkeeping.
+  const double pages = static_cast<double>(num_pages);
   detail::check_request(kWho,
                         str(num_pages) + " pages of " + str(page_size) + " positions, kv_heads " + str(kv_heads) +
                             ", head_dim " + str(head_dim) + " (" + std::string(to_string(dtype)) + ")",
-                        bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62,
+                        {pages * 2.0 * static_cast<double>(page_size) * static_cast<double>(kv_heads) *
+                             detail::kv_row_bytes(dtype, head_dim),
+                         pages * 16.0},
                         std::string("the K and V pools") + (is_quantized(dtype) ? " with their scales" : "") +
                             " and a page's bookkeeping",
                         "fewer or smaller pages");

@@ -6,7 +6,7 @@
 #include <numbers>
 
 #include "qkv/train.hpp"
-#include "core/allocator.hpp"  // physical_memory
+#include "core/allocator.hpp"  // check_request
 #include "core/random.hpp"
 #include "train/tasks.hpp"
 
@@ -112,15 +112,11 @@ std::string token_text(const TaskOptions& task, int64_t id) {
 Batch make_batch(const TaskOptions& task, int64_t batch, uint64_t seed) {
   check_task(task);
   const int64_t length = sequence_length(task);
-  // The ids and targets are std::vectors the memory limit does not count: bounded by the
-  // machine's memory, in doubles so that no product overflows.
   if (batch < 1) throw Error("make_batch: batch must be at least 1, got " + std::to_string(batch));
-  const double bytes = 2.0 * sizeof(int64_t) * static_cast<double>(batch) * static_cast<double>(length);
-  if (bytes > static_cast<double>(detail::physical_memory()))
-    throw Error("make_batch: batch " + std::to_string(batch) + " of length " + std::to_string(length) + " needs " +
-                detail::human_bytes(bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62) +
-                " of token ids and targets, more than the machine's " +
-                detail::human_bytes(detail::physical_memory()) + " of physical memory");
+  // The ids and targets: std::vectors, which the memory limit does not count.
+  detail::check_request("make_batch", "batch " + std::to_string(batch) + " of length " + std::to_string(length),
+                        {0.0, 2.0 * sizeof(int64_t) * static_cast<double>(batch) * static_cast<double>(length)},
+                        "token ids and targets", "a smaller batch");
   Batch b;
   b.batch = batch;
   b.length = length;

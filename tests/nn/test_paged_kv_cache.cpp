@@ -323,7 +323,7 @@ TEST(KVCache, RefusesWhatMemoryCannotHoldBeforeAllocating) {
     ~NoLimitAfter() { qkv::set_memory_limit(0); }
   } no_limit_after;
   qkv::set_memory_limit(held + 8191);
-  qkv_test::expect_error([] { qkv::nn::KVCache(1, 2, 64, 8); }, {"need 8192 bytes", "the memory limit leaves"});
+  qkv_test::expect_error([] { qkv::nn::KVCache(1, 2, 64, 8); }, {"need 8192 bytes (8192 bytes: K and V, and the bookkeeping, the tensors alone)", "the memory limit leaves"});
   qkv::set_memory_limit(held + 8192);
   EXPECT_NO_THROW(qkv::nn::KVCache(1, 2, 64, 8));
 }

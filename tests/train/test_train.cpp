@@ -641,8 +641,21 @@ TEST(Tasks, SequencesAreWhatTheyClaim) {
               ::testing::ThrowsMessage<qkv::Error>(HasSubstr("make_batch: batch must be at least 1, got 0")));
   EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, -3, 5); },
               ::testing::ThrowsMessage<qkv::Error>(HasSubstr("got -3")));
+  // 2 x 8 x 2^60 x 17 bytes, past 2^62: printed as the need itself, not a cap.
   EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, int64_t{1} << 60, 5); },
-              ::testing::ThrowsMessage<qkv::Error>(HasSubstr("make_batch: batch 1152921504606846976 of length 17 needs")));
+              ::testing::ThrowsMessage<qkv::Error>(::testing::AllOf(
+                  HasSubstr("make_batch: batch 1152921504606846976 of length 17 need 3.136e+20 bytes"),
+                  HasSubstr("physical memory"))));
+  // The vectors are not tensors: a memory limit neither counts them nor lifts the machine's bound.
+  {
+    struct NoLimitAfter {
+      ~NoLimitAfter() { qkv::set_memory_limit(0); }
+    } no_limit_after;
+    qkv::set_memory_limit(qkv::memory_stats().current_bytes + 1);
+    EXPECT_EQ(qkv::train::make_batch(recall, 20, 5).ids, b.ids);
+    EXPECT_THAT([&] { (void)qkv::train::make_batch(recall, int64_t{1} << 60, 5); },
+                ::testing::ThrowsMessage<qkv::Error>(HasSubstr("physical memory")));
+  }
 
   const qkv::train::TaskOptions reverse{.task = Task::Reverse, .symbols = 5, .length = 4};
   const qkv::train::Batch r = qkv::train::make_batch(reverse, 1, 1);
