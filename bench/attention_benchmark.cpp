@@ -9,6 +9,7 @@
 //   BM_AttentionBackward/W2/Reference
 //   BM_Module/W5               nn::MultiHeadAttention forward
 //   BM_Sgemm/2048, BM_Memcpy/256MiB
+//   BM_ReadOrder/...           W4's K and V read in decode's orders over a paged pool (below)
 //
 // Counters: GFLOP/s (forward FLOPs = 4 B Hq Nq Nk d, half for causal; backward 2.5 x that), and for the decode
 // workload W4 the bytes of K and V read (bytes_per_second). All timings are wall-clock
@@ -20,10 +21,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <benchmark/benchmark.h>
 
+#include "core/huge_pages.hpp"
 #include "qkv/qkv.hpp"
 #include "workloads.hpp"
 
@@ -130,6 +133,75 @@ void BM_Memcpy(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * bytes));
 }
 
+// The order decode reads a paged pool in, without the arithmetic: W4's K and V (32 heads x 8192
+// keys x 128 floats each) summed on every thread, either in W4's layout (H, N, D), one stream per
+// head, or in a pool of 64-key pages (pages, 64, H, D) in shuffled order, as W4-paged holds them.
+// A pool's rows of one head lie H D floats (16 KB) apart; the orders over it:
+//   head-by-head  each head's rows page by page, as decode reads them (an item is one head's keys),
+//                 prefetched 32 keys ahead into L2 as decode prefetches (contiguous too)
+//   key-blocks    blocks of Arg keys of a page, every head over the block in turn
+//   page-major    each page's keys in turn, every head's row of a key (memory order)
+// bytes_per_second counts the K and V bytes read; the heads (or pages) are split over the threads
+// as decode splits them.
+enum class ReadOrder { Contiguous, HeadByHead, KeyBlocks, PageMajor };
+
+// Reads one row of K and of V (128 floats each): a float of every cache line, so that the time is
+// the memory system's, not the adds' (summing every float ran at the adds' rate here).
+inline void add_row(float* sum, const float* k, const float* v) {
+  for (int line = 0; line < 128; line += 16) sum[line / 16] += k[line] + v[line];
+}
+
+void BM_ReadOrder(benchmark::State& state, ReadOrder order) {
+  constexpr int64_t kHeads = 32, kKeys = 8192, kDim = 128, kPage = 64, kPages = kKeys / kPage, kAhead = 32;
+  const int64_t block = state.range(0);
+  const int64_t count = kHeads * kKeys * kDim;
+  std::vector<qkv::Tensor> kv;
+  for (int which = 0; which < 2; ++which) {
+    kv.push_back(qkv::Tensor::empty({count}));
+    qkv::detail::advise_huge_pages(kv.back().data(), static_cast<size_t>(count) * sizeof(float));
+    std::memset(kv.back().data(), 0, static_cast<size_t>(count) * sizeof(float));
+  }
+  std::vector<int64_t> table(kPages);  // the page holding keys [p kPage, (p + 1) kPage)
+  for (int64_t p = 0; p < kPages; ++p) table[static_cast<size_t>(p)] = (p * 37) % kPages;  // 37: coprime to 128
+  const float* k = kv[0].data();
+  const float* v = kv[1].data();
+  // Row (key j, head h): where it lies in the pool.
+  const auto pooled = [&](int64_t h, int64_t j) {
+    return ((table[static_cast<size_t>(j / kPage)] * kPage + j % kPage) * kHeads + h) * kDim;
+  };
+  float total = 0;
+  for (auto _ : state) {
+    if (order == ReadOrder::Contiguous || order == ReadOrder::HeadByHead) {
+#pragma omp parallel for schedule(static) reduction(+ : total)
+      for (int64_t h = 0; h < kHeads; ++h) {
+        float sum[8] = {};
+        const auto row_of = [&](int64_t j) { return order == ReadOrder::Contiguous ? (h * kKeys + j) * kDim : pooled(h, j); };
+        for (int64_t j = 0; j < kKeys; ++j) {
+          if (j + kAhead < kKeys)  // as decode prefetches a head's rows (decode/plan.hpp)
+            for (int64_t line = 0; line < kDim; line += 16) {
+              __builtin_prefetch(k + row_of(j + kAhead) + line, 0, 2);
+              __builtin_prefetch(v + row_of(j + kAhead) + line, 0, 2);
+            }
+          add_row(sum, k + row_of(j), v + row_of(j));
+        }
+        for (float x : sum) total += x;
+      }
+    } else {
+      const int64_t step = order == ReadOrder::PageMajor ? 1 : block;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+      for (int64_t page = 0; page < kPages; ++page) {
+        std::vector<float> sum(static_cast<size_t>(kHeads * 8), 0.0f);  // a row of line sums per head
+        for (int64_t j0 = page * kPage; j0 < (page + 1) * kPage; j0 += step)
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t j = j0; j < j0 + step; ++j) add_row(sum.data() + h * 8, k + pooled(h, j), v + pooled(h, j));
+        for (float x : sum) total += x;
+      }
+    }
+    benchmark::DoNotOptimize(total);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * count * static_cast<int64_t>(sizeof(float)));
+}
+
 void register_benchmarks() {
   for (const Workload& w : qkv::bench::kWorkloads) {
     const std::string id(w.id);
@@ -173,6 +245,15 @@ void register_benchmarks() {
       ->Arg(static_cast<int64_t>(kMemcpyBytes))
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
+  for (const auto& [name, order, blocks] :
+       {std::tuple{"contiguous", ReadOrder::Contiguous, std::vector<int64_t>{1}},
+        std::tuple{"pool/head-by-head", ReadOrder::HeadByHead, std::vector<int64_t>{1}},
+        std::tuple{"pool/key-blocks", ReadOrder::KeyBlocks, std::vector<int64_t>{4, 16}},
+        std::tuple{"pool/page-major", ReadOrder::PageMajor, std::vector<int64_t>{1}}}) {
+    auto* b = benchmark::RegisterBenchmark((std::string("BM_ReadOrder/") + name).c_str(), BM_ReadOrder, order);
+    for (int64_t block : blocks) b->Arg(block);
+    b->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
 }
 
 }  // namespace
