@@ -36,8 +36,8 @@ test=(
   libgtest-dev libgmock-dev                # the GoogleTest suite (tests/)
   libbenchmark-dev                         # bench/
   python3-pytest python3-torch             # tests/python: parity with PyTorch
-  clang libclang-rt-14-dev libomp-dev      # fuzz/ and the ASan + UBSan build: clang 14, libFuzzer,
-                                           # the sanitizer runtimes, clang's OpenMP runtime
+  clang libclang-rt-14-dev libomp-dev      # fuzz/: libFuzzer, its sanitizer runtimes and clang's
+                                           # OpenMP runtime (clang 14)
   libopenmpi-dev openmpi-bin               # qkv::dist, ring attention over MPI (docs/distributed.md)
 )
 # bench/peers: the models ONNX Runtime runs (python3-onnx) and the Node.js that runs npm's

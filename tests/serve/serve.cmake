@@ -19,9 +19,6 @@
 
 add_executable(serve_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_serve_api.cpp)
 target_link_libraries(serve_api_tests PRIVATE qkv_explorer_api GTest::gtest_main)
-if(QKV_SANITIZE)
-  target_compile_definitions(serve_api_tests PRIVATE QKV_SANITIZED)
-endif()
 # ExplorerFolders.* run on qkv_make_tiny_model's folders (models_cli.cmake's fixtures).
 gtest_discover_tests(serve_api_tests DISCOVERY_TIMEOUT 60 PROPERTIES ENVIRONMENT "QKV_TINY=${tiny}"
   FIXTURES_REQUIRED "tiny_gpt2;tiny_llama;tiny_bert")
