@@ -133,16 +133,17 @@ void BM_Memcpy(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * bytes));
 }
 
-// The order decode reads a paged pool in, without the arithmetic: W4's K and V (32 heads x 8192
-// keys x 128 floats each) summed on every thread, either in W4's layout (H, N, D), one stream per
-// head, or in a pool of 64-key pages (pages, 64, H, D) in shuffled order, as W4-paged holds them.
-// A pool's rows of one head lie H D floats (16 KB) apart; the orders over it:
-//   head-by-head  each head's rows page by page, as decode reads them (an item is one head's keys),
-//                 prefetched 32 keys ahead into L2 as decode prefetches (contiguous too)
+// The orders a decode could read a paged pool in, without the arithmetic: W4's K and V (32 heads
+// x 8192 keys x 128 floats each) read on two threads, either in W4's layout (H, N, D), one stream
+// per head, or in a pool of 64-key pages (pages, 64, H, D) in shuffled order, as W4-paged holds
+// them. A pool's rows of one head lie H D floats (16 KB) apart; the orders over it:
+//   head-by-head  each head's 8192 keys page by page, as decode reads W4's layout (over a pool,
+//                 decode takes 512-key chunks of every head in turn: docs/inference.md), both
+//                 prefetched 32 keys ahead into L2 as decode prefetches
 //   key-blocks    blocks of Arg keys of a page, every head over the block in turn
 //   page-major    each page's keys in turn, every head's row of a key (memory order)
-// bytes_per_second counts the K and V bytes read; the heads (or pages) are split over the threads
-// as decode splits them.
+// The heads (or pages) are split evenly over the threads; bytes_per_second counts the K and V
+// bytes read.
 enum class ReadOrder { Contiguous, HeadByHead, KeyBlocks, PageMajor };
 
 // Reads one row of K and of V (128 floats each): a float of every cache line, so that the time is

@@ -82,17 +82,21 @@ std::string bytes_text(double bytes) {
 
 void check_request(const char* who, const std::string& shapes, RequestBytes bytes, const std::string& parts,
                    const std::string& advice) {
+  // Under a limit the tensors answer to it (which may exceed the machine, as allocate_floats
+  // allows) and the rest to the machine; without one, the whole answers to the machine.
   const int64_t limit = limit_bytes.load();
   const int64_t available = bytes_available();
   const bool over_limit = limit > 0 && bytes.counted > static_cast<double>(available);
-  const double whole = bytes.counted + bytes.uncounted;
-  if (!over_limit && whole <= static_cast<double>(physical_bytes())) return;
+  const double machine_part = limit > 0 ? bytes.uncounted : bytes.counted + bytes.uncounted;
+  if (!over_limit && machine_part <= static_cast<double>(physical_bytes())) return;
   std::string prefix(who);  // "scaled_dot_product_attention: " or a bare name
   if (prefix.size() < 2 || prefix.compare(prefix.size() - 2, 2, ": ") != 0) prefix += ": ";
-  // The limit counts tensors only: its refusal names their bytes; the machine's names the whole.
-  const std::string need = over_limit ? bytes_text(bytes.counted) + ": " + parts +
-                                            (bytes.uncounted > 0 ? ", the tensors alone" : "") + ")"
-                                      : bytes_text(whole) + ": " + parts + ")";
+  // Each refusal names the bytes of the bound that refused it.
+  const std::string need =
+      over_limit ? bytes_text(bytes.counted) + ": " + parts +
+                       (bytes.uncounted > 0 ? "; the limit counts the tensors only" : "") + ")"
+                 : bytes_text(machine_part) + ": " + parts +
+                       (limit > 0 && bytes.counted > 0 ? "; the tensors, under the limit, apart" : "") + ")";
   throw Error(prefix + shapes + " need " + need + " but " +
               (over_limit ? "the memory limit leaves " + std::to_string(available) + " bytes (limit " +
                                 std::to_string(limit) + ", qkv holds " + std::to_string(current_bytes.load()) + ")"

@@ -27,9 +27,10 @@ struct RequestBytes {
 };
 
 // Before a call allocates anything: `bytes` (the sum of the parts, described in `parts`, e.g.
-// "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB") against
-// bytes_available() for the counted part and physical memory for the whole; throws qkv::Error
-// "<who>: <shapes> need <bytes> ...; <advice>" naming whichever bound refused.
+// "output (2, 8, 4096, 64) 8.0 MiB + weights (2, 8, 4096, 4096) 1.0 GiB"). Under a memory limit
+// the counted part against what it leaves (bytes_available()) and the uncounted part against
+// physical memory; without one, the whole against physical memory. Throws qkv::Error
+// "<who>: <shapes> need <bytes> ...; <advice>" naming the bound that refused.
 void check_request(const char* who, const std::string& shapes, RequestBytes bytes, const std::string& parts,
                    const std::string& advice);
 // The same for tensors alone.

@@ -8,7 +8,6 @@
 #include "core/quantize.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
-#include "qkv/memory.hpp"  // memory_limit
 #include "qkv/paged_cache.hpp"
 
 namespace qkv::nn {

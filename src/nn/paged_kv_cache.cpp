@@ -12,7 +12,6 @@
 #include "core/huge_pages.hpp"
 #include "core/quantize.hpp"  // quantize_row, kv_row_bytes
 #include "qkv/error.hpp"
-#include "qkv/memory.hpp"  // memory_limit
 
 namespace qkv::nn {
 namespace {

@@ -302,7 +302,7 @@ TEST(PagedKVCache, KVCachePagedModeMatchesTheContiguousCache) {
 }  // namespace
 
 // A KVCache or PagedKVCache too large for the memory there is is refused by one check of the
-// whole request (K, V, scales, and without a memory limit the bookkeeping) before anything is
+// whole request (K, V and scales, which a memory limit counts, and the bookkeeping) before anything is
 // allocated. Before it, a batch of 2^31 first filled 16 GiB of lengths (100 s, then a Tensor
 // error), and 2^32 one-float pages passed each pool's own check (16 GiB each) into the memset.
 // The sizes are past any machine's memory, so the refusals do not depend on this one's.
@@ -323,7 +323,7 @@ TEST(KVCache, RefusesWhatMemoryCannotHoldBeforeAllocating) {
     ~NoLimitAfter() { qkv::set_memory_limit(0); }
   } no_limit_after;
   qkv::set_memory_limit(held + 8191);
-  qkv_test::expect_error([] { qkv::nn::KVCache(1, 2, 64, 8); }, {"need 8192 bytes (8192 bytes: K and V, and the bookkeeping, the tensors alone)", "the memory limit leaves"});
+  qkv_test::expect_error([] { qkv::nn::KVCache(1, 2, 64, 8); }, {"need 8192 bytes (8192 bytes: K and V, and the bookkeeping; the limit counts the tensors only)", "the memory limit leaves"});
   qkv::set_memory_limit(held + 8192);
   EXPECT_NO_THROW(qkv::nn::KVCache(1, 2, 64, 8));
 }
