@@ -20,7 +20,7 @@ int64_t bytes_available();
 
 // A request's bytes, in doubles so that no product of sizes can overflow. `counted` is tensor
 // storage, which the memory limit counts; `uncounted` is what it does not (std::vectors of
-// lengths, ids, page lists), which with the tensors must still fit in physical memory.
+// lengths, ids, page lists), which physical memory bounds (check_request says how).
 struct RequestBytes {
   double counted = 0;
   double uncounted = 0;
