@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/decode/plan.hpp"
 #include "attention/kernels.hpp"
 #include "harness/kernel_cases.hpp"
 #include "harness/oracle.hpp"
@@ -250,6 +251,57 @@ TEST(Decode, EmptyProblems) {
   cases.push_back(make_case(rng, {2, 2, 2, 0, 5, 8, 8}, MaskKind::Causal, 1.0, 0.0f));
   cases.push_back(make_case(rng, {0, 2, 2, 5, 5, 8, 8}, MaskKind::None, 1.0, 0.0f));
   check_everywhere(cases);
+}
+
+// Which paged problems take the page-major items (decode/plan.hpp, page_major_fits): one query,
+// float or 16-bit K/V, no rule, tensor term or dropout, at most kPageMajorMaxRows query heads and
+// an item for each thread; any other takes the (b, g, chunk) items. Paged problems are built by
+// attention/paged.cpp (their results: attention/test_paged.cpp); here a contiguous problem is
+// marked paged, which is all the plan reads.
+TEST(Decode, PagedProblemsThatFitReadPageMajor) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  namespace decode = qkv::detail::decode;
+  const int64_t pages[] = {0};
+  const auto plan_of = [&](const Sizes& sizes, MaskKind kind, float dropout_p, int threads,
+                           qkv::DType dtype = qkv::DType::F32, bool paged = true) {
+    const Case c = make_case(rng, sizes, kind, 1.0, dropout_p);
+    qkv_test::KernelOutputs out;
+    qkv::detail::AttentionProblem p = problem_of(c, out);
+    if (paged) p.paged = qkv::detail::PagedKv{pages, 64, 6, 0, 0, 0, 0};
+    p.kv_dtype = dtype;
+    return decode::Plan(p, threads);
+  };
+  // 32 query heads on 8 K/V heads of d = 64: 4 KB a key, so 512-key chunks (a (b, g, chunk) item's
+  // keys bound kPageMajorItemBytes' 1024), 4 of them; 16-bit: 1024 keys, 2 chunks.
+  const Sizes gqa{1, 32, 8, 1, 2048, 64, 64};
+  for (MaskKind kind : {MaskKind::None, MaskKind::Causal, MaskKind::Window, MaskKind::KeyLengths}) {
+    SCOPED_TRACE(qkv_test::to_string(kind));
+    const decode::Plan plan = plan_of(gqa, kind, 0.0f, 2);
+    EXPECT_TRUE(plan.page_major);
+    EXPECT_EQ(plan.chunk_keys, 512);
+    EXPECT_EQ(plan.items, 4);
+    EXPECT_EQ(plan.block_rows, 32);
+  }
+  const decode::Plan bf16 = plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::BF16);
+  EXPECT_TRUE(bf16.page_major);
+  EXPECT_EQ(bf16.chunk_keys, 1024);
+  EXPECT_TRUE(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::F16).page_major);
+  // The rest take (b, g, chunk) items of kChunkKeys float keys.
+  const auto head_items = [](const decode::Plan& plan, const std::string& why) {
+    EXPECT_FALSE(plan.page_major) << why;
+    EXPECT_EQ(plan.block_rows, static_cast<int64_t>(decode::kRowBlock)) << why;
+    EXPECT_EQ(plan.items, 8 * plan.chunks) << why;
+  };
+  head_items(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::F32, false), "not paged");
+  head_items(plan_of({1, 32, 8, 2, 2048, 64, 64}, MaskKind::None, 0.0f, 2), "two queries");
+  head_items(plan_of(gqa, MaskKind::None, 0.25f, 2), "dropout");
+  head_items(plan_of(gqa, MaskKind::Strided, 0.0f, 2), "a rule");
+  head_items(plan_of(gqa, MaskKind::Keep2D, 0.0f, 2), "a tensor term");
+  head_items(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::I8), "int8 K/V");
+  head_items(plan_of(gqa, MaskKind::None, 0.0f, 5), "fewer chunks than threads");
+  const decode::Plan wide = plan_of({1, 136, 8, 1, 2048, 8, 8}, MaskKind::None, 0.0f, 2);
+  EXPECT_FALSE(wide.page_major) << "more query heads than kPageMajorMaxRows";
 }
 
 }  // namespace

@@ -111,8 +111,10 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
   }
 }
 
-// The paged call, into NaN-poisoned results, against each sequence's own contiguous call.
-void check_against_contiguous(const Paged& p, AttentionOptions paged, const MaskCase& mask, DType dtype) {
+// The paged call, into NaN-poisoned results, against each sequence's own contiguous call on
+// `backend` (Decode, or the Reference kernel).
+void check_against_contiguous(const Paged& p, AttentionOptions paged, const MaskCase& mask, DType dtype,
+                              Backend backend = Backend::Decode) {
   paged.block_table = p.table;
   paged.cache_seqlens = p.lengths;
   const int64_t nq = p.q.size(2);
@@ -126,7 +128,7 @@ void check_against_contiguous(const Paged& p, AttentionOptions paged, const Mask
     AttentionOptions o = paged;
     o.block_table.clear();
     o.cache_seqlens.clear();
-    o.backend = Backend::Decode;
+    o.backend = backend;
     o.mask = mask.alone(n - nq);
     if (paged.alibi_slopes.defined() && paged.alibi_slopes.dim() == 2)
       o.alibi_slopes = paged.alibi_slopes.narrow(0, b, 1).squeeze(0).contiguous();
@@ -190,6 +192,39 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
         o.seed = rng.next_u64();
         check_against_contiguous(p, o, causal, dtype);
       }
+    });
+  }
+}
+
+// One query per sequence, float or 16-bit pages, no rule, term or dropout: the decode items
+// that read a page's rows of every head together (decode/page_major-inl.h; which problems take
+// them: attention/test_decode.cpp, Decode.PagedProblemsThatFitReadPageMajor), against the
+// Reference kernel on each sequence's contiguous keys. Sequences over several of their chunks
+// (512 float keys, 1024 16-bit ones), within one, empty and of one key; page sizes that cut the
+// key blocks (1, 7) and whole tiles (64); the masks a one-query sequence sees as a key range,
+// with and without softcap, (B, Hq) ALiBi and sinks; on every target, 1 and 2 threads.
+TEST(Paged, OneQueryPageMajorAgainstTheReference) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  std::vector<MaskCase> masks;
+  for (const MaskCase& mask : mask_cases())
+    if (mask.name.find("strided") == std::string::npos && mask.name.find("global") == std::string::npos)
+      masks.push_back(mask);
+  ASSERT_GE(masks.size(), 5u);
+  for (int64_t page_size : {1, 7, 64}) {
+    SCOPED_TRACE("page_size " + std::to_string(page_size));
+    const Paged p = random_paged(rng, page_size, {1100, 600, 0, 1, 300}, 1);
+    qkv_test::on_every_target_and_thread_count([&] {
+      for (DType dtype : {DType::F32, DType::BF16, DType::F16})
+        for (const MaskCase& mask : masks)
+          for (bool modifiers : {false, true}) {
+            SCOPED_TRACE("K/V " + std::string(qkv::to_string(dtype)) + ", mask " + mask.name +
+                         (modifiers ? " with softcap, (B, Hq) ALiBi, sinks" : ""));
+            AttentionOptions o;
+            o.mask = mask.whole;
+            if (modifiers) set_modifiers(o, p.batch(), rng);
+            check_against_contiguous(p, o, mask, dtype, Backend::Reference);
+          }
     });
   }
 }

@@ -228,7 +228,6 @@ inline bool ChunkScalesValid(const AttentionProblem& p, int64_t b, int64_t g, in
 void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b, int64_t g,
                  int64_t chunk, const decode::Partials& partials, float* HWY_RESTRICT scratch,
                  std::atomic<bool>* bad_scales) {
-  const size_t dv = static_cast<size_t>(p.value_dim);
   const Scratch w(scratch, decode::ScratchLayout(plan));
   const int64_t chunk_begin = chunk * plan.chunk_keys;
   const int64_t chunk_end = std::min(p.kv_len, chunk_begin + plan.chunk_keys);
@@ -253,18 +252,9 @@ void DecodeChunk(const AttentionProblem& p, const decode::Plan& plan, const Stri
         break;
     }
     for (size_t r = 0; r < rows; ++r) {
-      const float* o = w.out + r * plan.out_stride;
-      if (plan.chunks == 1) {
-        const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
-        const int64_t at = (b * p.q_heads + row.h) * p.q_len + row.i;  // in (B, Hq, Nq)
-        finish_row(o, 1, dv, w.running_max[r], w.row_sum[r], std::isnan(w.running_max[r]), p.output.row(b, row.h, row.i),
-                   p.lse + at, p.row_max + at, p.row_sum + at);
-      } else {  // leave the partials (m, l, o) of the row for the merge
-        const int64_t slot = (bg * plan.chunks + chunk) * plan.rows + r0 + static_cast<int64_t>(r);
-        partials.max[slot] = w.running_max[r];
-        partials.sum[slot] = w.row_sum[r];
-        std::copy_n(o, dv, partials.out + slot * static_cast<int64_t>(dv));
-      }
+      const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
+      EndRow(p, plan, partials, b, row.h, row.i, (bg * plan.chunks + chunk) * plan.rows + r0 + static_cast<int64_t>(r),
+             w.out + r * plan.out_stride, w.running_max[r], w.row_sum[r]);
     }
   }
 }

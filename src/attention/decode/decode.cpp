@@ -3,9 +3,11 @@
 // FlashDecoding and ggml's split-KV flash_attn_ext. Same semantics as reference/forward.cpp, dropout
 // included; writes output and lse, never weights.
 //
-// Work. One item is (batch b, key/value head g, key chunk c) (plan.hpp). An item runs an online
-// softmax over the keys of its chunk (chunk-inl.h, on tiles-inl.h's steps) and leaves, per row,
-// a partial: running max m_c, sum l_c and unnormalised output o_c (Dv). A second pass merges the
+// Work. One item is (batch b, key/value head g, key chunk c) (plan.hpp), or for paged K/V that
+// decode::page_major_fits, (batch b, key chunk c) over every head, reading a pool's pages in
+// runs (page_major-inl.h). An item runs an online softmax over the keys of its chunk
+// (chunk-inl.h, on tiles-inl.h's steps) and leaves, per row, a partial: running max m_c, sum l_c
+// and unnormalised output o_c (Dv). A second pass merges the
 // chunks of each row (merge_row, attention/lse_merge.hpp):
 //   m = max_c m_c,   l = sum_c l_c exp(m_c - m),   o = sum_c o_c exp(m_c - m),
 //   output = o / l,  lse = m + log l.
@@ -22,6 +24,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "attention/decode/chunk-inl.h"
+#include "attention/decode/page_major-inl.h"
 #include "hwy/highway.h"
 
 #if HWY_ONCE
@@ -42,6 +45,7 @@
 namespace qkv::detail {
 
 HWY_EXPORT(DecodeChunk);
+HWY_EXPORT(DecodePageMajor);
 
 namespace {
 
@@ -77,16 +81,16 @@ void merge_rows(const AttentionProblem& p, const decode::Plan& plan, const decod
 bool decode_attention(const AttentionProblem& problem) {
   if (problem.batch == 0 || problem.q_heads == 0 || problem.q_len == 0) return !problem.scales_unchecked;
 
-  const decode::Plan plan(problem);
+  const decode::Plan plan(problem, omp_get_max_threads());
   const int64_t groups = problem.batch * problem.kv_heads;
-  const int64_t items = groups * plan.chunks;
+  const int64_t items = plan.items;
 
   // The workers the arithmetic pays for (one: the calling thread, no region), each with a
   // decode::ScratchLayout block, and the partials shared when there are several chunks
   // (attention/launch.hpp).
   const double flops = 2.0 * static_cast<double>(problem.batch * problem.q_heads * problem.q_len) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim);
-  const size_t slots = plan.chunks > 1 ? static_cast<size_t>(items * plan.rows) : 0;
+  const size_t slots = plan.chunks > 1 ? static_cast<size_t>(groups * plan.chunks * plan.rows) : 0;
   const Launch launch(WorkspaceSlot::DecodeScratch, flops, items, decode::ScratchLayout(plan).total,
                       slots * (2 + static_cast<size_t>(problem.value_dim)));
   float* partial_base = launch.shared();
@@ -107,9 +111,10 @@ bool decode_attention(const AttentionProblem& problem) {
   // the merge. Items in (batch, kv head, chunk) order, dealt in contiguous shares with stealing
   // (simd/item_shares.hpp): a worker keeps its heads from call to call, and masks that make
   // chunks unequal still balance.
-  // Paged K/V take the items chunk-major instead (every head of a chunk in turn): a pool holds a
-  // key's heads side by side (row stride Hkv D), so consecutive items read neighbouring rows of
-  // the same pages rather than one row per 4 KB page of a head far from the last.
+  // Paged K/V in (b, g, chunk) items take them chunk-major instead (every head of a chunk in
+  // turn): a pool holds a key's heads side by side (row stride Hkv D), so consecutive items read
+  // neighbouring rows of the same pages rather than one row per 4 KB page of a head far from the
+  // last. Page-major items are (b, chunk), batch outer.
   const bool chunk_major = problem.paged.on();
   // Set by an item that met a bad scale (problem.scales_unchecked: every item checks its own).
   std::atomic<bool> bad_scales{false};
@@ -118,6 +123,9 @@ bool decode_attention(const AttentionProblem& problem) {
   launch.parallel([&](int worker) {
     float* block = launch.block(worker);
     shares.run(worker, [&](int64_t item) {
+      if (plan.page_major)
+        return HWY_DYNAMIC_DISPATCH(DecodePageMajor)(problem, plan, item / plan.chunks, item % plan.chunks, partials,
+                                                        block);
       const int64_t bg = chunk_major ? item % groups : item / plan.chunks;
       const int64_t chunk = chunk_major ? item / groups : item % plan.chunks;
       HWY_DYNAMIC_DISPATCH(DecodeChunk)(tiles, plan, gather, bg / problem.kv_heads, bg % problem.kv_heads, chunk,
@@ -141,8 +149,8 @@ constexpr int64_t kDecodeMaxQueries = 64;
 
 bool decode_is_faster(const AttentionProblem& problem) {
   if (problem.q_len > kDecodeMaxQueries) return false;
-  const decode::Plan plan(problem);
-  return problem.batch * problem.kv_heads * plan.chunks >= omp_get_max_threads();
+  const int threads = omp_get_max_threads();
+  return decode::Plan(problem, threads).items >= threads;
 }
 
 }  // namespace qkv::detail

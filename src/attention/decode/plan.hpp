@@ -1,6 +1,7 @@
-// Decode's plan: how a problem is cut into work items (batch, K/V head, key chunk), the rows of
-// an item, one worker's scratch and where the partials of several chunks lie. Shared by the
-// per-target chunk kernel (chunk-inl.h) and the launch and merge (decode.cpp).
+// Decode's plan: how a problem is cut into work items (batch, K/V head, key chunk), or for paged
+// K/V read page-major (batch, key chunk) over every head, the rows of an item, one worker's
+// scratch and where the partials of several chunks lie. Shared by the per-target item kernels
+// (chunk-inl.h, page_major-inl.h) and the launch and merge (decode.cpp).
 //
 // Memory traffic. Decode is memory-bound: each key brings Dk + Dv floats from DRAM for
 // 2 R (Dk + Dv) flops, i.e. R / 2 flops per byte, far below what a core computes per byte it
@@ -64,12 +65,41 @@ constexpr int64_t kMinGatherStride = 4;
 // (keys x (Dk + Dv) floats) however many rows a group has.
 constexpr int64_t kMinKeysPerPartialRow = 16;
 
+// Paged K/V read page-major (page_major-inl.h). A pool holds a key's heads side by side (row
+// stride Hkv D): reading one head's keys, as an item (b, g, chunk) does, takes 512 bytes of every
+// 16 KB at W4 and leaves the rest to other items, and on Zen 5 that alone cost 1.5 x the read of
+// a contiguous cache (docs/inference.md, BM_ReadOrder). An item (b, chunk) instead runs every
+// query head's row over its keys, blocks of a few keys over every head in turn, so that the
+// pages are read in runs. It needs one query (every row then sees the same keys, no per-element
+// band), K/V of float or 16 bits, no rule, tensor term or dropout, and at most kPageMajorMaxRows
+// query heads, whose Qs, S and O (40 KB at 32 heads, d = 128) stay in L1 / L2; any other paged
+// problem takes the (b, g, chunk) items.
+constexpr int64_t kPageMajorMaxRows = 128;
+
+// Bytes of K and V a page-major item reads: 4 MB is 128 float keys of W4 (32 heads, d = 128), 64
+// items; the partials of an item, Hq x (Dv + 2) floats, are then 0.4% of its reads.
+constexpr int64_t kPageMajorItemBytes = int64_t{4} << 20;
+
+// How far ahead of the block being computed a page-major item prefetches every head's rows, in
+// bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two
+// and four blocks ran 5-10% slower on Zen 5 (docs/inference.md).
+constexpr int64_t kPageMajorAheadBytes = int64_t{64} << 10;
+
+inline bool page_major_fits(const AttentionProblem& p) {
+  return p.paged.on() && p.q_len == 1 &&
+         (p.kv_dtype == DType::F32 || p.kv_dtype == DType::BF16 || p.kv_dtype == DType::F16) && p.rule.empty() &&
+         p.terms.empty() && p.dropout_p == 0 && p.q_heads <= kPageMajorMaxRows;
+}
+
 // How a problem is cut into items, shared by the items and the merge.
 struct Plan {
   int64_t group;       // G = Hq / Hkv, query heads per key/value head
-  int64_t rows;        // R = G x Nq, rows per item
+  int64_t rows;        // R = G x Nq, rows per (b, g)
+  bool page_major;     // items (b, chunk) over every head (paged K/V only: page_major-inl.h)
+  int64_t block_rows;  // rows a worker's scratch holds: kRowBlock, or Hq x Nq for page-major items
   int64_t chunk_keys;  // keys per chunk, a multiple of kKeyTile
   int64_t chunks;      // chunks per (b, g), at least 1
+  int64_t items;       // B Hkv chunks, or B chunks for page-major items
   size_t q_stride;     // floats between rows of the packed Qs (Dk, cache-line rounded)
   size_t out_stride;   // floats between rows of O (Dv, cache-line rounded)
 
@@ -78,16 +108,38 @@ struct Plan {
   int64_t head_of(int64_t g, int64_t r) const { return g * group + r % group; }
   int64_t query_of(int64_t r) const { return r / group; }
 
-  explicit Plan(const AttentionProblem& p)
+  // `threads`: the workers decode may have; page-major items are taken only when there are as
+  // many of them, so that they never idle a core that the (b, g, chunk) items would keep busy.
+  Plan(const AttentionProblem& p, int threads)
       : group(p.q_heads / p.kv_heads),
         rows(group * p.q_len),
-        chunk_keys(static_cast<int64_t>(
-            round_up(static_cast<size_t>(std::max(kChunkKeys * static_cast<int64_t>(sizeof(float) / element_size(p.kv_dtype)),
-                                                  kMinKeysPerPartialRow * rows)),
-                     kKeyTile))),
-        chunks(std::max<int64_t>(1, (p.kv_len + chunk_keys - 1) / chunk_keys)),
         q_stride(round_up(static_cast<size_t>(p.head_dim), kCacheLineFloats)),
-        out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)) {}
+        out_stride(round_up(static_cast<size_t>(p.value_dim), kCacheLineFloats)) {
+    // (b, g, chunk) items: kChunkKeys float keys, the same bytes of any other element type.
+    const int64_t keys = kChunkKeys * static_cast<int64_t>(sizeof(float) / element_size(p.kv_dtype));
+    if (page_major_fits(p)) {
+      // Page-major items: kPageMajorItemBytes of every head's K and V, at most a (b, g, chunk) item's keys.
+      const int64_t key_bytes =
+          p.kv_heads * (p.head_dim + p.value_dim) * static_cast<int64_t>(element_size(p.kv_dtype));
+      cut(p, std::clamp<int64_t>(kPageMajorItemBytes / std::max<int64_t>(1, key_bytes), 1, keys), p.batch);
+      page_major = items >= threads;
+      block_rows = p.q_heads * p.q_len;
+      if (page_major) return;
+    }
+    cut(p, keys, p.batch * p.kv_heads);
+    page_major = false;
+    block_rows = static_cast<int64_t>(kRowBlock);
+  }
+
+ private:
+  // Chunks of about `keys` keys (a multiple of kKeyTile, at least kMinKeysPerPartialRow per row),
+  // `per_chunk` items each.
+  void cut(const AttentionProblem& p, int64_t keys, int64_t per_chunk) {
+    chunk_keys = static_cast<int64_t>(
+        round_up(static_cast<size_t>(std::max(keys, kMinKeysPerPartialRow * rows)), kKeyTile));
+    chunks = std::max<int64_t>(1, (p.kv_len + chunk_keys - 1) / chunk_keys);
+    items = per_chunk * chunks;
+  }
 };
 
 // One worker's scratch, offsets in floats from a 64-byte aligned base; every part starts on its
@@ -103,18 +155,21 @@ struct ScratchLayout {
       return start;
     };
     const size_t out_stride = plan.out_stride;
-    q = take(kRowBlock * plan.q_stride);    // Qs (rows, Dk), scaled
-    scores = take(kRowBlock * kKeyTile);     // S then P (rows, Bc)
-    out = take(kRowBlock * out_stride);       // O (rows, Dv), unnormalised
-    running_max = take(kRowBlock);           // per row: m
-    row_sum = take(kRowBlock);               // per row: l
-    v_wide = take(kKeyTile * out_stride);    // a 16-bit V tile widened, only when masks hide keys
+    const size_t rows = static_cast<size_t>(plan.block_rows);
+    q = take(rows * plan.q_stride);    // Qs (rows, Dk), scaled
+    scores = take(rows * kKeyTile);     // S then P (rows, Bc)
+    out = take(rows * out_stride);       // O (rows, Dv), unnormalised
+    running_max = take(rows);           // per row: m
+    row_sum = take(rows);               // per row: l
+    // A 16-bit V tile widened, only when masks hide keys (never for page-major items).
+    v_wide = take(plan.page_major ? 0 : kKeyTile * out_stride);
     total = at;
   }
 };
 
 // Where the items leave their partials when (b, g) has several chunks: row r of chunk c of
-// (b, g) at index ((b Hkv + g) chunks + c) R + r of max and sum, times Dv for out.
+// (b, g) at index ((b Hkv + g) chunks + c) R + r of max and sum, times Dv for out (page-major
+// items too: their row of query head h is row h % G of (b, h / G)).
 struct Partials {
   float* max;
   float* sum;

@@ -10,11 +10,13 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
 #include "attention/decode/plan.hpp"
+#include "attention/kernels.hpp"
 #include "attention/steps/dot_scores-inl.h"
 #include "attention/steps/pipeline-inl.h"
 #include "gemm/register_tile-inl.h"
@@ -140,6 +142,22 @@ struct RowCoords {
 };
 HWY_INLINE RowCoords RowOf(const decode::Plan& plan, int64_t g, int64_t r) {
   return {plan.head_of(g, r), plan.query_of(r)};
+}
+
+// The end of row (b, h, i) of an item, its O unnormalised with running max and sum: with one chunk
+// the finished output, lse and row stats; with several, the partial (m, l, o) left in `slot` of
+// the partials for the merge (decode::Partials).
+HWY_INLINE void EndRow(const AttentionProblem& p, const decode::Plan& plan, const decode::Partials& partials, int64_t b,
+                       int64_t h, int64_t i, int64_t slot, const float* o, float max, float sum) {
+  const size_t dv = static_cast<size_t>(p.value_dim);
+  if (plan.chunks == 1) {
+    const int64_t at = (b * p.q_heads + h) * p.q_len + i;  // in (B, Hq, Nq)
+    finish_row(o, 1, dv, max, sum, std::isnan(max), p.output.row(b, h, i), p.lse + at, p.row_max + at, p.row_sum + at);
+    return;
+  }
+  partials.max[slot] = max;
+  partials.sum[slot] = sum;
+  std::copy_n(o, dv, partials.out + slot * static_cast<int64_t>(dv));
 }
 
 // The keys of one tile: j0, j0 + step, ... (cols of them); prefetching stops at `end`. A tile of
