@@ -254,7 +254,7 @@ TEST(Decode, EmptyProblems) {
 }
 
 // Which paged problems take the page-major items (decode/plan.hpp, page_major_fits): one query,
-// float or 16-bit K/V, no rule, tensor term or dropout, at most kPageMajorMaxRows query heads and
+// float, 16-bit or int8 K/V, no rule, tensor term or dropout, at most kPageMajorMaxRows query heads and
 // an item for each thread; any other takes the (b, g, chunk) items. Paged problems are built by
 // attention/paged.cpp (their results: attention/test_paged.cpp); here a contiguous problem is
 // marked paged, which is all the plan reads.
@@ -287,6 +287,11 @@ TEST(Decode, PagedProblemsThatFitReadPageMajor) {
   EXPECT_TRUE(bf16.page_major);
   EXPECT_EQ(bf16.chunk_keys, 1024);
   EXPECT_TRUE(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::F16).page_major);
+  // int8: 1 KB a key, one 2048-key chunk: page-major on one thread, not on two.
+  const decode::Plan int8 = plan_of(gqa, MaskKind::None, 0.0f, 1, qkv::DType::I8);
+  EXPECT_TRUE(int8.page_major);
+  EXPECT_EQ(int8.chunk_keys, 2048);
+  EXPECT_FALSE(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::I8).page_major);
   // The rest take (b, g, chunk) items of kChunkKeys float keys.
   const auto head_items = [](const decode::Plan& plan, const std::string& why) {
     EXPECT_FALSE(plan.page_major) << why;
@@ -298,7 +303,7 @@ TEST(Decode, PagedProblemsThatFitReadPageMajor) {
   head_items(plan_of(gqa, MaskKind::None, 0.25f, 2), "dropout");
   head_items(plan_of(gqa, MaskKind::Strided, 0.0f, 2), "a rule");
   head_items(plan_of(gqa, MaskKind::Keep2D, 0.0f, 2), "a tensor term");
-  head_items(plan_of(gqa, MaskKind::None, 0.0f, 2, qkv::DType::I8), "int8 K/V");
+  head_items(plan_of(gqa, MaskKind::None, 0.0f, 1, qkv::DType::I4), "int4 K/V");
   head_items(plan_of(gqa, MaskKind::None, 0.0f, 5), "fewer chunks than threads");
   const decode::Plan wide = plan_of({1, 136, 8, 1, 2048, 8, 8}, MaskKind::None, 0.0f, 2);
   EXPECT_FALSE(wide.page_major) << "more query heads than kPageMajorMaxRows";

@@ -229,7 +229,8 @@ TEST(Paged, OneQueryPageMajorAgainstTheReference) {
   }
 }
 
-// int8 and int4 pools (qkv::quantize_kv of the pools, scales paged with their rows) against each
+// int8 and int4 pools (qkv::quantize_kv of the pools, scales paged with their rows), two queries
+// and one (int8's then read page-major: decode/page_major-inl.h), against each
 // sequence's own contiguous call on the same quantized rows (a row's bytes and scales do not
 // depend on where it lies): shared and shuffled pages, page sizes that cut decode's tiles, a
 // sequence over several of decode's chunks (2048 quantized keys), GQA, int4 with a partial last
@@ -240,9 +241,10 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
   SCOPED_TRACE(rng.note());
   const MaskCase causal = mask_cases()[1];
   for (int64_t page_size : {16, 5}) {
-    for (DType dtype : {DType::I8, DType::I4}) {
-      SCOPED_TRACE("page_size " + std::to_string(page_size) + ", " + std::string(qkv::to_string(dtype)));
-      const Paged p = random_paged(rng, page_size, {70, 150, 0, 1, 37, 2500}, 2, 48, 64);
+    for (auto [dtype, nq] : {std::pair{DType::I8, 2}, {DType::I8, 1}, {DType::I4, 2}, {DType::I4, 1}}) {
+      SCOPED_TRACE("page_size " + std::to_string(page_size) + ", " + std::string(qkv::to_string(dtype)) + ", Nq " +
+                   std::to_string(nq));
+      const Paged p = random_paged(rng, page_size, {70, 150, 0, 1, 37, 2500}, nq, 48, 64);
       const auto finite = [](const Tensor& pool) {  // the spare pages' NaN rows cannot be quantized
         std::vector<float> x = pool.to_vector();
         for (float& e : x) e = std::isnan(e) ? 0.0f : e;
@@ -266,8 +268,8 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
           o.k_scales = kq.scales;
           o.v_scales = vq.scales;
           qkv::AttentionResult r;
-          r.output = Tensor::full(Shape{p.batch(), kQHeads, 2, 64}, kNaN);
-          r.lse = Tensor::full(Shape{p.batch(), kQHeads, 2}, kNaN);
+          r.output = Tensor::full(Shape{p.batch(), kQHeads, nq, 64}, kNaN);
+          r.lse = Tensor::full(Shape{p.batch(), kQHeads, nq}, kNaN);
           qkv::scaled_dot_product_attention_into(p.q, kq.values, vq.values, r, o);
           for (int64_t b = 0; b < p.batch(); ++b) {
             const int64_t n = p.lengths[b];
@@ -277,7 +279,7 @@ TEST(Paged, QuantizedPagesAgainstContiguousQuantizedKeys) {
             alone.block_table.clear();
             alone.cache_seqlens.clear();
             alone.backend = Backend::Decode;
-            alone.mask = causal.alone(n - 2);
+            alone.mask = causal.alone(n - nq);
             alone.k_scales = ks.scales;
             alone.v_scales = vs.scales;
             if (o.alibi_slopes.defined()) alone.alibi_slopes = o.alibi_slopes.narrow(0, b, 1).squeeze(0).contiguous();

@@ -87,20 +87,14 @@ void DecodeKeyTile(const AttentionProblem& p, const decode::Plan& plan, int64_t 
   }
   if constexpr (std::is_same_v<T, int8_t>) ScaleColumns(KeyScales, p, b, g, run.j0, run.step, cols, rows, w.scores);
   step::Softcap(p, w.scores, rows * kKeyTile);
-  const bool per_element = band || p.alibi_slopes || !p.terms.empty();
   for (size_t r = 0; r < rows; ++r) {
-    float* HWY_RESTRICT s = w.scores + r * kKeyTile;
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
     const step::Line line{b, row.h, row.i, run.j0, 0, run.step};
-    // Gathered strided keys (band is true for them) hide what `rest` shows: the tiles visit it.
-    if (per_element) step::ScoresToLogits(p, line, s, kKeyTile, cols, band, run.gathered_rest);
-    std::fill(s + cols, s + kKeyTile, step::kMinusInf);
-    // 3. Online softmax of the row; O moves to the new max (exactly 1: left alone).
-    const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
-    if (factor != 1.0f)
-      for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
+    // 3. Online softmax of the row. Gathered strided keys (band is true for them) hide what
+    // `rest` shows: the tiles visit it.
+    RowSoftmaxStep(p, plan, line, cols, band, run.gathered_rest, w, r);
     // 4. Dropout on P.
-    if (p.dropout_p > 0) step::Dropout(p, line, s, cols);
+    if (p.dropout_p > 0) step::Dropout(p, line, w.scores + r * kKeyTile, cols);
   }
   // 5. O += P V_tile. Quantized values are integers times finite scales, never NaN or inf.
   if constexpr (std::is_same_v<T, Int4>) {
@@ -160,7 +154,6 @@ template <class T>
 void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, const StridedSplit* split, int64_t b,
                        int64_t g, int64_t r0, size_t rows, int64_t chunk_begin, int64_t chunk_end,
                        float* HWY_RESTRICT scratch) {
-  const size_t dk = static_cast<size_t>(p.head_dim);
   const Scratch w(scratch, decode::ScratchLayout(plan));
 
   // ---- Set up: O = 0, the softmax started; the key range [begin, end) some row of the block
@@ -170,8 +163,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   int64_t all_begin = chunk_begin, all_end = chunk_end;
   for (size_t r = 0; r < rows; ++r) {
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
-    w.running_max[r] = chunk_begin == 0 ? step::InitialMax(p, row.h) : step::kMinusInf;
-    w.row_sum[r] = chunk_begin == 0 ? step::InitialSum(p) : 0.0f;
+    StartRow(p, row.h, chunk_begin, w, r);
     const int64_t first = p.first_visible_key(row.i), last = p.last_visible_key(b, row.i);
     begin = std::min(begin, std::max(first, chunk_begin));
     end = std::max(end, std::min(last, chunk_end));
@@ -183,8 +175,7 @@ void RowBlockOverChunk(const AttentionProblem& p, const decode::Plan& plan, cons
   // Qs = scale * Q, packed once per pass (not per tile).
   for (size_t r = 0; r < rows; ++r) {
     const RowCoords row = RowOf(plan, g, r0 + static_cast<int64_t>(r));
-    const float* q = p.q.row(b, row.h, row.i);
-    for (size_t d = 0; d < dk; ++d) w.q[r * plan.q_stride + d] = p.scale * q[d];
+    PackQuery(p, plan, b, row.h, row.i, w, r);
   }
   // The keys the running prefetch (DecodeScores) never reaches, the chunk's first PrefetchAhead,
   // requested together so their misses overlap (docs/performance-log.md). Not

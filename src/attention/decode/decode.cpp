@@ -4,8 +4,8 @@
 // included; writes output and lse, never weights.
 //
 // Work. One item is (batch b, key/value head g, key chunk c) (plan.hpp), or for paged K/V that
-// decode::page_major_fits, (batch b, key chunk c) over every head, reading a pool's pages in
-// runs (page_major-inl.h). An item runs an online softmax over the keys of its chunk
+// decode::page_major_fits, when there is one for each worker, (batch b, key chunk c) over every
+// head, reading a pool's pages in runs (page_major-inl.h). An item runs an online softmax over the keys of its chunk
 // (chunk-inl.h, on tiles-inl.h's steps) and leaves, per row, a partial: running max m_c, sum l_c
 // and unnormalised output o_c (Dv). A second pass merges the
 // chunks of each row (merge_row, attention/lse_merge.hpp):
@@ -30,6 +30,7 @@
 #if HWY_ONCE
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -81,15 +82,15 @@ void merge_rows(const AttentionProblem& p, const decode::Plan& plan, const decod
 bool decode_attention(const AttentionProblem& problem) {
   if (problem.batch == 0 || problem.q_heads == 0 || problem.q_len == 0) return !problem.scales_unchecked;
 
-  const decode::Plan plan(problem, omp_get_max_threads());
-  const int64_t groups = problem.batch * problem.kv_heads;
-  const int64_t items = plan.items;
-
   // The workers the arithmetic pays for (one: the calling thread, no region), each with a
   // decode::ScratchLayout block, and the partials shared when there are several chunks
-  // (attention/launch.hpp).
+  // (attention/launch.hpp). The plan takes page-major items only when there is one for each
+  // of those workers.
   const double flops = 2.0 * static_cast<double>(problem.batch * problem.q_heads * problem.q_len) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim);
+  const decode::Plan plan(problem, std::min(threads_for(flops), omp_get_max_threads()));
+  const int64_t groups = problem.batch * problem.kv_heads;
+  const int64_t items = plan.items;
   const size_t slots = plan.chunks > 1 ? static_cast<size_t>(groups * plan.chunks * plan.rows) : 0;
   const Launch launch(WorkspaceSlot::DecodeScratch, flops, items, decode::ScratchLayout(plan).total,
                       slots * (2 + static_cast<size_t>(problem.value_dim)));
@@ -143,8 +144,8 @@ bool decode_attention(const AttentionProblem& problem) {
 
 // Decode beats flash up to a few dozen queries (flash pads queries to its tile, decode's work
 // grows with group x queries; the crossover measured: docs/performance-log.md, "decode/ and
-// ring"). Decode parallelises over (batch, kv head, key chunk) items only, so it also needs one
-// item per thread.
+// ring"). Decode parallelises over (batch, kv head, key chunk) items (page-major items are paged
+// only, never asked here), so it also needs one item per thread.
 constexpr int64_t kDecodeMaxQueries = 64;
 
 bool decode_is_faster(const AttentionProblem& problem) {

@@ -71,9 +71,10 @@ constexpr int64_t kMinKeysPerPartialRow = 16;
 // a contiguous cache (docs/inference.md, BM_ReadOrder). An item (b, chunk) instead runs every
 // query head's row over its keys, blocks of a few keys over every head in turn, so that the
 // pages are read in runs. It needs one query (every row then sees the same keys, no per-element
-// band), K/V of float or 16 bits, no rule, tensor term or dropout, and at most kPageMajorMaxRows
-// query heads, whose Qs, S and O (40 KB at 32 heads, d = 128) stay in L1 / L2; any other paged
-// problem takes the (b, g, chunk) items.
+// band), K/V of float, 16 bits or int8 (with scales already checked), no rule, tensor term or
+// dropout, and at most kPageMajorMaxRows query heads, whose Qs, S and O stay in L2 (40 KB at 32
+// heads, d = 128, as the (b, g, chunk) items' row block; 160 KB at 128); any other paged problem
+// takes the (b, g, chunk) items.
 constexpr int64_t kPageMajorMaxRows = 128;
 
 // Bytes of K and V a page-major item reads: 4 MB is 128 float keys of W4 (32 heads, d = 128), 64
@@ -82,12 +83,11 @@ constexpr int64_t kPageMajorItemBytes = int64_t{4} << 20;
 
 // How far ahead of the block being computed a page-major item prefetches every head's rows, in
 // bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two
-// and four blocks ran 5-10% slower on Zen 5 (docs/inference.md).
+// and four blocks ran 5-10% slower on Zen 5 (docs/inference.md, "Page-major items").
 constexpr int64_t kPageMajorAheadBytes = int64_t{64} << 10;
 
 inline bool page_major_fits(const AttentionProblem& p) {
-  return p.paged.on() && p.q_len == 1 &&
-         (p.kv_dtype == DType::F32 || p.kv_dtype == DType::BF16 || p.kv_dtype == DType::F16) && p.rule.empty() &&
+  return p.paged.on() && p.q_len == 1 && p.kv_dtype != DType::I4 && !p.scales_unchecked && p.rule.empty() &&
          p.terms.empty() && p.dropout_p == 0 && p.q_heads <= kPageMajorMaxRows;
 }
 
@@ -108,8 +108,10 @@ struct Plan {
   int64_t head_of(int64_t g, int64_t r) const { return g * group + r % group; }
   int64_t query_of(int64_t r) const { return r / group; }
 
-  // `threads`: the workers decode may have; page-major items are taken only when there are as
-  // many of them, so that they never idle a core that the (b, g, chunk) items would keep busy.
+  // `threads`: the workers decode will have (Launch: what the arithmetic pays for); page-major
+  // items are taken only when there are as many of them, so that they never idle a core that
+  // the (b, g, chunk) items would keep busy. The chunks, and so the rounding of a paged call's
+  // merge, may then depend on the threads.
   Plan(const AttentionProblem& p, int threads)
       : group(p.q_heads / p.kv_heads),
         rows(group * p.q_len),

@@ -144,6 +144,34 @@ HWY_INLINE RowCoords RowOf(const decode::Plan& plan, int64_t g, int64_t r) {
   return {plan.head_of(g, r), plan.query_of(r)};
 }
 
+// The start of row r of an item's scratch, query i of head h: O = 0 is the caller's; the running
+// max and sum start at the sink (InitialMax / InitialSum) in the first chunk, else empty.
+HWY_INLINE void StartRow(const AttentionProblem& p, int64_t h, int64_t chunk_begin, const Scratch& w, size_t r) {
+  w.running_max[r] = chunk_begin == 0 ? step::InitialMax(p, h) : step::kMinusInf;
+  w.row_sum[r] = chunk_begin == 0 ? step::InitialSum(p) : 0.0f;
+}
+
+// Row r of the packed Qs: scale * q of query i of head h (once per item, not per tile).
+HWY_INLINE void PackQuery(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t h, int64_t i,
+                          const Scratch& w, size_t r) {
+  const float* q = p.q.row(b, h, i);
+  for (size_t d = 0; d < static_cast<size_t>(p.head_dim); ++d) w.q[r * plan.q_stride + d] = p.scale * q[d];
+}
+
+// Steps 2 (ALiBi and the mask, after softcap on the whole tile) and 3 for row r of a key tile of
+// `cols` keys, on `line`: logits where a key may be hidden or ALiBi applies, the columns past the
+// tile's last key hidden after the modifiers (softcap(-inf) is finite), the online softmax
+// update, O moved to the new max (exactly 1: left alone). `band` and `hide`: ScoresToLogits'.
+HWY_INLINE void RowSoftmaxStep(const AttentionProblem& p, const decode::Plan& plan, const step::Line& line, size_t cols,
+                               bool band, int hide, const Scratch& w, size_t r) {
+  float* HWY_RESTRICT s = w.scores + r * kKeyTile;
+  if (band || p.alibi_slopes || !p.terms.empty()) step::ScoresToLogits(p, line, s, kKeyTile, cols, band, hide);
+  std::fill(s + cols, s + kKeyTile, step::kMinusInf);
+  const float factor = step::SoftmaxRowUpdate(s, kKeyTile, w.running_max[r], w.row_sum[r]);
+  if (factor != 1.0f)
+    for (size_t c = 0; c < plan.out_stride; ++c) w.out[r * plan.out_stride + c] *= factor;
+}
+
 // The end of row (b, h, i) of an item, its O unnormalised with running max and sum: with one chunk
 // the finished output, lse and row stats; with several, the partial (m, l, o) left in `slot` of
 // the partials for the merge (decode::Partials).
