@@ -83,7 +83,7 @@ constexpr int64_t kPageMajorItemBytes = int64_t{4} << 20;
 
 // How far ahead of the block being computed a page-major item prefetches every head's rows, in
 // bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two
-// and four blocks ran 5-10% slower on Zen 5 (docs/inference.md, "Page-major items").
+// blocks ran 3-10% slower on Zen 5 (docs/inference.md, "Page-major items").
 constexpr int64_t kPageMajorAheadBytes = int64_t{64} << 10;
 
 inline bool page_major_fits(const AttentionProblem& p) {
