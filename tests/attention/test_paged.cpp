@@ -1,6 +1,6 @@
 // Paged K/V (AttentionOptions::block_table / cache_seqlens): a paged call against each sequence's
-// own call on the same keys and values laid out contiguously (backend Decode, the mask aligned to
-// the end of the sequence's keys), with pages in shuffled pool order, pages shared between
+// own call on the same keys and values laid out contiguously (backend Decode, or Reference for the
+// one-query calls decode reads page-major; the mask aligned to the end of the sequence's keys), with pages in shuffled pool order, pages shared between
 // sequences (a common prefix), pool pages no sequence uses filled with NaN (a page read that
 // should not be fails), unused block-table entries -1, empty and one-key sequences, more queries
 // than keys, GQA and odd dims, page sizes 1, 16, 64 and odd ones, f32 / bf16 / f16 K/V, every mask
@@ -50,7 +50,7 @@ int64_t pages_for(int64_t n, int64_t page_size) { return (n + page_size - 1) / p
 // Sequences of `lengths` keys; sequence 1 shares sequence 0's whole first pages (a common prefix);
 // every other page is its own, all dealt to shuffled pool slots, two spare slots left NaN.
 Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& lengths, int64_t nq,
-                   int64_t dk = kDk, int64_t dv = kDv) {
+                   int64_t dk = kDk, int64_t dv = kDv, int64_t q_heads = kQHeads) {
   Paged p;
   p.page_size = page_size;
   p.lengths = lengths;
@@ -90,7 +90,7 @@ Paged random_paged(Random& rng, int64_t page_size, const std::vector<int64_t>& l
     p.k_seq.push_back(k);
     p.v_seq.push_back(v);
   }
-  p.q = rng.randn(Shape{batch, kQHeads, nq, dk});
+  p.q = rng.randn(Shape{batch, q_heads, nq, dk});
   return p;
 }
 
@@ -119,8 +119,9 @@ void check_against_contiguous(const Paged& p, AttentionOptions paged, const Mask
   paged.cache_seqlens = p.lengths;
   const int64_t nq = p.q.size(2);
   qkv::AttentionResult r;
-  r.output = Tensor::full(Shape{p.batch(), kQHeads, nq, kDv}, kNaN);
-  for (Tensor* t : {&r.lse, &r.row_max, &r.row_sum}) *t = Tensor::full(Shape{p.batch(), kQHeads, nq}, kNaN);
+  const int64_t q_heads = p.q.size(1);
+  r.output = Tensor::full(Shape{p.batch(), q_heads, nq, kDv}, kNaN);
+  for (Tensor* t : {&r.lse, &r.row_max, &r.row_sum}) *t = Tensor::full(Shape{p.batch(), q_heads, nq}, kNaN);
   qkv::scaled_dot_product_attention_into(p.q, p.k_pool.to(dtype), p.v_pool.to(dtype), r, paged);
   for (int64_t b = 0; b < p.batch(); ++b) {
     const int64_t n = p.lengths[b];
@@ -140,10 +141,10 @@ void check_against_contiguous(const Paged& p, AttentionOptions paged, const Mask
   }
 }
 
-void set_modifiers(AttentionOptions& o, int64_t batch, Random& rng) {
+void set_modifiers(AttentionOptions& o, int64_t batch, Random& rng, int64_t q_heads = kQHeads) {
   o.softcap = static_cast<float>(rng.uniform(0.5, 5.0));
-  o.alibi_slopes = rng.uniform_tensor(Shape{batch, kQHeads}, 0.0, 0.5);
-  o.sinks = rng.uniform_tensor(Shape{kQHeads}, -3.0, 3.0);
+  o.alibi_slopes = rng.uniform_tensor(Shape{batch, q_heads}, 0.0, 0.5);
+  o.sinks = rng.uniform_tensor(Shape{q_heads}, -3.0, 3.0);
 }
 
 // Sequence lengths: a shared prefix (0 and 1), an empty cache, one key, lengths across decode's
@@ -202,7 +203,8 @@ TEST(Paged, SixteenBitPagesHeadAlibiAndDropout) {
 // Reference kernel on each sequence's contiguous keys. Sequences over several of their chunks
 // (512 float keys, 1024 16-bit ones), within one, empty and of one key; page sizes that cut the
 // key blocks (1, 7) and whole tiles (64); the masks a one-query sequence sees as a key range,
-// with and without softcap, (B, Hq) ALiBi and sinks; on every target, 1 and 2 threads.
+// with and without softcap, (B, Hq) ALiBi and sinks; 6 query heads, and 40 (GQA groups of 20:
+// more rows than the (b, g, chunk) items' row block); on every target, 1 and 2 threads.
 TEST(Paged, OneQueryPageMajorAgainstTheReference) {
   Random rng;
   SCOPED_TRACE(rng.note());
@@ -211,9 +213,10 @@ TEST(Paged, OneQueryPageMajorAgainstTheReference) {
     if (mask.name.find("strided") == std::string::npos && mask.name.find("global") == std::string::npos)
       masks.push_back(mask);
   ASSERT_GE(masks.size(), 5u);
-  for (int64_t page_size : {1, 7, 64}) {
-    SCOPED_TRACE("page_size " + std::to_string(page_size));
-    const Paged p = random_paged(rng, page_size, {1100, 600, 0, 1, 300}, 1);
+  for (auto [page_size, q_heads] : {std::pair<int64_t, int64_t>{1, kQHeads}, {7, kQHeads}, {64, kQHeads}, {7, 40}}) {
+    SCOPED_TRACE("page_size " + std::to_string(page_size) + ", " + std::to_string(q_heads) + " query heads");
+    const Paged p = q_heads == kQHeads ? random_paged(rng, page_size, {1100, 600, 0, 1, 300}, 1)
+                                       : random_paged(rng, page_size, {1100, 300}, 1, kDk, kDv, q_heads);
     qkv_test::on_every_target_and_thread_count([&] {
       for (DType dtype : {DType::F32, DType::BF16, DType::F16})
         for (const MaskCase& mask : masks)
@@ -222,7 +225,7 @@ TEST(Paged, OneQueryPageMajorAgainstTheReference) {
                          (modifiers ? " with softcap, (B, Hq) ALiBi, sinks" : ""));
             AttentionOptions o;
             o.mask = mask.whole;
-            if (modifiers) set_modifiers(o, p.batch(), rng);
+            if (modifiers) set_modifiers(o, p.batch(), rng, q_heads);
             check_against_contiguous(p, o, mask, dtype, Backend::Reference);
           }
     });
@@ -230,7 +233,8 @@ TEST(Paged, OneQueryPageMajorAgainstTheReference) {
 }
 
 // int8 and int4 pools (qkv::quantize_kv of the pools, scales paged with their rows), two queries
-// and one (int8's then read page-major: decode/page_major-inl.h), against each
+// and one (int8's then read page-major, decode/page_major-inl.h: on 1 thread every sequence, on 2
+// the 2500-key one), against each
 // sequence's own contiguous call on the same quantized rows (a row's bytes and scales do not
 // depend on where it lies): shared and shuffled pages, page sizes that cut decode's tiles, a
 // sequence over several of decode's chunks (2048 quantized keys), GQA, int4 with a partial last

@@ -86,10 +86,10 @@ HWY_INLINE void PrefetchSide(const AttentionProblem& p, int64_t b, const Side<T>
   }
 }
 
-// Steps 1 and 4 over one side of the tile [j0, j0 + cols): for each block of kScoreKeys keys,
-// every K/V head g in turn prefetches its rows of the block `ahead` keys on (into the next page
-// when the tile's ends, never past the item's last visible key `end`) and runs block(g, j, keys
-// in the block), then the block's scales (int8) with its first head.
+// Steps 1 and 4 over one side of the tile [j0, j0 + cols): for each block of kScoreKeys keys, the
+// scales (int8) of the block `ahead` keys on are prefetched, then every K/V head g in turn
+// prefetches its rows of that block (into the next page when the tile ends; never a key at or
+// past `end`, one past the item's last visible key) and runs block(g, j, keys in the block).
 template <class T, class Block>
 HWY_INLINE void EveryHeadByBlocks(const AttentionProblem& p, int64_t b, const Side<T>& side, int64_t j0, size_t cols,
                                   int64_t end, int64_t ahead, const Block& block) {

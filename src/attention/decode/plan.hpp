@@ -82,8 +82,8 @@ constexpr int64_t kPageMajorMaxRows = 128;
 constexpr int64_t kPageMajorItemBytes = int64_t{4} << 20;
 
 // How far ahead of the block being computed a page-major item prefetches every head's rows, in
-// bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two
-// blocks ran 3-10% slower on Zen 5 (docs/inference.md, "Page-major items").
+// bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two,
+// four and eight blocks ran 3-15% slower on Zen 5 (docs/inference.md, "Page-major items").
 constexpr int64_t kPageMajorAheadBytes = int64_t{64} << 10;
 
 inline bool page_major_fits(const AttentionProblem& p) {
