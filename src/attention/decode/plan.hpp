@@ -67,8 +67,9 @@ constexpr int64_t kMinKeysPerPartialRow = 16;
 
 // Paged K/V read page-major (page_major-inl.h). A pool holds a key's heads side by side (row
 // stride Hkv D): reading one head's keys, as an item (b, g, chunk) does, takes 512 bytes of every
-// 16 KB at W4 and leaves the rest to other items, and on Zen 5 that alone cost 1.5 x the read of
-// a contiguous cache (docs/inference.md, BM_ReadOrder). An item (b, chunk) instead runs every
+// 16 KB at W4 and leaves the rest to other items, and that read alone costs most of the gap
+// between a pool's decode and a contiguous cache's on some machines (docs/inference.md,
+// BM_ReadOrder). An item (b, chunk) instead runs every
 // query head's row over its keys, blocks of a few keys over every head in turn, so that the
 // pages are read in runs. It needs one query (every row then sees the same keys, no per-element
 // band), K/V of float, 16 bits or int8 (with scales already checked), no rule, tensor term or
@@ -82,8 +83,8 @@ constexpr int64_t kPageMajorMaxRows = 128;
 constexpr int64_t kPageMajorItemBytes = int64_t{4} << 20;
 
 // How far ahead of the block being computed a page-major item prefetches every head's rows, in
-// bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Two,
-// four and eight blocks ran 3-15% slower on Zen 5 (docs/inference.md, "Page-major items").
+// bytes of one side (K or V): one block of W4's float keys (4 keys x 32 heads x 512 bytes). Longer
+// distances ran slower (docs/inference.md, "Page-major items").
 constexpr int64_t kPageMajorAheadBytes = int64_t{64} << 10;
 
 inline bool page_major_fits(const AttentionProblem& p) {
