@@ -5,10 +5,10 @@
 //
 // Work. One item is (batch b, key/value head g, key chunk c) (plan.hpp), or for paged K/V that
 // decode::page_major_fits, when there is one for each worker, (batch b, key chunk c) over every
-// head, reading a pool's pages in runs (page_major-inl.h). An item runs an online softmax over the keys of its chunk
-// (chunk-inl.h, on tiles-inl.h's steps) and leaves, per row, a partial: running max m_c, sum l_c
-// and unnormalised output o_c (Dv). A second pass merges the
-// chunks of each row (merge_row, attention/lse_merge.hpp):
+// head, reading a pool's pages in runs (page_major-inl.h). An item runs an online softmax over
+// the keys of its chunk (chunk-inl.h, on tiles-inl.h's steps) and leaves, per row, a partial:
+// running max m_c, sum l_c and unnormalised output o_c (Dv). A second pass merges the chunks of
+// each row (merge_row, attention/lse_merge.hpp):
 //   m = max_c m_c,   l = sum_c l_c exp(m_c - m),   o = sum_c o_c exp(m_c - m),
 //   output = o / l,  lse = m + log l.
 // A chunk that saw no key leaves m_c = -inf, l_c = 0, o_c = 0 and adds exactly 0; a row that no
