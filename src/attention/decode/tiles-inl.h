@@ -1,7 +1,8 @@
 // Decode's per-target operand and product steps (Highway -inl.h, included by decode.cpp once per
 // SIMD target through chunk-inl.h): a worker's scratch, the K/V rows read in place and
 // prefetched into L2, the score tile S = Qs K^T (dot_scores-inl.h, whose summation order the
-// flash backward repeats) and the value tile O += P V, "broadcast a weight, load a row of V".
+// flash backward repeats) and the value tile O += P V, "broadcast a weight, load a row of V"; and
+// a row's steps both item kinds share (StartRow, PackQuery, RowSoftmaxStep, EndRow).
 #if defined(QKV_ATTENTION_DECODE_TILES_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_ATTENTION_DECODE_TILES_INL_H_
 #undef QKV_ATTENTION_DECODE_TILES_INL_H_
@@ -144,8 +145,8 @@ HWY_INLINE RowCoords RowOf(const decode::Plan& plan, int64_t g, int64_t r) {
   return {plan.head_of(g, r), plan.query_of(r)};
 }
 
-// The start of row r of an item's scratch, query i of head h: O = 0 is the caller's; the running
-// max and sum start at the sink (InitialMax / InitialSum) in the first chunk, else empty.
+// The start of row r of an item's scratch, a row of query head h: O = 0 is the caller's; the
+// running max and sum start at the sink (InitialMax / InitialSum) in the first chunk, else empty.
 HWY_INLINE void StartRow(const AttentionProblem& p, int64_t h, int64_t chunk_begin, const Scratch& w, size_t r) {
   w.running_max[r] = chunk_begin == 0 ? step::InitialMax(p, h) : step::kMinusInf;
   w.row_sum[r] = chunk_begin == 0 ? step::InitialSum(p) : 0.0f;
