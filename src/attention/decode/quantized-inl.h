@@ -52,11 +52,9 @@ constexpr bool kInt4Lookup = kMaxLanes == 16;
 // Vectors per int4 group, and groups per value tile (kValueVectors vectors, at least one group).
 constexpr size_t kInt4GroupVectors = kMaxLanes <= kInt4Group / 2 ? kInt4Group / kMaxLanes : 1;
 constexpr size_t kInt4TileGroups = std::max<size_t>(1, kValueVectors / kInt4GroupVectors);
-// A block of at most kInt4FewRows rows (one, in a decode step without grouped heads) takes
-// kInt4FewRowsGroups groups a tile: each accumulator is a chain of FMAs, one a key, and
-// kValueVectors chains a row left the step waiting on the FMA's latency; twice the vectors are
-// twice the chains in flight. Wide register files only (2 rows x 8 accumulators + 8 values).
-constexpr size_t kInt4FewRows = kValueRows / 2;
+// A block of at most kInt4FewRows rows takes kInt4FewRowsGroups groups a tile, twice the chains
+// of FMAs in flight, as the float value tile does for few rows (tiles-inl.h, kFewValueRows).
+constexpr size_t kInt4FewRows = kFewValueRows;
 constexpr size_t kInt4FewRowsGroups = tile_gemm::kWideRegisterFile ? 2 * kInt4TileGroups : kInt4TileGroups;
 // The stored nibble n is the integer plus 8: entry n of the lookup table is n - 8.
 alignas(64) constexpr float kInt4Integers[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};

@@ -41,6 +41,12 @@ using tile_gemm::AllFinite;
 // attention/steps/dot_scores-inl.h, shared with the flash backward.)
 constexpr size_t kValueRows = tile_gemm::kFourWideRows;
 constexpr size_t kValueVectors = tile_gemm::kFourWideColumns;
+// A block of at most kFewValueRows rows (one, in a decode step without grouped heads) takes
+// kFewRowsValueVectors vectors a tile: each accumulator is a chain of FMAs, one a key, and
+// kValueVectors chains a row leave the step waiting on the FMA's latency; twice the vectors are
+// twice the chains in flight. Wide register files only (2 rows x 8 accumulators + 8 values).
+constexpr size_t kFewValueRows = kValueRows / 2;
+constexpr size_t kFewRowsValueVectors = tile_gemm::kWideRegisterFile ? 2 * kValueVectors : kValueVectors;
 using tile_gemm::WithConstant;
 constexpr size_t kScoreKeys = dot_scores::kKeys;
 static_assert(kKeyTile % kScoreKeys == 0, "a key tile holds whole score tiles");
@@ -271,23 +277,37 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
   }
 }
 
-// Step "accumulate": O += P V_tile, column blocks outer so a block of V's columns is reused from
-// L1 by every row block; then the columns past the last whole vector.
-template <class T>
-void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
-                      const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
+// O += P V_tile over the first full_dv columns in tiles of at most MaxRows x MaxVectors, column
+// blocks outer so a block of V's columns is reused from L1 by every row block.
+template <size_t MaxRows, size_t MaxVectors, class T>
+HWY_INLINE void ValueTiles(const decode::Plan& plan, size_t rows, size_t cols, size_t full_dv,
+                           const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
   const size_t lanes = hn::Lanes(DF());
-  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
-  for (size_t c = 0; c < full_dv; c += kValueVectors * lanes) {
-    const size_t vectors = std::min(kValueVectors, (full_dv - c) / lanes);
-    for (size_t r = 0; r < rows; r += kValueRows) {
-      WithConstant<kValueRows>(std::min(kValueRows, rows - r), [&](auto tile_rows) {
-        WithConstant<kValueVectors>(vectors, [&](auto tile_vectors) {
+  for (size_t c = 0; c < full_dv; c += MaxVectors * lanes) {
+    const size_t vectors = std::min(MaxVectors, (full_dv - c) / lanes);
+    for (size_t r = 0; r < rows; r += MaxRows) {
+      WithConstant<MaxRows>(std::min(MaxRows, rows - r), [&](auto tile_rows) {
+        WithConstant<MaxVectors>(vectors, [&](auto tile_vectors) {
           ValueTile<decltype(tile_rows)::value, decltype(tile_vectors)::value>(
               cols, w.scores + r * kKeyTile, v_tile + c, v_stride, w.out + r * plan.out_stride + c, plan.out_stride);
         });
       });
     }
+  }
+}
+
+// Step "accumulate": O += P V_tile (ValueTiles; a block of few rows in wider tiles), then the
+// columns past the last whole vector. Each output element sums its keys in order whatever the
+// tile, so the tile's shape never changes a result.
+template <class T>
+void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_t rows, size_t cols,
+                      const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
+  const size_t lanes = hn::Lanes(DF());
+  const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
+  if (kFewRowsValueVectors > kValueVectors && rows <= kFewValueRows) {
+    ValueTiles<kFewValueRows, kFewRowsValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
+  } else {
+    ValueTiles<kValueRows, kValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
   }
   for (size_t r = 0; r < rows; ++r)
     for (size_t c = full_dv; c < dv; ++c) {
