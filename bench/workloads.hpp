@@ -74,7 +74,7 @@
 #include <vector>
 #include <string_view>
 
-#include "core/huge_pages.hpp"  // the paged rows' pools, advised as nn::PagedKVCache advises its own
+#include "core/huge_pages.hpp"  // decode's K/V on huge pages, as nn::KVCache and nn::PagedKVCache put theirs
 #include "qkv/qkv.hpp"
 
 namespace qkv::bench {
@@ -311,8 +311,7 @@ inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tens
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), std::mt19937_64(7));
   const auto pool_of = [&](const Tensor& t) {
-    Tensor pool = Tensor::empty({batch * pages, kPageSize, heads, dim});
-    detail::advise_huge_pages(pool.raw_data(), static_cast<size_t>(pool.numel()) * sizeof(float));
+    Tensor pool = detail::zeros_on_huge_pages({batch * pages, kPageSize, heads, dim}, DType::F32);
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < keys; ++j)
@@ -324,19 +323,21 @@ inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tens
   return {q, pool_of(k), pool_of(v), Tensor(), Tensor(), std::move(table)};
 }
 
+// A copy of t in memory advised for huge pages before it is written, as nn::KVCache's and
+// nn::PagedKVCache's buffers are (detail::zeros_on_huge_pages).
+inline Tensor on_huge_pages(const Tensor& t) {
+  Tensor out = detail::zeros_on_huge_pages(t.shape(), t.dtype());
+  std::memcpy(out.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()) * element_size(t.dtype()));
+  return out;
+}
+
 // The same pools quantized (quantize_kv of each pool: the rows' bytes and scales paged alike).
 inline AttentionInputs paged_inputs(const Tensor& q, const Tensor& k, const Tensor& v, DType dtype) {
   AttentionInputs in = paged_inputs(q, k, v);
   if (!is_quantized(dtype)) return in;
   const QuantizedTensor kq = quantize_kv(in.k, dtype), vq = quantize_kv(in.v, dtype);
-  const auto advised = [](const Tensor& t) {
-    Tensor out = Tensor::empty(t.shape(), t.dtype());
-    const size_t bytes = static_cast<size_t>(t.numel()) * element_size(t.dtype());
-    detail::advise_huge_pages(out.raw_data(), bytes);
-    std::memcpy(out.raw_data(), t.raw_data(), bytes);
-    return out;
-  };
-  return {q, advised(kq.values), advised(vq.values), advised(kq.scales), advised(vq.scales), std::move(in.block_table)};
+  return {q, on_huge_pages(kq.values), on_huge_pages(vq.values), on_huge_pages(kq.scales), on_huge_pages(vq.scales),
+          std::move(in.block_table)};
 }
 
 inline AttentionInputs make_attention_inputs(const Workload& w) {
@@ -350,9 +351,11 @@ inline AttentionInputs make_attention_inputs(const Workload& w) {
   const Tensor v = Tensor::randn({w.batch, w.kv_heads, w.kv_len, w.head_dim}, /*seed=*/3);
   const Tensor q = Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, /*seed=*/1);
   if (w.modifier == Modifier::Paged) return paged_inputs(q, k, v, w.kv_dtype);
-  if (!is_quantized(w.kv_dtype)) return {q, k.to(w.kv_dtype), v.to(w.kv_dtype), Tensor(), Tensor(), {}};
+  // A decode workload's K/V (and scales) stand for a KV cache: on huge pages, as nn::KVCache's.
+  const auto cache = [&](const Tensor& t) { return w.decode ? on_huge_pages(t) : t; };
+  if (!is_quantized(w.kv_dtype)) return {q, cache(k.to(w.kv_dtype)), cache(v.to(w.kv_dtype)), Tensor(), Tensor(), {}};
   const QuantizedTensor kq = quantize_kv(k, w.kv_dtype), vq = quantize_kv(v, w.kv_dtype);
-  return {q, kq.values, vq.values, kq.scales, vq.scales, {}};
+  return {q, cache(kq.values), cache(vq.values), cache(kq.scales), cache(vq.scales), {}};
 }
 
 // A cascade workload's inputs, from fixed seeds: q (B, Hq, 1, d), the prefix (1, Hkv, kCascadePrefix,

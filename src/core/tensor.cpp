@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/allocator.hpp"
+#include "core/huge_pages.hpp"
 #include "core/random.hpp"
 
 namespace qkv {
@@ -115,6 +116,18 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype) {
   std::memset(t.storage_->data, 0, static_cast<size_t>(t.numel()) * element_size(dtype));
   return t;
 }
+
+namespace detail {
+
+Tensor zeros_on_huge_pages(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  const size_t bytes = static_cast<size_t>(t.numel()) * element_size(dtype);
+  advise_huge_pages(t.raw_data(), bytes);
+  std::memset(t.raw_data(), 0, bytes);  // +0 in every dtype
+  return t;
+}
+
+}  // namespace detail
 
 Tensor Tensor::full(const Shape& shape, float value) {
   Tensor t = empty(shape);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/allocator.hpp"  // check_request
+#include "core/huge_pages.hpp"
 #include "core/quantize.hpp"
 #include "qkv/error.hpp"
 #include "qkv/inference.hpp"
@@ -62,11 +63,14 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
     return;
   }
   const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
-  keys_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
-  values_ = Tensor::zeros(Shape{batch, kv_heads, capacity, row}, dtype);
+  // Huge pages for K, V and their scales: every decode step streams all of them (docs/inference.md).
+  keys_ = detail::zeros_on_huge_pages(Shape{batch, kv_heads, capacity, row}, dtype);
+  values_ = detail::zeros_on_huge_pages(Shape{batch, kv_heads, capacity, row}, dtype);
   if (is_quantized(dtype)) {
-    key_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
-    value_scales_ = Tensor::zeros(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)});
+    key_scales_ = detail::zeros_on_huge_pages(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)},
+                                              DType::F32);
+    value_scales_ = detail::zeros_on_huge_pages(Shape{batch, kv_heads, capacity, quantized_groups(dtype, head_dim)},
+                                                DType::F32);
   }
 }
 

@@ -44,14 +44,10 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
   if (is_quantized(dtype))
     for (Tensor* scales : {&key_scales_, &value_scales_})
       *scales = Tensor::zeros(Shape{num_pages, page_size, kv_heads, quantized_groups(dtype, head_dim)});
-  // Huge pages for the pools, asked for before the zeros first touch them: attention reads a
-  // head's rows Hkv x head_dim elements apart, a new 4 KB page per key (docs/inference.md).
-  for (Tensor* pool : {&keys_, &values_}) {
-    *pool = Tensor::empty(Shape{num_pages, page_size, kv_heads, row}, dtype);
-    const size_t bytes = static_cast<size_t>(pool->numel()) * element_size(dtype);
-    detail::advise_huge_pages(pool->raw_data(), bytes);
-    std::memset(pool->raw_data(), 0, bytes);  // +0 in every dtype
-  }
+  // Huge pages for the pools: attention reads a head's rows Hkv x head_dim elements apart, a new
+  // 4 KB page per key (docs/inference.md).
+  for (Tensor* pool : {&keys_, &values_})
+    *pool = detail::zeros_on_huge_pages(Shape{num_pages, page_size, kv_heads, row}, dtype);
   counts_.assign(static_cast<size_t>(num_pages), 0);
   for (int64_t page = num_pages - 1; page >= 0; --page) free_.push_back(page);  // page 0 taken first
 }

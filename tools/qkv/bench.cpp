@@ -911,7 +911,9 @@ void run_bench(const BenchOptions& options) {
     }
     out.memcpy_gbs = measure_memcpy(kMemcpyBytes, progress);
     progress.show("baseline", "read", "runs");
-    out.read = measure_read_peak(kMemcpyBytes, kBaselineRuns);
+    // Written (zeros), on huge pages as W4's K and V are (bench::on_huge_pages).
+    const Tensor buffer = detail::zeros_on_huge_pages({static_cast<int64_t>(kMemcpyBytes / sizeof(float))}, DType::F32);
+    out.read = measure_read_peak(buffer.data(), static_cast<size_t>(buffer.numel()), kBaselineRuns);
     return out;
   };
   progress.show("baseline", "FMA peak", "runs");

@@ -16,7 +16,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "qkv/tensor.hpp"
 #include "read_peak.hpp"
 
 namespace qkv::cli {
@@ -95,17 +94,13 @@ double TimePass(const float* floats, size_t count, bool prefetch, int* threads) 
 
 }  // namespace
 
-ReadPeak measure_read_peak(size_t bytes, int repeats) {
-  const size_t count = bytes / sizeof(float);
-  // Written, not only allocated: an untouched page reads as the kernel's shared zero page, from
-  // cache, never from memory.
-  const Tensor buffer = Tensor::full({static_cast<int64_t>(count)}, 1.0f);
+ReadPeak measure_read_peak(const float* floats, size_t count, int repeats) {
   const size_t block = HWY_DYNAMIC_DISPATCH(ReadBlock)();
   const double read_bytes = static_cast<double>(count / block * block * sizeof(float));  // what a pass reads
   ReadPeak peak;
   for (int repeat = 0; repeat <= repeats; ++repeat) {
     for (const bool prefetch : {false, true}) {
-      const double seconds = TimePass(buffer.data(), count, prefetch, &peak.threads);
+      const double seconds = TimePass(floats, count, prefetch, &peak.threads);
       if (repeat == 0) continue;  // the first pass of each form starts the threads: a warm-up
       double& best = prefetch ? peak.prefetch_gbs : peak.plain_gbs;
       best = std::max(best, read_bytes / seconds * 1e-9);
