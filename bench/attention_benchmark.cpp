@@ -18,6 +18,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -157,10 +158,9 @@ void BM_ReadOrder(benchmark::State& state, ReadOrder order) {
   const int64_t block = state.range(0);
   const int64_t count = kHeads * kKeys * kDim;
   std::vector<qkv::Tensor> kv;
-  for (int which = 0; which < 2; ++which) {
-    kv.push_back(qkv::Tensor::empty({count}));
-    qkv::detail::advise_huge_pages(kv.back().data(), static_cast<size_t>(count) * sizeof(float));
-    std::memset(kv.back().data(), 0, static_cast<size_t>(count) * sizeof(float));
+  for (int which = 0; which < 2; ++which) {  // ones: a huge page of zeros may become the shared zero page
+    kv.push_back(qkv::detail::zeros_on_huge_pages({count}, qkv::DType::F32));
+    std::fill_n(kv.back().data(), count, 1.0f);
   }
   std::vector<int64_t> table(kPages);  // the page holding keys [p kPage, (p + 1) kPage)
   for (int64_t p = 0; p < kPages; ++p) table[static_cast<size_t>(p)] = (p * 37) % kPages;  // 37: coprime to 128

@@ -364,13 +364,15 @@ struct CascadeInputs {
   Tensor q, prefix_k, prefix_v, suffix_k, suffix_v;
 };
 
+// K/V on huge pages, as the decode workloads' (make_attention_inputs), so that C1 and
+// C1-separate read the same kind of pages.
 inline CascadeInputs make_cascade_inputs(const Workload& w) {
   const int64_t own = w.kv_len - kCascadePrefix;
   return {Tensor::randn({w.batch, w.q_heads, w.q_len, w.head_dim}, 1),
-          Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 2).to(w.kv_dtype),
-          Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 3).to(w.kv_dtype),
-          Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 7).to(w.kv_dtype),
-          Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 8).to(w.kv_dtype)};
+          on_huge_pages(Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 2).to(w.kv_dtype)),
+          on_huge_pages(Tensor::randn({1, w.kv_heads, kCascadePrefix, w.head_dim}, 3).to(w.kv_dtype)),
+          on_huge_pages(Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 7).to(w.kv_dtype)),
+          on_huge_pages(Tensor::randn({w.batch, w.kv_heads, own, w.head_dim}, 8).to(w.kv_dtype))};
 }
 
 inline LinearAttentionOptions make_linear_options(const Workload& w) {

@@ -43,9 +43,10 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t kv_head
   const int64_t row = dtype == DType::I4 ? head_dim / 2 : head_dim;
   if (is_quantized(dtype))
     for (Tensor* scales : {&key_scales_, &value_scales_})
-      *scales = Tensor::zeros(Shape{num_pages, page_size, kv_heads, quantized_groups(dtype, head_dim)});
-  // Huge pages for the pools: attention reads a head's rows Hkv x head_dim elements apart, a new
-  // 4 KB page per key (docs/inference.md).
+      *scales = detail::zeros_on_huge_pages(Shape{num_pages, page_size, kv_heads, quantized_groups(dtype, head_dim)},
+                                            DType::F32);
+  // Huge pages for the pools (and the scales above): attention reads a head's rows Hkv x
+  // head_dim elements apart, a new 4 KB page per key (docs/inference.md).
   for (Tensor* pool : {&keys_, &values_})
     *pool = detail::zeros_on_huge_pages(Shape{num_pages, page_size, kv_heads, row}, dtype);
   counts_.assign(static_cast<size_t>(num_pages), 0);

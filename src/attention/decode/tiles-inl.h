@@ -304,11 +304,12 @@ void DecodeAccumulate(const AttentionProblem& p, const decode::Plan& plan, size_
                       const T* HWY_RESTRICT v_tile, size_t v_stride, const Scratch& w) {
   const size_t lanes = hn::Lanes(DF());
   const size_t dv = static_cast<size_t>(p.value_dim), full_dv = dv / lanes * lanes;
-  if (kFewRowsValueVectors > kValueVectors && rows <= kFewValueRows) {
-    ValueTiles<kFewValueRows, kFewRowsValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
-  } else {
-    ValueTiles<kValueRows, kValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
+  bool few = false;
+  if constexpr (kFewRowsValueVectors > kValueVectors) {
+    few = rows <= kFewValueRows;
+    if (few) ValueTiles<kFewValueRows, kFewRowsValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
   }
+  if (!few) ValueTiles<kValueRows, kValueVectors>(plan, rows, cols, full_dv, v_tile, v_stride, w);
   for (size_t r = 0; r < rows; ++r)
     for (size_t c = full_dv; c < dv; ++c) {
       float sum = w.out[r * plan.out_stride + c];
