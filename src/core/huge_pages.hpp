@@ -12,8 +12,7 @@ namespace qkv::detail {
 // nothing). For buffers streamed in full (a KV cache: a TLB miss every 4 KB on small pages) and
 // pools read with a large stride (a paged KV cache's rows of one head lie Hkv x D elements
 // apart, a new 4 KB page per key): call it before the memory is first written, as pages faulted
-// in before stay 4 KB. A hint: a refusal is
-// ignored. Defined in allocator.cpp.
+// in before stay 4 KB. A hint: a refusal is ignored. Defined in allocator.cpp.
 void advise_huge_pages(void* data, size_t bytes);
 
 // Tensor::zeros(shape, dtype) whose memory is advised for huge pages before the zeros first
