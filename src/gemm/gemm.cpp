@@ -1,4 +1,5 @@
-// qkv::detail::sgemm (gemm/gemm.hpp): one entry point, five paths, chosen per shape class.
+// qkv::detail::sgemm (gemm/gemm.hpp): one entry point, five paths, chosen per shape class
+// (linear_sgemm, a Linear's forward, takes the same paths and adds a bias).
 //
 // The choice, per shape class (`qkv bench` prints its table of GEMM paths per shape class; the
 // measurements behind each bound are in docs/performance-log.md, "gemm/ (moved from kernel
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <climits>
 #include <string>
 
@@ -146,8 +148,12 @@ GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
   return GemmPath::OpenBlas;
 }
 
-void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-              int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+namespace {
+
+// sgemm_on's work, plus a bias of n floats added to every row of C (null: none; only with beta
+// == 0, as linear_sgemm calls it): the Small path adds it as it stores; the others start C at it.
+void run_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc, const float* bias) {
   if (!gemm_path_can_take(path, trans_a, trans_b))
     throw Error(shape_text(trans_a, trans_b, m, n, k) + ": the " + std::string(to_string(path)) +
                 " path cannot take it in this build");
@@ -159,14 +165,20 @@ void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, i
   if (lda < a_cols || ldb < b_cols || ldc < n)
     throw Error(shape_text(trans_a, trans_b, m, n, k) + ": lda " + std::to_string(lda) + ", ldb " +
                 std::to_string(ldb) + ", ldc " + std::to_string(ldc) + " shorter than the rows they separate");
-  if (k == 0 || alpha == 0.0f) {  // C = beta C (BLAS's rule: A and B unread), beta == 0 never reading C
+  if (k == 0 || alpha == 0.0f) {  // C = bias + beta C (BLAS's rule: A and B unread), beta == 0 never reading C
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+      for (int64_t j = 0; j < n; ++j)
+        c[i * ldc + j] = (bias ? bias[j] : 0.0f) + (beta == 0.0f ? 0.0f : beta * c[i * ldc + j]);
     return;
+  }
+  assert(!bias || beta == 0.0f);  // the contract: a bias comes with beta == 0 (linear_sgemm's call)
+  if (bias && path != GemmPath::Small) {  // C starts at the bias, the product adds to it
+    for (int64_t i = 0; i < m; ++i) std::copy_n(bias, n, c + i * ldc);
+    beta = 1.0f;
   }
   switch (path) {
     case GemmPath::Small:
-      small_rows_gemm(a, lda, m, k, b, ldb, n, alpha, beta, c, ldc);
+      small_rows_gemm(a, lda, m, k, b, ldb, n, alpha, beta, c, ldc, bias);
       return;
     case GemmPath::Tiled:
       tiled_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
@@ -185,13 +197,32 @@ void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, i
   }
 }
 
-GemmPath sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  GemmPath path = choose_gemm_path(trans_a, trans_b, m, n, k);
+// sgemm's path: choose_gemm_path's, or the test override where that path can take the call.
+GemmPath path_for(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k) {
   const int forced = forced_path.load(std::memory_order_relaxed);
   if (forced >= 0 && gemm_path_can_take(static_cast<GemmPath>(forced), trans_a, trans_b))
-    path = static_cast<GemmPath>(forced);
-  sgemm_on(path, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return static_cast<GemmPath>(forced);
+  return choose_gemm_path(trans_a, trans_b, m, n, k);
+}
+
+}  // namespace
+
+void sgemm_on(GemmPath path, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+              int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  run_on(path, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
+}
+
+GemmPath sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const GemmPath path = path_for(trans_a, trans_b, m, n, k);
+  run_on(path, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
+  return path;
+}
+
+GemmPath linear_sgemm(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                      const float* bias, float* y, int64_t ldy) {
+  const GemmPath path = path_for(false, true, m, n, k);
+  run_on(path, false, true, m, n, k, 1.0f, x, ldx, w, ldw, 0.0f, y, ldy, bias);
   return path;
 }
 

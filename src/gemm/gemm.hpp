@@ -1,6 +1,7 @@
 // qkv::detail::sgemm: the one GEMM entry point of the library outside the fused kernels
-// (nn::Linear forward and backward, hence MultiHeadAttention's projections; the reference
-// kernel's score and P V products, forward and backward). Behind it the library picks a path per
+// (nn::Linear's backward, and its forward through linear_sgemm, which adds the bias, hence
+// MultiHeadAttention's projections; the reference kernel's score and P V products, forward and
+// backward). Behind it the library picks a path per
 // shape class (choose_gemm_path, gemm.cpp), so that these GEMMs run near the machine's best sgemm
 // whatever the environment says to one library (OPENBLAS_CORETYPE=Haswell halves OpenBLAS on an
 // AVX-512 core; oneDNN and qkv's own kernel pick their code from the CPU itself):
@@ -34,6 +35,13 @@ GemmPath choose_gemm_path(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
 // never reads C (NaN there is overwritten). Returns the path it took. m, n or k of 0 is allowed.
 GemmPath sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// A Linear's forward: y (m x n, rows ldy apart) = x (m x k, rows ldx apart) W^T + bias, W (n x k)
+// rows ldw apart, bias n floats added to every row (null: none). The path is sgemm's (test
+// override included); the Small path adds the bias as it stores its tiles, the others start y at
+// the bias rows and accumulate onto them. Returns the path it took.
+GemmPath linear_sgemm(int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                      const float* bias, float* y, int64_t ldy);
 
 // The same on a given path (qkv::Error when the path cannot take the call): for tests and for the
 // measurements that justify choose_gemm_path.

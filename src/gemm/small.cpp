@@ -114,16 +114,17 @@ HWY_INLINE V4 SumsAt(const VF* acc, size_t o) {
 }
 #endif
 
-// y = alpha sums + beta y for the tile's R x O dot products (acc: their vector partial sums), y
-// not read when beta is 0.
+// y = alpha sums + bias + beta y for the tile's R x O dot products (acc: their vector partial
+// sums; bias: the tile's O outputs' terms, or null for none), y not read when beta is 0.
 template <size_t R, size_t O>
-HWY_INLINE void StoreSums(const VF (&acc)[R][O], float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
+HWY_INLINE void StoreSums(const VF (&acc)[R][O], float alpha, const float* HWY_RESTRICT bias, float beta,
+                          float* HWY_RESTRICT y, size_t ldy) {
 #if HWY_TARGET == HWY_SCALAR
   for (size_t r = 0; r < R; ++r) {
     for (size_t o = 0; o < O; ++o) {
-      const float sum = hn::GetLane(acc[r][o]);
+      const float sum = alpha * hn::GetLane(acc[r][o]) + (bias ? bias[o] : 0.0f);
       float& out = y[r * ldy + o];
-      out = beta == 0.0f ? alpha * sum : alpha * sum + beta * out;
+      out = beta == 0.0f ? sum : sum + beta * out;
     }
   }
 #else
@@ -136,14 +137,18 @@ HWY_INLINE void StoreSums(const VF (&acc)[R][O], float alpha, float beta, float*
   for (size_t r = 0; r < R; ++r) {
     HWY_UNROLL(16)
     for (size_t o = 0; o < O; o += 4) {
-      const V4 sums = hn::Mul(hn::Set(d4, alpha), SumsAt<O>(acc[r], o));
+      V4 sums = hn::Mul(hn::Set(d4, alpha), SumsAt<O>(acc[r], o));
       float* HWY_RESTRICT out = y + r * ldy + o;
       if (o + 4 <= O) {
+        if (bias) sums = hn::Add(sums, hn::LoadU(d4, bias + o));
         hn::StoreU(beta == 0.0f ? sums : hn::MulAdd(hn::Set(d4, beta), hn::LoadU(d4, out), sums), d4, out);
       } else {
         HWY_ALIGN float four[4];
         hn::Store(sums, d4, four);
-        for (size_t q = 0; o + q < O; ++q) out[q] = beta == 0.0f ? four[q] : four[q] + beta * out[q];
+        for (size_t q = 0; o + q < O; ++q) {
+          const float sum = four[q] + (bias ? bias[o + q] : 0.0f);
+          out[q] = beta == 0.0f ? sum : sum + beta * out[q];
+        }
       }
     }
   }
@@ -159,7 +164,7 @@ HWY_INLINE void StoreSums(const VF (&acc)[R][O], float alpha, float beta, float*
 // step on zero-padded copies, and the sums go by fours (SumsAt).
 template <size_t R, size_t O>
 HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY_RESTRICT w, size_t ldw, size_t k,
-                       float alpha, float beta, float* HWY_RESTRICT y, size_t ldy) {
+                       float alpha, const float* HWY_RESTRICT bias, float beta, float* HWY_RESTRICT y, size_t ldy) {
   const size_t lanes = hn::Lanes(DF());
   VF acc[R][O];
   tile_gemm::ZeroTile(acc);
@@ -172,20 +177,24 @@ HWY_NOINLINE void Tile(const float* HWY_RESTRICT x, size_t ldx, const float* HWY
     for (size_t o = 0; o < O; ++o) std::copy(w + o * ldw + i, w + o * ldw + k, w_tail + o * lanes);
     DotStep(x_tail, lanes, w_tail, lanes, acc);
   }
-  StoreSums(acc, alpha, beta, y, ldy);
+  StoreSums(acc, alpha, bias, beta, y, ldy);
 }
 
 // The operands of one call, for the helpers below: x rows ldx apart, W rows ldw apart, y rows
-// ldy apart, k terms.
+// ldy apart, k terms, bias (one term per output, or null).
 struct Operands {
   const float* x;
   size_t ldx;
   const float* w;
   size_t ldw;
   size_t k;
-  float alpha, beta;
+  float alpha;
+  const float* bias;
+  float beta;
   float* y;
   size_t ldy;
+
+  const float* bias_at(size_t o) const { return bias ? bias + o : nullptr; }
 };
 
 // Rows [r, r + R) (R < kRows: the rows whole tiles leave) of outputs [o, o + O), as one tile: a
@@ -195,8 +204,8 @@ template <size_t O, size_t R = 1>
 void TailRows(const Operands& op, size_t rows, size_t r, size_t o) {
   if constexpr (R < kRows) {
     if (rows == R)
-      return Tile<R, O>(op.x + r * op.ldx, op.ldx, op.w + o * op.ldw, op.ldw, op.k, op.alpha, op.beta,
-                        op.y + r * op.ldy + o, op.ldy);
+      return Tile<R, O>(op.x + r * op.ldx, op.ldx, op.w + o * op.ldw, op.ldw, op.k, op.alpha, op.bias_at(o),
+                        op.beta, op.y + r * op.ldy + o, op.ldy);
     TailRows<O, R + 1>(op, rows, r, o);
   }
 }
@@ -206,7 +215,7 @@ template <size_t O>
 void OutputColumns(const Operands& op, size_t rows, size_t o) {
   size_t r = 0;
   for (; r + kRows <= rows; r += kRows)
-    Tile<kRows, O>(op.x + r * op.ldx, op.ldx, op.w + o * op.ldw, op.ldw, op.k, op.alpha, op.beta,
+    Tile<kRows, O>(op.x + r * op.ldx, op.ldx, op.w + o * op.ldw, op.ldw, op.k, op.alpha, op.bias_at(o), op.beta,
                    op.y + r * op.ldy + o, op.ldy);
   if (r < rows) TailRows<O>(op, rows - r, r, o);
 }
@@ -222,9 +231,9 @@ void TailOutputs(const Operands& op, size_t rows, size_t outputs, size_t o) {
 
 // Outputs [o_begin, o_end) of every row: columns of kOutputs, then the outputs left over.
 void OutputBlock(const float* HWY_RESTRICT x, size_t ldx, size_t rows, size_t k, const float* HWY_RESTRICT w,
-                 size_t ldw, float alpha, float beta, float* HWY_RESTRICT y, size_t ldy, size_t o_begin,
-                 size_t o_end) {
-  const Operands op{x, ldx, w, ldw, k, alpha, beta, y, ldy};
+                 size_t ldw, float alpha, const float* HWY_RESTRICT bias, float beta, float* HWY_RESTRICT y,
+                 size_t ldy, size_t o_begin, size_t o_end) {
+  const Operands op{x, ldx, w, ldw, k, alpha, bias, beta, y, ldy};
   size_t o = o_begin;
   for (; o + kOutputs <= o_end; o += kOutputs) OutputColumns<kOutputs>(op, rows, o);
   if (o < o_end) TailOutputs(op, rows, o_end - o, o);
@@ -274,7 +283,7 @@ bool small_rows_gemm_threads(int64_t rows, int64_t n, int64_t k) {
 }
 
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
-                     float alpha, float beta, float* y, int64_t ldy) {
+                     float alpha, float beta, float* y, int64_t ldy, const float* bias) {
   // Threads take blocks of about kBlock outputs, each from its own contiguous share first and
   // then helping the others (for_each_item: one slow thread on a busy machine does not hold the
   // others back); below about a million multiply-adds one thread is faster. Threaded, the blocks
@@ -320,7 +329,7 @@ void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const
       rows_ld = aligned_ld;
     }
     HWY_DYNAMIC_DISPATCH(OutputBlock)(rows_x, static_cast<size_t>(rows_ld), static_cast<size_t>(rows),
-                                      static_cast<size_t>(k), w, static_cast<size_t>(ldw), alpha, beta, y,
+                                      static_cast<size_t>(k), w, static_cast<size_t>(ldw), alpha, bias, beta, y,
                                       static_cast<size_t>(ldy), static_cast<size_t>(block * block_size),
                                       static_cast<size_t>(std::min(n, (block + 1) * block_size)));
   });

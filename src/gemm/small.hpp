@@ -12,11 +12,14 @@
 
 namespace qkv::detail {
 
-// y (rows, n) = alpha x (rows, k) W^T + beta y: W (n, k) row-major with rows ldw floats apart,
-// x rows ldx apart, y rows ldy apart. beta == 0 does not read y (BLAS's rule: NaN there is
-// overwritten). y must not overlap x or W.
+// y (rows, n) = alpha x (rows, k) W^T + bias + beta y: W (n, k) row-major with rows ldw floats
+// apart, x rows ldx apart, y rows ldy apart, bias n floats added to every row (null: none). beta
+// == 0 does not read y (BLAS's rule: NaN there is overwritten). y must not overlap x, W or bias.
+// The bias is added as each tile is stored, by the thread that computed it: a Linear that first
+// filled y with its bias on the calling thread had the other threads fetch their parts of y from
+// that thread's cache (docs/performance-log.md, "W5: the bias in the Small kernel's stores").
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
-                     float alpha, float beta, float* y, int64_t ldy);
+                     float alpha, float beta, float* y, int64_t ldy, const float* bias = nullptr);
 
 // Whether small_rows_gemm runs a product of rows x n x k on several threads (enough work and
 // outputs, and more than one OpenMP thread); below that one thread is faster.

@@ -1,6 +1,6 @@
-// qkv::nn::Linear: y = x W^T + b through one sgemm over all leading dims; backward is two more
-// sgemms (dx = g W, dW += g^T x) and a column sum (db += sum of g's rows). Every sgemm goes
-// through qkv::detail::sgemm (gemm/gemm.hpp), which picks the library per shape class.
+// qkv::nn::Linear: y = x W^T + b through one linear_sgemm over all leading dims (the bias added as
+// the product is stored); backward is two sgemms (dx = g W, dW += g^T x) and a column sum (db +=
+// sum of g's rows). Both go through gemm/gemm.hpp, which picks the library per shape class.
 #include <algorithm>
 #include <cmath>
 
@@ -46,16 +46,8 @@ Tensor Linear::apply(const Tensor& x) const {
   Tensor y = Tensor::empty(Shape(out_dims));
   const int64_t rows = x.numel() / in_features();
   const int64_t n = out_features(), k = in_features();
-  float* out = y.data();
-  // Start from the bias (or zeros) and accumulate x W^T on top: beta = 1.
-  for (int64_t r = 0; r < rows; ++r) {
-    if (bias.defined()) {
-      std::copy_n(bias.data(), n, out + r * n);
-    } else {
-      std::fill_n(out + r * n, n, 0.0f);
-    }
-  }
-  detail::sgemm(false, true, rows, n, k, 1.0f, input.data(), k, weight.data(), k, 1.0f, out, n);
+  detail::linear_sgemm(rows, n, k, input.data(), k, weight.data(), k, bias.defined() ? bias.data() : nullptr, y.data(),
+                       n);
   return y;
 }
 

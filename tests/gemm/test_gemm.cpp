@@ -1,8 +1,8 @@
 // qkv::detail::sgemm (src/gemm/gemm.hpp), the library's one GEMM entry point outside the fused kernels:
 // every path it can take (Small, Tiled, TiledT, oneDNN when built in, OpenBLAS) against a float64 loop, on odd
 // shapes, every transpose the path takes, padded leading dimensions, alpha and beta, outputs
-// poisoned; then its callers (nn::Linear, the reference kernel forward and backward) run on each
-// path through the test hook.
+// poisoned; linear_sgemm (a Linear's forward, with its bias) likewise; then the callers
+// (nn::Linear, the reference kernel forward and backward) run on each path through the test hook.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 #include <omp.h>
@@ -79,8 +79,9 @@ GemmCase make_gemm_case(Random& rng, bool trans_a, bool trans_b, int64_t m, int6
   return g;
 }
 
-// Checks `got` (C after the call) against the float64 product, and the padding untouched.
-void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
+// Checks `got` (C after the call) against the float64 product (plus `bias`, n terms added to every
+// row, when given), and the padding untouched.
+void expect_matches_float64(const GemmCase& g, const std::vector<float>& got, const std::vector<float>* bias = nullptr) {
   for (int64_t i = 0; i < g.m; ++i) {
     for (int64_t j = 0; j < g.n; ++j) {
       double sum = 0, magnitude = 0;
@@ -91,8 +92,10 @@ void expect_matches_float64(const GemmCase& g, const std::vector<float>& got) {
         magnitude += std::abs(a * b);
       }
       const double before = g.c[static_cast<size_t>(i * g.ldc + j)];
-      const double want = g.alpha * sum + (g.beta == 0.0f ? 0.0 : g.beta * before);
-      const double scale = std::abs(g.alpha) * magnitude + (g.beta == 0.0f ? 0.0 : std::abs(g.beta * before));
+      const double term = bias ? (*bias)[static_cast<size_t>(j)] : 0.0;
+      const double want = g.alpha * sum + term + (g.beta == 0.0f ? 0.0 : g.beta * before);
+      const double scale =
+          std::abs(g.alpha) * magnitude + std::abs(term) + (g.beta == 0.0f ? 0.0 : std::abs(g.beta * before));
       const double value = got[static_cast<size_t>(i * g.ldc + j)];
       ASSERT_TRUE(std::isfinite(value)) << g.name() << " C[" << i << ", " << j << "] = " << value;
       ASSERT_NEAR(value, want, 1e-6 * static_cast<double>(g.k + 4) * scale + 1e-30)
@@ -351,6 +354,56 @@ TEST(Gemm, BadArgumentsThrowNamingTheShape) {
                                      c.data(), 4),
                qkv::Error);
 #endif
+}
+
+// linear_sgemm (a Linear's y = x W^T + bias): on every path, SIMD target (of our kernels) and 1 or
+// 2 threads, each shape with a bias and without, y poisoned with NaN, against float64. The Small
+// path adds the bias in its tiles' stores (every count of rows and outputs a tile leaves, threaded
+// blocks on the larger shapes); the others start y at the bias. small_rows_gemm itself is also
+// called with a bias, alpha and beta (1, -0.5) together, as its header allows.
+TEST(Gemm, LinearSgemmAddsTheBiasOnEveryPath) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int threads_before = omp_get_max_threads();
+  for (GemmPath path : built_paths()) {
+    SCOPED_TRACE(std::string("path ") + std::string(qkv::detail::to_string(path)));
+    ForcedPath forced_path(path);
+    const bool ours = path == GemmPath::Small || path == GemmPath::Tiled || path == GemmPath::TiledT;
+    const std::vector<int64_t> targets = ours ? qkv_test::runnable_targets() : std::vector<int64_t>{0};
+    for (int64_t target : targets) {
+      std::optional<qkv_test::ForcedTarget> forced;
+      if (target != 0) forced.emplace(target);
+      SCOPED_TRACE(std::string("SIMD target ") + (target != 0 ? hwy::TargetName(target) : "as the CPU"));
+      for (int threads : {1, 2}) {
+        omp_set_num_threads(threads);
+        SCOPED_TRACE("threads " + std::to_string(threads));
+        for (const auto& [m, n, k] : kShapes) {
+          if (m * n * k > (int64_t{1} << 22) && target != targets.front()) continue;  // the largest on one target
+          const std::vector<float> bias = rng.normals(n);
+          for (bool with_bias : {true, false}) {
+            SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
+            const GemmCase g = make_gemm_case(rng, false, true, m, n, k, 1.0f, 0.0f);
+            std::vector<float> c = g.c;
+            EXPECT_EQ(qkv::detail::linear_sgemm(m, n, k, g.a.data(), g.lda, g.b.data(), g.ldb,
+                                                with_bias ? bias.data() : nullptr, c.data(), g.ldc),
+                      path);
+            expect_matches_float64(g, c, with_bias ? &bias : nullptr);
+          }
+          if (path == GemmPath::Small) {
+            SCOPED_TRACE("small_rows_gemm with a bias, alpha and beta");
+            for (float beta : {1.0f, -0.5f}) {
+              const GemmCase g = make_gemm_case(rng, false, true, m, n, k, static_cast<float>(rng.uniform(-2, 2)), beta);
+              std::vector<float> c = g.c;
+              qkv::detail::small_rows_gemm(g.a.data(), g.lda, m, k, g.b.data(), g.ldb, n, g.alpha, beta, c.data(),
+                                           g.ldc, bias.data());
+              expect_matches_float64(g, c, &bias);
+            }
+          }
+        }
+      }
+    }
+  }
+  omp_set_num_threads(threads_before);
 }
 
 // nn::Linear forward (x W^T + b) and backward (dx = g W, dW += g^T x, db) on every path, against
