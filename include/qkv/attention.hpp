@@ -18,7 +18,7 @@
 namespace qkv {
 
 enum class Backend {
-  Auto,       // Decode for few queries (<= 64) over many keys, else Flash; Reference for weights
+  Auto,       // Decode for few queries (<= 8) over many keys, else Flash; Reference for weights
   Reference,  // the textbook algorithm, scores materialised: the oracle of every test
   Flash,      // tiled, online softmax, SIMD + threads, never an n x n matrix; no weights
   Decode,     // few queries against a long KV cache, keys split across threads; no weights

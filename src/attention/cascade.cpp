@@ -144,10 +144,10 @@ AttentionOptions pass_options(const AttentionOptions& options, Mask mask) {
 }
 
 // From this many stacked query rows per head, Auto runs the prefix pass on flash rather than on
-// decode (which Auto's own rule picks up to 64 queries): every row multiplies the pass's products
-// while its bytes stay the prefix's, and flash's register tiles run many rows faster than decode's
-// per-row score dot products (the crossover measured on C1's shape: docs/inference.md, "Shared-
-// prefix (cascade) decoding").
+// decode (which Auto's own rule picks up to 8 queries, or 64 where flash would idle threads):
+// every row multiplies the pass's products while its bytes stay the prefix's, and flash's
+// register tiles run many rows faster than decode's per-row score dot products (the crossover
+// measured on C1's shape: docs/inference.md, "Shared-prefix (cascade) decoding").
 constexpr int64_t kFlashStackedRows = 8;
 
 // Step 1: the B Nq query rows of each head over the prefix, in one call.

@@ -18,6 +18,8 @@ void reference_attention(const AttentionProblem& problem);
 // Tiles of queries x keys with an online softmax, SIMD and threads, never an Nq x Nk matrix
 // (src/attention/flash/forward.cpp). Writes output and lse; problem.weights must be nullptr.
 void flash_attention(const AttentionProblem& problem);
+// The forward's work items, (batch, query head, query tile): what its threads share.
+int64_t flash_forward_items(const AttentionProblem& problem);
 
 // Few queries against a long KV cache: keys split into chunks across threads, partials merged
 // (src/attention/decode/: decode.cpp launches, chunk-inl.h runs an item). Writes output and lse;
@@ -26,7 +28,8 @@ void flash_attention(const AttentionProblem& problem);
 // check_scales (problem.hpp), which names the bad scale; the outputs hold garbage after a bad one.
 bool decode_attention(const AttentionProblem& problem);
 // Auto's choice between the two fused kernels: true when decode is expected to beat flash
-// (few queries, and enough key chunks to keep every thread busy).
+// (enough key chunks to keep every thread busy, and few queries: up to 8, or up to 64 where
+// flash's items would leave threads idle).
 bool decode_is_faster(const AttentionProblem& problem);
 
 // The gradients of the forward with respect to q, k and v: P recomputed from the forward's lse,

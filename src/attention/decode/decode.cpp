@@ -142,16 +142,25 @@ bool decode_attention(const AttentionProblem& problem) {
   return !bad_scales.load(std::memory_order_relaxed);
 }
 
-// Decode beats flash up to a few dozen queries (flash pads queries to its tile, decode's work
-// grows with group x queries; the crossover measured: docs/performance-log.md, "decode/ and
-// ring"). Decode parallelises over (batch, kv head, key chunk) items (page-major items are paged
-// only, never asked here), so it also needs one item per thread.
-constexpr int64_t kDecodeMaxQueries = 64;
+// Decode beats flash up to a handful of queries (flash pads queries to its tile; decode's work
+// grows with group x queries, each query a row of its own). Measured on 2 threads, where flash's
+// (batch, head, query tile) items filled both: with a head dimension of 128 decode was faster up
+// to 8 queries and level at 10-12, with 64 level at 8 and slower at 10-12, and from 16 queries
+// flash was faster on every shape (docs/performance-log.md, "W5: the bias in the Small kernel's
+// stores, and Auto's decode crossover"); 8 is the bound that holds for both. Flash never splits
+// keys, so where its items are fewer than the threads (one sequence, few heads, many cores)
+// decode, which does, keeps every thread busy: up to kDecodeMaxQueriesIdleFlash queries there
+// (the bound measured before flash was faster). Decode parallelises over (batch, kv head, key
+// chunk) items (page-major items are paged only, never asked here), so it needs one item per
+// thread.
+constexpr int64_t kDecodeMaxQueries = 8;
+constexpr int64_t kDecodeMaxQueriesIdleFlash = 64;
 
 bool decode_is_faster(const AttentionProblem& problem) {
-  if (problem.q_len > kDecodeMaxQueries) return false;
+  if (problem.q_len > kDecodeMaxQueriesIdleFlash) return false;
   const int threads = omp_get_max_threads();
-  return decode::Plan(problem, threads).items >= threads;
+  if (decode::Plan(problem, threads).items < threads) return false;
+  return problem.q_len <= kDecodeMaxQueries || flash_forward_items(problem) < threads;
 }
 
 }  // namespace qkv::detail

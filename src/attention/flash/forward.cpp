@@ -268,15 +268,27 @@ struct ForwardAmxBlocks {
 // The forward's launch: items (b, h, query tile) over the workers, after the strided residues
 // when the rule has them; each worker's float block laid out by ForwardScratchLayout, and its AMX
 // block (ForwardAmxLayout) when the products may run on AMX tiles.
+namespace {
+QueryTiles query_tiles_of(const AttentionProblem& problem) {
+  const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
+  const int64_t lanes = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(VectorLanes)());
+  return QueryTiles(problem.q_len, lanes, static_cast<int64_t>(br) / lanes);
+}
+}  // namespace
+
+int64_t flash_forward_items(const AttentionProblem& problem) {
+  return problem.batch * problem.q_heads * query_tiles_of(problem).count;
+}
+
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;
 
   const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
   const int64_t lanes = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(VectorLanes)());
-  const QueryTiles tiling(nq, lanes, static_cast<int64_t>(br) / lanes);
+  const QueryTiles tiling = query_tiles_of(problem);
   const int64_t query_tiles = tiling.count;
-  const int64_t items = problem.batch * problem.q_heads * query_tiles;
+  const int64_t items = flash_forward_items(problem);
   const double flops = 4.0 * static_cast<double>(items) * static_cast<double>(br) *
                        static_cast<double>(problem.kv_len) * static_cast<double>(problem.head_dim + problem.value_dim) / 2;
   const Launch launch(WorkspaceSlot::FlashScratch, flops, items, flash::ForwardScratchLayout(problem, br).total);
