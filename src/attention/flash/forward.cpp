@@ -263,23 +263,22 @@ struct ForwardAmxBlocks {
   }
 };
 
-}  // namespace
-
-// The forward's launch: items (b, h, query tile) over the workers, after the strided residues
-// when the rule has them; each worker's float block laid out by ForwardScratchLayout, and its AMX
-// block (ForwardAmxLayout) when the products may run on AMX tiles.
-namespace {
+// The query tiles of one head: Br rows each, the last ones narrowed to the vectors they fill.
 QueryTiles query_tiles_of(const AttentionProblem& problem) {
   const size_t br = HWY_DYNAMIC_DISPATCH(QueryTileRows)();
   const int64_t lanes = static_cast<int64_t>(HWY_DYNAMIC_DISPATCH(VectorLanes)());
   return QueryTiles(problem.q_len, lanes, static_cast<int64_t>(br) / lanes);
 }
+
 }  // namespace
 
 int64_t flash_forward_items(const AttentionProblem& problem) {
   return problem.batch * problem.q_heads * query_tiles_of(problem).count;
 }
 
+// The forward's launch: items (b, h, query tile) over the workers, after the strided residues
+// when the rule has them; each worker's float block laid out by ForwardScratchLayout, and its AMX
+// block (ForwardAmxLayout) when the products may run on AMX tiles.
 void flash_attention(const AttentionProblem& problem) {
   const int64_t nq = problem.q_len;
   if (problem.batch == 0 || problem.q_heads == 0 || nq == 0) return;

@@ -85,8 +85,8 @@ HWY_INLINE void LoadTransposed16(const float* HWY_RESTRICT src, int64_t stride, 
 // ---- Step "load a tile", queries in the lanes: At (d, br) = factor * A^T for the `rows` rows
 // i0.. of head (b, h) of an operand (q or dO), lanes past `rows` zero. By 4 x 4 blocks in
 // vectors (a scalar transpose took a large share of a forward: docs/performance-log.md), on
-// AVX-512 by 16 x 16 blocks first; the last 1-3 rows by a 4 x 4 block too where the tile has
-// padding lanes for the rest of it, the rows and columns left over one by one.
+// AVX-512 by 16 x 16 blocks first; the last 1-3 rows by a 4 x 4 block too where the tile's
+// padding lanes hold the rest of it, the columns left over one by one.
 HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h, int64_t i0, size_t rows, size_t d,
                                size_t br, float factor, float* HWY_RESTRICT a_t) {
   const float* HWY_RESTRICT first = a.row(b, h, i0);
@@ -94,8 +94,8 @@ HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h,
   auto at = [&](size_t i, size_t c) { return first[static_cast<int64_t>(i) * stride + static_cast<int64_t>(c)]; };
   size_t blocked_rows = 0, blocked_cols = 0;
   // The lanes past `rows`, when they lie in each column's last vector (a tile of whole vectors,
-  // its last one partly filled): zeroed first, one store a column, and the rows written over
-  // them below. A fill per column called memset (a vzeroupper before each call): about a tenth
+  // its last one partly or wholly padding): zeroed first, one store a column, and the rows
+  // written over them below. A fill per column called memset (a vzeroupper before each call): about a tenth
   // of a 10-query, 10-key flash call (docs/performance-log.md, "W5: the bias in the Small
   // kernel's stores, and Auto's decode crossover").
   bool padding_zeroed = false;
@@ -142,22 +142,23 @@ HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h,
       hn::StoreU(hn::Mul(r2, scale), d4, to + 2 * br);
       hn::StoreU(hn::Mul(r3, scale), d4, to + 3 * br);
     }
-  // The last 1-3 rows the same way, zero vectors for the rows past `rows`, when those lanes are
-  // padding the tile has (zeros either way): not one scalar store per element.
-  if (padding_zeroed && blocked_rows < rows && blocked_rows + 4 <= br) {
+  // The last 1-3 rows the same way, zero vectors (+0, scaled before the transpose) for the rows
+  // past `rows`, when the tile has those lanes (padding, zeros either way): not one scalar store
+  // per element.
+  if (blocked_rows < rows && blocked_rows + 4 <= br) {
     const size_t i = blocked_rows, left = rows - i;
     for (size_t c = 0; c < blocked_cols; c += 4) {
       const float* HWY_RESTRICT from = first + static_cast<int64_t>(i) * stride + static_cast<int64_t>(c);
-      V4 r0 = hn::LoadU(d4, from);
-      V4 r1 = left > 1 ? hn::LoadU(d4, from + stride) : hn::Zero(d4);
-      V4 r2 = left > 2 ? hn::LoadU(d4, from + 2 * stride) : hn::Zero(d4);
+      V4 r0 = hn::Mul(hn::LoadU(d4, from), scale);
+      V4 r1 = left > 1 ? hn::Mul(hn::LoadU(d4, from + stride), scale) : hn::Zero(d4);
+      V4 r2 = left > 2 ? hn::Mul(hn::LoadU(d4, from + 2 * stride), scale) : hn::Zero(d4);
       V4 r3 = hn::Zero(d4);
       Transpose4(r0, r1, r2, r3);
       float* HWY_RESTRICT to = a_t + c * br + i;
-      hn::StoreU(hn::Mul(r0, scale), d4, to);
-      hn::StoreU(hn::Mul(r1, scale), d4, to + br);
-      hn::StoreU(hn::Mul(r2, scale), d4, to + 2 * br);
-      hn::StoreU(hn::Mul(r3, scale), d4, to + 3 * br);
+      hn::StoreU(r0, d4, to);
+      hn::StoreU(r1, d4, to + br);
+      hn::StoreU(r2, d4, to + 2 * br);
+      hn::StoreU(r3, d4, to + 3 * br);
     }
     blocked_rows = rows;
   }
