@@ -1,10 +1,10 @@
 // qkv::detail::sgemm: the one GEMM entry point of the library outside the fused kernels
 // (nn::Linear's backward, and its forward through linear_sgemm, which adds the bias, hence
 // MultiHeadAttention's projections; the reference kernel's score and P V products, forward and
-// backward). Behind it the library picks a path per
-// shape class (choose_gemm_path, gemm.cpp), so that these GEMMs run near the machine's best sgemm
-// whatever the environment says to one library (OPENBLAS_CORETYPE=Haswell halves OpenBLAS on an
-// AVX-512 core; oneDNN and qkv's own kernel pick their code from the CPU itself):
+// backward). Behind it the library picks a path per shape class (choose_gemm_path, gemm.cpp),
+// so that these GEMMs run near the machine's best sgemm whatever the environment says to one
+// library (OPENBLAS_CORETYPE=Haswell halves OpenBLAS on an AVX-512 core; oneDNN and qkv's own
+// kernel pick their code from the CPU itself):
 //   Small     qkv's Highway kernel (gemm/small.hpp): A not transposed, B transposed, few rows
 //   Tiled     the fused kernels' micro-GEMM on packed panels of B (gemm/tiled.hpp): any transposes
 //   TiledT    the same kernel on the transposed product, C^T = op(B)^T op(A)^T (gemm/tiled.hpp)

@@ -17,7 +17,8 @@ namespace qkv::detail {
 // == 0 does not read y (BLAS's rule: NaN there is overwritten). y must not overlap x, W or bias.
 // The bias is added as each tile is stored, by the thread that computed it: a Linear that first
 // filled y with its bias on the calling thread had the other threads fetch their parts of y from
-// that thread's cache (docs/performance-log.md, "W5: the bias in the Small kernel's stores").
+// that thread's cache (docs/performance-log.md, "W5: the bias in the Small kernel's stores, and
+// Auto's decode crossover").
 void small_rows_gemm(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w, int64_t ldw, int64_t n,
                      float alpha, float beta, float* y, int64_t ldy, const float* bias = nullptr);
 

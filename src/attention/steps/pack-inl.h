@@ -95,9 +95,9 @@ HWY_INLINE void PackTransposed(const Rows<const float>& a, int64_t b, int64_t h,
   size_t blocked_rows = 0, blocked_cols = 0;
   // The lanes past `rows`, when they lie in each column's last vector (a tile of whole vectors,
   // its last one partly or wholly padding): zeroed first, one store a column, and the rows
-  // written over them below. A fill per column called memset (a vzeroupper before each call): about a tenth
-  // of a 10-query, 10-key flash call (docs/performance-log.md, "W5: the bias in the Small
-  // kernel's stores, and Auto's decode crossover").
+  // written over them below. A fill per column called memset, a vzeroupper before each call
+  // (docs/performance-log.md, "W5: the bias in the Small kernel's stores, and Auto's decode
+  // crossover").
   bool padding_zeroed = false;
 #if HWY_TARGET != HWY_SCALAR
   {
