@@ -7,6 +7,7 @@
 // dropout; on 1 and 2 threads and on every SIMD target. Cases, tolerance and the running on
 // every target are harness/kernel_cases.hpp's, shared with attention/test_flash.cpp.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -258,6 +259,31 @@ TEST(Decode, EmptyProblems) {
 // an item for each thread; any other takes the (b, g, chunk) items. Paged problems are built by
 // attention/paged.cpp (their results: attention/test_paged.cpp); here a contiguous problem is
 // marked paged, which is all the plan reads.
+// Auto's choice (decode_is_faster): decode up to 8 queries; from 9 to 64 only where flash's (batch,
+// head, query tile) items are fewer than the threads; never past 64 queries or where decode's
+// own items are fewer than the threads. 4 threads: one head of 12 (32) queries is 1 (1-3) flash
+// items on every target (query tiles of 12 rows or more), 16 heads at least 16.
+TEST(Decode, AutoTakesDecodeForFewQueriesOrWhereFlashWouldIdleThreads) {
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const int threads_before = omp_get_max_threads();
+  omp_set_num_threads(4);
+  const auto decode_faster = [&](const Sizes& sizes) {
+    const Case c = make_case(rng, sizes, MaskKind::None, 1.0, 0.0f);
+    qkv_test::KernelOutputs out;
+    return qkv::detail::decode_is_faster(problem_of(c, out));
+  };
+  // 4096 keys of d = 64: 8 chunks a head, enough decode items for 4 threads.
+  EXPECT_TRUE(decode_faster({2, 8, 8, 8, 4096, 64, 64})) << "8 queries, flash busy";
+  EXPECT_FALSE(decode_faster({2, 8, 8, 12, 4096, 64, 64})) << "12 queries, flash busy";
+  EXPECT_FALSE(decode_faster({2, 8, 2, 12, 4096, 64, 64})) << "12 queries, GQA, flash busy";
+  EXPECT_TRUE(decode_faster({1, 1, 1, 12, 4096, 64, 64})) << "12 queries, one flash item";
+  EXPECT_TRUE(decode_faster({1, 1, 1, 32, 4096, 64, 64})) << "32 queries, one head: 1-3 flash items";
+  EXPECT_FALSE(decode_faster({1, 1, 1, 65, 4096, 64, 64})) << "65 queries";
+  EXPECT_FALSE(decode_faster({1, 1, 1, 4, 300, 64, 64})) << "one decode item for 4 threads";
+  omp_set_num_threads(threads_before);
+}
+
 TEST(Decode, PagedProblemsThatFitReadPageMajor) {
   Random rng;
   SCOPED_TRACE(rng.note());
