@@ -217,6 +217,7 @@ MultiHeadAttentionOutput MultiHeadAttention::self_forward(const Tensor& x, const
   check_features(x, "query", "embed_dim", embed_dim_);
   const bool unbatched = x.dim() == 2;
   const Tensor x_in = unbatched ? x.unsqueeze(0) : x;
+  if (forward_by_heads_applies(x_in, mask, weights)) return forward_by_heads(x_in, mask, unbatched);
   const int64_t batch = x_in.size(0), len = x_in.size(1), hd = head_dim();
   // ---- 1. project once (eval() keeps nothing: include/qkv/nn.hpp), 2. split:
   // (B, N, (H + 2 Hkv) hd) -> q, k, v (B, heads, N, hd), views

@@ -101,6 +101,11 @@ std::vector<Workload> make_workloads(const qkv::nn::MultiHeadAttention& shared_m
                     all.insert(all.end(), w.begin(), w.end());
                     return all;
                   }});
+  // No weights asked for: with more than one OpenMP thread this forward goes by heads, each
+  // caller opening its own region (src/nn/mha_by_heads.cpp).
+  list.push_back({"MultiHeadAttention eval by heads, shared module", [&shared_module, x] {
+                    return shared_module.forward(x, Mask::key_lengths({12, 7})).output.to_vector();
+                  }});
   const Tensor memory = randn({2, 30, shared_module.embed_dim()});
   list.push_back({"MultiHeadAttention eval, cross", [&shared_module, x, memory] {
                     return shared_module.forward(x, memory, memory).output.to_vector();
