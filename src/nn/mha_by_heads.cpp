@@ -1,7 +1,7 @@
 // MultiHeadAttention's inference forward(x) for few rows, by heads: one OpenMP region in which each
-// thread projects the q, k and v of its own group of KV heads, attends over them (the functional
-// core, on views of those heads) and, after one barrier, computes its share of the output
-// projection's columns.
+// thread projects the q, k and v of the KV heads it is dealt (its own share first, then heads
+// taken from a slower thread's), attends over them (the functional core, on views of those
+// heads) and, after one barrier, computes its share of the output projection's columns.
 //
 // Why: the general forward splits each projection's output columns between the threads and runs
 // a small attention on the calling thread, so the attention read half of q, k and v from the other
@@ -9,9 +9,12 @@
 // Split by heads, q, k and v stay in the cache of the core that wrote them, the attention runs on
 // every thread, and one region replaces two (docs/performance-log.md, "W5 by heads").
 //
-// The arithmetic is the general path's, step for step: the same GEMM kernel computes each output
-// column from the same row of W, and each head's attention is the same call on the same head, so
-// the output is the same (tests/nn/test_mha_by_heads.cpp compares the two).
+// The arithmetic is the general path's, step for step: the same GEMM kernel (Small) computes each
+// output column from the same row of W, and each head's attention is a core call on that head.
+// Auto picks its kernel per call, so where the whole call would run flash with fewer work items
+// than threads (decode.cpp's decode_is_faster) a group's call may run decode, or the other way
+// round: the outputs then agree to rounding rather than bit for bit (tests/nn/test_mha_by_heads.cpp
+// compares the two paths).
 #include <omp.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include "gemm/small.hpp"
 #include "nn/mha_by_heads.hpp"
 #include "qkv/nn.hpp"
+#include "simd/item_shares.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -77,11 +81,13 @@ bool MultiHeadAttention::forward_by_heads_applies(const Tensor& x, const Mask& m
   if (!w.defined() || w.shape() != Shape{embed_dim_, embed_dim_} || !w.is_contiguous()) return false;
   if (out_proj.bias.defined() && (out_proj.bias.shape() != Shape{embed_dim_} || !out_proj.bias.is_contiguous()))
     return false;
-  // Where the general path's in-projection runs the Small kernel on several threads (few rows:
-  // the attention is then small, and ran on the calling thread alone); not inside a caller's
-  // OpenMP region (its calls would run on one thread there anyway).
+  // Where the general path's in-projection runs the Small kernel on several threads (few rows,
+  // so the attention is small too); at least a KV head a thread (with fewer, the general path
+  // keeps every thread busy); not inside a caller's OpenMP region (its calls would run on one
+  // thread there anyway).
+  const int threads = omp_get_max_threads();
   const int64_t rows = x.numel() / embed_dim_, n = embed_dim_ + 2 * num_kv_heads_ * head_dim();
-  return num_kv_heads_ > 1 && omp_get_max_threads() > 1 && !omp_in_parallel() &&
+  return threads > 1 && num_kv_heads_ >= threads && !omp_in_parallel() &&
          detail::choose_gemm_path(false, true, rows, n, embed_dim_) == detail::GemmPath::Small &&
          detail::small_rows_gemm_threads(rows, n, embed_dim_);
 }
@@ -110,7 +116,39 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
   float* concatenated_rows = concatenated.data();
   float* output_rows = output.data();
 
+  // Step 1 for one KV head g: its q, k and v columns of in_proj_ (its group of query heads' q),
+  // each block through the Small kernel the gate found (linear_sgemm would choose again, seeing
+  // one thread, and could leave it).
+  const auto project = [&](int64_t g) {
+    const Part blocks[3] = {{g * group * hd, group * hd}, {E + g * hd, hd}, {E + (num_kv_heads_ + g) * hd, hd}};
+    for (const Part& block : blocks)
+      detail::small_rows_gemm(x_rows, E, rows, E, w_in + block.first * E, E, block.count, 1.0f, 0.0f,
+                              projected_rows + block.first, width, b_in ? b_in + block.first : nullptr);
+  };
+  // Steps 2b-4 for the KV heads [g0, g0 + count): rotary, attention over their query heads (one
+  // core call), written straight into those heads' columns of `concatenated`.
+  const auto attend_heads = [&](int64_t g0, int64_t count) {
+    const int64_t q0 = g0 * group, qn = count * group;
+    const Tensor q = projected.narrow(2, q0, qn).transpose(1, 2);
+    const Tensor k = projected.narrow(2, num_heads_ + g0, count).transpose(1, 2);
+    const Tensor v = projected.narrow(2, num_heads_ + num_kv_heads_ + g0, count).transpose(1, 2);
+    if (rotary_) {
+      rotary_->apply_inplace(q, {0});
+      rotary_->apply_inplace(k, {0});
+    }
+    AttentionOptions heads = attention;
+    if (alibi_slopes_.defined()) heads.alibi_slopes = alibi_slopes_.narrow(0, q0, qn);
+    if (sinks.defined()) heads.sinks = sinks.narrow(0, q0, qn);
+    AttentionResult attended;
+    attended.output = concatenated.narrow(2, q0, qn).transpose(1, 2);
+    scaled_dot_product_attention_into(q, k, v, attended, heads);
+  };
+
   const int workers = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_kv_heads_));
+  // KV heads dealt as ItemShares deals a kernel's items: each thread its own contiguous share
+  // first, then heads from the back of the fullest share, so a core slowed by a neighbour does
+  // not hold the projections back (a fixed split measured as much slower as that core was).
+  detail::ItemShares shares(workers, num_kv_heads_);
   // What each thread threw: [t] before the barrier, [workers + t] after it (so that no thread
   // writes what another reads after the barrier).
   std::vector<std::exception_ptr> failed(2 * static_cast<size_t>(workers));
@@ -121,30 +159,21 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
     // thread count, which the region's end discards.
     omp_set_num_threads(1);
     try {
-      // ---- 1. project this thread's KV heads [g0, g0 + gn) and their query heads, 2. split
-      const Part kv = part_of(num_kv_heads_, t, team, 1);
-      if (kv.count > 0) {
-        const int64_t q0 = kv.first * group, qn = kv.count * group;
-        // (first output column of in_proj_, columns): the q, k and v blocks of these heads
-        const Part blocks[3] = {{q0 * hd, qn * hd}, {E + kv.first * hd, kv.count * hd},
-                                {E + (num_kv_heads_ + kv.first) * hd, kv.count * hd}};
-        for (const Part& block : blocks)
-          detail::linear_sgemm(rows, block.count, E, x_rows, E, w_in + block.first * E, E,
-                               b_in ? b_in + block.first : nullptr, projected_rows + block.first, width);
-        const Tensor q = projected.narrow(2, q0, qn).transpose(1, 2);
-        const Tensor k = projected.narrow(2, num_heads_ + kv.first, kv.count).transpose(1, 2);
-        const Tensor v = projected.narrow(2, num_heads_ + num_kv_heads_ + kv.first, kv.count).transpose(1, 2);
-        if (rotary_) {
-          rotary_->apply_inplace(q, {0});
-          rotary_->apply_inplace(k, {0});
+      // ---- 1. project the KV heads this thread gets, 2. split (views), then attend over them
+      // here, where their q, k and v were written: one call per run of consecutive heads (its
+      // own share, then what it took from others).
+      std::vector<int64_t> mine;
+      for (int64_t first = 0, last = 0; shares.next(t, first, last);)
+        for (int64_t g = first; g < last; ++g) {
+          project(g);
+          mine.push_back(g);
         }
-        // ---- 3. attend over these heads, 4. concatenate: written straight into their columns
-        AttentionOptions heads = attention;
-        if (alibi_slopes_.defined()) heads.alibi_slopes = alibi_slopes_.narrow(0, q0, qn);
-        if (sinks.defined()) heads.sinks = sinks.narrow(0, q0, qn);
-        AttentionResult attended;
-        attended.output = concatenated.narrow(2, q0, qn).transpose(1, 2);
-        scaled_dot_product_attention_into(q, k, v, attended, heads);
+      std::sort(mine.begin(), mine.end());
+      for (size_t run = 0; run < mine.size();) {
+        size_t end = run + 1;
+        while (end < mine.size() && mine[end] == mine[end - 1] + 1) ++end;
+        attend_heads(mine[run], static_cast<int64_t>(end - run));
+        run = end;
       }
     } catch (...) {
       failed[static_cast<size_t>(t)] = std::current_exception();
@@ -158,8 +187,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
         // ---- 5. this thread's columns of the output projection, over every head's output
         const Part columns = part_of(E, t, team, kColumnUnit);
         if (columns.count > 0)
-          detail::linear_sgemm(rows, columns.count, E, concatenated_rows, E, w_out + columns.first * E, E,
-                               b_out ? b_out + columns.first : nullptr, output_rows + columns.first, E);
+          detail::small_rows_gemm(concatenated_rows, E, rows, E, w_out + columns.first * E, E, columns.count, 1.0f,
+                                  0.0f, output_rows + columns.first, E, b_out ? b_out + columns.first : nullptr);
       } catch (...) {
         failed[static_cast<size_t>(workers + t)] = std::current_exception();
       }
