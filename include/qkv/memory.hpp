@@ -31,6 +31,8 @@ int64_t memory_limit();  // 0: none set
 
 // Frees the calling thread's kernel workspaces (they are kept between calls so repeated calls
 // touch no fresh pages; a long-lived thread that once ran a huge problem can give them back).
+// nn::MultiHeadAttention's inference forward of few rows runs its calls on OpenMP's threads,
+// whose small workspaces (a few rows' scratch) this does not reach.
 void release_workspaces();
 
 }  // namespace qkv

@@ -308,8 +308,9 @@ class MultiHeadAttention {
   MultiHeadAttentionOutput self_forward(const Tensor& x, const Mask& mask, Weights weights) const;
   MultiHeadAttentionOutput cross_forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                          const Mask& mask, Weights weights) const;
-  // forward(x) in eval() for few rows, each thread projecting, attending and out-projecting
-  // its own heads (src/nn/mha_by_heads.cpp): the same result to rounding, one parallel region.
+  // forward(x) in eval() for few rows, each thread projecting and attending the heads it is
+  // dealt, then its share of the out-projection's columns (src/nn/mha_by_heads.cpp): the same
+  // result to rounding, one parallel region.
   bool forward_by_heads_applies(const Tensor& x, const Mask& mask, Weights weights) const;
   MultiHeadAttentionOutput forward_by_heads(const Tensor& x, const Mask& mask, bool unbatched) const;
   Tensor self_backward(const Tensor& grad_output);

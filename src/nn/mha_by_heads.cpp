@@ -11,10 +11,16 @@
 //
 // The arithmetic is the general path's, step for step: the same GEMM kernel (Small) computes each
 // output column from the same row of W, and each head's attention is a core call on that head.
-// Auto picks its kernel per call, so where the whole call would run flash with fewer work items
-// than threads (decode.cpp's decode_is_faster) a group's call may run decode, or the other way
-// round: the outputs then agree to rounding rather than bit for bit (tests/nn/test_mha_by_heads.cpp
+// Auto picks its kernel per call from the call's own items and one thread (decode.cpp's
+// decode_is_faster), so a group's call can take another kernel than the whole call does: with
+// 9-64 queries and fewer flash items than threads the whole call runs decode and a group flash;
+// with at most 8 queries the other way round where decode's items are fewer than the threads.
+// The outputs then agree to rounding rather than bit for bit (tests/nn/test_mha_by_heads.cpp
 // compares the two paths).
+//
+// The core and the GEMM run on the team's threads here, so their scratch stays in those threads'
+// workspaces (a few rows' worth), which release_workspaces() on the caller does not reach.
+
 #include <omp.h>
 
 #include <algorithm>
@@ -32,8 +38,10 @@
 namespace qkv::detail {
 namespace {
 std::atomic<uint64_t> by_heads_forwards{0};
+std::atomic<int> team_for_test{0};
 }  // namespace
 uint64_t mha_by_heads_forwards_for_test() { return by_heads_forwards.load(std::memory_order_relaxed); }
+int set_mha_by_heads_team_for_test(int team) { return team_for_test.exchange(team); }
 }  // namespace qkv::detail
 
 namespace qkv::nn {
@@ -82,12 +90,12 @@ bool MultiHeadAttention::forward_by_heads_applies(const Tensor& x, const Mask& m
   if (out_proj.bias.defined() && (out_proj.bias.shape() != Shape{embed_dim_} || !out_proj.bias.is_contiguous()))
     return false;
   // Where the general path's in-projection runs the Small kernel on several threads (few rows,
-  // so the attention is small too); at least a KV head a thread (with fewer, the general path
-  // keeps every thread busy); not inside a caller's OpenMP region (its calls would run on one
-  // thread there anyway).
+  // so the attention is small too); the threads dividing the KV heads (whole heads cannot even
+  // out 8 heads on 3 threads, or 3 on 2, where the general path splits the columns evenly);
+  // not inside a caller's OpenMP region (its calls would run on one thread there anyway).
   const int threads = omp_get_max_threads();
   const int64_t rows = x.numel() / embed_dim_, n = embed_dim_ + 2 * num_kv_heads_ * head_dim();
-  return threads > 1 && num_kv_heads_ >= threads && !omp_in_parallel() &&
+  return threads > 1 && num_kv_heads_ % threads == 0 && !omp_in_parallel() &&
          detail::choose_gemm_path(false, true, rows, n, embed_dim_) == detail::GemmPath::Small &&
          detail::small_rows_gemm_threads(rows, n, embed_dim_);
 }
@@ -152,7 +160,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
   // What each thread threw: [t] before the barrier, [workers + t] after it (so that no thread
   // writes what another reads after the barrier).
   std::vector<std::exception_ptr> failed(2 * static_cast<size_t>(workers));
-#pragma omp parallel num_threads(workers)
+  const int team_for_test = detail::team_for_test.load(std::memory_order_relaxed);
+#pragma omp parallel num_threads(team_for_test > 0 ? std::min(team_for_test, workers) : workers)
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     // The calls below run on this thread alone (no nested regions): this implicit task's
@@ -184,7 +193,9 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
         std::any_of(failed.begin(), failed.begin() + workers, [](const auto& e) { return e != nullptr; });
     if (!any_failed) {
       try {
-        // ---- 5. this thread's columns of the output projection, over every head's output
+        // ---- 5. this thread's columns of the output projection, over every head's output. A
+      // fixed share: both threads leave the barrier together, and the product is a fifth of the
+      // forward (dealing its columns too was not measured).
         const Part columns = part_of(E, t, team, kColumnUnit);
         if (columns.count > 0)
           detail::small_rows_gemm(concatenated_rows, E, rows, E, w_out + columns.first * E, E, columns.count, 1.0f,

@@ -9,4 +9,9 @@ namespace qkv::detail {
 // forward took: both give the same output).
 uint64_t mha_by_heads_forwards_for_test();
 
+// While > 0, the region opens this many threads, whatever the workers its heads are dealt to:
+// a team smaller than asked for (as OpenMP may give), whose ownerless shares the others take.
+// 0 restores the default. Returns the previous value.
+int set_mha_by_heads_team_for_test(int team);
+
 }  // namespace qkv::detail

@@ -101,8 +101,8 @@ std::vector<Workload> make_workloads(const qkv::nn::MultiHeadAttention& shared_m
                     all.insert(all.end(), w.begin(), w.end());
                     return all;
                   }});
-  // No weights asked for: with more than one OpenMP thread this forward goes by heads, each
-  // caller opening its own region (src/nn/mha_by_heads.cpp).
+  // No weights asked for: with 2 or 4 OpenMP threads (the module's 4 KV heads) this forward goes
+  // by heads, each caller opening its own region (src/nn/mha_by_heads.cpp).
   list.push_back({"MultiHeadAttention eval by heads, shared module", [&shared_module, x] {
                     return shared_module.forward(x, Mask::key_lengths({12, 7})).output.to_vector();
                   }});

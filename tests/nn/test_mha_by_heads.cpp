@@ -48,12 +48,12 @@ class Threads {
 uint64_t by_heads() { return qkv::detail::mha_by_heads_forwards_for_test(); }
 
 // Whether a forward of `rows` rows should go by heads on the current thread count: where the
-// in-projection (E + 2 Hkv hd outputs) runs the Small kernel on several threads, with at least a
-// KV head a thread (mha_by_heads.cpp's gate, for the layers and masks below).
+// in-projection (E + 2 Hkv hd outputs) runs the Small kernel on several threads and the threads
+// divide the KV heads (mha_by_heads.cpp's gate, for the layers and masks below).
 bool goes_by_heads(int64_t rows, int64_t kv_heads) {
   const int64_t n = kEmbed + 2 * kv_heads * (kEmbed / kHeads);
   const int threads = omp_get_max_threads();
-  return threads > 1 && kv_heads >= threads &&
+  return threads > 1 && kv_heads % threads == 0 &&
          qkv::detail::choose_gemm_path(false, true, rows, n, kEmbed) == qkv::detail::GemmPath::Small &&
          qkv::detail::small_rows_gemm_threads(rows, n, kEmbed);
 }
@@ -155,7 +155,7 @@ TEST(MhaByHeads, TakenOnlyWhereItApplies) {
   }
   {
     const Threads three(3);
-    EXPECT_TRUE(takes(layer, {}, Weights::None)) << "3 threads for 8 KV heads";
+    EXPECT_FALSE(takes(layer, {}, Weights::None)) << "3 threads for 8 KV heads: uneven";
   }
   // Many rows: the in-projection leaves the Small kernel, and the attention its threshold.
   const Tensor long_x = rng.randn(Shape{4, 512, kEmbed});
@@ -176,6 +176,28 @@ TEST(MhaByHeads, TakenOnlyWhereItApplies) {
   MultiHeadAttention linear(kEmbed, kHeads, {.seed = rng.next_u64(), .attention = qkv::nn::AttentionKind::Linear});
   linear.eval();
   EXPECT_FALSE(takes(linear, {}, Weights::None)) << "linear attention";
+}
+
+// A team smaller than asked for (OpenMP may give fewer threads than num_threads): 2 threads for 4
+// workers' shares. The shares nobody owns are taken from their back, so a thread holds runs of
+// heads with gaps, each run attended where it was projected.
+TEST(MhaByHeads, ATeamSmallerThanAskedTakesTheOwnerlessShares) {
+  if (!by_heads_possible()) GTEST_SKIP() << "this build's GEMM choice takes no Small kernel here";
+  Random rng;
+  SCOPED_TRACE(rng.note());
+  const Threads scope(4);
+  const int team_before = qkv::detail::set_mha_by_heads_team_for_test(2);
+  MultiHeadAttention layer(kEmbed, kHeads, {.causal = true, .alibi = true, .seed = rng.next_u64()});
+  layer.eval();
+  // Rounds enough that some thread surely steals across a gap (which heads each takes is timing).
+  for (int round = 0; round < 100; ++round) {
+    const Tensor x = rng.randn(Shape{2, 10, kEmbed});
+    const uint64_t before = by_heads();
+    const Tensor got = layer.forward(x).output;
+    EXPECT_EQ(by_heads(), before + 1);
+    EXPECT_LE(qkv_test::max_rel_diff(got, layer.forward(x, x, x).output), 1e-5) << "round " << round;
+  }
+  qkv::detail::set_mha_by_heads_team_for_test(team_before);
 }
 
 // An error inside the region (here the key lengths, which the core checks in every thread's call)
