@@ -155,7 +155,7 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
   const int workers = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), num_kv_heads_));
   // KV heads dealt as ItemShares deals a kernel's items: each thread its own contiguous share
   // first, then heads from the back of the fullest share, so a core slowed by a neighbour does
-  // not hold the projections back (a fixed split measured as much slower as that core was).
+  // not hold the projections back (a fixed split ran at the slower core's pace).
   detail::ItemShares shares(workers, num_kv_heads_);
   // What each thread threw: [t] before the barrier, [workers + t] after it (so that no thread
   // writes what another reads after the barrier).
@@ -194,8 +194,8 @@ MultiHeadAttentionOutput MultiHeadAttention::forward_by_heads(const Tensor& x_in
     if (!any_failed) {
       try {
         // ---- 5. this thread's columns of the output projection, over every head's output. A
-      // fixed share: both threads leave the barrier together, and the product is a fifth of the
-      // forward (dealing its columns too was not measured).
+        // fixed share: the threads leave the barrier together, and the product is about a
+        // quarter of the forward (dealing its columns too was not measured).
         const Part columns = part_of(E, t, team, kColumnUnit);
         if (columns.count > 0)
           detail::small_rows_gemm(concatenated_rows, E, rows, E, w_out + columns.first * E, E, columns.count, 1.0f,
