@@ -140,7 +140,8 @@ void BM_Memcpy(benchmark::State& state) {
 // them. A pool's rows of one head lie H D floats (16 KB) apart; the orders over it:
 //   head-by-head  each head's 8192 keys page by page, as decode reads W4's layout (over a pool,
 //                 decode takes 512-key chunks of every head in turn: docs/inference.md), both
-//                 prefetched 32 keys ahead into L2 as decode prefetches
+//                 prefetched 32 keys ahead into L2, decode's distance when docs/inference.md's
+//                 table of these orders was measured (decode/plan.hpp's kPrefetchKeys is 8 since)
 //   key-blocks    blocks of Arg keys of a page, every head over the block in turn
 //   page-major    each page's keys in turn, every head's row of a key (memory order)
 // The heads (or pages) are split evenly over the threads; bytes_per_second counts the K and V
@@ -178,7 +179,7 @@ void BM_ReadOrder(benchmark::State& state, ReadOrder order) {
         float sum[8] = {};
         const auto row_of = [&](int64_t j) { return order == ReadOrder::Contiguous ? (h * kKeys + j) * kDim : pooled(h, j); };
         for (int64_t j = 0; j < kKeys; ++j) {
-          if (j + kAhead < kKeys)  // as decode prefetches a head's rows (decode/plan.hpp)
+          if (j + kAhead < kKeys)  // as decode prefetched a head's rows then
             for (int64_t line = 0; line < kDim; line += 16) {
               __builtin_prefetch(k + row_of(j + kAhead) + line, 0, 2);
               __builtin_prefetch(v + row_of(j + kAhead) + line, 0, 2);

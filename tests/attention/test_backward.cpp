@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -830,11 +831,15 @@ LargeScores large_scores(Random& rng, int64_t hq, int64_t hkv, int64_t nq, int64
 //     recomputed score is row_max, bit for bit; summed in another order it was an ulp off);
 //   - sum_j P_j v_j, in float64, is the forward's output to float32's rounding (1.5e-5 off
 //     relative when each weight carried its score's ulp, a flash backward after a decode forward).
-// On every SIMD target: decode's order is each target's own.
-TEST(Backward, RecomputesTheScoresOfTheForwardsKernel) {
+// On every SIMD target: decode's order is each target's own. Two shapes: groups of six rows, and
+// one row a group (decode reads K key after key there, dot_scores::KeyOrder).
+class RecomputedScores : public ::testing::TestWithParam<std::array<int64_t, 3>> {};
+
+TEST_P(RecomputedScores, AreTheForwardKernelsOwn) {
   Random rng;
   SCOPED_TRACE(rng.note());
-  const int64_t hq = 4, hkv = 2, nq = 3, nk = 70;
+  const auto [hq, hkv, nq] = GetParam();
+  const int64_t nk = 70;
   const LargeScores x = large_scores(rng, hq, hkv, nq, nk, 37);
   const std::vector<double> q = qkv_test::to_doubles(x.q), k = qkv_test::to_doubles(x.k), v = qkv_test::to_doubles(x.v);
   struct Run {
@@ -890,6 +895,10 @@ TEST(Backward, RecomputesTheScoresOfTheForwardsKernel) {
   }
   omp_set_num_threads(threads_before);
 }
+
+// (Hq, Hkv, Nq).
+INSTANTIATE_TEST_SUITE_P(Backward, RecomputedScores,
+                         ::testing::Values(std::array<int64_t, 3>{4, 2, 3}, std::array<int64_t, 3>{2, 2, 1}));
 
 std::string backward_error(const std::function<void()>& call) {
   try {

@@ -37,9 +37,9 @@ constexpr size_t kKeyTile = 64;
 
 // How far ahead of the keys being computed K and V are prefetched, in keys. The hardware
 // prefetcher alone leaves a core waiting on DRAM while it computes; a software prefetch into L2
-// this far ahead keeps misses in flight during the arithmetic. 8 keys = 8 KB of K and V at
-// d = 128, the distance that ran fastest on Zen 4 and no slower than the others on Zen 5;
-// prefetching into L1 ran slower (docs/performance-log.md, "decode/: K read key after key").
+// this far ahead keeps misses in flight during the arithmetic: 8 keys = 8 KB of K and V at
+// d = 128, prefetched into L2 (the distances and hints measured: docs/performance-log.md,
+// "decode/ and ring" and "decode/: K read key after key").
 constexpr int64_t kPrefetchKeys = 8;
 
 // Rows (query heads x queries of one group) run together against a K/V tile. Their Qs and O

@@ -256,8 +256,8 @@ constexpr int64_t PrefetchAhead() {
 // Step "scores": S (rows x Bc) = Qs K_tile^T for the keys j0, j0 + step, ... (cols of them; step
 // 1 for a tile, the stride for gathered strided keys), keys outer so the kScoreKeys K rows are
 // reused from L1 by every row (a lone row reads them key after key: dot_scores::KeyOrder);
-// prefetches kPrefetchKeys ahead within [.., end). Past the tile's
-// last key the pointers repeat that key (overwritten with -inf later).
+// prefetches kPrefetchKeys ahead within [.., end). Past the tile's last key the pointers repeat
+// that key (overwritten with -inf later).
 template <class T>
 void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b, int64_t g, size_t rows,
                   const KeyRun& run, const Scratch& w) {
@@ -274,7 +274,7 @@ void DecodeScores(const AttentionProblem& p, const decode::Plan& plan, int64_t b
       PrefetchKeys<T>(p, b, g, ahead, std::min<int64_t>(ahead + static_cast<int64_t>(kScoreKeys) * step, end), step);
     const T* keys[kScoreKeys];
     for (size_t x = 0; x < kScoreKeys; ++x) keys[x] = tile + std::min(j + x, cols - 1) * key_step;
-    if (rows == 1)  // one row: K read as one ascending stream (dot_scores::KeyOrder)
+    if (rows == 1)  // a lone row reads K key after key (dot_scores::KeyOrder)
       dot_scores::ScoreRows<dot_scores::KeyOrder::KeyAfterKey>(rows, dk, full_dk, w.q, plan.q_stride, keys,
                                                                w.scores + j, kKeyTile, 1);
     else

@@ -34,11 +34,11 @@ constexpr size_t kKeys = tile_gemm::kFourWideColumns;
 // How a score tile reads its kKeys K rows.
 //   Side by side: a vector of each row in turn, depth outer, every K vector shared by the tile's
 //     rows (the tile for K in cache, and for several rows).
-//   Key after key: each row's dims in order, one key at a time, its own accumulator chain per key
-//     (the kKeys chains independent), a Q vector loaded per K vector. For K streamed from DRAM by
-//     a single row: side by side strides a row's length back and forth, which the hardware's
-//     stream prefetcher does not follow, where this reads one ascending stream
-//     (docs/performance-log.md, "decode/: K read key after key").
+//   Key after key: each K row's dims in order, one key at a time, its own accumulator chain per
+//     key (the kKeys chains independent), a Q vector loaded per K vector. For K streamed from DRAM
+//     by a single query row: side by side strides a K row's length back and forth, which the
+//     hardware's stream prefetcher does not follow, where this reads contiguous K rows as one
+//     ascending stream (docs/performance-log.md, "decode/: K read key after key").
 enum class KeyOrder { SideBySide, KeyAfterKey };
 
 // s[r * s_row + x * s_key] = sum_d qs[r * q_stride + d] keys[x][d] for Rows rows and kKeys keys.
