@@ -80,7 +80,8 @@ HWY_INLINE void ScoreRows(size_t rows, size_t dk, size_t full, const float* HWY_
                           const T* const* keys, float* HWY_RESTRICT s, size_t s_row, size_t s_key) {
   for (size_t r = 0; r < rows; r += kRows)
     tile_gemm::WithConstant<kRows>(std::min(kRows, rows - r), [&](auto tile_rows) {
-      ScoreTile<decltype(tile_rows)::value, Order>(dk, full, qs + r * q_stride, q_stride, keys, s + r * s_row, s_row, s_key);
+      ScoreTile<decltype(tile_rows)::value, Order>(dk, full, qs + r * q_stride, q_stride, keys, s + r * s_row, s_row,
+                                                   s_key);
     });
 }
 
